@@ -1,0 +1,1 @@
+"""Model, loader, KV blocks, scheduler, runner, sampler, detokenizer, LLMEngine. Imports quant, kernels."""

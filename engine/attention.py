@@ -1,0 +1,25 @@
+"""Per-step attention metadata and the call into the paged-attention kernels (Triton on CUDA, torch twin on CPU)."""
+from dataclasses import dataclass
+
+import torch
+
+from kernels.attention_ref import paged_attention_ref, store_kv_ref
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor      # [T] int64: cache slot of each new token, -1 = padding (not stored)
+    block_tables: torch.Tensor      # [B, max_blocks] int32, padded with 0
+    seq_lens: torch.Tensor          # [B] int32: context length per sequence including its new tokens
+    query_start_loc: torch.Tensor   # [B+1] int32: sequence b owns tokens [query_start_loc[b], query_start_loc[b+1])
+    max_seq_len: int
+    max_query_len: int
+
+
+def paged_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                            v_cache: torch.Tensor, k_scale, v_scale, meta: AttentionMetadata,
+                            softmax_scale: float) -> torch.Tensor:
+    """q: [T, Hq, D], k/v: [T, Hkv, D] (RoPE applied). Stores k/v by slot_mapping, then attends. -> [T, Hq, D]"""
+    store_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+    return paged_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                               softmax_scale, k_scale, v_scale)

@@ -1,0 +1,67 @@
+"""Configuration passed down from the CLI. Plain dataclasses; no environment variables."""
+from dataclasses import dataclass, field
+
+import torch
+
+BLOCK_SIZE = 16
+
+
+@dataclass
+class ModelConfig:
+    """What the decoder needs, read from a Hugging Face config (Llama, Qwen2, Mistral)."""
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None          # llama3 / linear / dynamic parameters, None for default rope
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool               # q/k/v biases (Qwen2: True)
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    torch_dtype: torch.dtype = torch.float16   # the checkpoint's dtype
+    quantization_config: dict | None = None
+    sliding_window: int | None = None      # we attend over the full context, so max_model_len is capped at this
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = BLOCK_SIZE
+    num_gpu_blocks: int | None = None      # exact block count (tests); None = from kv_cache_memory_gb or the plan
+    kv_cache_dtype: str = "auto"           # auto | fp16 | bf16 | fp8 | fp8_e4m3 | fp8_e5m2
+    gpu_memory_utilization: float = 0.90
+    kv_cache_memory_gb: float | None = None  # explicit KV pool size; None = planned on CUDA, 1 GiB on the CPU path
+    enable_prefix_caching: bool = True
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    tokenizer: str | None = None
+    dtype: str = "auto"                    # auto | float16 | bfloat16 | float32
+    device: str = "auto"                   # auto | cuda | cpu
+    load_format: str = "auto"              # auto | safetensors | dummy
+    quantization: str | None = None        # override auto-detection
+    revision: str | None = None
+    seed: int = 0
+    enforce_eager: bool = False
+    max_model_len: int | None = None       # None = from the model config
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -1,0 +1,284 @@
+"""LLMEngine: add_request / abort / step, and a blocking generate(). The same object serves CLI, server and eval."""
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.loader import default_device, load_model, load_model_config, pick_dtype, resolve_model_dir
+from engine.model_runner import ModelRunner
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from engine.sequence import Sequence
+
+logger = logging.getLogger("quant_serve")
+
+
+@dataclass
+class Request:
+    """One user request: n sequences sharing a prompt."""
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    detokenizers: list[IncrementalDetokenizer]
+    metrics: RequestMetrics
+    emitted_logprobs: list[int] = field(default_factory=list)   # per sequence: logprobs already returned
+
+
+@dataclass
+class EngineStats:
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    num_preemptions_total: int = 0
+    requests_finished_total: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, show_progress: bool = True):
+        self.config = config
+        self.model_dir = resolve_model_dir(config.model, config.revision)
+        self.model_config, _ = load_model_config(self.model_dir)
+        self.tokenizer = load_tokenizer(config.tokenizer or str(self.model_dir))
+        self.device = default_device() if config.device == "auto" else config.device
+        quantized = self.model_config.quantization_config is not None and config.quantization != "none"
+        self.dtype = pick_dtype(config.dtype, self.model_config, self.device, quantized)
+        self.max_model_len = self._max_model_len()
+        config.scheduler.max_model_len = self.max_model_len
+        torch.manual_seed(config.seed)
+        self.model, self.quant_config = load_model(self.model_dir, self.model_config, self.dtype, self.device,
+                                                   config.load_format, config.quantization, show_progress,
+                                                   config.seed)
+        num_blocks = self._num_kv_blocks()
+        self.runner = ModelRunner(self.model, self.model_config, config.cache, num_blocks, self.device, self.dtype,
+                                  config.seed)
+        self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.requests: dict[str, Request] = {}
+        self._seq_owner: dict[str, tuple[Request, int]] = {}
+        self.stats = EngineStats()
+        logger.info("model %s: %s, %s on %s; %s", self.model_dir, self.model_config.architecture,
+                    str(self.dtype).replace("torch.", ""), self.device,
+                    self.quant_config.describe() if self.quant_config else "unquantized")
+        logger.info("KV cache: %d blocks = %d tokens, max concurrency %.1f at max_model_len %d",
+                    num_blocks, num_blocks * config.cache.block_size,
+                    num_blocks * config.cache.block_size / self.max_model_len, self.max_model_len)
+
+    # ---- setup -------------------------------------------------------------------------------------------
+    def _max_model_len(self) -> int:
+        limit = self.model_config.max_position_embeddings
+        window = self.model_config.sliding_window
+        if window and window < limit:
+            logger.info("capping max_model_len at the sliding window of %d tokens", window)
+            limit = window
+        wanted = self.config.max_model_len or self.config.scheduler.max_model_len
+        if self.config.max_model_len is None:
+            return min(limit, wanted) if wanted else limit
+        if wanted > limit:
+            raise ValueError(f"max_model_len {wanted} exceeds the model's max_position_embeddings {limit}")
+        return wanted
+
+    def _num_kv_blocks(self) -> int:
+        cache = self.config.cache
+        cfg = self.model_config
+        kv_dtype_bytes = 1 if cache.kv_cache_dtype.startswith("fp8") else (
+            self.dtype.itemsize if cache.kv_cache_dtype == "auto" else 2)
+        per_block = 2 * cfg.num_layers * cache.block_size * cfg.num_kv_heads * cfg.head_dim * kv_dtype_bytes
+        if cache.num_gpu_blocks is not None:
+            num_blocks = cache.num_gpu_blocks
+        elif cache.kv_cache_memory_gb is not None or self.device == "cpu":
+            num_blocks = int((cache.kv_cache_memory_gb or 1.0) * 2**30) // per_block
+        else:
+            free, total = torch.cuda.mem_get_info()
+            reserve = total * (1 - cache.gpu_memory_utilization) + 512 * 2**20   # activations and graphs
+            num_blocks = max(0, int(free - reserve)) // per_block
+        needed = -(-self.max_model_len // cache.block_size)
+        if num_blocks < needed:
+            fit = num_blocks * cache.block_size
+            raise ValueError(f"KV cache holds {fit} tokens ({num_blocks} blocks), fewer than one sequence at "
+                             f"max_model_len {self.max_model_len}; lower --max-model-len to at most {fit} or "
+                             "give the cache more memory")
+        return num_blocks
+
+    # ---- requests ----------------------------------------------------------------------------------------
+    def encode_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        ids = list(prompt)
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        return None, ids
+
+    def check_prompt_length(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        if num_prompt_tokens == 0:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        if num_prompt_tokens >= self.max_model_len:
+            raise ValueError(f"the prompt has {num_prompt_tokens} tokens, but max_model_len is "
+                             f"{self.max_model_len}: it must leave room for at least one generated token")
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    arrival_time: float | None = None, n: int = 1) -> None:
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if n < 1:
+            raise ValueError(f"n must be at least 1, got {n}")
+        text, ids = self.encode_prompt(prompt)
+        self.check_prompt_length(len(ids), params)
+        now = time.time() if arrival_time is None else arrival_time
+        seqs, detoks = [], []
+        for i in range(n):
+            child = params if n == 1 or params.seed is None else dataclasses.replace(params, seed=params.seed + i)
+            seq_id = request_id if n == 1 else f"{request_id}#{i}"
+            seq = Sequence(seq_id, ids, child, arrival_time=now, eos_token_ids=self.model_config.eos_token_ids)
+            seqs.append(seq)
+            detoks.append(IncrementalDetokenizer(self.tokenizer, ids, child))
+        request = Request(request_id, text, ids, params, seqs, detoks, RequestMetrics(arrival_time=now),
+                          [0] * n)
+        self.requests[request_id] = request
+        for i, seq in enumerate(seqs):
+            self._seq_owner[seq.request_id] = (request, i)
+            self.scheduler.add_sequence(seq)
+        self.stats.prompt_tokens_total += len(ids) * n
+
+    def abort(self, request_id: str) -> None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        for seq in request.seqs:
+            self.scheduler.abort(seq.request_id)
+            self.runner.sampler.release(seq.request_id)
+            self._seq_owner.pop(seq.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ---- the step ----------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        self.stats.num_preemptions_total += len(out.preempted)
+        if not out.scheduled:
+            return []
+        now = time.time()
+        for item in out.scheduled:
+            request, _ = self._seq_owner[item.seq.request_id]
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = now
+        sampled, logprobs = self.runner.execute(out)
+        for item, lp in zip(out.scheduled, logprobs):
+            if lp is not None:
+                item.seq.output_logprobs.append(lp)
+        self.scheduler.postprocess(out, sampled)
+        now = time.time()
+        touched: dict[str, Request] = {}
+        deltas: dict[tuple[str, int], tuple[str, list[int]]] = {}
+        for item, token in zip(out.scheduled, sampled):
+            if token is None:
+                continue
+            seq = item.seq
+            request, index = self._seq_owner[seq.request_id]
+            self.stats.generation_tokens_total += 1
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            text, stop = request.detokenizers[index].add_tokens([token])
+            if stop is not None and not seq.is_finished:
+                self.scheduler.finish(seq, "stop", stop)
+            if seq.is_finished:
+                text += request.detokenizers[index].finish()
+                self.runner.sampler.release(seq.request_id)
+            deltas[(request.request_id, index)] = (text, [token])
+            touched[request.request_id] = request
+        return [self._make_output(r, deltas, now) for r in touched.values()]
+
+    def _make_output(self, request: Request, deltas, now: float) -> RequestOutput:
+        outputs = []
+        for i, (seq, detok) in enumerate(zip(request.seqs, request.detokenizers)):
+            delta_text, delta_ids = deltas.get((request.request_id, i), ("", []))
+            want_lp = request.params.logprobs is not None
+            new_lps = seq.output_logprobs[request.emitted_logprobs[i]:] if want_lp else None
+            request.emitted_logprobs[i] = len(seq.output_logprobs)
+            outputs.append(CompletionOutput(
+                index=i, text=detok.output_text, token_ids=seq.output_token_ids, delta_text=delta_text,
+                delta_token_ids=delta_ids, logprobs=list(seq.output_logprobs) if want_lp else None,
+                delta_logprobs=new_lps,
+                cumulative_logprob=sum(lp.logprob for lp in seq.output_logprobs) if want_lp else None,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+        finished = all(seq.is_finished for seq in request.seqs)
+        if finished:
+            request.metrics.finished_time = now
+            self.requests.pop(request.request_id, None)
+            for seq in request.seqs:
+                self._seq_owner.pop(seq.request_id, None)
+            self.stats.requests_finished_total += 1
+        first = request.seqs[0]
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs, finished,
+                             prompt_logprobs=first.prompt_logprobs if request.params.prompt_logprobs is not None
+                             else None,
+                             num_cached_tokens=first.num_cached_tokens, metrics=request.metrics)
+
+    # ---- offline -----------------------------------------------------------------------------------------
+    def generate(self, prompts: list[str | list[int]] | str, params: SamplingParams | list[SamplingParams] | None
+                 = None, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Blocking batch generation; results in prompt order."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        ids = []
+        for i, (prompt, p) in enumerate(zip(prompts, params_list)):
+            request_id = f"generate-{id(prompts)}-{i}"
+            self.add_request(request_id, prompt, p)
+            ids.append(request_id)
+        final: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm)
+        while len(final) < len(ids):
+            for output in self.step():
+                if output.finished:
+                    final[output.request_id] = output
+                    bar.update(1)
+        bar.close()
+        return [final[i] for i in ids]
+
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits at every position of `token_ids` through the paged path, in chunks of the token budget:
+        [len, vocab] fp32 on the CPU. Used by eval; call it while no requests are running."""
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(f"{len(token_ids)} tokens exceed max_model_len {self.max_model_len}")
+        seq = Sequence("score", list(token_ids), SamplingParams(max_tokens=None))
+        chunk = self.config.scheduler.max_num_batched_tokens
+        pieces = []
+        try:
+            while seq.num_computed_tokens < seq.num_tokens:
+                n = min(chunk, seq.num_tokens - seq.num_computed_tokens)
+                if not self.block_manager.allocate_slots(seq, n):
+                    raise RuntimeError("KV cache too small to score this sequence")
+                out = SchedulerOutput([ScheduledSeq(seq, n)], n, [], [])
+                pieces.append(self.runner.compute_all_logits(out).cpu())
+                seq.num_computed_tokens += n
+        finally:
+            self.block_manager.free(seq)
+        return torch.cat(pieces)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.block_manager.usage
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:
+        raise ValueError(f"cannot load a tokenizer from {path}: {e}") from e

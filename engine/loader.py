@@ -1,0 +1,245 @@
+"""Find a model (local directory or hub id), read its config, build the decoder and fill it from safetensors."""
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from engine.config import ModelConfig
+from engine.models.decoder import DecoderForCausalLM
+
+logger = logging.getLogger("quant_serve")
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
+_DTYPES = {"float16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+           "float": torch.float32}
+
+
+def resolve_model_dir(model: str, revision: str | None = None) -> Path:
+    """A local directory as is; otherwise a Hugging Face hub id, downloaded (or found in the local hub cache)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ValueError(f"model path {model} is a file, expected a directory holding config.json and weights")
+    if model.startswith((".", "/", "~")) or model.count("/") != 1:
+        raise FileNotFoundError(f"model directory {model} does not exist (and it is not a hub id like org/name)")
+    from huggingface_hub import snapshot_download
+    logger.info("downloading %s from the Hugging Face hub", model)
+    return Path(snapshot_download(model, revision=revision, allow_patterns=HUB_PATTERNS))
+
+
+def load_model_config(model_dir: Path) -> tuple[ModelConfig, dict]:
+    """Read config.json through transformers' AutoConfig (both rope_theta and rope_parameters styles)."""
+    config_file = Path(model_dir) / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"no config.json in {model_dir}")
+    raw = json.loads(config_file.read_text())
+    archs = raw.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ValueError(f"unsupported architecture {archs or raw.get('model_type')!r} in {config_file}; "
+                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    from transformers import AutoConfig
+    hf = AutoConfig.from_pretrained(str(model_dir))
+    rope = dict(getattr(hf, "rope_parameters", None) or {})
+    theta = rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
+    scaling = rope if rope.get("rope_type", "default") != "default" else getattr(hf, "rope_scaling", None)
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
+        scaling = None
+    num_heads = hf.num_attention_heads
+    eos = hf.eos_token_id
+    eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+    gen_file = Path(model_dir) / "generation_config.json"
+    if gen_file.is_file():
+        gen_eos = json.loads(gen_file.read_text()).get("eos_token_id")
+        gen_eos = gen_eos if isinstance(gen_eos, list) else ([gen_eos] if gen_eos is not None else [])
+        eos = tuple(dict.fromkeys([*eos, *gen_eos]))
+    dtype = getattr(hf, "dtype", None) or raw.get("torch_dtype") or "float16"
+    if isinstance(dtype, str):
+        dtype = _DTYPES.get(dtype, torch.float16)
+    cfg = ModelConfig(
+        architecture=arch, model_type=hf.model_type, vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
+        intermediate_size=hf.intermediate_size, num_layers=hf.num_hidden_layers, num_heads=num_heads,
+        num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // num_heads,
+        rms_norm_eps=hf.rms_norm_eps, rope_theta=float(theta), rope_scaling=scaling,
+        max_position_embeddings=hf.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        attention_bias=bool(getattr(hf, "attention_bias", False)) or hf.model_type == "qwen2",
+        mlp_bias=bool(getattr(hf, "mlp_bias", False)), hidden_act=hf.hidden_act,
+        eos_token_ids=eos, bos_token_id=getattr(hf, "bos_token_id", None), torch_dtype=dtype,
+        quantization_config=raw.get("quantization_config"),
+        sliding_window=_sliding_window(hf))
+    return cfg, raw
+
+
+def _sliding_window(hf) -> int | None:
+    window = getattr(hf, "sliding_window", None)
+    if hf.model_type == "qwen2" and not getattr(hf, "use_sliding_window", False):
+        return None
+    return window
+
+
+def list_weight_files(model_dir: Path) -> list[Path]:
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (model_dir / s).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} lists shards that are missing: {', '.join(missing)}")
+        return [model_dir / s for s in shards]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        present = ", ".join(sorted(p.name for p in model_dir.iterdir())) or "nothing"
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir} (found: {present}); "
+                                "only safetensors checkpoints are supported")
+    return files
+
+
+def _open(file: Path):
+    try:
+        return safe_open(str(file), framework="pt")
+    except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
+        raise ValueError(f"cannot read weights file {file}: {e} (truncated or not a safetensors file?)") from e
+
+
+def read_tensor_names(files: list[Path]) -> dict[str, Path]:
+    """tensor name -> file, from the safetensors headers only."""
+    names = {}
+    for file in files:
+        with _open(file) as f:
+            for key in f.keys():
+                names[key] = file
+    return names
+
+
+def build_model(cfg: ModelConfig, dtype: torch.dtype, device, quant_config) -> DecoderForCausalLM:
+    with torch.device(device):
+        return DecoderForCausalLM(cfg, dtype, device, quant_config)
+
+
+def load_weights(model: DecoderForCausalLM, names: dict[str, Path], show_progress: bool = True) -> None:
+    """Copy every checkpoint tensor into the model; merged layers (qkv, gate_up) are filled shard by shard."""
+    modules = dict(model.named_modules())
+    params = dict(model.named_parameters())
+    expected_shards = {(name, i) for name, m in modules.items() if hasattr(m, "load_shard")
+                       for i in range(len(m.output_sizes))}
+    loaded_params, loaded_shards = set(), set()
+    by_file: dict[Path, list[str]] = {}
+    for name, file in names.items():
+        by_file.setdefault(file, []).append(name)
+    source_tensors: dict[tuple[str, int], dict] = {}
+    bar = tqdm(total=len(names), desc="Loading weights", unit="tensor", disable=not show_progress)
+    for file, keys in by_file.items():
+        with _open(file) as f:
+            for key in keys:
+                bar.update(1)
+                if key.endswith("rotary_emb.inv_freq") or (key == "lm_head.weight" and model.lm_head is None):
+                    continue
+                try:
+                    tensor = f.get_tensor(key)
+                except Exception as e:
+                    raise ValueError(f"cannot read tensor {key} from {file}: {e} (truncated file?)") from e
+                module_name, suffix = key.rsplit(".", 1)
+                parent, _, leaf = module_name.rpartition(".")
+                if leaf in model.packed_modules:
+                    merged, shard = model.packed_modules[leaf]
+                    module_name = f"{parent}.{merged}"
+                else:
+                    shard = 0
+                module = modules.get(module_name)
+                if module is not None and hasattr(module, "load_shard"):
+                    source_tensors.setdefault((module_name, shard), {})[suffix] = tensor
+                    continue
+                if key in params:
+                    param = params[key]
+                    if tuple(param.shape) != tuple(tensor.shape):
+                        raise ValueError(f"{key} in {file} has shape {tuple(tensor.shape)}, "
+                                         f"expected {tuple(param.shape)}")
+                    param.data.copy_(tensor)
+                    loaded_params.add(key)
+                elif key.endswith(("k_scale", "v_scale", "kv_scale", "output_scale", "q_scale", "prob_scale")):
+                    continue  # FP8 KV scales are read by the KV cache setup, not here
+                else:
+                    logger.warning("ignoring unexpected tensor %s in %s", key, file)
+        for (module_name, shard), tensors in list(source_tensors.items()):
+            prefix = _source_prefix(model, module_name, shard)
+            modules[module_name].load_shard(shard, tensors, prefix)
+            loaded_shards.add((module_name, shard))
+        source_tensors.clear()
+    bar.close()
+    for m in modules.values():
+        if hasattr(m, "finalize"):
+            m.finalize()
+    missing = [f"{n} (shard {i})" for n, i in sorted(expected_shards - loaded_shards)]
+    plain = {n for n, p in params.items() if not any(n.startswith(f"{m}.") for m, _ in expected_shards)}
+    missing += sorted(plain - loaded_params)
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {', '.join(missing[:5])}")
+
+
+def _source_prefix(model: DecoderForCausalLM, module_name: str, shard: int) -> str:
+    parent, _, leaf = module_name.rpartition(".")
+    for source, (merged, index) in model.packed_modules.items():
+        if merged == leaf and index == shard:
+            return f"{parent}.{source}"
+    return module_name
+
+
+def init_dummy_weights(model: DecoderForCausalLM, seed: int = 0) -> None:
+    """Random weights for speed work from a config alone (--load-format dummy). Never for accuracy."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for module in model.modules():
+        if hasattr(module, "init_dummy"):
+            module.init_dummy(gen)
+            continue
+        for name, param in module.named_parameters(recurse=False):
+            if name == "weight" and param.dim() == 1:
+                param.data.fill_(1.0)       # norms
+            elif param.dim() >= 1:
+                values = torch.randn(param.shape, generator=gen) * 0.02
+                param.data.copy_(values.to(param.dtype))
+
+
+def load_model(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device, load_format: str = "auto",
+               quantization: str | None = None, show_progress: bool = True, seed: int = 0):
+    """-> (model, quant_config or None). quant_config describes the checkpoint's INT4 format."""
+    from quant.formats import load_quant_config
+    if load_format == "dummy":
+        raw = json.loads((Path(model_dir) / "config.json").read_text())
+        quant_config = load_quant_config(raw, model_dir, None, quantization)
+        model = build_model(cfg, dtype, device, quant_config)
+        init_dummy_weights(model, seed)
+        return model.eval(), quant_config
+    if load_format not in ("auto", "safetensors"):
+        raise ValueError(f"unsupported load format {load_format!r} (supported: auto, safetensors, dummy)")
+    files = list_weight_files(model_dir)
+    names = read_tensor_names(files)
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    quant_config = load_quant_config(raw, model_dir, set(names), quantization)
+    model = build_model(cfg, dtype, device, quant_config)
+    load_weights(model, names, show_progress)
+    return model.eval(), quant_config
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def pick_dtype(requested: str, cfg: ModelConfig, device: str, quantized: bool) -> torch.dtype:
+    """auto: fp32 on the CPU path (exact and fast enough there); on CUDA the checkpoint dtype, fp16 for INT4."""
+    if requested != "auto":
+        if requested not in _DTYPES:
+            raise ValueError(f"unsupported dtype {requested!r} (supported: auto, float16, bfloat16, float32)")
+        return _DTYPES[requested]
+    if device == "cpu":
+        return torch.float32
+    if quantized:
+        return torch.float16
+    return cfg.torch_dtype if cfg.torch_dtype in (torch.float16, torch.bfloat16) else torch.float16
+

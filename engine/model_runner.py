@@ -1,0 +1,128 @@
+"""Turns a SchedulerOutput into flat batch tensors, runs the model over the paged KV cache and samples.
+Owns every device tensor, including the KV cache (allocated once)."""
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.config import CacheConfig, ModelConfig
+from engine.models.decoder import DecoderForCausalLM
+from engine.sampler import Sampler, compute_prompt_logprobs
+from engine.scheduler import SchedulerOutput
+from engine.sequence import Logprob
+
+KV_CACHE_DTYPES = {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16,
+                   "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                   "fp8_e5m2": torch.float8_e5m2, "float32": torch.float32}
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"unsupported kv cache dtype {kv_cache_dtype!r} "
+                         f"(supported: auto, {', '.join(KV_CACHE_DTYPES)})")
+    return KV_CACHE_DTYPES[kv_cache_dtype]
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderForCausalLM, model_config: ModelConfig, cache_config: CacheConfig,
+                 num_blocks: int, device: torch.device, dtype: torch.dtype, seed: int = 0):
+        self.model = model
+        self.model_config = model_config
+        self.block_size = cache_config.block_size
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.num_blocks = num_blocks
+        self.kv_dtype = kv_cache_torch_dtype(cache_config.kv_cache_dtype, dtype)
+        self.sampler = Sampler(seed=seed)
+        self._allocate_kv_cache()
+
+    def _allocate_kv_cache(self) -> None:
+        cfg = self.model_config
+        shape = (self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.k_caches, self.v_caches = [], []
+        for attn in self.model.attention_layers:
+            attn.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            attn.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            self.k_caches.append(attn.k_cache)
+            self.v_caches.append(attn.v_cache)
+
+    def kv_bytes_per_block(self) -> int:
+        cfg = self.model_config
+        return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * self.kv_dtype.itemsize
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
+        for cache in (*self.k_caches, *self.v_caches):
+            cache[dst] = cache[src]
+
+    def _prepare(self, out: SchedulerOutput):
+        input_ids, positions, slots, seq_lens, starts = [], [], [], [], [0]
+        tables = []
+        bs = self.block_size
+        for item in out.scheduled:
+            seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
+            input_ids += seq.token_ids[start:start + n]
+            positions += range(start, start + n)
+            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            seq_lens.append(start + n)
+            starts.append(starts[-1] + n)
+            tables.append(seq.block_table)
+        max_blocks = max(len(t) for t in tables)
+        table_rows = [t + [0] * (max_blocks - len(t)) for t in tables]
+
+        def tensor(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+        meta = AttentionMetadata(
+            slot_mapping=tensor(slots, torch.long), block_tables=tensor(table_rows, torch.int32),
+            seq_lens=tensor(seq_lens, torch.int32), query_start_loc=tensor(starts, torch.int32),
+            max_seq_len=max(seq_lens), max_query_len=max(b - a for a, b in zip(starts, starts[1:])))
+        return tensor(input_ids, torch.long), tensor(positions, torch.long), meta, starts
+
+    @torch.inference_mode()
+    def compute_all_logits(self, out: SchedulerOutput) -> torch.Tensor:
+        """Logits for every scheduled token (scoring / eval): [T, vocab] fp32. Samples nothing."""
+        input_ids, positions, meta, _ = self._prepare(out)
+        return self.model.compute_logits(self.model(input_ids, positions, meta))
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> tuple[list[int | None], list[Logprob | None]]:
+        """Runs one step. Returns (sampled token or None per scheduled entry, its Logprob or None).
+        Prompt logprobs, when requested, are appended to each sequence's `prompt_logprobs`."""
+        self.copy_blocks(out.blocks_to_copy)
+        input_ids, positions, meta, starts = self._prepare(out)
+        hidden = self.model(input_ids, positions, meta)                       # [T, hidden]
+        sample_rows = [starts[i + 1] - 1 for i, item in enumerate(out.scheduled) if item.sample]
+        sample_seqs = [item.seq for item in out.scheduled if item.sample]
+        self._prompt_logprobs(out, hidden, starts)
+        sampled: list[int | None] = [None] * len(out.scheduled)
+        logprobs: list[Logprob | None] = [None] * len(out.scheduled)
+        if sample_rows:
+            logits = self.model.compute_logits(hidden[sample_rows])          # [S, vocab] fp32
+            result = self.sampler(logits, sample_seqs)
+            j = 0
+            for i, item in enumerate(out.scheduled):
+                if item.sample:
+                    sampled[i], logprobs[i] = result.token_ids[j], result.logprobs[j]
+                    j += 1
+        return sampled, logprobs
+
+    def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor, starts: list[int]) -> None:
+        for i, item in enumerate(out.scheduled):
+            seq = item.seq
+            if seq.params.prompt_logprobs is None:
+                continue
+            if not seq.prompt_logprobs:
+                seq.prompt_logprobs.append(None)                              # the first token has no context
+            # hidden row of position p predicts token p + 1; skip positions already done (recompute after preemption)
+            begin = max(seq.num_computed_tokens, len(seq.prompt_logprobs) - 1)
+            end = min(seq.num_computed_tokens + item.num_new_tokens, seq.num_prompt_tokens - 1)
+            if end <= begin:
+                continue
+            row0 = starts[i] + begin - seq.num_computed_tokens
+            logits = self.model.compute_logits(hidden[row0: row0 + end - begin])
+            seq.prompt_logprobs += compute_prompt_logprobs(logits, seq.token_ids[begin + 1: end + 1],
+                                                           seq.params.prompt_logprobs)

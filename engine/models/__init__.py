@@ -1,0 +1,1 @@
+"""One decoder for Llama, Qwen2 and Mistral."""

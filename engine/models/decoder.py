@@ -1,0 +1,173 @@
+"""One decoder for Llama, Qwen2 and Mistral: RMSNorm, RoPE (default / linear / llama3), GQA, SwiGLU.
+
+Differences between the families are data in ModelConfig (q/k/v biases, tied embeddings, rope scaling).
+Tokens of all sequences in a step are flattened: hidden states are [T, hidden].
+"""
+import math
+
+import torch
+from torch import nn
+
+from engine.attention import AttentionMetadata, paged_attention_forward
+from engine.config import ModelConfig
+from quant.linear import make_linear
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        variance = x.float().pow(2).mean(-1, keepdim=True)
+        normed = x.float() * torch.rsqrt(variance + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type in ("default", None):
+        return inv_freq.float()
+    if rope_type == "linear":
+        return (inv_freq / scaling["factor"]).float()
+    if rope_type == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_len = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(is_mid, mid, scaled).float()
+    raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotation (rotate_half) as in the HF Llama/Qwen2 code. cos_sin_cache[pos] = cat(cos, sin)."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None, device):
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)                                     # [max_pos, D/2]
+        cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)                # [max_pos, D]
+        self.register_buffer("cos_sin_cache", cache.to(device), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q: [T, Hq, D], k: [T, Hkv, D] -> rotated copies."""
+        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)   # [T, 1, D/2] each
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, prefix: str, dtype, device, quant_config):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = make_linear(cfg.hidden_size, [q_size, kv_size, kv_size], cfg.attention_bias, dtype, device,
+                                    quant_config, [f"{prefix}.{n}" for n in ("q_proj", "k_proj", "v_proj")])
+        self.o_proj = make_linear(q_size, [cfg.hidden_size], False, dtype, device, quant_config, [f"{prefix}.o_proj"])
+        self.split_sizes = [q_size, kv_size, kv_size]
+        self.softmax_scale = cfg.head_dim ** -0.5
+        # Set by the model runner once the KV cache is allocated.
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+        self.register_buffer("k_scale", torch.ones((), dtype=torch.float32, device=device), persistent=False)
+        self.register_buffer("v_scale", torch.ones((), dtype=torch.float32, device=device), persistent=False)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
+                rotary: RotaryEmbedding) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        out = paged_attention_forward(q, k, v, self.k_cache, self.v_cache, self.k_scale, self.v_scale, meta,
+                                      self.softmax_scale)                   # [T, Hq, D]
+        return self.o_proj(out.reshape(num_tokens, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, prefix: str, dtype, device, quant_config):
+        super().__init__()
+        if cfg.hidden_act not in ("silu", "swish"):
+            raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r} (supported: silu)")
+        inter = cfg.intermediate_size
+        self.gate_up_proj = make_linear(cfg.hidden_size, [inter, inter], cfg.mlp_bias, dtype, device, quant_config,
+                                        [f"{prefix}.gate_proj", f"{prefix}.up_proj"])
+        self.down_proj = make_linear(inter, [cfg.hidden_size], cfg.mlp_bias, dtype, device, quant_config,
+                                     [f"{prefix}.down_proj"])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, prefix: str, dtype, device, quant_config):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.self_attn = Attention(cfg, f"{prefix}.self_attn", dtype, device, quant_config)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.mlp = MLP(cfg, f"{prefix}.mlp", dtype, device, quant_config)
+
+    def forward(self, positions, x, meta, rotary):
+        x = x + self.self_attn(positions, self.input_layernorm(x), meta, rotary)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype, device, quant_config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, f"model.layers.{i}", dtype, device, quant_config)
+                                    for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
+                                      device)
+
+    def forward(self, input_ids, positions, meta):
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x, meta, self.rotary)
+        return self.norm(x)
+
+
+class DecoderForCausalLM(nn.Module):
+    # checkpoint module name -> (our merged module name, shard index)
+    packed_modules = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                      "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, quant_config=None):
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg, dtype, device, quant_config)
+        if cfg.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
+            self.lm_head.weight.requires_grad_(False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [T] -> hidden states [T, hidden]."""
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [S, hidden] -> fp32 logits [S, vocab]."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return nn.functional.linear(hidden, weight).float()
+
+    @property
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn for layer in self.model.layers]

@@ -1,0 +1,170 @@
+"""Decides each step: which sequences run and how many tokens each computes. Pure Python (no torch)."""
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:  # engine.config imports torch; the scheduler must not
+    from engine.config import SchedulerConfig
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int    # compute token_ids[seq.num_computed_tokens : seq.num_computed_tokens + num_new_tokens]
+    # True when this step computes the sequence's last known token, so a next token is sampled. Fixed when the
+    # entry is made, because postprocess later moves num_computed_tokens and num_tokens.
+    sample: bool = field(init=False)
+
+    def __post_init__(self):
+        self.sample = self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]        # running sequences first (in running order), then newly admitted ones
+    num_batched_tokens: int
+    preempted: list[Sequence] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)    # (cpu_block, gpu_block)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)   # (gpu_block, cpu_block)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.scheduled or self.blocks_to_copy or self.blocks_to_swap_in or self.blocks_to_swap_out)
+
+
+def _remove(queue: list[Sequence] | deque[Sequence], seq: Sequence) -> None:
+    # By identity: Sequence is a dataclass, so == would compare every field.
+    for i, other in enumerate(queue):
+        if other is seq:
+            del queue[i]
+            return
+
+
+class Scheduler:
+    def __init__(self, config: "SchedulerConfig", block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions_total = 0
+
+    def add_sequence(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        for seq in list(self.waiting) + self.running:
+            if seq.request_id == request_id:
+                self.finish(seq, "abort")
+                return seq
+        return None
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        _remove(self.running, seq)
+        _remove(self.waiting, seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+
+    def schedule(self) -> SchedulerOutput:
+        bm = self.block_manager
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        preempted: list[Sequence] = []
+
+        # 1. Running sequences (decodes and unfinished prefill chunks), oldest first.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if num_new == 0:
+                i += 1
+                continue
+            while not bm.allocate_slots(seq, num_new):
+                # Everything before index i is already scheduled, so the last entry is the newest unscheduled one.
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                scheduled.append(ScheduledSeq(seq, num_new))
+                budget -= num_new
+                i += 1
+
+        # 2. Waiting sequences in FIFO order; none when blocks just ran out.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            computed = bm.get_computed_blocks(seq)
+            num_computed = len(computed) * bm.block_size
+            remaining = seq.num_tokens - num_computed
+            num_new = min(remaining, budget)
+            if not self.config.enable_chunked_prefill and num_new < remaining:
+                break
+            if not bm.allocate_slots(seq, num_new, computed):
+                break
+            self.waiting.popleft()
+            seq.num_computed_tokens = num_computed
+            seq.num_cached_tokens = num_computed
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+
+        return SchedulerOutput(
+            scheduled=scheduled,
+            num_batched_tokens=self.config.max_num_batched_tokens - budget,
+            preempted=preempted,
+            blocks_to_copy=bm.take_copies(),
+        )
+
+    def _preempt(self, seq: Sequence) -> None:
+        # Recompute: drop the KV; the prefix cache may still hold the freed blocks when it is readmitted.
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_cached_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(seq)
+
+    def postprocess(self, output: SchedulerOutput, sampled: list[int | None]) -> list[Sequence]:
+        assert len(sampled) == len(output.scheduled)
+        finished: list[Sequence] = []
+        for item, token in zip(output.scheduled, sampled):
+            seq = item.seq
+            if seq.status != SequenceStatus.RUNNING:   # aborted or finished between schedule() and now
+                continue
+            assert token is None or item.sample, f"{seq.request_id}: token sampled mid-prefill"
+            seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.cache_full_blocks(seq)
+            if token is None:
+                continue
+            seq.append_token(token)
+            reason = self._check_stop(seq, token)
+            if reason is not None:
+                self.finish(seq, *reason)
+                finished.append(seq)
+        return finished
+
+    def _check_stop(self, seq: Sequence, token: int) -> tuple[str, int | None] | None:
+        params = seq.params
+        # EOS and stop tokens may only end the sequence once min_tokens other tokens exist (the sampler masks them).
+        past_min = seq.num_output_tokens > params.min_tokens
+        if token in seq.eos_token_ids and not params.ignore_eos and past_min:
+            return "stop", None
+        if token in params.stop_token_ids and past_min:
+            return "stop", token
+        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+            return "length", None
+        if seq.num_tokens >= self.config.max_model_len:
+            return "length", None
+        return None

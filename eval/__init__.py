@@ -1,0 +1,1 @@
+"""Accuracy evaluation: perplexity, KL divergence, tasks, report, gate. Imports engine, quant."""

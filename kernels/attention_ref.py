@@ -1,0 +1,117 @@
+"""Torch twin of paged attention and the KV store: the CPU path and the reference for the Triton kernels.
+
+Cache layout per layer: [num_blocks, block_size, num_kv_heads, head_dim], dtype fp16/bf16/fp32 or fp8
+(e4m3/e5m2). An fp8 cache holds clamp(x / scale) and is read back as fp8 * scale (per-layer scalar scales).
+`slot_mapping[t] = block_id * block_size + offset` is the one contract between the block manager and this code.
+"""
+import torch
+
+
+def _as_scale(scale) -> torch.Tensor | float:
+    return scale if isinstance(scale, torch.Tensor) else float(scale)
+
+
+def quantize_to_cache(x: torch.Tensor, cache_dtype: torch.dtype, scale) -> torch.Tensor:
+    """Convert new K or V values to the cache dtype; fp8 divides by the scale and clamps before the cast."""
+    if cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        fmax = torch.finfo(cache_dtype).max
+        return (x.float() / _as_scale(scale)).clamp(-fmax, fmax).to(cache_dtype)
+    return x.to(cache_dtype)
+
+
+def dequantize_from_cache(x: torch.Tensor, out_dtype: torch.dtype, scale) -> torch.Tensor:
+    if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return (x.float() * _as_scale(scale)).to(out_dtype)
+    return x.to(out_dtype)
+
+
+def store_kv_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor, k_scale=1.0, v_scale=1.0) -> None:
+    """key, value: [T, Hkv, D]; slot_mapping: [T] int64, -1 = do not store (padding)."""
+    num_blocks, block_size = k_cache.shape[:2]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    k_flat = k_cache.view(num_blocks * block_size, *k_cache.shape[2:])
+    v_flat = v_cache.view(num_blocks * block_size, *v_cache.shape[2:])
+    k_flat[slots] = quantize_to_cache(key[valid], k_cache.dtype, k_scale)
+    v_flat[slots] = quantize_to_cache(value[valid], v_cache.dtype, v_scale)
+
+
+def gather_kv(cache: torch.Tensor, block_table: list[int], length: int) -> torch.Tensor:
+    """The first `length` cached tokens of one sequence: [length, Hkv, D] in the cache dtype."""
+    block_size = cache.shape[1]
+    num_blocks = (length + block_size - 1) // block_size
+    blocks = cache[torch.tensor(block_table[:num_blocks], dtype=torch.long, device=cache.device)]
+    return blocks.reshape(num_blocks * block_size, *cache.shape[2:])[:length]
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                        softmax_scale: float, k_scale=1.0, v_scale=1.0) -> torch.Tensor:
+    """Causal attention of new queries over each sequence's paged context (its prefix plus the new tokens).
+
+    q: [T, Hq, D] (new tokens of all sequences, flattened); block_tables: [B, max_blocks] int;
+    seq_lens: [B] context length including the new tokens; query_start_loc: [B+1], seq b owns
+    q[query_start_loc[b]:query_start_loc[b+1]], which are the last positions of its context.
+    Returns [T, Hq, D] in q's dtype. Math in fp32.
+    """
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    out = torch.empty_like(q)
+    tables = block_tables.tolist()
+    lens = seq_lens.tolist()
+    starts = query_start_loc.tolist()
+    for b, seq_len in enumerate(lens):
+        q_start, q_end = starts[b], starts[b + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        k = dequantize_from_cache(gather_kv(k_cache, tables[b], seq_len), torch.float32, k_scale)
+        v = dequantize_from_cache(gather_kv(v_cache, tables[b], seq_len), torch.float32, v_scale)
+        k = k.repeat_interleave(group, dim=1).transpose(0, 1)          # [Hq, L, D]
+        v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+        qb = q[q_start:q_end].float().transpose(0, 1)                  # [Hq, q_len, D]
+        scores = torch.matmul(qb, k.transpose(1, 2)) * softmax_scale   # [Hq, q_len, L]
+        # query i sits at position seq_len - q_len + i and sees keys 0..that position
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        k_pos = torch.arange(seq_len, device=q.device)
+        scores.masked_fill_(k_pos[None, :] > q_pos[:, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[q_start:q_end] = torch.matmul(probs, v).transpose(0, 1).to(q.dtype)
+    return out
+
+
+# ---- RoPE (neox / rotate_half style, as in the Hugging Face Llama and Qwen2 code) ----
+# cos_sin_cache: [max_position, head_dim] fp32; row p = [cos(p * inv_freq), sin(p * inv_freq)], each half head_dim
+# wide, inv_freq[i] = base ** (-2i / head_dim) (or a model's scaled inv_freq). Dimension i < head_dim/2 rotates
+# with dimension i + head_dim/2: x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin.
+
+def build_cos_sin_cache(max_position: int, head_dim: int, base: float = 10000.0,
+                        inv_freq: torch.Tensor | None = None, device=None) -> torch.Tensor:
+    """[max_position, head_dim] fp32 cos | sin table (computed in fp64)."""
+    if inv_freq is None:
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    freqs = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_freq.to(torch.float64))
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(torch.float32).to(device)
+
+
+def apply_rope_ref(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D], positions: [T] -> rotated x in x's dtype (math in fp32)."""
+    half = cos_sin_cache.shape[1] // 2
+    cs = cos_sin_cache[positions].float()                              # [T, D]
+    cos, sin = cs[:, None, :half], cs[:, None, half:]
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def rope_store_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                      cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor, k_scale=1.0, v_scale=1.0) -> None:
+    """Rotate q [T, Hq, D] and k [T, Hkv, D] in place, then store k (rotated) and v by slot_mapping."""
+    if cos_sin_cache.shape[1] != q.shape[-1]:
+        raise ValueError(f"cos_sin_cache width {cos_sin_cache.shape[1]} != head_dim {q.shape[-1]}")
+    q.copy_(apply_rope_ref(q, positions, cos_sin_cache))
+    k.copy_(apply_rope_ref(k, positions, cos_sin_cache))
+    store_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)

@@ -1,0 +1,178 @@
+"""Triton paged attention over the KV cache [num_blocks, BLOCK_SIZE, Hkv, D] (fp16/bf16/fp32 or fp8 e4m3/e5m2).
+
+GQA: a program owns one kv head and all G = Hq/Hkv query heads that share it, so every K/V tile is read once per
+group. fp8 values are widened to the query dtype exactly; the per-layer scales are folded into the softmax scale
+(k) and the output (v) instead of multiplying every element. Softmax runs in the exp2 domain.
+"""
+import triton
+import triton.language as tl
+
+NEG = tl.constexpr(-1.0e30)   # finite "minus infinity": fully masked rows stay NaN-free
+
+
+@triton.jit
+def _scale(ptr, value, FROM_PTR: tl.constexpr):
+    if FROM_PTR:
+        return tl.load(ptr).to(tl.float32)
+    return value
+
+
+@triton.jit
+def _kv_tile(cache_ptr, table_row, toks, tok_mask, h, stride_cb, stride_cs, stride_ch, offs_d, d_mask,
+             BLOCK_SIZE: tl.constexpr):
+    """Gather tokens `toks` of one sequence, kv head h: [BLOCK_N, BLOCK_D] in the cache dtype (0 where masked)."""
+    blk = tl.load(table_row + toks // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
+    off = blk * stride_cb + (toks % BLOCK_SIZE) * stride_cs + h * stride_ch
+    return tl.load(cache_ptr + off[:, None] + offs_d[None, :], mask=tok_mask[:, None] & d_mask[None, :], other=0.0)
+
+
+@triton.jit
+def _attend_tile(q, k, v, s_mask, m_i, l_i, acc, qk_scale):
+    """One online-softmax step. q [R, D], k/v [N, D] in q's dtype, s_mask [R, N]."""
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    s = tl.where(s_mask, s, NEG)
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_cache, v_cache, tables_ptr, seq_lens_ptr, qsl_ptr, out_ptr, part_o, part_ml,
+                   k_scale_ptr, v_scale_ptr, k_scale_val, v_scale_val, qk_scale, tokens_per_split, D,
+                   stride_qt, stride_qh, stride_ot, stride_oh, stride_tb, stride_cb, stride_cs, stride_ch,
+                   G: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, IS_FP8: tl.constexpr,
+                   SCALE_PTR: tl.constexpr):
+    """Grid (B, Hkv, splits): one query token per sequence; split s covers context tokens
+    [s * tokens_per_split, (s + 1) * tokens_per_split)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    q_idx = tl.load(qsl_ptr + b)
+    start = sp * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, seq_len)
+    rows = tl.arange(0, GP)
+    row_mask = rows < G
+    heads = h * G + rows
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+    q = tl.load(q_ptr + q_idx * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)                          # [GP, BLOCK_D]
+    if IS_FP8:
+        qk_scale = qk_scale * _scale(k_scale_ptr, k_scale_val, SCALE_PTR)
+    m_i = tl.full([GP], NEG, tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, BLOCK_D], tl.float32)
+    table_row = tables_ptr + b * stride_tb
+    for n0 in range(start, end, BLOCK_N):
+        toks = n0 + tl.arange(0, BLOCK_N)
+        tok_mask = toks < end
+        k = _kv_tile(k_cache, table_row, toks, tok_mask, h, stride_cb, stride_cs, stride_ch, offs_d, d_mask,
+                     BLOCK_SIZE).to(q.dtype)
+        v = _kv_tile(v_cache, table_row, toks, tok_mask, h, stride_cb, stride_cs, stride_ch, offs_d, d_mask,
+                     BLOCK_SIZE).to(q.dtype)
+        m_i, l_i, acc = _attend_tile(q, k, v, tok_mask[None, :], m_i, l_i, acc, qk_scale)
+    if not SPLIT:
+        out = acc / l_i[:, None]
+        if IS_FP8:
+            out = out * _scale(v_scale_ptr, v_scale_val, SCALE_PTR)
+        tl.store(out_ptr + q_idx * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+    else:
+        # partials [B, Hq, splits, BLOCK_D] and [B, Hq, splits, 2] (m, l), fp32
+        base = (b * (tl.num_programs(1) * G) + heads) * tl.num_programs(2) + sp
+        tl.store(part_o + base[:, None] * BLOCK_D + offs_d[None, :], acc, mask=row_mask[:, None])
+        tl.store(part_ml + base * 2, m_i, mask=row_mask)
+        tl.store(part_ml + base * 2 + 1, l_i, mask=row_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(part_o, part_ml, qsl_ptr, out_ptr, v_scale_ptr, v_scale_val, Hq, D, num_splits,
+                          stride_ot, stride_oh, SPLITS_P2: tl.constexpr,
+                          BLOCK_D: tl.constexpr, IS_FP8: tl.constexpr, SCALE_PTR: tl.constexpr):
+    """Grid (B, Hq): merge the split partials of one query head."""
+    b = tl.program_id(0)
+    hq = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_P2)
+    s_mask = offs_s < num_splits
+    offs_d = tl.arange(0, BLOCK_D)
+    base = (b * Hq + hq) * num_splits + offs_s
+    m = tl.load(part_ml + base * 2, mask=s_mask, other=NEG)
+    l = tl.load(part_ml + base * 2 + 1, mask=s_mask, other=0.0)
+    w = tl.math.exp2(m - tl.max(m, axis=0))
+    o = tl.load(part_o + base[:, None] * BLOCK_D + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+    out = tl.sum(o * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    if IS_FP8:
+        out = out * _scale(v_scale_ptr, v_scale_val, SCALE_PTR)
+    q_idx = tl.load(qsl_ptr + b)
+    tl.store(out_ptr + q_idx * stride_ot + hq * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < D)
+
+
+@triton.jit
+def _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
+    """Largest b with qsl[b] // BLOCK_Q + b <= pid: sequence b's query blocks start at that program id."""
+    lo = num_seqs * 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(qsl_ptr + mid) // BLOCK_Q + mid <= pid:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_cache, v_cache, tables_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
+                    k_scale_ptr, v_scale_ptr, k_scale_val, v_scale_val, qk_scale, num_seqs, D,
+                    stride_qt, stride_qh, stride_ot, stride_oh, stride_tb, stride_cb, stride_cs, stride_ch,
+                    G: tl.constexpr, GP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, IS_FP8: tl.constexpr,
+                    SCALE_PTR: tl.constexpr):
+    """Grid (T // BLOCK_Q + B, Hkv): BLOCK_Q new tokens of one sequence x its G query heads (rows r: token
+    r // GP, head r % GP) against the cached prefix and the chunk itself, causal. Needs no host-side metadata
+    beyond query_start_loc: each program finds its sequence by binary search."""
+    BLOCK_M: tl.constexpr = BLOCK_Q * GP
+    h = tl.program_id(1)
+    b = _find_seq(qsl_ptr, tl.program_id(0), num_seqs, BLOCK_Q)
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    qb = tl.program_id(0) - (q_start // BLOCK_Q + b)
+    seq_len = tl.load(seq_lens_ptr + b)
+    ctx = seq_len - q_len                                   # position of the first new token
+    r = tl.arange(0, BLOCK_M)
+    qi = qb * BLOCK_Q + r // GP
+    g = r % GP
+    row_mask = (qi < q_len) & (g < G)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+    q = tl.load(q_ptr + (q_start + qi)[:, None] * stride_qt + (h * G + g)[:, None] * stride_qh + offs_d[None, :],
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)                          # [BLOCK_M, BLOCK_D]
+    q_pos = ctx + qi
+    # keys up to the block's last query; an empty block (past the sequence's queries) runs no iteration
+    kv_end = tl.where(qb * BLOCK_Q < q_len, tl.minimum(seq_len, ctx + (qb + 1) * BLOCK_Q), 0)
+    if IS_FP8:
+        qk_scale = qk_scale * _scale(k_scale_ptr, k_scale_val, SCALE_PTR)
+    m_i = tl.full([BLOCK_M], NEG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    table_row = tables_ptr + b * stride_tb
+    for n0 in range(0, kv_end, BLOCK_N):
+        toks = n0 + tl.arange(0, BLOCK_N)
+        tok_mask = toks < kv_end
+        k = _kv_tile(k_cache, table_row, toks, tok_mask, h, stride_cb, stride_cs, stride_ch, offs_d, d_mask,
+                     BLOCK_SIZE).to(q.dtype)
+        v = _kv_tile(v_cache, table_row, toks, tok_mask, h, stride_cb, stride_cs, stride_ch, offs_d, d_mask,
+                     BLOCK_SIZE).to(q.dtype)
+        causal = (toks[None, :] <= q_pos[:, None]) & tok_mask[None, :]
+        m_i, l_i, acc = _attend_tile(q, k, v, causal, m_i, l_i, acc, qk_scale)
+    out = acc / tl.maximum(l_i, 1e-30)[:, None]
+    if IS_FP8:
+        out = out * _scale(v_scale_ptr, v_scale_val, SCALE_PTR)
+    tl.store(out_ptr + (q_start + qi)[:, None] * stride_ot + (h * G + g)[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])

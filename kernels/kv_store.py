@@ -1,0 +1,96 @@
+"""Triton KV-cache writes: `store_kv` and the fused `rope_store_kv` (neox RoPE on q and k in place, then store).
+
+One program per token; slot_mapping[t] = -1 skips the store. fp8 caches get clamp(x / scale) rounded to nearest
+even, like the torch twin (kernels/attention_ref.py). The cos_sin_cache layout is documented there.
+"""
+import triton
+import triton.language as tl
+
+from kernels.attention_triton import _scale
+
+
+@triton.jit
+def _quantize(x, scale_ptr, scale_val, FMAX: tl.constexpr, IS_FP8: tl.constexpr, SCALE_PTR: tl.constexpr):
+    """fp32 values -> what the cache stores, still fp32 (the caller casts)."""
+    if IS_FP8:
+        x = tl.math.div_rn(x, _scale(scale_ptr, scale_val, SCALE_PTR))
+        x = tl.minimum(tl.maximum(x, -FMAX), FMAX)
+    return x
+
+
+@triton.jit
+def _store_token(cache_ptr, slot, x, offs_h, offs_d, mask, stride_cb, stride_cs, stride_ch,
+                 BLOCK_SIZE: tl.constexpr):
+    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
+    tl.store(cache_ptr + dst + offs_h[:, None] * stride_ch + offs_d[None, :], x.to(cache_ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
+def _store_kv_kernel(key_ptr, value_ptr, k_cache, v_cache, slot_ptr, k_scale_ptr, v_scale_ptr, k_scale_val,
+                     v_scale_val, H, D, stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, FMAX: tl.constexpr,
+                     IS_FP8: tl.constexpr, SCALE_PTR: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        offs_h = tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask = (offs_h < H)[:, None] & (offs_d < D)[None, :]
+        k = tl.load(key_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask).to(tl.float32)
+        v = tl.load(value_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :],
+                    mask=mask).to(tl.float32)
+        k = _quantize(k, k_scale_ptr, k_scale_val, FMAX, IS_FP8, SCALE_PTR)
+        v = _quantize(v, v_scale_ptr, v_scale_val, FMAX, IS_FP8, SCALE_PTR)
+        _store_token(k_cache, slot, k, offs_h, offs_d, mask, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
+        _store_token(v_cache, slot, v, offs_h, offs_d, mask, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
+
+
+@triton.jit
+def _rotate(x_rows, offs_i, mask, cos, sin, HALF: tl.constexpr):
+    """Neox RoPE in place of one token's heads (x_rows: [H, 1] row pointers); returns the rotated halves rounded
+    to x's dtype, as fp32 (what the torch twin stores)."""
+    x1 = tl.load(x_rows + offs_i[None, :], mask=mask).to(tl.float32)
+    x2 = tl.load(x_rows + HALF + offs_i[None, :], mask=mask).to(tl.float32)
+    y1 = (x1 * cos - x2 * sin).to(x_rows.dtype.element_ty)
+    y2 = (x2 * cos + x1 * sin).to(x_rows.dtype.element_ty)
+    tl.store(x_rows + offs_i[None, :], y1, mask=mask)
+    tl.store(x_rows + HALF + offs_i[None, :], y2, mask=mask)
+    return y1.to(tl.float32), y2.to(tl.float32)
+
+
+@triton.jit
+def _rope_store_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, k_cache, v_cache, slot_ptr,
+                          k_scale_ptr, v_scale_ptr, k_scale_val, v_scale_val, HQ, HKV,
+                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_pos,
+                          stride_cb, stride_cs, stride_ch,
+                          BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, HALF: tl.constexpr,
+                          BLOCK_HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, FMAX: tl.constexpr,
+                          IS_FP8: tl.constexpr, SCALE_PTR: tl.constexpr):
+    t = tl.program_id(0)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    offs_i = tl.arange(0, BLOCK_HALF)
+    i_mask = offs_i < HALF
+    cos = tl.load(cos_sin_ptr + pos * stride_pos + offs_i, mask=i_mask, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(cos_sin_ptr + pos * stride_pos + HALF + offs_i, mask=i_mask, other=0.0).to(tl.float32)[None, :]
+
+    offs_hq = tl.arange(0, BLOCK_HQ)
+    q_rows = q_ptr + t * stride_qt + offs_hq[:, None] * stride_qh
+    _rotate(q_rows, offs_i, (offs_hq < HQ)[:, None] & i_mask[None, :], cos, sin, HALF)
+
+    offs_hk = tl.arange(0, BLOCK_HKV)
+    k_mask = (offs_hk < HKV)[:, None] & i_mask[None, :]
+    k1, k2 = _rotate(k_ptr + t * stride_kt + offs_hk[:, None] * stride_kh, offs_i, k_mask, cos, sin, HALF)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        v_rows = v_ptr + t * stride_vt + offs_hk[:, None] * stride_vh
+        v1 = tl.load(v_rows + offs_i[None, :], mask=k_mask).to(tl.float32)
+        v2 = tl.load(v_rows + HALF + offs_i[None, :], mask=k_mask).to(tl.float32)
+        k1 = _quantize(k1, k_scale_ptr, k_scale_val, FMAX, IS_FP8, SCALE_PTR)
+        k2 = _quantize(k2, k_scale_ptr, k_scale_val, FMAX, IS_FP8, SCALE_PTR)
+        v1 = _quantize(v1, v_scale_ptr, v_scale_val, FMAX, IS_FP8, SCALE_PTR)
+        v2 = _quantize(v2, v_scale_ptr, v_scale_val, FMAX, IS_FP8, SCALE_PTR)
+        _store_token(k_cache, slot, k1, offs_hk, offs_i, k_mask, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
+        _store_token(k_cache + HALF, slot, k2, offs_hk, offs_i, k_mask, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
+        _store_token(v_cache, slot, v1, offs_hk, offs_i, k_mask, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
+        _store_token(v_cache + HALF, slot, v2, offs_hk, offs_i, k_mask, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)

@@ -1,0 +1,182 @@
+"""Paged attention, KV store and fused RoPE + store: Triton on CUDA, the torch twins (kernels/attention_ref.py)
+on CPU. Same signatures as the twins.
+
+paged_attention picks the decode kernel when T == B, i.e. when every sequence brings exactly one new token (the
+engine's decode steps; a batch with T == B and some q_len != 1 is not supported), and the prefill kernel (causal,
+varlen, any mix of chunk lengths including decodes) otherwise. Decode splits the context across programs when
+B * Hkv programs alone cannot fill the GPU, then merges the partial softmaxes in a second kernel. The split count
+depends only on shapes (block_tables.shape[1]), so a CUDA graph captures a fixed launch.
+"""
+from dataclasses import dataclass
+
+import torch
+
+from kernels.attention_ref import paged_attention_ref, rope_store_kv_ref, store_kv_ref
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    block_n: int = 64              # context tokens per loop step
+    num_warps: int = 4
+    num_stages: int = 2
+    waves: float = 2.0             # aim for this many programs per SM before splitting stops
+    min_split_tokens: int = 256    # never split finer than this
+    num_splits: int | None = None  # force a split count (tests, tuning)
+
+
+DECODE = DecodeConfig()
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _scale_args(scale, dummy: torch.Tensor):
+    """(pointer, value, from_pointer): a tensor scale is read on the device, so no host sync happens."""
+    if isinstance(scale, torch.Tensor):
+        return scale, 1.0, True
+    return dummy, float(scale), False
+
+
+def _num_sms(device: torch.device) -> int:
+    from kernels.w4a16_tuning import gpu_family
+    return gpu_family(device.index if device.index is not None else torch.cuda.current_device())[1]
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, softmax_scale: float, k_scale=1.0,
+                    v_scale=1.0) -> torch.Tensor:
+    """q: [T, Hq, D]; caches [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks]; seq_lens [B] (context
+    including the new tokens); query_start_loc [B+1]. -> [T, Hq, D] in q's dtype."""
+    if not q.is_cuda:
+        return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, softmax_scale,
+                                   k_scale, v_scale)
+    if q.shape[0] == block_tables.shape[0]:
+        return paged_decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, softmax_scale,
+                            k_scale, v_scale)
+    return paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, softmax_scale,
+                         k_scale, v_scale)
+
+
+def decode_splits(programs: int, max_ctx: int, device: torch.device, cfg: DecodeConfig) -> int:
+    if cfg.num_splits is not None:
+        return cfg.num_splits
+    sms = _num_sms(device) if device.type == "cuda" else 8      # the interpreter has no SMs; any count is right
+    want = -(-int(cfg.waves * sms) // programs)
+    return max(1, min(want, max_ctx // cfg.min_split_tokens))
+
+
+def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, softmax_scale, k_scale=1.0,
+                 v_scale=1.0, cfg: DecodeConfig = DECODE) -> torch.Tensor:
+    from kernels.attention_triton import _decode_kernel, _decode_reduce_kernel
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    batch = block_tables.shape[0]
+    group = num_q_heads // num_kv_heads
+    block_d = _next_pow2(head_dim)
+    max_ctx = block_tables.shape[1] * block_size
+    splits = decode_splits(batch * num_kv_heads, max_ctx, q.device, cfg)
+    per_split = -(-max_ctx // (splits * cfg.block_n)) * cfg.block_n
+    splits = max(1, -(-max_ctx // per_split))
+    out = torch.empty_like(q)
+    is_fp8 = k_cache.dtype in FP8
+    ks_ptr, ks_val, from_ptr = _scale_args(k_scale, q)
+    vs_ptr, vs_val, _ = _scale_args(v_scale, q)
+    part_o = part_ml = out
+    if splits > 1:
+        part_o = torch.empty((batch, num_q_heads, splits, block_d), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((batch, num_q_heads, splits, 2), dtype=torch.float32, device=q.device)
+    _decode_kernel[(batch, num_kv_heads, splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_o, part_ml,
+        ks_ptr, vs_ptr, ks_val, vs_val, softmax_scale * LOG2E, per_split, head_dim,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        G=group, GP=max(16, _next_pow2(group)), BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_SIZE=block_size,
+        SPLIT=splits > 1, IS_FP8=is_fp8, SCALE_PTR=from_ptr, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if splits > 1:
+        _decode_reduce_kernel[(batch, num_q_heads)](
+            part_o, part_ml, query_start_loc, out, vs_ptr, vs_val, num_q_heads, head_dim, splits,
+            out.stride(0), out.stride(1), SPLITS_P2=_next_pow2(splits), BLOCK_D=block_d,
+            IS_FP8=is_fp8, SCALE_PTR=from_ptr, num_warps=4)
+    return out
+
+
+def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, softmax_scale, k_scale=1.0,
+                  v_scale=1.0, block_m: int = 128, block_n: int = 64, num_warps: int = 8,
+                  num_stages: int = 2) -> torch.Tensor:
+    from kernels.attention_triton import _prefill_kernel
+    num_tokens, num_q_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    batch = block_tables.shape[0]
+    group = num_q_heads // num_kv_heads
+    gp = _next_pow2(group)
+    block_q = max(1, block_m // gp)
+    out = torch.empty_like(q)
+    ks_ptr, ks_val, from_ptr = _scale_args(k_scale, q)
+    vs_ptr, vs_val, _ = _scale_args(v_scale, q)
+    _prefill_kernel[(num_tokens // block_q + batch, num_kv_heads)](
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, ks_ptr, vs_ptr, ks_val, vs_val,
+        softmax_scale * LOG2E, batch, head_dim,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        G=group, GP=gp, BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_D=_next_pow2(head_dim), BLOCK_SIZE=block_size,
+        IS_FP8=k_cache.dtype in FP8, SCALE_PTR=from_ptr, num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+def _fmax(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).max) if dtype in FP8 else 0.0
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor, k_scale=1.0, v_scale=1.0) -> None:
+    """key, value: [T, Hkv, D]; slot_mapping [T], -1 = skip. fp8 caches store clamp(x / scale)."""
+    if not key.is_cuda:
+        return store_kv_ref(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    store_kv_triton(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+def store_kv_triton(key, value, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:
+    from kernels.kv_store import _store_kv_kernel
+    num_tokens, num_heads, head_dim = key.shape
+    ks_ptr, ks_val, from_ptr = _scale_args(k_scale, key)
+    vs_ptr, vs_val, _ = _scale_args(v_scale, key)
+    _store_kv_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping, ks_ptr, vs_ptr, ks_val, vs_val, num_heads, head_dim,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        BLOCK_H=_next_pow2(num_heads), BLOCK_D=_next_pow2(head_dim), BLOCK_SIZE=k_cache.shape[1],
+        FMAX=_fmax(k_cache.dtype), IS_FP8=k_cache.dtype in FP8, SCALE_PTR=from_ptr, num_warps=4)
+
+
+def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                  cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor, k_scale=1.0, v_scale=1.0) -> None:
+    """Neox RoPE on q [T, Hq, D] and k [T, Hkv, D] in place, then store k and v [T, Hkv, D] by slot_mapping.
+    cos_sin_cache: [max_position, D] (layout in kernels/attention_ref.py)."""
+    if not q.is_cuda:
+        return rope_store_kv_ref(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                                 k_scale, v_scale)
+    rope_store_kv_triton(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+def rope_store_kv_triton(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale=1.0,
+                         v_scale=1.0) -> None:
+    from kernels.kv_store import _rope_store_kv_kernel
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    if cos_sin_cache.shape[1] != head_dim or min(q.stride(2), k.stride(2), cos_sin_cache.stride(1)) != 1:
+        raise ValueError("rope_store_kv needs cos_sin_cache [max_pos, head_dim] and unit stride along head_dim")
+    ks_ptr, ks_val, from_ptr = _scale_args(k_scale, k)
+    vs_ptr, vs_val, _ = _scale_args(v_scale, k)
+    half = head_dim // 2
+    _rope_store_kv_kernel[(num_tokens,)](
+        q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, ks_ptr, vs_ptr, ks_val, vs_val,
+        num_q_heads, num_kv_heads, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos_sin_cache.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        BLOCK_HQ=_next_pow2(num_q_heads), BLOCK_HKV=_next_pow2(num_kv_heads), HALF=half,
+        BLOCK_HALF=_next_pow2(half), BLOCK_SIZE=k_cache.shape[1], FMAX=_fmax(k_cache.dtype),
+        IS_FP8=k_cache.dtype in FP8, SCALE_PTR=from_ptr, num_warps=4)

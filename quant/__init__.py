@@ -1,0 +1,1 @@
+"""Checkpoint formats, the internal INT4 layout's producers, QuantLinear and the quantizers. Imports kernels."""

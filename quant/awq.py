@@ -1,0 +1,173 @@
+"""AWQ (Lin et al. 2023; AutoAWQ's search) for one decoder block: activation-aware scales folded into the previous
+op, then a per-group clipping search, then asymmetric RTN of the scaled, clipped weights.
+
+Differences from AutoAWQ, each so that the search optimizes what the checkpoint will actually hold:
+- fp32 math, and the candidate weights are quantized with fp16-rounded scales (what the writer stores);
+- the identity scale (plain RTN) is a candidate too, so a group's loss is never worse than RTN's on calibration;
+- losses of purely linear targets (o_proj, down_proj, clipping) use the input Gram matrix X^T X, which is exact
+  over every calibration token instead of a subsample;
+- asymmetric clipping shrinks both ends of the range (AutoAWQ clips to a symmetric +-max).
+"""
+from dataclasses import dataclass
+
+import torch
+
+from quant.calib import (ModelSpec, attn_core, attn_input, attn_module, block_forward, chunked, gram, mlp_act,
+                         mlp_input, mlp_module)
+from quant.rtn import QuantResult, fake_quantize, quantize_rtn
+
+QKV = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
+GATE_UP = ["mlp.gate_proj", "mlp.up_proj"]
+NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj")   # their error acts through q.k, not through their outputs
+
+
+@dataclass
+class AWQSettings:
+    n_grid: int = 20                  # alpha in {0, 1/20, ..., 19/20}
+    max_shrink: float = 0.5           # clip ratios 1.0, 0.95, ..., 0.55
+    search_tokens: int = 16384        # tokens (whole sequences) for the attention / MLP output losses
+    propagate: str = "quantized"      # next block's input: "quantized" block output or "fp"
+    chunk: int = 8                    # sequences per forward chunk (bounds activation memory)
+
+
+@torch.no_grad()
+def awq_block(w: dict[str, torch.Tensor], x: torch.Tensor, spec: ModelSpec, rope, group_size: int, sym: bool,
+              settings: AWQSettings) -> tuple[dict[str, QuantResult], torch.Tensor]:
+    """w: the block's HF-named fp32 weights (norms are folded in place); x [S, L, H] block input.
+    -> (QuantResult per linear, next block's input [S, L, H])."""
+    for name in QKV + GATE_UP + ["self_attn.o_proj", "mlp.down_proj"]:
+        k = w[f"{name}.weight"].shape[1]
+        if group_size > 0 and k % group_size:
+            raise ValueError(f"AWQ needs in_features divisible by the group size: {name} has {k}, "
+                             f"group_size {group_size}")
+    c = settings.chunk
+    n_sub = max(1, min(x.shape[0], settings.search_tokens // x.shape[1]))
+    q_cfg = (group_size, sym)
+    # One FP pass: every linear's input. Scaling is an exact identity in FP, so these stay valid until each
+    # group's scale is applied, when its input is divided by the same scale.
+    a = chunked(lambda t: attn_input(w, t, spec), x, chunk=c)                       # [S, L, H]
+    o = chunked(lambda t: attn_core(w, t, spec, rope), a, chunk=c)                 # [S, L, Hq*D]
+    m = chunked(lambda t, u: mlp_input(w, t, u, spec)[1], x, o, chunk=c)           # [S, L, H]
+    d = chunked(lambda t: mlp_act(w, t), m, chunk=c)                               # [S, L, I]
+    stats = {"a": _input_stats(a), "o": _input_stats(o), "m": _input_stats(m), "d": _input_stats(d)}
+
+    s = _search_module(w, QKV, stats["a"][0], a[:n_sub], lambda ww, t: attn_module(ww, t, spec, rope), q_cfg, c,
+                       settings)
+    _fold(w, "input_layernorm", QKV, s, stats["a"])
+    if spec.num_heads == spec.num_kv_heads:        # with GQA one v row feeds several o columns: AutoAWQ skips it
+        s = _search_linear(w, ["self_attn.o_proj"], stats["o"], q_cfg, settings)
+        _fold(w, "self_attn.v_proj", ["self_attn.o_proj"], s, stats["o"])
+    s = _search_module(w, GATE_UP, stats["m"][0], m[:n_sub], lambda ww, t: mlp_module(ww, t), q_cfg, c, settings)
+    _fold(w, "post_attention_layernorm", GATE_UP, s, stats["m"])
+    s = _search_linear(w, ["mlp.down_proj"], stats["d"], q_cfg, settings)
+    _fold(w, "mlp.up_proj", ["mlp.down_proj"], s, stats["d"])
+    del a, o, m, d
+
+    inputs = {name: stats["a"] for name in QKV} | {"self_attn.o_proj": stats["o"], "mlp.gate_proj": stats["m"],
+                                                    "mlp.up_proj": stats["m"], "mlp.down_proj": stats["d"]}
+    results = {}
+    for name, (_, g) in inputs.items():
+        weight = w[f"{name}.weight"]
+        clip = None if name in NO_CLIP else _search_clip(weight, g, group_size, sym, settings)
+        q, scales, zeros = quantize_rtn(weight, 4, group_size, sym, clip=clip, scale_dtype=torch.float16)
+        results[name] = QuantResult(q, scales, zeros, None, w.get(f"{name}.bias"))
+    if settings.propagate == "quantized":
+        w = dict(w) | {f"{n}.weight": r.dequantize(group_size) for n, r in results.items()}
+    elif settings.propagate != "fp":
+        raise ValueError(f"AWQ propagate must be 'quantized' or 'fp', got {settings.propagate!r}")
+    out = chunked(lambda t: block_forward(w, t, spec, rope), x, chunk=c)
+    return results, out
+
+
+def _input_stats(x: torch.Tensor) -> list[torch.Tensor]:
+    """-> [mean |x| per channel [K], Gram X^T X [K, K]]; mutable so that folding can rescale both."""
+    flat = x.reshape(-1, x.shape[-1])
+    return [flat.abs().mean(0), gram(flat)]
+
+
+def _weight_mean(w: dict, names: list[str], group_size: int) -> torch.Tensor:
+    """AutoAWQ's w_mean: |W| normalized by its group max, averaged over every output row -> [K]."""
+    weight = torch.cat([w[f"{n}.weight"] for n in names])                          # [N, K]
+    n, k = weight.shape
+    gs = k if group_size <= 0 else group_size
+    grouped = weight.abs().view(n, -1, gs)
+    return (grouped / (grouped.amax(-1, keepdim=True) + 1e-6)).view(n, k).mean(0)
+
+
+def _candidates(x_mean: torch.Tensor, w_mean: torch.Tensor, n_grid: int):
+    """Identity first, then s = x_mean^alpha / w_mean^(1 - alpha), normalized to a geometric mean of 1."""
+    yield torch.ones_like(x_mean)
+    for i in range(n_grid):
+        alpha = i / n_grid
+        s = (x_mean.pow(alpha) / (w_mean.pow(1 - alpha) + 1e-4)).clamp(min=1e-4)
+        yield s / (s.max() * s.min()).sqrt()
+
+
+def _scaled_fake_quant(w: dict, names: list[str], s: torch.Tensor, q_cfg) -> dict:
+    """Weights as the model will see them: Q(W * s) / s for each scaled linear."""
+    out = dict(w)
+    for n in names:
+        out[f"{n}.weight"] = fake_quantize(w[f"{n}.weight"] * s, *q_cfg) / s
+    return out
+
+
+def _search_module(w, names, x_mean, x_sub, forward, q_cfg, chunk, settings) -> torch.Tensor:
+    """Scale minimizing the MSE of a module's output (attention or MLP) on the search subset."""
+    target = chunked(lambda t: forward(w, t), x_sub, chunk=chunk)
+    w_mean = _weight_mean(w, names, q_cfg[0])
+    best, best_loss = None, float("inf")
+    for s in _candidates(x_mean, w_mean, settings.n_grid):
+        ww = _scaled_fake_quant(w, names, s, q_cfg)
+        out = chunked(lambda t: forward(ww, t), x_sub, chunk=chunk)
+        loss = float((out - target).pow(2).mean())
+        if loss < best_loss:
+            best, best_loss = s, loss
+    return best
+
+
+def _search_linear(w, names, stats, q_cfg, settings) -> torch.Tensor:
+    """Scale minimizing a linear layer's output error over every token: tr(dW G dW^T), G = X^T X."""
+    x_mean, g = stats
+    w_mean = _weight_mean(w, names, q_cfg[0])
+    best, best_loss = None, float("inf")
+    for s in _candidates(x_mean, w_mean, settings.n_grid):
+        ww = _scaled_fake_quant(w, names, s, q_cfg)
+        loss = sum(float(((ww[f"{n}.weight"] - w[f"{n}.weight"]) @ g).mul_(ww[f"{n}.weight"] - w[f"{n}.weight"])
+                         .sum()) for n in names)
+        if loss < best_loss:
+            best, best_loss = s, loss
+    return best
+
+
+def _fold(w: dict, prev: str, names: list[str], s: torch.Tensor, stats: list[torch.Tensor]) -> None:
+    """Apply scale s [K]: the next linears' input columns *= s, the previous op's output (norm weight, or a
+    linear's rows and bias) /= s; the cached input statistics become those of x / s."""
+    for n in names:
+        w[f"{n}.weight"] = w[f"{n}.weight"] * s
+    key = f"{prev}.weight"
+    w[key] = w[key] / s if w[key].dim() == 1 else w[key] / s[:, None]
+    if f"{prev}.bias" in w and not prev.endswith("layernorm"):
+        w[f"{prev}.bias"] = w[f"{prev}.bias"] / s
+    stats[0] = stats[0] / s
+    stats[1] = stats[1] / (s[:, None] * s[None, :])
+
+
+def _search_clip(weight: torch.Tensor, g: torch.Tensor, group_size: int, sym: bool, settings: AWQSettings
+                 ) -> torch.Tensor:
+    """Per (output row, group) shrink ratio of the range minimizing that group's share of the output error,
+    d_g^T G_g d_g with G_g the group's diagonal block of X^T X (every token). -> ratios [N, G]."""
+    n, k = weight.shape
+    gs = k if group_size <= 0 else group_size
+    ng = k // gs
+    blocks = torch.stack([g[i * gs:(i + 1) * gs, i * gs:(i + 1) * gs] for i in range(ng)])   # [G, gs, gs]
+    best = torch.ones(n, ng, device=weight.device)
+    best_err = torch.full((n, ng), float("inf"), device=weight.device)
+    for i in range(int(settings.max_shrink * settings.n_grid)):
+        ratio = 1 - i / settings.n_grid
+        clip = torch.full((n, ng), ratio, device=weight.device)
+        diff = (fake_quantize(weight, group_size, sym, clip) - weight).view(n, ng, gs)
+        err = torch.einsum("ngi,gij,ngj->ng", diff, blocks, diff)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best = torch.where(better, clip, best)
+    return best

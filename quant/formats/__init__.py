@@ -1,0 +1,67 @@
+"""Checkpoint format readers and writers. `load_quant_config` finds a checkpoint's INT4 format; its QuantConfig
+builds each linear layer and converts the checkpoint's tensors into the one internal layout (kernels/w4a16_ref.py)."""
+import json
+from pathlib import Path
+
+from quant.formats.awq import AWQConfig, awq_quantization_config, write_awq_gemm
+from quant.formats.base import Int4Weights, QuantConfig
+from quant.formats.compressed_tensors import CompressedTensorsConfig, ct_quantization_config, write_pack_quantized
+from quant.formats.gptq import GPTQConfig, gptq_quantization_config, write_gptq
+
+CONFIG_CLASSES = {"awq": AWQConfig, "gptq": GPTQConfig, "compressed-tensors": CompressedTensorsConfig}
+# What users type (vLLM names included) -> our method name.
+_ALIASES = {"awq_marlin": "awq", "auto_awq": "awq", "gptq_marlin": "gptq", "auto_gptq": "gptq",
+            "compressed_tensors": "compressed-tensors"}
+
+__all__ = ["AWQConfig", "CompressedTensorsConfig", "GPTQConfig", "Int4Weights", "QuantConfig", "load_quant_config",
+           "find_quantization_config", "awq_quantization_config", "ct_quantization_config",
+           "gptq_quantization_config", "write_awq_gemm", "write_gptq", "write_pack_quantized"]
+
+
+def normalize_method(name: str) -> str:
+    name = str(name).strip().lower()
+    return _ALIASES.get(name, name)
+
+
+def find_quantization_config(hf_config: dict, model_dir: str | Path | None) -> tuple[dict | None, str]:
+    """-> (raw quantization config, where it was found) or (None, "") for an unquantized model."""
+    for where, cfg in (("config.json", hf_config), ("config.json text_config", hf_config.get("text_config") or {})):
+        for key in ("quantization_config", "compression_config"):
+            if cfg.get(key):
+                return dict(cfg[key]), f"{where} {key}"
+    if model_dir is not None:
+        for name, implied in (("quant_config.json", "awq"), ("quantize_config.json", "gptq")):
+            path = Path(model_dir) / name
+            if path.is_file():
+                raw = json.loads(path.read_text())
+                # Old AutoAWQ / AutoGPTQ files carry no quant_method: the file name says which tool wrote it.
+                raw.setdefault("quant_method", implied)
+                return raw, str(path)
+    return None, ""
+
+
+def load_quant_config(hf_config: dict, model_dir: str | Path | None, tensor_names: set[str] | None,
+                      override: str | None = None) -> QuantConfig | None:
+    """The checkpoint's QuantConfig, or None for an unquantized model.
+
+    tensor_names: every key of the safetensors headers (None for dummy weights: then the config alone decides).
+    override: `--quantization awq|gptq|compressed-tensors|none`; it must agree with the checkpoint.
+    """
+    raw, source = find_quantization_config(hf_config, model_dir)
+    wanted = normalize_method(override) if override else None
+    if raw is None:
+        if wanted not in (None, "none"):
+            raise ValueError(f"--quantization {override} was given, but the checkpoint has no quantization_config "
+                             "(config.json, quant_config.json or quantize_config.json)")
+        return None
+    if "quant_method" not in raw:
+        raise ValueError(f"{source} has no quant_method (supported: {', '.join(CONFIG_CLASSES)})")
+    method = normalize_method(raw["quant_method"])
+    if method not in CONFIG_CLASSES:
+        raise ValueError(f"unsupported quant_method {raw['quant_method']!r} in {source} "
+                         f"(supported: {', '.join(CONFIG_CLASSES)})")
+    if wanted is not None and wanted != method:
+        raise ValueError(f"--quantization {override} disagrees with the checkpoint, which {source} says is "
+                         f"{method}; drop the flag or pass --quantization {method}")
+    names = frozenset(tensor_names) if tensor_names is not None else None
+    return CONFIG_CLASSES[method].from_dict(raw, source, names)

@@ -1,0 +1,177 @@
+"""Linear layers the model is built from. A merged layer (qkv, gate_up) is filled shard by shard from the
+checkpoint's separate modules; `load_shard` receives one source module's raw tensors by their checkpoint names."""
+import torch
+from torch import nn
+
+from kernels.w4a16_ref import dequantize_w4, pack_int4_cols, w4a16_matmul_ref
+
+
+class DenseLinear(nn.Module):
+    """FP16/BF16/FP32 linear: weight [N, K] with N = sum(output_sizes)."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
+        super().__init__()
+        self.in_features = in_features
+        self.output_sizes = list(output_sizes)
+        self.out_features = sum(output_sizes)
+        self.weight = nn.Parameter(torch.empty(self.out_features, in_features, dtype=dtype, device=device),
+                                   requires_grad=False)
+        self.bias = (nn.Parameter(torch.zeros(self.out_features, dtype=dtype, device=device), requires_grad=False)
+                     if bias else None)
+
+    def shard_rows(self, shard_id: int) -> slice:
+        start = sum(self.output_sizes[:shard_id])
+        return slice(start, start + self.output_sizes[shard_id])
+
+    def load_shard(self, shard_id: int, tensors: dict[str, torch.Tensor], prefix: str) -> None:
+        rows = self.shard_rows(shard_id)
+        if "weight" not in tensors:
+            found = ", ".join(sorted(tensors)) or "nothing"
+            raise ValueError(f"{prefix}: expected a dense 'weight' tensor, found {found} "
+                             "(is this a quantized checkpoint without a quantization_config?)")
+        weight = tensors["weight"]
+        expected = (self.output_sizes[shard_id], self.in_features)
+        if tuple(weight.shape) != expected:
+            raise ValueError(f"{prefix}.weight has shape {tuple(weight.shape)}, expected {expected}")
+        self.weight.data[rows].copy_(weight)
+        if "bias" in tensors:
+            if self.bias is None:
+                raise ValueError(f"{prefix}.bias present but the config says this layer has no bias")
+            self.bias.data[rows].copy_(tensors["bias"])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+class QuantLinear(nn.Module):
+    """INT4 weight-only linear in the internal layout (kernels/w4a16_ref.py), N = sum(output_sizes).
+
+    Each shard comes from one source module and is converted by the QuantConfig that built the layer. `finalize`
+    concatenates the shards along N; shards whose act-order permutations differ stay separate sub-layers (`parts`)
+    whose outputs are concatenated, since one input permutation cannot serve them all.
+    """
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, dtype: torch.dtype,
+                 device: torch.device | str, quant_config, group_size: int, source_prefixes: list[str] = ()):
+        super().__init__()
+        self.in_features = in_features
+        self.output_sizes = list(output_sizes)
+        self.out_features = sum(output_sizes)
+        self.group_size = group_size if group_size > 0 else in_features
+        self.has_bias = bias
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.quant_config = quant_config
+        self.source_prefixes = list(source_prefixes) or [f"shard {i}" for i in range(len(output_sizes))]
+        self.parts: nn.ModuleList | None = None
+        self._shards: list = [None] * len(output_sizes)
+        for name in ("qweight", "scales", "qzeros", "perm", "bias"):
+            self.register_buffer(name, None)
+
+    def load_shard(self, shard_id: int, tensors: dict[str, torch.Tensor], prefix: str) -> None:
+        if not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(f"{prefix}: shard {shard_id} out of range for output_sizes {self.output_sizes}")
+        if self._shards[shard_id] is not None:
+            raise ValueError(f"{prefix}: shard {shard_id} loaded twice")
+        n = self.output_sizes[shard_id]
+        # Convert on the target device: the repack is elementwise work that a GPU does in milliseconds.
+        tensors = {name: t.to(self.device) for name, t in tensors.items()}
+        w = self.quant_config.convert(tensors, prefix, self.in_features, n, self.group_size)
+        if w.bias is not None and not self.has_bias:
+            raise ValueError(f"{prefix}.bias present but the config says this layer has no bias")
+        if self.has_bias and w.bias is None:
+            raise ValueError(f"{prefix}.bias is missing: the config says this layer has a bias")
+        if w.bias is not None and tuple(w.bias.shape) != (n,):
+            raise ValueError(f"{prefix}.bias has shape {tuple(w.bias.shape)}, expected {(n,)}")
+        w.qweight = w.qweight.to(self.device).contiguous()
+        w.scales = w.scales.to(self.device, scale_dtype(w.scales.dtype, self.dtype)).contiguous()
+        w.qzeros = None if w.qzeros is None else w.qzeros.to(self.device).contiguous()
+        w.perm = None if w.perm is None else w.perm.to(self.device)
+        w.bias = None if w.bias is None else w.bias.to(self.device, self.dtype)
+        self._shards[shard_id] = w
+
+    def finalize(self) -> None:
+        if self._shards is None:
+            return
+        missing = [p for p, s in zip(self.source_prefixes, self._shards) if s is None]
+        if missing:
+            raise ValueError(f"quantized layer never received tensors for {', '.join(missing)}")
+        perms = [s.perm for s in self._shards]
+        if all(p is None for p in perms) or all(p is not None and torch.equal(p, perms[0]) for p in perms):
+            self._set(self._shards)
+        else:
+            self.parts = nn.ModuleList()
+            for n, prefix, shard in zip(self.output_sizes, self.source_prefixes, self._shards):
+                part = QuantLinear(self.in_features, [n], self.has_bias, self.dtype, self.device,
+                                   self.quant_config, self.group_size, [prefix])
+                part._set([shard])
+                self.parts.append(part)
+        self._shards = None
+
+    def _set(self, shards: list) -> None:
+        """Concatenate converted shards along N into the layer's buffers."""
+        dtypes = {s.scales.dtype for s in shards}
+        sdtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+        self.qweight = torch.cat([s.qweight for s in shards], dim=1)                 # [K/8, N]
+        self.scales = torch.cat([s.scales.to(sdtype) for s in shards], dim=1)       # [G, N]
+        if all(s.qzeros is None for s in shards):
+            self.qzeros = None
+        else:
+            self.qzeros = torch.cat([s.qzeros if s.qzeros is not None else _eights(s.scales) for s in shards],
+                                    dim=1)                                         # [G, N/8]
+        self.perm = shards[0].perm
+        self.bias = torch.cat([s.bias for s in shards]) if self.has_bias else None
+        self._shards = None
+
+    def init_dummy(self, gen: torch.Generator) -> None:
+        """Random codes and scales (weights about N(0, 0.02)) for --load-format dummy."""
+        k, n, g = self.in_features, self.out_features, -(-self.in_features // self.group_size)
+        codes = torch.randint(-2**31, 2**31, (k // 8, n), generator=gen, dtype=torch.int64)
+        self.qweight = codes.to(torch.int32).to(self.device)
+        self.scales = torch.full((g, n), 0.02 / 4.6, dtype=self.dtype, device=self.device)
+        self.qzeros, self.perm, self.parts, self._shards = None, None, None, None
+        self.bias = torch.zeros(n, dtype=self.dtype, device=self.device) if self.has_bias else None
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """fp32 W [N, K] with K in the original input order (what nn.Linear would hold)."""
+        if self.parts is not None:
+            return torch.cat([p.dequantized_weight() for p in self.parts], dim=0)
+        w = dequantize_w4(self.qweight, self.scales, self.qzeros, self.group_size)   # [K, N], internal row order
+        if self.perm is not None:
+            w = torch.empty_like(w).index_copy_(0, self.perm, w)
+        return w.t()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parts is not None:
+            return torch.cat([p(x) for p in self.parts], dim=-1)
+        return w4a16_matmul_ref(x, self.qweight, self.scales, self.qzeros, self.group_size, self.perm, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, output_sizes={self.output_sizes}, group_size={self.group_size}, "
+                f"bias={self.has_bias}, act_order={self.perm is not None or self.parts is not None}")
+
+
+def scale_dtype(checkpoint: torch.dtype, model: torch.dtype) -> torch.dtype:
+    """Keep the checkpoint's scales when they match the model dtype, else fp32: never narrow fp16 scales to bf16."""
+    return checkpoint if checkpoint == model else torch.float32
+
+
+def _eights(scales: torch.Tensor) -> torch.Tensor:
+    """Explicit z = 8 for a symmetric shard merged with asymmetric ones: [G, N/8]."""
+    return pack_int4_cols(torch.full(tuple(scales.shape), 8, dtype=torch.int32, device=scales.device))
+
+
+def make_linear(in_features: int, output_sizes: list[int], bias: bool, dtype: torch.dtype,
+                device: torch.device | str, quant_config=None, source_prefixes: list[str] = ()) -> nn.Module:
+    """The one place that decides which linear implementation a layer gets.
+
+    quant_config: None for dense layers, or a quant.formats QuantConfig whose `make_linear(...)` decides per module,
+    from the safetensors header, whether the source modules (source_prefixes, one per output shard, e.g. the q/k/v
+    projections of a merged qkv layer) are quantized; it returns a DenseLinear for modules left unquantized.
+    """
+    if quant_config is not None:
+        if not source_prefixes:
+            raise ValueError("make_linear with a quant_config needs source_prefixes (checkpoint module names)")
+        return quant_config.make_linear(in_features, output_sizes, bias, dtype, device, list(source_prefixes))
+    return DenseLinear(in_features, output_sizes, bias, dtype, device)

@@ -1,0 +1,231 @@
+"""The quantization driver: one decoder block at a time on the compute device, weights read lazily from the source
+checkpoint, standard INT4 checkpoints (AWQ gemm, GPTQ v1/v2, compressed-tensors) written atomically.
+
+The caller (server/cli_quantize.py) reads the source config and safetensors through engine/ helpers and hands
+in a SourceModel of plain tensors and callables: quant does not import engine.
+"""
+import contextlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from quant.awq import AWQSettings, awq_block
+from quant.calib import ModelSpec, rope_tables
+from quant.formats import (awq_quantization_config, ct_quantization_config, gptq_quantization_config,
+                           write_awq_gemm, write_gptq, write_pack_quantized)
+from quant.gptq import GPTQSettings, gptq_block
+from quant.rtn import QuantResult, quantize_rtn
+
+logger = logging.getLogger("quant_serve")
+
+LINEARS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+           "mlp.up_proj", "mlp.down_proj"]
+METHODS = ("rtn", "awq", "gptq")
+FORMATS = ("awq", "gptq", "gptq_v2", "compressed-tensors")
+DEFAULT_SYM = {"rtn": False, "awq": False, "gptq": True}
+
+
+@dataclass
+class QuantizeConfig:
+    method: str = "awq"
+    group_size: int = 128
+    sym: bool | None = None               # None: the method's default (rtn, awq asym; gptq sym)
+    format: str | None = None             # None: awq for asym rtn/awq, gptq (v1) for sym, gptq_v2 for asym gptq
+    device: str = "cpu"
+    awq: AWQSettings = field(default_factory=AWQSettings)
+    gptq: GPTQSettings = field(default_factory=GPTQSettings)
+    max_shard_bytes: int = 4 * 2**30
+
+    def resolved(self) -> tuple[bool, str]:
+        """-> (sym, format), or ValueError naming the flag to change."""
+        if self.method not in METHODS:
+            raise ValueError(f"unknown method {self.method!r} (choose from {', '.join(METHODS)})")
+        sym = DEFAULT_SYM[self.method] if self.sym is None else self.sym
+        fmt = self.format or ("awq" if self.method != "gptq" and not sym else "gptq" if sym else "gptq_v2")
+        if fmt not in FORMATS:
+            raise ValueError(f"unknown format {fmt!r} (choose from {', '.join(FORMATS)})")
+        if fmt == "gptq" and not sym:
+            raise ValueError("GPTQ v1 (--format gptq) cannot store asymmetric zeros safely (a zero point of 0 "
+                             "wraps to -1); use --format gptq_v2, awq or compressed-tensors, or --sym")
+        if self.group_size != -1 and (self.group_size <= 0 or self.group_size % 8):
+            raise ValueError(f"--group-size must be -1 or a positive multiple of 8, got {self.group_size}")
+        act_order = self.method == "gptq" and self.gptq.act_order and not self.gptq.static_groups
+        if act_order and fmt in ("awq", "compressed-tensors"):
+            raise ValueError(f"--format {fmt} cannot store act-order groups (a permuted g_idx); use --format gptq "
+                             "or gptq_v2, or --static-groups (act-order with groups fixed in the original order)")
+        return sym, fmt
+
+
+@dataclass
+class SourceModel:
+    """The unquantized checkpoint, read lazily."""
+    spec: ModelSpec
+    config: dict                          # raw config.json
+    tensor_names: list[str]
+    read: Callable[[str], torch.Tensor]   # name -> tensor as stored (CPU)
+    extra_files: list[Path] = field(default_factory=list)   # tokenizer, chat template, generation config
+
+
+def quantize_model(source: SourceModel, calib: torch.Tensor | None, cfg: QuantizeConfig, out_dir: str | Path,
+                   overwrite: bool = False, show_progress: bool = True,
+                   results_sink: dict[str, QuantResult] | None = None) -> Path:
+    """Quantize every decoder-block Linear; calib [S, L] token ids (needed by awq and gptq).
+    results_sink: filled with each module's QuantResult (on CPU), for tests."""
+    sym, fmt = cfg.resolved()
+    if source.config.get("quantization_config"):
+        raise ValueError("the source model is already quantized (config.json has a quantization_config)")
+    if cfg.method != "rtn" and calib is None:
+        raise ValueError(f"{cfg.method} needs calibration text")
+    spec, device, start = source.spec, torch.device(cfg.device), time.time()
+    model_dtype = source.read("model.embed_tokens.weight").dtype
+    x, rope = None, None
+    if cfg.method != "rtn":
+        x = source.read("model.embed_tokens.weight")[calib].to(device, torch.float32)     # [S, L, H]
+        rope = rope_tables(spec, calib.shape[1], device)
+    with atomic_output_dir(out_dir, overwrite) as tmp:
+        writer = ShardWriter(tmp, cfg.max_shard_bytes)
+        bar = tqdm(range(spec.num_layers), desc=f"Quantizing ({cfg.method}, g{cfg.group_size})", unit="block",
+                   disable=not show_progress)
+        for i in bar:
+            prefix = f"model.layers.{i}."
+            stored = {n[len(prefix):]: source.read(n) for n in source.tensor_names if n.startswith(prefix)}
+            w = {k: v.to(device, torch.float32) for k, v in stored.items() if not k.endswith("rotary_emb.inv_freq")}
+            results, x = quantize_block(w, x, spec, rope, cfg, sym)
+            for name, res in results.items():
+                res = QuantResult(*(t.cpu() if t is not None else None
+                                    for t in (res.q, res.scales, res.zeros, res.g_idx, res.bias)))
+                if results_sink is not None:
+                    results_sink[prefix + name] = res
+                for suffix, t in write_module(res, fmt, cfg.group_size, model_dtype).items():
+                    writer.add(f"{prefix}{name}.{suffix}", t)
+            for key, t in w.items():
+                if key.rsplit(".", 1)[0] not in results:        # norms, AWQ-folded ones included
+                    writer.add(prefix + key, t.to("cpu", stored[key].dtype))
+            del w, results
+        for name in source.tensor_names:
+            if not name.startswith("model.layers.") and not name.endswith("rotary_emb.inv_freq"):
+                writer.add(name, source.read(name))
+        writer.close()
+        config = dict(source.config) | {"quantization_config": quantization_config(cfg, sym, fmt)}
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for f in source.extra_files:
+            shutil.copy2(f, tmp / Path(f).name)
+    logger.info("quantized %d blocks (%s, %s, g%d) in %.1f s -> %s", spec.num_layers, cfg.method,
+                "sym" if sym else "asym", cfg.group_size, time.time() - start, out_dir)
+    return Path(out_dir)
+
+
+def quantize_block(w: dict, x: torch.Tensor | None, spec: ModelSpec, rope, cfg: QuantizeConfig, sym: bool
+                   ) -> tuple[dict[str, QuantResult], torch.Tensor | None]:
+    if cfg.method == "awq":
+        return awq_block(w, x, spec, rope, cfg.group_size, sym, cfg.awq)
+    if cfg.method == "gptq":
+        return gptq_block(w, x, spec, rope, cfg.group_size, sym, cfg.gptq)
+    results = {}
+    for name in LINEARS:
+        if f"{name}.weight" in w:
+            q, s, z = quantize_rtn(w[f"{name}.weight"], 4, cfg.group_size, sym, scale_dtype=torch.float16)
+            results[name] = QuantResult(q, s, z, None, w.get(f"{name}.bias"))
+    return results, x
+
+
+def write_module(res: QuantResult, fmt: str, group_size: int, model_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    args = (res.q, res.scales, res.zeros, group_size, res.g_idx, res.bias)
+    if fmt == "awq":
+        return write_awq_gemm(*args)
+    if fmt in ("gptq", "gptq_v2"):
+        return write_gptq(*args, checkpoint_format=fmt)
+    return write_pack_quantized(*args, scale_dtype=model_dtype)
+
+
+def quantization_config(cfg: QuantizeConfig, sym: bool, fmt: str) -> dict:
+    act_order = cfg.method == "gptq" and cfg.gptq.act_order
+    if fmt == "awq":
+        return awq_quantization_config(cfg.group_size)
+    if fmt == "compressed-tensors":
+        out = ct_quantization_config(cfg.group_size, sym)
+        if act_order:                          # static groups only (resolved() refuses the rest)
+            out["config_groups"]["group_0"]["weights"]["actorder"] = "static"
+        return out
+    static = cfg.gptq.static_groups
+    return gptq_quantization_config(cfg.group_size, sym, act_order and not static, fmt) | {
+        "damp_percent": cfg.gptq.damp_percent, "static_groups": act_order and static,
+        "true_sequential": cfg.method == "gptq"}
+
+
+@contextlib.contextmanager
+def atomic_output_dir(out_dir: str | Path, overwrite: bool):
+    """Yield a temporary directory next to out_dir and rename it to out_dir on success; on any exception
+    (KeyboardInterrupt included) remove it and leave out_dir as it was."""
+    out = Path(out_dir).resolve()
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output path {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ValueError(f"output directory {out} exists and is not empty; pass --overwrite to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        yield tmp
+        old = None
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.rename(out, old / "d")
+        os.rename(tmp, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+class ShardWriter:
+    """Tensors -> model.safetensors, or model-0000i-of-0000N.safetensors + index when over max_bytes."""
+
+    def __init__(self, out_dir: Path, max_bytes: int):
+        self.out_dir, self.max_bytes = Path(out_dir), max_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.shards: list[list[str]] = []
+        self.seen: set[str] = set()
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self.seen:
+            raise ValueError(f"tensor {name} written twice")
+        self.seen.add(name)
+        t = tensor.detach().to("cpu").contiguous()
+        self.total_bytes += t.nbytes
+        if self.pending and self.pending_bytes + t.nbytes > self.max_bytes:
+            self._flush()
+        self.pending[name] = t
+        self.pending_bytes += t.nbytes
+
+    def _flush(self) -> None:
+        save_file(self.pending, str(self.out_dir / f"shard-{len(self.shards)}.tmp"), metadata={"format": "pt"})
+        self.shards.append(list(self.pending))
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> None:
+        if self.pending or not self.shards:
+            self._flush()
+        n = len(self.shards)
+        if n == 1:
+            os.rename(self.out_dir / "shard-0.tmp", self.out_dir / "model.safetensors")
+            return
+        weight_map = {}
+        for i, names in enumerate(self.shards):
+            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.rename(self.out_dir / f"shard-{i}.tmp", self.out_dir / final)
+            weight_map |= {name: final for name in names}
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")

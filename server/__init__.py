@@ -1,0 +1,1 @@
+"""OpenAI-compatible server and the quant-serve CLI."""

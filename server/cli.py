@@ -1,0 +1,126 @@
+"""The `quant-serve` command: generate, serve, quantize, eval, plan, bench. The one module that imports every layer."""
+import argparse
+import logging
+import os
+import sys
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+
+
+def demo_model_dir() -> str | None:
+    from engine.demo import DEMO_MODEL_DIR
+    return str(DEMO_MODEL_DIR) if (DEMO_MODEL_DIR / "config.json").is_file() else None
+
+
+def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) -> None:
+    if model_positional:
+        p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="model directory or hub id (default: the bundled demo model)")
+    p.add_argument("--model", default=None, help="model directory or hub id (default: the bundled demo model)")
+    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--revision", default=None)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32", "half", "float"])
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    p.add_argument("--quantization", "-q", default=None,
+                   help="override the detected quantization: awq, gptq, compressed-tensors, none")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   choices=["auto", "fp16", "bf16", "fp8", "fp8_e4m3", "fp8_e5m2"])
+    p.add_argument("--kv-cache-memory-gb", type=float, default=None,
+                   help="KV pool size in GiB (default: planned on CUDA, 1 GiB on CPU)")
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def engine_config_from_args(args) -> EngineConfig:
+    model = getattr(args, "model_tag", None) or args.model or demo_model_dir()
+    if model is None:
+        raise SystemExit("error: no --model given and the bundled demo model is not installed")
+    return EngineConfig(
+        model=model, tokenizer=args.tokenizer, revision=args.revision, dtype=args.dtype, device=args.device,
+        load_format=args.load_format, quantization=args.quantization, seed=args.seed,
+        enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
+        cache=CacheConfig(num_gpu_blocks=args.num_gpu_blocks_override, kv_cache_dtype=args.kv_cache_dtype,
+                          gpu_memory_utilization=args.gpu_memory_utilization,
+                          kv_cache_memory_gb=args.kv_cache_memory_gb,
+                          enable_prefix_caching=args.enable_prefix_caching),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                  enable_chunked_prefill=args.enable_chunked_prefill))
+
+
+def cmd_generate(args) -> int:
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+    engine = LLMEngine(engine_config_from_args(args))
+    prompt = args.prompt
+    if args.chat:
+        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                      add_generation_prompt=True)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.sampling_seed, stop=args.stop or [])
+    output = engine.generate([prompt], params)[0]
+    sys.stdout.write(output.outputs[0].text + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="quant-serve", description="Quantization-first LLM inference engine")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate a completion for one prompt and print it")
+    add_engine_args(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--stop", action="append")
+    gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to the prompt")
+    gen.set_defaults(func=cmd_generate)
+
+    for register in _subcommand_registrars():
+        register(sub)
+    return parser
+
+
+def _subcommand_registrars():
+    """Subcommands living in other modules register themselves here (serve, quantize, eval, plan, bench)."""
+    import importlib
+    registrars = []
+    for module_name in ("server.cli_serve", "server.cli_quantize", "server.cli_eval", "server.cli_plan",
+                        "server.cli_bench"):
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name != module_name:
+                raise
+            continue
+        registrars.append(module.register)
+    return registrars
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args) or 0
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

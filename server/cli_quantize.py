@@ -1,0 +1,105 @@
+"""`quant-serve quantize MODEL_DIR OUT_DIR --method {rtn,awq,gptq}`: read the FP16 checkpoint through engine/
+helpers, tokenize the calibration text, and hand plain tensors to quant/quantize.py."""
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.config import ModelConfig
+from engine.loader import list_weight_files, load_model_config, read_tensor_names
+from engine.models.decoder import rope_inv_freq
+from quant.awq import AWQSettings
+from quant.calib import EOT, ModelSpec, calib_tokens, read_calib_file
+from quant.gptq import GPTQSettings
+from quant.quantize import FORMATS, METHODS, QuantizeConfig, SourceModel, quantize_model
+
+logger = logging.getLogger("quant_serve")
+
+COPY_PATTERNS = ["tokenizer*", "special_tokens_map.json", "vocab.json", "vocab.txt", "merges.txt",
+                 "added_tokens.json", "*.jinja", "chat_template.json", "generation_config.json"]
+CALIB_HELP = ("pass --calib FILE: plain text (documents separated by blank lines or <|endoftext|>) or JSONL with a "
+              "\"text\" field, e.g. from `python bench/make_calib.py calib.jsonl`; quant-serve never downloads "
+              "calibration data")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("quantize", help="quantize a model's linear layers to INT4 (RTN, AWQ or GPTQ) and "
+                                               "write a standard AWQ / GPTQ / compressed-tensors checkpoint")
+    p.add_argument("model_dir", metavar="MODEL_DIR", help="unquantized checkpoint (config.json + safetensors)")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="where to write the quantized checkpoint")
+    p.add_argument("--method", choices=METHODS, default="awq")
+    p.add_argument("--group-size", type=int, default=128, help="input channels per scale (-1: one group)")
+    sym = p.add_mutually_exclusive_group()
+    sym.add_argument("--sym", dest="sym", action="store_true", default=None,
+                     help="symmetric, z = 8 (default for gptq)")
+    sym.add_argument("--asym", dest="sym", action="store_false", help="zero point per group (default for rtn, awq)")
+    p.add_argument("--format", choices=FORMATS, default=None,
+                   help="checkpoint format (default: awq for asym rtn/awq, gptq for sym, gptq_v2 for asym gptq)")
+    p.add_argument("--calib", default=None, metavar="FILE", help="calibration text (awq, gptq): " + CALIB_HELP)
+    p.add_argument("--calib-samples", type=int, default=128, help="calibration windows")
+    p.add_argument("--calib-seq-len", type=int, default=512, help="tokens per calibration window")
+    p.add_argument("--act-order", action="store_true", help="gptq: quantize columns by descending Hessian diagonal")
+    p.add_argument("--static-groups", action="store_true",
+                   help="gptq --act-order: keep groups in the original order (g_idx = k // G; vLLM-friendly)")
+    p.add_argument("--damp-percent", type=float, default=0.01, help="gptq: damping, fraction of mean diag(H)")
+    p.add_argument("--device", default="auto", help="compute device: auto (cuda if available), cuda, cpu, cuda:1")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
+    p.set_defaults(func=cmd_quantize)
+
+
+def cmd_quantize(args) -> int:
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    cfg = QuantizeConfig(method=args.method, group_size=args.group_size, sym=args.sym, format=args.format,
+                         device=device, awq=AWQSettings(),
+                         gptq=GPTQSettings(damp_percent=args.damp_percent, act_order=args.act_order,
+                                           static_groups=args.static_groups))
+    sym, fmt = cfg.resolved()
+    if (args.act_order or args.static_groups) and args.method != "gptq":
+        raise ValueError("--act-order and --static-groups apply to --method gptq only")
+    model_dir = Path(args.model_dir)
+    source = load_source(model_dir)
+    calib = None
+    if args.method != "rtn":
+        if args.calib is None:
+            raise ValueError(f"--method {args.method} needs calibration text: {CALIB_HELP}")
+        calib = tokenize_calib(model_dir, args.calib, args.calib_samples, args.calib_seq_len)
+        logger.info("calibration: %d windows of %d tokens from %s", calib.shape[0], calib.shape[1], args.calib)
+    logger.info("quantizing %s with %s (%s, group %d) on %s into %s format", model_dir, args.method,
+                "sym" if sym else "asym", args.group_size, device, fmt)
+    quantize_model(source, calib, cfg, args.out_dir, overwrite=args.overwrite)
+    print(f"wrote {args.out_dir} ({fmt}); run it with: quant-serve generate --model {args.out_dir} --prompt ...")
+    return 0
+
+
+def model_spec(cfg: ModelConfig) -> ModelSpec:
+    if cfg.hidden_act not in ("silu", "swish"):
+        raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r} (supported: silu)")
+    return ModelSpec(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, num_layers=cfg.num_layers,
+                     num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                     rms_norm_eps=cfg.rms_norm_eps,
+                     inv_freq=rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
+                     tie_word_embeddings=cfg.tie_word_embeddings)
+
+
+def load_source(model_dir: Path) -> SourceModel:
+    cfg, raw = load_model_config(model_dir)
+    names = read_tensor_names(list_weight_files(model_dir))
+
+    def read(name: str) -> torch.Tensor:
+        with safe_open(str(names[name]), framework="pt") as f:
+            return f.get_tensor(name)
+
+    extra = sorted({p for pattern in COPY_PATTERNS for p in Path(model_dir).glob(pattern) if p.is_file()})
+    return SourceModel(model_spec(cfg), raw, list(names), read, extra)
+
+
+def tokenize_calib(model_dir: Path, path: str, samples: int, seq_len: int) -> torch.Tensor:
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    docs = read_calib_file(path)
+    if EOT in tok.get_vocab():
+        separator = tok.encode(f"\n{EOT}\n", add_special_tokens=False)
+    else:
+        separator = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    return calib_tokens(docs, lambda text: tok.encode(text, add_special_tokens=False), samples, seq_len, separator)

@@ -1,0 +1,129 @@
+"""POST /v1/chat/completions: the tokenizer's chat template, n, stop, logprobs / top_logprobs, streaming with the
+role in each choice's first content chunk."""
+import time
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from server.protocol import (APIError, ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
+                             ChatCompletionStreamResponse, ChatLogProbs, ChatMessage, ChatResponseMessage,
+                             ChatStreamChoice, PromptTokensDetails, UsageInfo, random_id)
+from server.serving import SSE_DONE, ServingContext, make_sampling_params, sse, sse_error, unless_disconnected
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict]:
+    out = []
+    for i, m in enumerate(messages):
+        content = m.content
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise APIError(400, f"content part type {part.type!r} is not supported (only text)",
+                                   param=f"messages.{i}.content")
+                parts.append(part.text)
+            content = "\n".join(parts)
+        message = {"role": m.role, "content": content or ""}
+        if m.name is not None:
+            message["name"] = m.name
+        out.append(message)
+    return out
+
+
+def render_chat(ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                continue_final_message: bool = False, template_kwargs: dict | None = None) -> str:
+    if ctx.tokenizer.chat_template is None:
+        raise APIError(400, "the model has no chat template; use /v1/completions", param="messages")
+    if add_generation_prompt and continue_final_message:
+        raise APIError(400, "add_generation_prompt and continue_final_message cannot both be true",
+                       param="continue_final_message")
+    try:
+        return ctx.tokenizer.apply_chat_template(
+            message_dicts(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, **(template_kwargs or {}))
+    except APIError:
+        raise
+    except Exception as e:    # the template raised (jinja raise_exception, a bad role, a missing field)
+        raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from e
+
+
+async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request):
+    arrival = time.time()
+    model = ctx.check_model(req.model)
+    ctx.check_n(req.n)
+    if req.top_logprobs and not req.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+    prompt = render_chat(ctx, req.messages, req.add_generation_prompt, req.continue_final_message,
+                         req.chat_template_kwargs)
+    # The template already holds any special tokens the model wants.
+    token_ids = ctx.tokenizer.encode(prompt, add_special_tokens=False)
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_tokens = ctx.resolve_max_tokens(requested, len(token_ids), "messages")
+    num_top = req.top_logprobs or 0
+    params = make_sampling_params(req, max_tokens, logprobs=num_top if req.logprobs else None)
+    request_id = random_id("chatcmpl")
+    stream = ctx.submit([(request_id, token_ids, params)], req.n, arrival)
+    if req.stream:
+        return StreamingResponse(_stream(ctx, req, model, request_id, stream), media_type="text/event-stream")
+    try:
+        out = await unless_disconnected(raw, _last(stream))
+    finally:
+        stream.close()
+    choices = []
+    for c in out.outputs:
+        logprobs = ChatLogProbs(content=ctx.chat_logprobs(c.logprobs or [], num_top)) if req.logprobs else None
+        choices.append(ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text), logprobs=logprobs,
+                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+    completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+    usage = UsageInfo(prompt_tokens=len(token_ids), completion_tokens=completion_tokens,
+                      total_tokens=len(token_ids) + completion_tokens,
+                      prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens))
+    return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+
+
+async def _last(stream):
+    last = None
+    async for out in stream:
+        last = out
+    return last
+
+
+async def _stream(ctx: ServingContext, req: ChatCompletionRequest, model: str, request_id: str, stream):
+    created = int(time.time())
+    num_top = req.top_logprobs or 0
+    started: set[int] = set()
+    done: set[int] = set()
+    usage = UsageInfo(prompt_tokens_details=PromptTokensDetails())
+    try:
+        async for out in stream:
+            for c in out.outputs:
+                if c.index in done:
+                    continue
+                usage.completion_tokens += len(c.delta_token_ids)
+                carries_logprobs = bool(req.logprobs and c.delta_logprobs)
+                if not (c.delta_text or c.finished or carries_logprobs):
+                    continue    # text held back by a possible stop string: no empty (or role-only) chunk
+                delta = {"content": c.delta_text}
+                if c.index not in started:
+                    delta = {"role": "assistant", **delta}
+                    started.add(c.index)
+                if c.finished:
+                    done.add(c.index)
+                logprobs = ChatLogProbs(content=ctx.chat_logprobs(c.delta_logprobs or [], num_top)) \
+                    if req.logprobs else None
+                choice = ChatStreamChoice(index=c.index, delta=delta, logprobs=logprobs,
+                                          finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                yield sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model,
+                                                       choices=[choice]))
+            if out.finished:
+                usage.prompt_tokens = len(out.prompt_token_ids)
+                usage.prompt_tokens_details.cached_tokens = out.num_cached_tokens
+        if req.stream_options and req.stream_options.include_usage:
+            usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+            yield sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
+                                                   usage=usage))
+    except Exception as e:
+        yield sse_error(e)
+    finally:
+        stream.close()
+    yield SSE_DONE

@@ -1,0 +1,81 @@
+"""Bad input gets a clear error that names the problem."""
+import json
+import shutil
+
+import pytest
+
+from engine.sampling_params import SamplingParams
+from helpers import assert_all_blocks_free, make_engine
+
+from conftest import TINY
+
+
+def _copy_config(tmp_path, **changes):
+    config = json.loads((TINY / "config.json").read_text())
+    config.update(changes)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TINY / name, tmp_path / name)
+    return tmp_path
+
+
+def test_model_dir_without_weights(tmp_path):
+    _copy_config(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors weights in .*config\.json"):
+        make_engine(tmp_path)
+
+
+def test_missing_model_dir(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        make_engine(tmp_path / "nope")
+
+
+def test_truncated_safetensors(tmp_path):
+    _copy_config(tmp_path)
+    data = (TINY / "model-00001-of-00004.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=r"model\.safetensors.*truncated"):
+        make_engine(tmp_path)
+
+
+def test_unsupported_architecture(tmp_path):
+    _copy_config(tmp_path, architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    with pytest.raises(ValueError, match="unsupported architecture.*GPT2LMHeadModel.*supported: LlamaForCausalLM"):
+        make_engine(tmp_path)
+
+
+def test_missing_tensor_is_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+    _copy_config(tmp_path)
+    tensors = {}
+    for f in sorted(TINY.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    del tensors["model.layers.3.mlp.up_proj.weight"]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"missing 1 tensors.*model\.layers\.3\.mlp\.gate_up_proj \(shard 1\)"):
+        make_engine(tmp_path)
+
+
+def test_prompt_longer_than_max_model_len():
+    engine = make_engine(TINY, max_model_len=64)
+    with pytest.raises(ValueError, match="prompt has 80 tokens, but max_model_len is 64"):
+        engine.add_request("long", list(range(3, 83)), SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request("bad", [5, 99999], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="max_tokens must be at least 1"):
+        SamplingParams(max_tokens=0)
+    assert not engine.has_unfinished_requests()
+    assert_all_blocks_free(engine)
+
+
+def test_max_model_len_above_model_limit():
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings 2048"):
+        make_engine(TINY, max_model_len=4096)
+
+
+def test_generation_stops_at_max_model_len():
+    engine = make_engine(TINY, max_model_len=40)
+    out = engine.generate([list(range(3, 33))], SamplingParams(max_tokens=100, ignore_eos=True))[0]
+    assert out.outputs[0].finish_reason == "length"
+    assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 40
+    assert_all_blocks_free(engine)

@@ -1,0 +1,163 @@
+"""Paged attention, KV store and RoPE Triton kernels vs their torch twins (kernels/attention_ref.py).
+
+On CPU the kernels run under TRITON_INTERPRET=1 on tiny shapes; on a GPU machine the same tests run compiled,
+and the `gpu` tests add Qwen2.5-7B attention shapes.
+"""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")   # before any kernel module is imported (decoration time)
+
+from kernels.attention_ref import (build_cos_sin_cache, paged_attention_ref, rope_store_kv_ref,  # noqa: E402
+                                   store_kv_ref)
+from kernels.interpret import patch_triton_interpreter  # noqa: E402
+from kernels.paged_attention import (DecodeConfig, paged_attention, paged_decode, paged_prefill,  # noqa: E402
+                                     rope_store_kv_triton, store_kv_triton)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+patch_triton_interpreter()
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+TOL = {torch.float16: 3e-3, torch.bfloat16: 2e-2}
+BS = 16
+
+
+def make_cache(num_blocks, num_kv_heads, head_dim, dtype, scale, gen):
+    """Random K and V caches in `dtype` holding values of about unit size once dequantized."""
+    shape = (num_blocks, BS, num_kv_heads, head_dim)
+    k, v = (torch.randn(shape, generator=gen) for _ in range(2))
+    if dtype in (E4M3, E5M2):
+        return (k / scale).to(dtype).to(DEV), (v / scale).to(dtype).to(DEV)
+    return k.to(dtype).to(DEV), v.to(dtype).to(DEV)
+
+
+def make_batch(seq_lens, q_lens, num_blocks, gen):
+    """Block tables drawn from a shuffled pool (non-contiguous, shared pool), seq_lens, query_start_loc."""
+    max_blocks = max(-(-s // BS) for s in seq_lens)
+    pool = torch.randperm(num_blocks, generator=gen)
+    tables = pool[: len(seq_lens) * max_blocks].view(len(seq_lens), max_blocks).to(torch.int32)
+    qsl = torch.tensor([0] + list(q_lens), dtype=torch.int32).cumsum(0).to(torch.int32)
+    return tables.to(DEV), torch.tensor(seq_lens, dtype=torch.int32, device=DEV), qsl.to(DEV)
+
+
+def rel_err(y, ref):
+    return ((y.float().cpu() - ref.float().cpu()).norm() / ref.float().cpu().norm()).item()
+
+
+def as_scale(value, tensor):
+    return torch.tensor(value, dtype=torch.float32, device=DEV) if tensor else value
+
+
+@pytest.mark.parametrize("cache_dtype,scale,tensor_scale", [
+    (torch.float16, 1.0, False), (torch.bfloat16, 1.0, False), (E4M3, 0.02, True), (E5M2, 0.5, False)])
+def test_store_kv_matches_twin(cache_dtype, scale, tensor_scale):
+    gen = torch.Generator().manual_seed(1)
+    key = (torch.randn(7, 2, 24, generator=gen) * 4).to(torch.float16).to(DEV)   # 4 sigma * 1/0.02 > e4m3 max
+    value = torch.randn(7, 2, 24, generator=gen).to(torch.float16).to(DEV)
+    slots = torch.tensor([3, -1, 17, 40, -1, 0, 63], dtype=torch.int64, device=DEV)
+    ours = make_cache(4, 2, 24, cache_dtype, 1.0, gen)
+    ref = tuple(c.clone() for c in ours)
+    s = as_scale(scale, tensor_scale)
+    store_kv_triton(key, value, *ours, slots, s, s)
+    store_kv_ref(key, value, *ref, slots, s, s)
+    for a, b in zip(ours, ref):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float16, torch.float16), (torch.bfloat16, E4M3)])
+def test_rope_store_kv_matches_twin(dtype, cache_dtype):
+    gen = torch.Generator().manual_seed(2)
+    t, hq, hkv, d = 5, 6, 2, 32
+    cos_sin = build_cos_sin_cache(64, d, base=10000.0, device=DEV)
+    q, k, v = (torch.randn(t, h, d, generator=gen).to(dtype).to(DEV) for h in (hq, hkv, hkv))
+    positions = torch.tensor([0, 7, 8, 33, 63], device=DEV)
+    slots = torch.tensor([5, -1, 6, 20, 31], device=DEV)
+    caches = make_cache(2, hkv, d, cache_dtype, 1.0, gen)
+    ref_caches = tuple(c.clone() for c in caches)
+    q_ref, k_ref, v_ref = q.clone(), k.clone(), v.clone()
+    scale = as_scale(0.05, True)
+    rope_store_kv_triton(q, k, v, positions, cos_sin, *caches, slots, scale, scale)
+    rope_store_kv_ref(q_ref, k_ref, v_ref, positions, cos_sin, *ref_caches, slots, scale, scale)
+    # fp32 rounding may differ by an ulp (fused multiply-add), which can move a value by one step of its dtype
+    torch.testing.assert_close(q, q_ref, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(k, k_ref, rtol=1e-2, atol=1e-2)
+    for a, b in zip(caches, ref_caches):
+        torch.testing.assert_close(a.float(), b.float(), rtol=0.13, atol=0.02)
+
+
+@pytest.mark.parametrize("hq,hkv,dtype,cache_dtype,splits", [
+    (4, 2, torch.float16, torch.float16, 1),
+    (4, 2, torch.float16, E4M3, 3),
+    (3, 3, torch.bfloat16, E5M2, 2),
+    (7, 1, torch.bfloat16, torch.bfloat16, 4),
+])
+def test_decode_matches_twin(hq, hkv, dtype, cache_dtype, splits):
+    gen = torch.Generator().manual_seed(hq * 10 + splits)
+    d, seq_lens = 32, [1, 17, 40]
+    scale = 0.3 if cache_dtype in (E4M3, E5M2) else 1.0
+    k_cache, v_cache = make_cache(12, hkv, d, cache_dtype, scale, gen)
+    tables, lens, qsl = make_batch(seq_lens, [1, 1, 1], 12, gen)
+    q = torch.randn(3, hq, d, generator=gen).to(dtype).to(DEV)
+    s = as_scale(scale, splits % 2 == 1)
+    out = paged_decode(q, k_cache, v_cache, tables, lens, qsl, d ** -0.5, s, s,
+                       DecodeConfig(block_n=16, num_splits=splits))
+    ref = paged_attention_ref(q.float(), k_cache, v_cache, tables, lens, qsl, d ** -0.5, s, s)
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("hq,hkv,dtype,cache_dtype", [
+    (6, 2, torch.float16, torch.float16), (4, 4, torch.bfloat16, E5M2), (4, 1, torch.float16, E4M3)])
+def test_prefill_matches_twin(hq, hkv, dtype, cache_dtype):
+    gen = torch.Generator().manual_seed(hq + hkv)
+    d = 32
+    seq_lens, q_lens = [5, 30, 36, 3], [5, 1, 20, 0]          # no prefix, a decode row, chunk after a prefix, idle
+    scale = 0.25 if cache_dtype in (E4M3, E5M2) else 1.0
+    k_cache, v_cache = make_cache(12, hkv, d, cache_dtype, scale, gen)
+    tables, lens, qsl = make_batch(seq_lens, q_lens, 12, gen)
+    q = torch.randn(sum(q_lens), hq, d, generator=gen).to(dtype).to(DEV)
+    out = paged_prefill(q, k_cache, v_cache, tables, lens, qsl, d ** -0.5, scale, scale, block_m=32, block_n=16,
+                        num_warps=4)
+    ref = paged_attention_ref(q.float(), k_cache, v_cache, tables, lens, qsl, d ** -0.5, scale, scale)
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+def test_dispatchers_use_twins_on_cpu():
+    gen = torch.Generator().manual_seed(3)
+    k_cache, v_cache = (c.cpu() for c in make_cache(4, 1, 16, torch.float32, 1.0, gen))
+    tables = torch.tensor([[2, 0]], dtype=torch.int32)
+    q = torch.randn(3, 2, 16, generator=gen)
+    args = (q, k_cache, v_cache, tables, torch.tensor([20], dtype=torch.int32),
+            torch.tensor([0, 3], dtype=torch.int32), 0.25)
+    assert torch.equal(paged_attention(*args), paged_attention_ref(*args))
+
+
+# ---- GPU: Qwen2.5-7B attention shapes (28 q heads, 4 kv heads, head_dim 128) ----
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", [torch.float16, E4M3, E5M2])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_qwen_decode_prefill_store(dtype, cache_dtype):
+    gen = torch.Generator().manual_seed(4)
+    hq, hkv, d = 28, 4, 128
+    scale = 0.4 if cache_dtype in (E4M3, E5M2) else 1.0
+    k_cache, v_cache = make_cache(2048, hkv, d, cache_dtype, scale, gen)
+    seq_lens = [1, 15, 16, 17, 300, 1000, 4095, 2048]
+    s = as_scale(scale, True)
+    tables, lens, qsl = make_batch(seq_lens, [1] * 8, 2048, gen)
+    q = torch.randn(8, hq, d, generator=gen).to(dtype).to(DEV)
+    ref = paged_attention_ref(q.float(), k_cache, v_cache, tables, lens, qsl, d ** -0.5, s, s)
+    assert rel_err(paged_attention(q, k_cache, v_cache, tables, lens, qsl, d ** -0.5, s, s), ref) < TOL[dtype]
+    q_lens = [1, 15, 1, 17, 300, 1, 512, 0]                    # mixed chunks, prefixes and decode rows
+    tables, lens, qsl = make_batch(seq_lens, q_lens, 2048, gen)
+    q = torch.randn(sum(q_lens), hq, d, generator=gen).to(dtype).to(DEV)
+    ref = paged_attention_ref(q.float(), k_cache, v_cache, tables, lens, qsl, d ** -0.5, s, s)
+    assert rel_err(paged_attention(q, k_cache, v_cache, tables, lens, qsl, d ** -0.5, s, s), ref) < TOL[dtype]
+    key, value = (torch.randn(64, hkv, d, generator=gen).to(dtype).to(DEV) * 3 for _ in range(2))
+    slots = torch.randperm(2048 * BS, generator=gen)[:64].to(DEV)
+    slots[::5] = -1
+    ours = (k_cache.clone(), v_cache.clone())
+    store_kv_triton(key, value, *ours, slots, s, s)
+    store_kv_ref(key, value, k_cache, v_cache, slots, s, s)
+    assert torch.equal(ours[0].view(torch.uint8), k_cache.view(torch.uint8))
+    assert torch.equal(ours[1].view(torch.uint8), v_cache.view(torch.uint8))

@@ -1,0 +1,153 @@
+"""W4A16 Triton kernels vs the torch twin (kernels/w4a16_ref.py).
+
+On CPU the Triton kernels run under TRITON_INTERPRET=1 on tiny shapes; on a GPU machine the same tests run the
+compiled kernels, and the `gpu` tests add the Qwen2.5-7B layer shapes.
+"""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")   # before any kernel module is imported (decoration time)
+
+from kernels.interpret import patch_triton_interpreter  # noqa: E402
+from kernels.w4a16 import prepare_w4a16, standard_layout, w4a16_forward, w4a16_matmul  # noqa: E402
+from kernels.w4a16_gemm import w4a16_dequantize  # noqa: E402
+from kernels.w4a16_ref import dequantize_w4, pack_int4_cols, pack_int4_rows, w4a16_matmul_ref  # noqa: E402
+from kernels.w4a16_tuning import W4A16Config  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+patch_triton_interpreter()
+
+
+def make_weights(k, n, group_size, zeros, act_order, dtype, seed=0, device=DEV):
+    g = torch.Generator().manual_seed(seed)
+    gs = k if group_size <= 0 else group_size
+    groups = -(-k // gs)
+    qweight = pack_int4_rows(torch.randint(0, 16, (k, n), generator=g))
+    scales = (torch.rand(groups, n, generator=g) * 0.02 + 0.005).to(dtype)
+    qzeros = None
+    if zeros:
+        z = torch.randint(0, 16, (groups, -(-n // 8) * 8), generator=g)
+        qzeros = pack_int4_cols(z)
+    perm = torch.randperm(k, generator=g) if act_order else None
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return to(qweight), to(scales), to(qzeros), group_size, to(perm)
+
+
+def reference(x, qweight, scales, qzeros, group_size, perm, bias):
+    """fp32 result of the twin's formula."""
+    return w4a16_matmul_ref(x.cpu().float(), qweight.cpu(), scales.cpu(), None if qzeros is None else qzeros.cpu(),
+                            group_size, None if perm is None else perm.cpu(),
+                            None if bias is None else bias.cpu())
+
+
+def rel_err(y, ref):
+    return ((y.cpu().float() - ref).norm() / ref.norm()).item()
+
+
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+@pytest.mark.parametrize("k,pack_k,group_size", [(256, 128, 32), (200, 128, -1), (512, 256, 64)])
+def test_layout_roundtrip_and_dequant_exact(k, pack_k, group_size):
+    qweight, scales, qzeros, gs, _ = make_weights(k, 72, group_size, True, False, torch.float16)
+    w = prepare_w4a16(qweight, scales, qzeros, gs, pack_k=pack_k)
+    back = standard_layout(w)
+    assert torch.equal(back[0], qweight)
+    for dtype in (torch.float32, torch.float16):
+        dense = w4a16_dequantize(w, dtype, block_n=32)
+        assert torch.equal(dense.cpu(), dequantize_w4(qweight.cpu(), scales.cpu(), qzeros.cpu(), gs, dtype))
+
+
+def test_prepare_rejects_group_not_multiple_of_slice():
+    qweight, scales, qzeros, gs, _ = make_weights(512, 16, 32, True, False, torch.float16)
+    with pytest.raises(ValueError):
+        prepare_w4a16(qweight, scales, qzeros, gs, pack_k=512)
+
+
+@pytest.mark.parametrize("m,dtype,group_size,zeros,split_k", [
+    (1, torch.float16, 128, True, 1),
+    (1, torch.bfloat16, 32, False, 3),
+    (3, torch.float16, -1, True, 2),
+])
+def test_gemv_matches_twin(m, dtype, group_size, zeros, split_k):
+    k, n = 384, 100                                      # K not a multiple of pack_k, N not a multiple of 32
+    qweight, scales, qzeros, gs, _ = make_weights(k, n, group_size, zeros, False, dtype, seed=m)
+    w = prepare_w4a16(qweight, scales, qzeros, gs)
+    x = torch.randn(m, k, dtype=dtype, device=DEV)
+    bias = torch.randn(n, dtype=dtype, device=DEV)
+    y = w4a16_forward(x, w, bias, W4A16Config("gemv", 1, 32, split_k))
+    ref = reference(x, qweight, scales, qzeros, gs, None, bias)
+    assert y.dtype == dtype and y.shape == (m, n)
+    assert rel_err(y, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("m,dtype,group_size,zeros,act_order,block_m,split_k", [
+    (5, torch.float16, 64, True, False, 16, 1),
+    (7, torch.bfloat16, 128, True, True, 16, 4),
+    (33, torch.float16, 32, False, True, 32, 2),
+])
+def test_gemm_matches_twin(m, dtype, group_size, zeros, act_order, block_m, split_k):
+    k, n = 256, 72
+    qweight, scales, qzeros, gs, perm = make_weights(k, n, group_size, zeros, act_order, dtype, seed=m)
+    w = prepare_w4a16(qweight, scales, qzeros, gs, perm)
+    x = torch.randn(m, k, dtype=dtype, device=DEV)
+    y = w4a16_forward(x, w, None, W4A16Config("gemm", block_m, 32, split_k))
+    ref = reference(x, qweight, scales, qzeros, gs, perm, None)
+    assert rel_err(y, ref) < TOL[dtype]
+
+
+def test_dequant_path_matches_twin():
+    qweight, scales, qzeros, gs, perm = make_weights(256, 40, 128, True, True, torch.bfloat16)
+    w = prepare_w4a16(qweight, scales, qzeros, gs, perm)
+    x = torch.randn(9, 256, dtype=torch.bfloat16, device=DEV)
+    bias = torch.randn(40, dtype=torch.bfloat16, device=DEV)
+    y = w4a16_forward(x, w, bias, W4A16Config("dequant"))
+    assert rel_err(y, reference(x, qweight, scales, qzeros, gs, perm, bias)) < TOL[torch.bfloat16]
+
+
+def test_dispatcher_cpu_uses_twin_on_both_layouts():
+    qweight, scales, qzeros, gs, perm = make_weights(256, 48, 64, True, True, torch.float16, device="cpu")
+    x = torch.randn(2, 3, 256, dtype=torch.float16)
+    ref = w4a16_matmul_ref(x.reshape(6, 256), qweight, scales, qzeros, gs, perm).reshape(2, 3, 48)
+    assert torch.equal(w4a16_matmul(x, qweight, scales, qzeros, gs, perm), ref)
+    w = prepare_w4a16(qweight, scales, qzeros, gs, perm)
+    assert torch.equal(w4a16_matmul(x, w), ref)
+
+
+# ---- GPU: real layer shapes, every path, through the dispatcher and with each path forced ----
+QWEN_SHAPES = [(3584, 4608), (3584, 3584), (3584, 37888), (18944, 3584)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,n", QWEN_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_qwen_shapes_all_paths(k, n, dtype):
+    qweight, scales, qzeros, gs, _ = make_weights(k, n, 128, True, False, dtype, seed=k + n)
+    w = prepare_w4a16(qweight, scales, qzeros, gs)
+    dense = dequantize_w4(qweight, scales, qzeros, gs, torch.float32)                # on the GPU
+    assert torch.equal(w4a16_dequantize(w, torch.float32), dense)
+    for m in (1, 4, 16, 64, 256, 1024):
+        x = torch.randn(m, k, dtype=dtype, device="cuda")
+        ref = x.float() @ dense
+        for cfg in (None, W4A16Config("gemv", 1, 128, 4), W4A16Config("gemm", 16 if m <= 16 else 64, 128, 2),
+                    W4A16Config("dequant")):
+            if cfg is not None and cfg.path == "gemv" and m > 16:
+                continue
+            y = w4a16_forward(x, w, None, cfg)
+            err = ((y.float() - ref).norm() / ref.norm()).item()
+            assert err < TOL[dtype], (m, cfg, err)
+
+
+@pytest.mark.gpu
+def test_gpu_act_order_bias_sym():
+    qweight, scales, qzeros, gs, perm = make_weights(4096, 1024, 128, False, True, torch.float16)
+    w = prepare_w4a16(qweight, scales, qzeros, gs, perm)
+    bias = torch.randn(1024, dtype=torch.float16, device="cuda")
+    for m in (1, 13, 100, 3000):
+        x = torch.randn(m, 4096, dtype=torch.float16, device="cuda")
+        ref = reference(x, qweight, scales, qzeros, gs, perm, bias)
+        assert rel_err(w4a16_matmul(x, w, bias=bias), ref) < TOL[torch.float16]
+        assert rel_err(w4a16_matmul(x, qweight, scales, qzeros, gs, perm, bias), ref) < TOL[torch.float16]

@@ -1,0 +1,127 @@
+"""Failure paths: a full waiting queue (503), an engine failure of one request (500, the server lives on), a step
+that fails, and `serve` without a model."""
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+import server.cli
+from conftest import TINY, TINY_AWQ
+from helpers import assert_all_blocks_free, make_engine
+from server.app import build_app
+from server.cli_serve import startup_report
+from test_server_common import assert_error_shape, running_server, wait_until
+
+LONG = {"prompt": "Once upon a time", "max_tokens": 240, "ignore_eos": True, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def queue_server(tmp_path_factory):
+    args = [str(TINY), "--num-gpu-blocks-override", "64", "--max-model-len", "256", "--max-num-seqs", "1",
+            "--max-queued-requests", "1", "--dtype", "float32"]
+    with running_server(args, tmp_path_factory.mktemp("queue") / "server.log") as s:
+        yield s
+
+
+def test_full_waiting_queue_is_503_with_retry_after(queue_server):
+    url = queue_server.url + "/v1/completions"
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", url, json={**LONG, "stream": True}) as running:
+            assert running.status_code == 200
+            print(next(running.iter_lines()))
+            assert wait_until(lambda: queue_server.health()["num_requests_running"] == 1, 10), queue_server.health()
+            with http.stream("POST", url, json={**LONG, "stream": True}) as waiting:
+                assert waiting.status_code == 200
+                assert wait_until(lambda: queue_server.health()["num_requests_waiting"] == 1, 10)
+                for stream in (False, True):    # a stream is refused before it starts, not with 200 + error event
+                    refused = http.post(url, json={**LONG, "stream": stream})
+                    error = assert_error_shape(refused, 503, "queue_full")
+                    assert refused.headers["retry-after"] == "1" and error["type"] == "server_error"
+                assert queue_server.health()["num_requests_waiting"] == 1
+    assert wait_until(queue_server.pool_is_whole, 10), queue_server.health()
+    again = httpx.post(url, json={**LONG, "max_tokens": 2}, timeout=60)
+    assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 2
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return make_engine(TINY, num_blocks=64, max_model_len=256, max_num_seqs=8)
+
+
+def _completion(client, prompt: str, max_tokens: int, **kw):
+    return client.post("/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+                                                "temperature": 0, **kw})
+
+
+def test_failure_in_one_requests_output_is_500_and_spares_the_others(engine, monkeypatch):
+    bad_prompt = engine.tokenizer.encode("BOOM goes this request")
+    real_step = engine.step
+
+    class Exploding:
+        def __bool__(self):
+            raise RuntimeError("boom while processing this output")
+
+    def step():
+        outputs = real_step()
+        for out in outputs:
+            if out.prompt_token_ids == bad_prompt and len(out.outputs[0].token_ids) == 3:   # mid-generation
+                out.finished = Exploding()
+        return outputs
+
+    monkeypatch.setattr(engine, "step", step)
+    with TestClient(build_app(engine, ["tiny"]), raise_server_exceptions=False) as client:
+        with ThreadPoolExecutor(2) as pool:
+            good = pool.submit(_completion, client, "Once upon a time", 60)
+            started = wait_until(lambda: client.get("/health").json()["num_requests_running"] == 1, 10)
+            bad = pool.submit(_completion, client, "BOOM goes this request", 60)
+            bad, good = bad.result(), good.result()
+        assert started
+        error = assert_error_shape(bad, 500, "internal_error")
+        assert "boom while processing this output" in error["message"]
+        assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 60
+
+        streamed = _completion(client, "BOOM goes this request", 60, stream=True)
+        assert streamed.status_code == 200
+        events = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: ")]
+        assert '"error"' in events[-2] and "boom" in events[-2] and events[-1] == "[DONE]"
+
+        assert _completion(client, "Once upon a time", 5).status_code == 200
+        assert client.get("/health").status_code == 200
+    assert_all_blocks_free(engine)
+
+
+def test_failed_step_fails_the_requests_in_flight_and_the_server_lives_on(engine, monkeypatch):
+    real_execute = engine.runner.execute
+    calls = {"n": 0}
+    lock = threading.Lock()
+
+    def execute(out):
+        with lock:
+            calls["n"] += 1
+            if calls["n"] == 4:         # a few tokens in: blocks are allocated
+                raise RuntimeError("kernel exploded")
+        return real_execute(out)
+
+    monkeypatch.setattr(engine.runner, "execute", execute)
+    with TestClient(build_app(engine, ["tiny"]), raise_server_exceptions=False) as client:
+        error = assert_error_shape(_completion(client, "Once upon a time", 20), 500, "internal_error")
+        assert "kernel exploded" in error["message"]
+        after = _completion(client, "Once upon a time", 5)
+        assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 5
+    assert_all_blocks_free(engine)
+
+
+def test_serve_without_a_model_fails_clearly(monkeypatch, capsys):
+    monkeypatch.setattr(server.cli, "demo_model_dir", lambda: None)
+    assert server.cli.main(["serve", "--port", "1"]) == 2
+    assert "no MODEL given and the bundled demo model is not installed" in capsys.readouterr().err
+
+
+def test_startup_report_names_the_quantization():
+    engine = make_engine(TINY_AWQ, num_blocks=64, max_model_len=256, dtype="auto")
+    loaded, memory, kv = startup_report(engine)
+    assert "awq" in loaded and "4-bit" in loaded and "group 128" in loaded
+    assert "weights" in memory and "KV cache 8.0 MiB" in memory
+    assert kv == "KV cache: 1024 tokens, max concurrency 4.0 at 256 tokens"
