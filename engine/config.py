@@ -39,6 +39,7 @@ class CacheConfig:
     num_gpu_blocks: int | None = None      # exact block count (tests); None = from kv_cache_memory_gb or the plan
     kv_cache_dtype: str = "auto"           # auto | fp16 | bf16 | fp8 | fp8_e4m3 | fp8_e5m2
     gpu_memory_utilization: float = 0.90
+    gpu_memory_gb: float | None = None      # plan for a card of this size (emulate a 24 GB card); None = the real one
     kv_cache_memory_gb: float | None = None  # explicit KV pool size; None = planned on CUDA, 1 GiB on the CPU path
     enable_prefix_caching: bool = True
 

@@ -10,6 +10,7 @@ from tqdm import tqdm
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.memory import kv_dtype_bytes, plan_memory
 from engine.loader import default_device, load_model, load_model_config, pick_dtype, resolve_model_dir
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -51,6 +52,7 @@ class LLMEngine:
         quantized = self.model_config.quantization_config is not None and config.quantization != "none"
         self.dtype = pick_dtype(config.dtype, self.model_config, self.device, quantized)
         self.max_model_len = self._max_model_len()
+        self.memory_plan = None
         config.scheduler.max_model_len = self.max_model_len
         torch.manual_seed(config.seed)
         self.model, self.quant_config = load_model(self.model_dir, self.model_config, self.dtype, self.device,
@@ -86,26 +88,39 @@ class LLMEngine:
         return wanted
 
     def _num_kv_blocks(self) -> int:
+        """Exact count when given; on CUDA the memory plan (same function as `quant-serve plan`); else a pool size."""
         cache = self.config.cache
-        cfg = self.model_config
-        kv_dtype_bytes = 1 if cache.kv_cache_dtype.startswith("fp8") else (
-            self.dtype.itemsize if cache.kv_cache_dtype == "auto" else 2)
-        per_block = 2 * cfg.num_layers * cache.block_size * cfg.num_kv_heads * cfg.head_dim * kv_dtype_bytes
         if cache.num_gpu_blocks is not None:
             num_blocks = cache.num_gpu_blocks
-        elif cache.kv_cache_memory_gb is not None or self.device == "cpu":
-            num_blocks = int((cache.kv_cache_memory_gb or 1.0) * 2**30) // per_block
+        elif self.device != "cpu" and cache.kv_cache_memory_gb is None:
+            num_blocks = self._planned_blocks()
         else:
-            free, total = torch.cuda.mem_get_info()
-            reserve = total * (1 - cache.gpu_memory_utilization) + 512 * 2**20   # activations and graphs
-            num_blocks = max(0, int(free - reserve)) // per_block
-        needed = -(-self.max_model_len // cache.block_size)
-        if num_blocks < needed:
-            fit = num_blocks * cache.block_size
+            cfg = self.model_config
+            kv_bytes = kv_dtype_bytes(cache.kv_cache_dtype, self.dtype)
+            per_block = 2 * cfg.num_layers * cache.block_size * cfg.num_kv_heads * cfg.head_dim * kv_bytes
+            num_blocks = int((cache.kv_cache_memory_gb or 1.0) * 2**30) // per_block
+        fit = num_blocks * cache.block_size
+        if fit < self.max_model_len:
             raise ValueError(f"KV cache holds {fit} tokens ({num_blocks} blocks), fewer than one sequence at "
                              f"max_model_len {self.max_model_len}; lower --max-model-len to at most {fit} or "
                              "give the cache more memory")
         return num_blocks
+
+    def _planned_blocks(self) -> int:
+        cache, sched = self.config.cache, self.config.scheduler
+        total_gb = torch.cuda.get_device_properties(self.device).total_memory / 2**30
+        gpu_gb = cache.gpu_memory_gb or total_gb
+        if cache.gpu_memory_gb is not None:  # emulate a smaller card: the allocator must not go past it either
+            torch.cuda.set_per_process_memory_fraction(min(1.0, gpu_gb / total_gb), self.device)
+        plan = plan_memory(self.model_dir, gpu_mem_gb=gpu_gb, gpu_memory_utilization=cache.gpu_memory_utilization,
+                           kv_cache_dtype=cache.kv_cache_dtype, max_model_len=self.max_model_len,
+                           max_num_batched_tokens=sched.max_num_batched_tokens, max_num_seqs=sched.max_num_seqs,
+                           block_size=cache.block_size, enforce_eager=self.config.enforce_eager,
+                           weights_dtype=str(self.dtype).replace("torch.", ""))
+        if not plan.fits:
+            raise ValueError(plan.error_message())
+        self.memory_plan = plan
+        return plan.num_blocks
 
     # ---- requests ----------------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:

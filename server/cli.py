@@ -30,6 +30,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
     p.add_argument("--kv-cache-dtype", default="auto",
                    choices=["auto", "fp16", "bf16", "fp8", "fp8_e4m3", "fp8_e5m2"])
+    p.add_argument("--gpu-memory-gb", type=float, default=None,
+                   help="plan for (and cap the allocator at) a card of this many GiB, e.g. 24 to emulate a 24 GB card")
     p.add_argument("--kv-cache-memory-gb", type=float, default=None,
                    help="KV pool size in GiB (default: planned on CUDA, 1 GiB on CPU)")
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
@@ -49,7 +51,7 @@ def engine_config_from_args(args) -> EngineConfig:
         enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
         cache=CacheConfig(num_gpu_blocks=args.num_gpu_blocks_override, kv_cache_dtype=args.kv_cache_dtype,
                           gpu_memory_utilization=args.gpu_memory_utilization,
-                          kv_cache_memory_gb=args.kv_cache_memory_gb,
+                          kv_cache_memory_gb=args.kv_cache_memory_gb, gpu_memory_gb=args.gpu_memory_gb,
                           enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_chunked_prefill=args.enable_chunked_prefill))

@@ -1,0 +1,38 @@
+"""`quant-serve plan MODEL`: what fits on this card, from config.json (and safetensors headers) alone."""
+import json
+import sys
+
+
+def register(sub) -> None:
+    p = sub.add_parser("plan", help="plan GPU memory (weights, activations, KV capacity) without loading the model")
+    p.add_argument("model", help="model directory (config.json is enough) or hub id")
+    p.add_argument("--gpu-mem-gb", type=float, default=24.0, help="card memory in GiB (default 24)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   choices=["auto", "fp16", "bf16", "fp8", "fp8_e4m3", "fp8_e5m2"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--dtype", default="auto", help="weights dtype (default: as stored)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graph reserve")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from engine.loader import resolve_model_dir
+    from engine.memory import format_plan, plan_memory
+    model_dir = resolve_model_dir(args.model)
+    plan = plan_memory(model_dir, gpu_mem_gb=args.gpu_mem_gb, gpu_memory_utilization=args.gpu_memory_utilization,
+                       kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
+                       max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                       enforce_eager=args.enforce_eager, weights_dtype=args.dtype)
+    if args.json:
+        json.dump(plan.to_dict(), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print(format_plan(plan))
+    if not plan.fits:
+        print(f"error: {plan.error_message()}", file=sys.stderr)
+        return 1
+    return 0
