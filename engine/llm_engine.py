@@ -10,6 +10,7 @@ from tqdm import tqdm
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_scales import resolve_kv_scales
 from engine.memory import kv_dtype_bytes, plan_memory
 from engine.loader import default_device, load_model, load_model_config, pick_dtype, resolve_model_dir
 from engine.model_runner import ModelRunner
@@ -40,6 +41,10 @@ class EngineStats:
     generation_tokens_total: int = 0
     num_preemptions_total: int = 0
     requests_finished_total: int = 0
+    swapped_out_blocks_total: int = 0      # KV blocks copied GPU -> CPU tier (preemption or prefix eviction)
+    swapped_in_blocks_total: int = 0       # KV blocks copied CPU tier -> GPU (resume or CPU prefix hit)
+    swap_bytes_total: int = 0
+    cpu_prefix_hits_total: int = 0         # blocks served from the CPU tier by prefix hits
 
 
 class LLMEngine:
@@ -59,9 +64,14 @@ class LLMEngine:
                                                    config.load_format, config.quantization, show_progress,
                                                    config.seed)
         num_blocks = self._num_kv_blocks()
+        num_cpu_blocks = self._num_cpu_blocks()
         self.runner = ModelRunner(self.model, self.model_config, config.cache, num_blocks, self.device, self.dtype,
-                                  config.seed)
-        self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+                                  config.seed, num_cpu_blocks)
+        self.runner.set_kv_scales(resolve_kv_scales(
+            config.cache.kv_scale_source, self.runner.kv_dtype, self.model_dir,
+            getattr(self.model, "checkpoint_kv_scales", {}), self.model_config.num_layers))
+        self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+                                          num_cpu_blocks)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.requests: dict[str, Request] = {}
         self._seq_owner: dict[str, tuple[Request, int]] = {}
@@ -72,6 +82,8 @@ class LLMEngine:
         logger.info("KV cache: %d blocks = %d tokens, max concurrency %.1f at max_model_len %d",
                     num_blocks, num_blocks * config.cache.block_size,
                     num_blocks * config.cache.block_size / self.max_model_len, self.max_model_len)
+        if num_cpu_blocks:
+            logger.info("KV CPU tier: %d blocks = %d tokens", num_cpu_blocks, num_cpu_blocks * config.cache.block_size)
 
     # ---- setup -------------------------------------------------------------------------------------------
     def _max_model_len(self) -> int:
@@ -80,11 +92,12 @@ class LLMEngine:
         if window and window < limit:
             logger.info("capping max_model_len at the sliding window of %d tokens", window)
             limit = window
-        wanted = self.config.max_model_len or self.config.scheduler.max_model_len
-        if self.config.max_model_len is None:
-            return min(limit, wanted) if wanted else limit
+        wanted = self.config.max_model_len
+        if wanted is None:
+            return limit
         if wanted > limit:
-            raise ValueError(f"max_model_len {wanted} exceeds the model's max_position_embeddings {limit}")
+            raise ValueError(f"max_model_len {wanted} exceeds the model's limit of {limit} tokens "
+                             "(max_position_embeddings or sliding window)")
         return wanted
 
     def _num_kv_blocks(self) -> int:
@@ -105,6 +118,14 @@ class LLMEngine:
                              f"max_model_len {self.max_model_len}; lower --max-model-len to at most {fit} or "
                              "give the cache more memory")
         return num_blocks
+
+    def _num_cpu_blocks(self) -> int:
+        cache, cfg = self.config.cache, self.model_config
+        if cache.num_cpu_blocks is not None:
+            return cache.num_cpu_blocks
+        kv_bytes = kv_dtype_bytes(cache.kv_cache_dtype, self.dtype)
+        per_block = 2 * cfg.num_layers * cache.block_size * cfg.num_kv_heads * cfg.head_dim * kv_bytes
+        return int(cache.cpu_kv_gb * 2**30) // per_block
 
     def _planned_blocks(self) -> int:
         cache, sched = self.config.cache, self.config.scheduler
@@ -185,7 +206,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         self.stats.num_preemptions_total += len(out.preempted)
+        self._count_transfers(out)
         if not out.scheduled:
+            self.runner.apply_transfers(out)   # a step that only swapped out must still move the blocks
             return []
         now = time.time()
         for item in out.scheduled:
@@ -217,6 +240,14 @@ class LLMEngine:
             deltas[(request.request_id, index)] = (text, [token])
             touched[request.request_id] = request
         return [self._make_output(r, deltas, now) for r in touched.values()]
+
+    def _count_transfers(self, out: SchedulerOutput) -> None:
+        stats = self.stats
+        stats.swapped_out_blocks_total += len(out.blocks_to_swap_out)
+        stats.swapped_in_blocks_total += len(out.blocks_to_swap_in)
+        stats.swap_bytes_total += (len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)) * \
+            self.runner.kv_bytes_per_block()
+        stats.cpu_prefix_hits_total = self.block_manager.cpu_prefix_hits
 
     def _make_output(self, request: Request, deltas, now: float) -> RequestOutput:
         outputs = []
@@ -279,7 +310,10 @@ class LLMEngine:
                 n = min(chunk, seq.num_tokens - seq.num_computed_tokens)
                 if not self.block_manager.allocate_slots(seq, n):
                     raise RuntimeError("KV cache too small to score this sequence")
-                out = SchedulerOutput([ScheduledSeq(seq, n)], n, [], [])
+                swap_in, swap_out = self.block_manager.take_swaps()   # prefix blocks evicted to the CPU tier
+                out = SchedulerOutput([ScheduledSeq(seq, n)], n, [], self.block_manager.take_copies(), swap_in,
+                                      swap_out)
+                self._count_transfers(out)
                 pieces.append(self.runner.compute_all_logits(out).cpu())
                 seq.num_computed_tokens += n
         finally:

@@ -8,6 +8,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from engine.config import ModelConfig
+from engine.kv_scales import checkpoint_scale_value, parse_kv_scale_name
 from engine.models.decoder import DecoderForCausalLM
 
 logger = logging.getLogger("quant_serve")
@@ -123,8 +124,10 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device, quant_config) -> D
         return DecoderForCausalLM(cfg, dtype, device, quant_config)
 
 
-def load_weights(model: DecoderForCausalLM, names: dict[str, Path], show_progress: bool = True) -> None:
-    """Copy every checkpoint tensor into the model; merged layers (qkv, gate_up) are filled shard by shard."""
+def load_weights(model: DecoderForCausalLM, names: dict[str, Path],
+                 show_progress: bool = True) -> dict[int, dict[str, float]]:
+    """Copy every checkpoint tensor into the model; merged layers (qkv, gate_up) are filled shard by shard.
+    Returns the FP8 KV-cache scales found: {layer: {"k_scale": x, "v_scale": y}} (engine/kv_scales.py)."""
     modules = dict(model.named_modules())
     params = dict(model.named_parameters())
     expected_shards = {(name, i) for name, m in modules.items() if hasattr(m, "load_shard")
@@ -134,6 +137,7 @@ def load_weights(model: DecoderForCausalLM, names: dict[str, Path], show_progres
     for name, file in names.items():
         by_file.setdefault(file, []).append(name)
     source_tensors: dict[tuple[str, int], dict] = {}
+    kv_scales: dict[int, dict[str, float]] = {}
     bar = tqdm(total=len(names), desc="Loading weights", unit="tensor", disable=not show_progress)
     for file, keys in by_file.items():
         with _open(file) as f:
@@ -145,6 +149,13 @@ def load_weights(model: DecoderForCausalLM, names: dict[str, Path], show_progres
                     tensor = f.get_tensor(key)
                 except Exception as e:
                     raise ValueError(f"cannot read tensor {key} from {file}: {e} (truncated file?)") from e
+                # Before the module routing: k_proj.k_scale would otherwise reach qkv_proj's shard loader.
+                kv_target = parse_kv_scale_name(key)
+                if kv_target is not None:
+                    layer, which = kv_target
+                    for w in which:
+                        kv_scales.setdefault(layer, {})[f"{w}_scale"] = checkpoint_scale_value(key, tensor)
+                    continue
                 module_name, suffix = key.rsplit(".", 1)
                 parent, _, leaf = module_name.rpartition(".")
                 if leaf in model.packed_modules:
@@ -163,8 +174,6 @@ def load_weights(model: DecoderForCausalLM, names: dict[str, Path], show_progres
                                          f"expected {tuple(param.shape)}")
                     param.data.copy_(tensor)
                     loaded_params.add(key)
-                elif key.endswith(("k_scale", "v_scale", "kv_scale", "output_scale", "q_scale", "prob_scale")):
-                    continue  # FP8 KV scales are read by the KV cache setup, not here
                 else:
                     logger.warning("ignoring unexpected tensor %s in %s", key, file)
         for (module_name, shard), tensors in list(source_tensors.items()):
@@ -181,6 +190,7 @@ def load_weights(model: DecoderForCausalLM, names: dict[str, Path], show_progres
     missing += sorted(plain - loaded_params)
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {', '.join(missing[:5])}")
+    return kv_scales
 
 
 def _source_prefix(model: DecoderForCausalLM, module_name: str, shard: int) -> str:
@@ -193,7 +203,8 @@ def _source_prefix(model: DecoderForCausalLM, module_name: str, shard: int) -> s
 
 def init_dummy_weights(model: DecoderForCausalLM, seed: int = 0) -> None:
     """Random weights for speed work from a config alone (--load-format dummy). Never for accuracy."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)   # on the GPU: a 7B model initializes in seconds
     for module in model.modules():
         if hasattr(module, "init_dummy"):
             module.init_dummy(gen)
@@ -202,8 +213,7 @@ def init_dummy_weights(model: DecoderForCausalLM, seed: int = 0) -> None:
             if name == "weight" and param.dim() == 1:
                 param.data.fill_(1.0)       # norms
             elif param.dim() >= 1:
-                values = torch.randn(param.shape, generator=gen) * 0.02
-                param.data.copy_(values.to(param.dtype))
+                param.data.normal_(0.0, 0.02, generator=gen)
 
 
 def load_model(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device, load_format: str = "auto",
@@ -215,6 +225,7 @@ def load_model(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device, lo
         quant_config = load_quant_config(raw, model_dir, None, quantization)
         model = build_model(cfg, dtype, device, quant_config)
         init_dummy_weights(model, seed)
+        model.checkpoint_kv_scales = {}
         return model.eval(), quant_config
     if load_format not in ("auto", "safetensors"):
         raise ValueError(f"unsupported load format {load_format!r} (supported: auto, safetensors, dummy)")
@@ -223,7 +234,8 @@ def load_model(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device, lo
     raw = json.loads((Path(model_dir) / "config.json").read_text())
     quant_config = load_quant_config(raw, model_dir, set(names), quantization)
     model = build_model(cfg, dtype, device, quant_config)
-    load_weights(model, names, show_progress)
+    # Handed to the KV cache setup (engine/kv_scales.py resolve_kv_scales), which decides whether to use them.
+    model.checkpoint_kv_scales = load_weights(model, names, show_progress)
     return model.eval(), quant_config
 
 

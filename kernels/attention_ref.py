@@ -55,31 +55,45 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     q[query_start_loc[b]:query_start_loc[b+1]], which are the last positions of its context.
     Returns [T, Hq, D] in q's dtype. Math in fp32.
     """
-    num_q_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k_cache.shape[2]
-    group = num_q_heads // num_kv_heads
     out = torch.empty_like(q)
-    tables = block_tables.tolist()
     lens = seq_lens.tolist()
     starts = query_start_loc.tolist()
-    for b, seq_len in enumerate(lens):
-        q_start, q_end = starts[b], starts[b + 1]
-        q_len = q_end - q_start
-        if q_len == 0:
-            continue
-        k = dequantize_from_cache(gather_kv(k_cache, tables[b], seq_len), torch.float32, k_scale)
-        v = dequantize_from_cache(gather_kv(v_cache, tables[b], seq_len), torch.float32, v_scale)
-        k = k.repeat_interleave(group, dim=1).transpose(0, 1)          # [Hq, L, D]
-        v = v.repeat_interleave(group, dim=1).transpose(0, 1)
-        qb = q[q_start:q_end].float().transpose(0, 1)                  # [Hq, q_len, D]
-        scores = torch.matmul(qb, k.transpose(1, 2)) * softmax_scale   # [Hq, q_len, L]
-        # query i sits at position seq_len - q_len + i and sees keys 0..that position
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        k_pos = torch.arange(seq_len, device=q.device)
-        scores.masked_fill_(k_pos[None, :] > q_pos[:, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out[q_start:q_end] = torch.matmul(probs, v).transpose(0, 1).to(q.dtype)
+    q_lens = [b - a for a, b in zip(starts, starts[1:])]
+    decodes = [b for b, n in enumerate(q_lens) if n == 1]
+    if decodes:  # all single-token queries at once: the common decode batch
+        rows = torch.tensor([starts[b] for b in decodes], device=q.device)
+        idx = torch.tensor(decodes, device=q.device)
+        out[rows] = _attend(q[rows].unsqueeze(1), k_cache, v_cache, block_tables[idx], seq_lens[idx],
+                            torch.ones(len(decodes), dtype=torch.long, device=q.device), softmax_scale,
+                            k_scale, v_scale).squeeze(1)
+    for b, n in enumerate(q_lens):
+        if n > 1:
+            out[starts[b]:starts[b + 1]] = _attend(q[starts[b]:starts[b + 1]].unsqueeze(0), k_cache, v_cache,
+                                                   block_tables[b:b + 1], seq_lens[b:b + 1],
+                                                   torch.tensor([n], device=q.device), softmax_scale,
+                                                   k_scale, v_scale)[0]
     return out
+
+
+def _attend(q: torch.Tensor, k_cache, v_cache, block_tables, seq_lens, q_lens, softmax_scale, k_scale, v_scale):
+    """q: [B, Q, Hq, D], right-aligned in each sequence's context -> [B, Q, Hq, D]. GQA without copying K/V."""
+    batch, q_max, num_q_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    group = num_q_heads // num_kv_heads
+    max_len = int(seq_lens.max())
+    tables = block_tables[:, : -(-max_len // block_size)].long()
+    k = dequantize_from_cache(k_cache[tables].flatten(1, 2)[:, :max_len], torch.float32, k_scale)  # [B, L, Hkv, D]
+    v = dequantize_from_cache(v_cache[tables].flatten(1, 2)[:, :max_len], torch.float32, v_scale)
+    qg = q.float().view(batch, q_max, num_kv_heads, group, head_dim)
+    scores = torch.einsum("bqhgd,bkhd->bhgqk", qg, k) * softmax_scale                  # [B, Hkv, G, Q, L]
+    # query i of sequence b sits at position seq_len - q_len + i and sees keys 0..that position
+    q_pos = (seq_lens - q_lens).view(batch, 1) + torch.arange(q_max, device=q.device)   # [B, Q]
+    k_pos = torch.arange(max_len, device=q.device)
+    visible = k_pos.view(1, 1, -1) <= q_pos.unsqueeze(-1)                               # [B, Q, L]
+    scores.masked_fill_(~visible.view(batch, 1, 1, q_max, max_len), float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bhgqk,bkhd->bqhgd", probs, v)
+    return out.reshape(batch, q_max, num_q_heads, head_dim).to(q.dtype)
 
 
 # ---- RoPE (neox / rotate_half style, as in the Hugging Face Llama and Qwen2 code) ----

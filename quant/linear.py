@@ -127,7 +127,7 @@ class QuantLinear(nn.Module):
     def init_dummy(self, gen: torch.Generator) -> None:
         """Random codes and scales (weights about N(0, 0.02)) for --load-format dummy."""
         k, n, g = self.in_features, self.out_features, -(-self.in_features // self.group_size)
-        codes = torch.randint(-2**31, 2**31, (k // 8, n), generator=gen, dtype=torch.int64)
+        codes = torch.randint(-2**31, 2**31, (k // 8, n), generator=gen, dtype=torch.int64, device=gen.device)
         self.qweight = codes.to(torch.int32).to(self.device)
         self.scales = torch.full((g, n), 0.02 / 4.6, dtype=self.dtype, device=self.device)
         self.qzeros, self.perm, self.parts, self._shards = None, None, None, None

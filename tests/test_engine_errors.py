@@ -69,7 +69,7 @@ def test_prompt_longer_than_max_model_len():
 
 
 def test_max_model_len_above_model_limit():
-    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings 2048"):
+    with pytest.raises(ValueError, match="exceeds the model.s limit of 2048 tokens"):
         make_engine(TINY, max_model_len=4096)
 
 

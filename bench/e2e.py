@@ -1,0 +1,127 @@
+"""End-to-end speed on the GPU, in one run: batch-1 decode and throughput under a 24 GiB cap, for the dummy
+INT4 Qwen2.5-7B (AWQ g128) and Llama-3.1-8B (GPTQ g128) configs, next to Hugging Face transformers bf16 generate.
+
+    PYTHONPATH=. python bench/e2e.py --out bench/results/e2e-h200.json [--quick]
+"""
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from engine.llm_engine import LLMEngine  # noqa: E402
+from server.bench_offline import decode_bytes_per_step, measure_copy_bandwidth, run_offline  # noqa: E402
+from server.cli_bench import _metadata  # noqa: E402
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+CONFIGS = {"qwen2.5-7b-awq": SHARED / "configs" / "qwen2.5-7b-instruct",
+           "llama-3.1-8b-gptq": SHARED / "configs" / "llama-3.1-8b-instruct"}
+TOKENIZER = SHARED / "models" / "tiny-qwen2"   # any tokenizer: prompts are random token ids
+
+
+def engine_for(config_dir: Path, kv: str, max_num_seqs: int, max_model_len: int, enforce_eager: bool) -> LLMEngine:
+    return LLMEngine(EngineConfig(
+        model=str(config_dir), tokenizer=str(TOKENIZER), load_format="dummy", max_model_len=max_model_len,
+        enforce_eager=enforce_eager,
+        cache=CacheConfig(kv_cache_dtype=kv, gpu_memory_gb=24.0, gpu_memory_utilization=0.90),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=2048)), show_progress=False)
+
+
+def release(engine) -> None:
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+def hf_generate(config_dir: Path, batch: int, prompt_len: int = 128, new_tokens: int = 128) -> float:
+    """transformers bf16 generate with random weights: output tok/s (the anchor in targets.md)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg = AutoConfig.from_pretrained(str(config_dir))
+    cfg.quantization_config = None
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    ids = torch.randint(3, cfg.vocab_size, (batch, prompt_len), device="cuda")
+    kwargs = dict(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                  attention_mask=torch.ones_like(ids), pad_token_id=0)
+    with torch.no_grad():
+        model.generate(ids[:, :16], **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.generate(ids, **kwargs)
+        torch.cuda.synchronize()
+    tok_s = batch * new_tokens / (time.perf_counter() - start)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return tok_s
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="bench/results/e2e-h200.json")
+    parser.add_argument("--quick", action="store_true", help="fewer requests (smoke run)")
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--skip-hf", action="store_true")
+    args = parser.parse_args()
+    n_conc = 32 if args.quick else 256
+    result = {"metadata": _metadata(args), "runs": {}}
+    bandwidth = measure_copy_bandwidth()
+    result["copy_bandwidth_bytes_s"] = bandwidth
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    for name, config_dir in CONFIGS.items():
+        for kv in ("auto", "fp8"):
+            engine = engine_for(config_dir, kv, max_num_seqs=256, max_model_len=4096, enforce_eager=args.enforce_eager)
+            run = {"kv_cache_tokens": engine.block_manager.num_blocks * engine.config.cache.block_size,
+                   "planned_kv_bytes": engine.memory_plan.kv_cache_bytes if engine.memory_plan else None,
+                   "allocated_kv_bytes": sum(t.numel() * t.element_size()
+                                             for t in engine.runner.k_caches + engine.runner.v_caches),
+                   "decode_bytes_per_step": decode_bytes_per_step(engine.model)}
+            b1 = run_offline(engine, 1, 128, 256)
+            run["batch1"] = b1
+            run["batch1_tok_s"] = b1["decode_tok_s"]
+            run["roofline_tok_s"] = bandwidth / run["decode_bytes_per_step"]
+            run["roofline_fraction"] = b1["decode_tok_s"] / run["roofline_tok_s"]
+            print(f"{name} kv={kv}: batch-1 {b1['decode_tok_s']:.1f} tok/s "
+                  f"({run['roofline_fraction']:.0%} of roofline)", flush=True)
+            if kv == "fp8":
+                thr = run_offline(engine, n_conc, 512, 256)
+                run["throughput"] = thr
+                print(f"{name} kv={kv}: {n_conc} x 512/256 -> {thr['output_tok_s']:.0f} out tok/s, "
+                      f"TTFT p50 {thr['ttft_p50_s']:.2f}s p99 {thr['ttft_p99_s']:.2f}s, "
+                      f"TPOT p50 {thr['tpot_p50_s'] * 1e3:.1f}ms", flush=True)
+            run["peak_gpu_memory_bytes"] = torch.cuda.max_memory_allocated()
+            result["runs"][f"{name}/{kv}"] = run
+            release(engine)
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(result, indent=2))
+    if not args.skip_hf:
+        result["hf_batch1_tok_s"] = hf_generate(CONFIGS["qwen2.5-7b-awq"], 1)
+        result["hf_batch64_tok_s"] = hf_generate(CONFIGS["qwen2.5-7b-awq"], 64)
+        print(f"HF bf16: batch 1 {result['hf_batch1_tok_s']:.1f}, batch 64 {result['hf_batch64_tok_s']:.0f} tok/s")
+    q16, q8 = result["runs"]["qwen2.5-7b-awq/auto"], result["runs"]["qwen2.5-7b-awq/fp8"]
+    thr = q8["throughput"]
+    result["summary"] = {
+        "batch1_tok_s": q16["batch1_tok_s"], "batch1_fp8_tok_s": q8["batch1_tok_s"],
+        "roofline_fraction": q16["roofline_fraction"], "throughput_tok_s": thr["output_tok_s"],
+        "ttft_p50_s": thr["ttft_p50_s"], "ttft_p99_s": thr["ttft_p99_s"],
+        "tpot_p50_s": thr["tpot_p50_s"], "tpot_p99_s": thr["tpot_p99_s"],
+        "llama_batch1_tok_s": result["runs"]["llama-3.1-8b-gptq/auto"]["batch1_tok_s"],
+        "llama_throughput_tok_s": result["runs"]["llama-3.1-8b-gptq/fp8"]["throughput"]["output_tok_s"],
+        "kv_cache_tokens_fp8_24gib": q8["kv_cache_tokens"],
+        "hf_batch1_tok_s": result.get("hf_batch1_tok_s"), "hf_batch64_tok_s": result.get("hf_batch64_tok_s"),
+        "concurrency": n_conc}
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(json.dumps(result["summary"], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""`quant-serve bench offline`: drive LLMEngine directly with synthetic requests and report speed."""
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+
+@dataclass
+class RequestTiming:
+    prompt_len: int
+    output_len: int = 0
+    arrival: float = 0.0
+    first_token: float | None = None
+    finished: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def summarize_latencies(name: str, values: list[float]) -> dict:
+    return {f"{name}_mean_s": statistics.fmean(values) if values else None,
+            **{f"{name}_p{q}_s": percentile(values, q) for q in (50, 90, 99)}}
+
+
+def synthetic_lengths(n: int, mean: int, range_ratio: float, rng: random.Random) -> list[int]:
+    """Uniform in [mean*(1-r), mean*(1+r)], at least 1 (range_ratio 0 = fixed length)."""
+    lo, hi = max(1, int(mean * (1 - range_ratio))), max(1, int(mean * (1 + range_ratio)))
+    return [rng.randint(lo, hi) for _ in range(n)]
+
+
+def random_prompt(length: int, vocab_size: int, special_ids: set[int], rng: random.Random) -> list[int]:
+    ids = []
+    while len(ids) < length:
+        t = rng.randrange(vocab_size)
+        if t not in special_ids:
+            ids.append(t)
+    return ids
+
+
+def run_offline(engine, num_prompts: int, input_len: int, output_len: int, range_ratio: float = 0.0,
+                seed: int = 0, warmup: int = 1) -> dict:
+    from engine.sampling_params import SamplingParams
+    rng = random.Random(seed)
+    vocab = engine.model_config.vocab_size
+    special = set(engine.model_config.eos_token_ids) | set(getattr(engine.tokenizer, "all_special_ids", []))
+    in_lens = synthetic_lengths(num_prompts, input_len, range_ratio, rng)
+    out_lens = synthetic_lengths(num_prompts, output_len, range_ratio, rng)
+    if warmup:  # compile kernels / capture graphs outside the timed region
+        engine.generate([random_prompt(min(input_len, 32), vocab, special, rng)],
+                        SamplingParams(max_tokens=min(output_len, 8), ignore_eos=True, temperature=0.0))
+    stats0 = asdict(engine.stats)
+    if engine.device != "cpu":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    timings = {}
+    start = time.perf_counter()
+    for i, (n_in, n_out) in enumerate(zip(in_lens, out_lens)):
+        rid = f"bench-{i}"
+        engine.add_request(rid, random_prompt(n_in, vocab, special, rng),
+                           SamplingParams(max_tokens=n_out, ignore_eos=True, temperature=0.0))
+        timings[rid] = RequestTiming(prompt_len=n_in, arrival=start)
+    steps = 0
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        now = time.perf_counter()
+        steps += 1
+        for out in outputs:
+            t = timings.get(out.request_id)
+            if t is None:
+                continue
+            new = len(out.outputs[0].delta_token_ids)
+            if new and t.first_token is None:
+                t.first_token = now
+            t.token_times += [now] * new
+            t.output_len = len(out.outputs[0].token_ids)
+            if out.finished:
+                t.finished = now
+    elapsed = time.perf_counter() - start
+    stats1 = asdict(engine.stats)
+    ttft = [t.first_token - t.arrival for t in timings.values()]
+    tpot = [(t.finished - t.first_token) / (t.output_len - 1) for t in timings.values() if t.output_len > 1]
+    itl = [b - a for t in timings.values() for a, b in zip(t.token_times, t.token_times[1:])]
+    total_out = sum(t.output_len for t in timings.values())
+    result = {
+        "num_prompts": num_prompts, "input_len": input_len, "output_len": output_len, "range_ratio": range_ratio,
+        "elapsed_s": elapsed, "steps": steps,
+        "output_tok_s": total_out / elapsed,
+        "total_tok_s": (total_out + sum(in_lens)) / elapsed,
+        "requests_per_s": num_prompts / elapsed,
+        **summarize_latencies("ttft", ttft), **summarize_latencies("tpot", tpot), **summarize_latencies("itl", itl),
+        "preemptions": stats1["num_preemptions_total"] - stats0["num_preemptions_total"],
+        "engine_stats_delta": {k: stats1[k] - stats0[k] for k in stats1 if isinstance(stats1[k], (int, float))},
+    }
+    if num_prompts == 1 and tpot:
+        result["decode_tok_s"] = 1.0 / tpot[0]
+    if engine.device != "cpu":
+        result["peak_gpu_memory_bytes"] = torch.cuda.max_memory_allocated()
+        result["gpu_memory_reserved_bytes"] = torch.cuda.memory_reserved()
+    else:
+        import resource
+        result["peak_host_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return result
+
+
+def measure_copy_bandwidth(nbytes: int = 2**30, iters: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write counted), the roofline for memory-bound decode."""
+    src = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(iters):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * nbytes * iters / (begin.elapsed_time(end) / 1e3)
+
+
+def decode_bytes_per_step(model) -> int:
+    """Bytes every decode step must read: all weights except the embedding table (lm_head included)."""
+    embed = model.model.embed_tokens.weight
+    total = 0
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if tensor is embed or tensor.dim() == 0:
+            continue
+        total += tensor.numel() * tensor.element_size()
+    if model.lm_head is None:
+        total += embed.numel() * embed.element_size()    # a tied head is read every step
+    rope = model.model.rotary.cos_sin_cache
+    return total - rope.numel() * rope.element_size()
+
+
+def write_json(path: str, payload: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)
