@@ -2,9 +2,10 @@
 
 W4A16 (g128, zero points) on the Qwen2.5-7B layer shapes: FP16 cuBLAS, our dispatcher, torch tinygemm int4 and
 AutoAWQ 0.2.9's Triton GEMM (imported by file path from the sdist given with --awq-sdist). Paged decode attention:
-fp16 vs fp8 e4m3 KV, and torch SDPA on an unpaged fp16 cache. Times are triton.testing.do_bench medians in us;
-do_bench zeroes a 256 MB buffer before every run, so no input is served from L2 (no rotation needed).
---tune also times the search space of kernels/w4a16_tuning.py and decode configs, for the tables in kernels/.
+fp16 vs fp8 e4m3 KV, and torch SDPA on an unpaged fp16 cache. Times (us) are GPU times per call: the calls are
+captured in a CUDA graph (as the engine's decode steps are) over enough rotated weight copies (>= 256 MB) that no
+weight is served from L2; median of 5 replays. fp16_dobench_us is triton.testing.do_bench (eager, L2 flushed) for
+comparison with the anchors in targets.md. --tune also times kernels/w4a16_tuning.py's search space.
 
   PYTHONPATH=. python bench/kernels.py --out bench/results/kernels-h200.json [--tune] [--awq-sdist F.tar.gz]
 """
@@ -29,6 +30,7 @@ from triton.testing import do_bench  # noqa: E402
 
 from kernels.paged_attention import DecodeConfig, paged_decode  # noqa: E402
 from kernels.w4a16 import prepare_w4a16, w4a16_forward  # noqa: E402
+from kernels.w4a16_gemm import w4a16_dequantize  # noqa: E402
 from kernels.w4a16_tuning import (W4A16Config, candidate_configs, gpu_family, refinements,  # noqa: E402
                                   select_config)
 
@@ -44,10 +46,51 @@ def us(fn) -> float:
     return do_bench(fn, warmup=5, rep=25, return_mode="median") * 1e3
 
 
+def graph_us(fns, min_ms: float = 2.0) -> float:
+    """Median GPU time per call of the calls in `fns` (one per rotated input set), replayed from a CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):                # warm-up off the capture: compiles, cuBLAS workspaces
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for f in fns:
+        f()
+    end.record()
+    torch.cuda.synchronize()
+    reps = max(1, int(min_ms / max(start.elapsed_time(end), 1e-3)))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            for f in fns:
+                f()
+    times = []
+    for _ in range(5):
+        start.record(), graph.replay(), end.record(), torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (reps * len(fns)))
+    return sorted(times)[2]
+
+
+def timed(row: dict, key: str, fns) -> None:
+    """row[key_us] = graph_us(fns), or row[key_error]: an anchor that fails must not cost the run."""
+    try:
+        row[f"{key}_us"] = graph_us(fns)
+    except Exception as e:
+        row[f"{key}_error"] = repr(e)[:300]
+        torch.cuda.synchronize()
+
+
+def copies(nbytes: int) -> int:
+    """Rotated weight copies that together exceed the L2 several times."""
+    return max(2, min(32, -(-(256 << 20) // nbytes)))
+
+
 def copy_bandwidth() -> float:
     """Device-to-device copy, bytes read + written, TB/s."""
-    a = torch.empty(2 ** 31, dtype=torch.uint8, device=DEV)
-    b = torch.empty_like(a)
+    a, b = (torch.empty(2 ** 31, dtype=torch.uint8, device=DEV) for _ in range(2))
     return 2 * a.numel() / us(lambda: b.copy_(a)) / 1e6
 
 
@@ -60,95 +103,95 @@ def load_awq(sdist: str):
         member = next(m for m in tar.getmembers() if m.name.endswith("awq/modules/triton/gemm.py"))
         tar.extract(member, tmp, filter="data")
     spec = importlib.util.spec_from_file_location("awq_triton_gemm", tmp / member.name)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    spec.loader.exec_module(module := importlib.util.module_from_spec(spec))
     return module
 
 
-def int4_bytes(m, k, n):
-    g = k // GS
-    return k * n // 2 + g * n * 2 + g * n // 2 + m * k * 2 + m * n * 2
+def nbytes(m, k, n, int4=True):
+    """Bytes a layer call must move: weights (+ g128 scales and packed zeros for INT4), x and y."""
+    return (k * n // 2 + (k // GS) * n * 5 // 2 if int4 else k * n * 2) + m * k * 2 + m * n * 2
 
 
-def fp16_bytes(m, k, n):
-    return k * n * 2 + m * k * 2 + m * n * 2
-
-
-def tune_point(x, w, m, k, n, w256, deadline):
+def tune_point(x, ws, m, k, n, deadline):
     """Time every candidate, refine the winner; -> (list of {config, us}, best)."""
     rows = []
 
     def run(cfg, weights, tag=""):
         try:
-            rows.append({"config": dataclasses.asdict(cfg), "pack_k": weights.pack_k,
-                         "us": us(lambda: w4a16_forward(x, weights, None, cfg)), "tag": tag})
+            fns = [lambda w=w: w4a16_forward(x, w, None, cfg) for w in weights]
+            rows.append({"config": dataclasses.asdict(cfg), "pack_k": weights[0].pack_k, "us": graph_us(fns),
+                         "tag": tag})
         except Exception as e:                                   # a config the compiler rejects (resources)
-            rows.append({"config": dataclasses.asdict(cfg), "pack_k": weights.pack_k, "error": repr(e)[:200]})
+            rows.append({"config": dataclasses.asdict(cfg), "pack_k": weights[0].pack_k, "error": repr(e)[:200]})
 
     for cfg in candidate_configs(m, k, n):
         if time.time() > deadline:
             break
-        run(cfg, w)
+        run(cfg, ws)
     timed = [r for r in rows if "us" in r]
     if not timed:
         return rows, None
     best = min(timed, key=lambda r: r["us"])
     best_cfg = W4A16Config(**best["config"])
     for cfg in refinements(best_cfg):
-        run(cfg, w, "refine")
-    if best_cfg.path != "dequant":
-        run(best_cfg, w256, "pack_k=256")
+        run(cfg, ws, "refine")
     timed = [r for r in rows if "us" in r]
     return rows, min(timed, key=lambda r: r["us"])
 
 
 def bench_linear(name, k, n, awq, tune, deadline, log):
     g = k // GS
-    qweight = torch.randint(-2 ** 31, 2 ** 31, (k // 8, n), dtype=torch.int32, device=DEV)
+
+    def ints(*shape):
+        return torch.randint(-2 ** 31, 2 ** 31, shape, dtype=torch.int32, device=DEV)
+
+    qweight, qzeros = ints(k // 8, n), ints(g, n // 8)
     scales = (torch.rand(g, n, device=DEV) * 0.01 + 0.001).half()
-    qzeros = torch.randint(-2 ** 31, 2 ** 31, (g, n // 8), dtype=torch.int32, device=DEV)
     w = prepare_w4a16(qweight, scales, qzeros, GS)
-    w256 = prepare_w4a16(qweight, scales, qzeros, GS, pack_k=256) if tune else None
-    dense = torch.randn(k, n, dtype=torch.float16, device=DEV) * 0.02
+    rot = copies(nbytes(0, k, n))
+    ws = [w] + [dataclasses.replace(w, qweight=w.qweight.clone(), scales=w.scales.clone(), qzeros=w.qzeros.clone())
+                for _ in range(rot - 1)]
+    dense = [torch.randn(k, n, dtype=torch.float16, device=DEV) * 0.02 for _ in range(copies(k * n * 2))]
     tiny = tiny_err = None
     try:
-        packed = torch.ops.aten._convert_weight_to_int4pack(
-            torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=DEV), 8)
-        tiny = (packed, torch.rand(g, n, 2, dtype=torch.bfloat16, device=DEV) * 0.01)
+        tiny = [(torch.ops.aten._convert_weight_to_int4pack(
+            torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=DEV), 8),
+            torch.rand(g, n, 2, dtype=torch.bfloat16, device=DEV) * 0.01) for _ in range(rot)]
     except Exception as e:
         tiny_err = repr(e)[:300]
-    if awq is not None:
-        awq_w = (torch.randint(-2 ** 31, 2 ** 31, (k, n // 8), dtype=torch.int32, device=DEV),
-                 scales, torch.randint(-2 ** 31, 2 ** 31, (g, n // 8), dtype=torch.int32, device=DEV))
+    awq_ws = [(ints(k, n // 8), scales.clone(), ints(g, n // 8)) for _ in range(rot)] if awq is not None else []
+    dense_ref = w4a16_dequantize(w, torch.float32)                 # exact (tested), for a correctness check
     rows = []
     for m in MS:
         x = torch.randn(m, k, dtype=torch.float16, device=DEV)
-        row = {"m": m, "fp16_us": us(lambda: torch.mm(x, dense)),
-               "ours_us": us(lambda: w4a16_forward(x, w)),
+        ref = x.float() @ dense_ref
+        err = ((w4a16_forward(x, w).float() - ref).norm() / ref.norm()).item()
+        row = {"m": m, "ours_rel_err": err, "fp16_us": graph_us([lambda d=d: torch.mm(x, d) for d in dense]),
+               "fp16_dobench_us": us(lambda: torch.mm(x, dense[0])),
+               "ours_us": graph_us([lambda w=w: w4a16_forward(x, w) for w in ws]),
                "ours_config": dataclasses.asdict(select_config(m, k, n, x.device))}
         if tiny is not None:
             xb = x.bfloat16()
-            row["tinygemm_us"] = us(lambda: torch.ops.aten._weight_int4pack_mm(xb, tiny[0], GS, tiny[1]))
+            timed(row, "tinygemm", [lambda t=t: torch.ops.aten._weight_int4pack_mm(xb, t[0], GS, t[1]) for t in tiny])
         elif tiny_err:
             row["tinygemm_error"] = tiny_err
         if awq is not None:
             if m >= 1024:      # WQLinear_GEMM's own switch: dequantize + matmul from 1024 tokens
-                fn = lambda: torch.matmul(x, awq.awq_dequantize_triton(*awq_w))  # noqa: E731
+                fns = [lambda a=a: torch.matmul(x, awq.awq_dequantize_triton(*a)) for a in awq_ws]
             else:
-                fn = lambda: awq.awq_gemm_triton(x, *awq_w, split_k_iters=8)  # noqa: E731
-            row["awq_us"] = us(fn)
+                fns = [lambda a=a: awq.awq_gemm_triton(x, *a, split_k_iters=8) for a in awq_ws]
+            timed(row, "awq", fns)
         if tune and m in TUNE_MS:
-            row["tune"], best = tune_point(x, w, m, k, n, w256, deadline)
+            row["tune"], best = tune_point(x, ws, m, k, n, deadline)
             if best is not None:
                 row["tuned_us"], row["tuned_config"], row["tuned_pack_k"] = best["us"], best["config"], best["pack_k"]
         for key in ("fp16", "ours", "tinygemm", "awq", "tuned"):
             if f"{key}_us" in row:
-                size = fp16_bytes(m, k, n) if key == "fp16" else int4_bytes(m, k, n)
-                row[f"{key}_TBps"] = size / row[f"{key}_us"] / 1e6
+                row[f"{key}_TBps"] = nbytes(m, k, n, key != "fp16") / row[f"{key}_us"] / 1e6
         rows.append(row)
         log(f"{name:8s} M={m:5d} fp16 {row['fp16_us']:8.1f}  ours {row['ours_us']:8.1f}  "
             f"tuned {row.get('tuned_us', float('nan')):8.1f}  tinygemm {row.get('tinygemm_us', float('nan')):8.1f}  "
-            f"awq {row.get('awq_us', float('nan')):8.1f}")
+            f"awq {row.get('awq_us', float('nan')):8.1f}  fp16 eager {row['fp16_dobench_us']:8.1f}  err {err:.1e}")
     return rows
 
 
@@ -156,11 +199,10 @@ def bench_decode(tune, log):
     """Qwen2.5-7B attention (28 q heads, 4 kv heads, head_dim 128), one decode token per sequence."""
     hq, hkv, d, bs = 28, 4, 128, 16
     rows = []
-    configs = [DecodeConfig()]
+    configs = [None]
     if tune:
-        configs += [DecodeConfig(block_n=bn, num_warps=nw, waves=wv, min_split_tokens=mt)
-                    for bn in (32, 64, 128) for nw in (4,) for wv, mt in ((2.0, 256), (4.0, 128), (1.0, 512))
-                    if (bn, nw, wv, mt) != (64, 4, 2.0, 256)]
+        configs += [DecodeConfig(block_n=bn, waves=wv, min_split_tokens=mt)
+                    for bn in (32, 64, 128) for wv, mt in ((2.0, 256), (4.0, 128), (1.0, 512))]
     for batch in DECODE_BATCHES:
         for ctx in DECODE_CTXS:
             nblk = ctx // bs
@@ -168,28 +210,32 @@ def bench_decode(tune, log):
             lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
             qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEV)
             q = torch.randn(batch, hq, d, dtype=torch.float16, device=DEV)
+            scale = torch.tensor(1.0, device=DEV)
             row = {"batch": batch, "ctx": ctx}
             for tag, dtype in (("fp16", torch.float16), ("fp8", torch.float8_e4m3fn)):
-                kc = torch.randn(batch * nblk, bs, hkv, d, device=DEV).to(dtype)
-                vc = torch.randn(batch * nblk, bs, hkv, d, device=DEV).to(dtype)
-                scale = torch.tensor(1.0, device=DEV)
-                times = [us(lambda: paged_decode(q, kc, vc, tables, lens, qsl, d ** -0.5, scale, scale, c))
-                         for c in configs]
+                shape = (batch * nblk, bs, hkv, d)
+                sets = [(torch.randn(shape, device=DEV).to(dtype), torch.randn(shape, device=DEV).to(dtype))
+                        for _ in range(copies(2 * batch * ctx * hkv * d * dtype.itemsize))]
+                times = [graph_us([lambda kv=kv: paged_decode(q, *kv, tables, lens, qsl, d ** -0.5, scale, scale,
+                                                              *([c] if c else []))
+                                   for kv in sets]) for c in configs]
                 row[f"{tag}_us"] = times[0]
-                row[f"{tag}_TBps"] = 2 * kc.numel() * kc.element_size() / times[0] / 1e6
+                row[f"{tag}_TBps"] = 2 * batch * ctx * hkv * d * dtype.itemsize / times[0] / 1e6
                 if tune:
                     i = min(range(len(times)), key=times.__getitem__)
-                    row[f"{tag}_tuned_us"], row[f"{tag}_tuned_config"] = times[i], dataclasses.asdict(configs[i])
-                del kc, vc
-            kd = torch.randn(batch, hkv, ctx, d, dtype=torch.float16, device=DEV)
-            vd = torch.randn_like(kd)
-            qd = q.view(batch, hq, 1, d)
+                    row[f"{tag}_tuned_us"] = times[i]
+                    row[f"{tag}_tuned_config"] = dataclasses.asdict(configs[i]) if configs[i] else "default"
+                del sets
             sdpa = torch.nn.functional.scaled_dot_product_attention
-            row["sdpa_us"] = us(lambda: sdpa(qd, kd, vd, enable_gqa=True))
-            del kd, vd
+            qd = q.view(batch, hq, 1, d)
+            sets = [(torch.randn(batch, hkv, ctx, d, dtype=torch.float16, device=DEV),
+                     torch.randn(batch, hkv, ctx, d, dtype=torch.float16, device=DEV))
+                    for _ in range(copies(4 * batch * ctx * hkv * d))]
+            timed(row, "sdpa", [lambda kv=kv: sdpa(qd, *kv, enable_gqa=True) for kv in sets])
+            del sets
             rows.append(row)
             log(f"decode B={batch:4d} ctx={ctx:5d} fp16 {row['fp16_us']:8.1f} fp8 {row['fp8_us']:8.1f} "
-                f"sdpa {row['sdpa_us']:8.1f}  tuned fp16 {row.get('fp16_tuned_us', 0):8.1f} "
+                f"sdpa {row.get('sdpa_us', float('nan')):8.1f}  tuned fp16 {row.get('fp16_tuned_us', 0):8.1f} "
                 f"fp8 {row.get('fp8_tuned_us', 0):8.1f}")
     return rows
 
@@ -209,11 +255,13 @@ def summarize(linear, decode):
                   if r["m"] >= 256 and f"{key}_us" in r]
         s["worst_ratio_m256_plus"] = max(ratios) if ratios else None
         out.update(s) if key == "ours" else out.setdefault(key, s)
+    out["ours_rel_err_max"] = max(r["ours_rel_err"] for rows in linear.values() for r in rows)
     out["goals"] = {"speedup_m1": 3.3, "speedup_m16": 2.5, "speedup_m64": 1.5, "worst_ratio_m256_plus": 1.1}
     fp8 = [r["fp8_us"] / r["fp16_us"] for r in decode]
     out["decode_fp8_over_fp16_worst"] = max(fp8)
     out["decode_fp8_over_fp16_mean"] = sum(fp8) / len(fp8)
-    out["decode_ours_fp16_over_sdpa_mean"] = sum(r["fp16_us"] / r["sdpa_us"] for r in decode) / len(decode)
+    sd = [r["fp16_us"] / r["sdpa_us"] for r in decode if "sdpa_us" in r]
+    out["decode_ours_fp16_over_sdpa_mean"] = sum(sd) / len(sd) if sd else None
     return out
 
 
@@ -225,19 +273,13 @@ def main():
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new tuning points after this")
     args = ap.parse_args()
     start = time.time()
-    lines = []
-
-    def log(msg):
-        print(msg, flush=True)
-        lines.append(msg)
-
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except Exception:
-        commit = "uncommitted"
+    log = print
+    git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
+    commit = git.stdout.strip() if git.returncode == 0 else "uncommitted"
     result = {"command": " ".join(sys.argv), "git_commit": commit, "gpu": torch.cuda.get_device_name(),
               "gpu_family": gpu_family(0)[0], "sms": gpu_family(0)[1], "torch": torch.__version__,
-              "triton": triton.__version__, "group_size": GS, "timer": "triton.testing.do_bench median, us"}
+              "triton": triton.__version__, "group_size": GS,
+              "timer": "us per call, CUDA-graph replay over rotated weights (median of 5); *_dobench_us: do_bench"}
     result["copy_TBps"] = copy_bandwidth()
     log(f"{result['gpu']}: copy {result['copy_TBps']:.2f} TB/s")
     awq = load_awq(args.awq_sdist)

@@ -28,6 +28,7 @@ class DecodeConfig:
 
 
 DECODE = DecodeConfig()
+DECODE_FP8 = DecodeConfig(block_n=128)   # measured on the H200: fp8 tiles want more tokens per step
 
 
 def _next_pow2(n: int) -> int:
@@ -70,8 +71,10 @@ def decode_splits(programs: int, max_ctx: int, device: torch.device, cfg: Decode
 
 
 def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, softmax_scale, k_scale=1.0,
-                 v_scale=1.0, cfg: DecodeConfig = DECODE) -> torch.Tensor:
+                 v_scale=1.0, cfg: DecodeConfig | None = None) -> torch.Tensor:
     from kernels.attention_triton import _decode_kernel, _decode_reduce_kernel
+    is_fp8 = k_cache.dtype in FP8
+    cfg = cfg or (DECODE_FP8 if is_fp8 else DECODE)
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     batch = block_tables.shape[0]
@@ -82,7 +85,6 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, s
     per_split = -(-max_ctx // (splits * cfg.block_n)) * cfg.block_n
     splits = max(1, -(-max_ctx // per_split))
     out = torch.empty_like(q)
-    is_fp8 = k_cache.dtype in FP8
     ks_ptr, ks_val, from_ptr = _scale_args(k_scale, q)
     vs_ptr, vs_val, _ = _scale_args(v_scale, q)
     part_o = part_ml = out

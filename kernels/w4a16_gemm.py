@@ -6,8 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.w4a16_gemv import (MAGIC_BITS, _group_params, _nibble_magic, _store_result, launch_splitk_reduce,
-                                 split_plan)
+from kernels.w4a16_gemv import (MAGIC_BITS, _group_params, _load_chunk, _nibble_magic, _store_result,
+                                 launch_splitk_reduce, split_plan)
 
 
 @triton.jit
@@ -39,16 +39,15 @@ def _w4a16_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, bias_ptr, M, N, K, G
     c_begin = pid_k * chunks_per_split
     c_end = tl.minimum(c_begin + chunks_per_split, tl.cdiv(K, PACK_K))
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    words, s, z = _load_chunk(w_ptr, s_ptr, z_ptr, c_begin, N, G, group_size, stride_sg, stride_zg, offs_i, offs_n,
+                              n_mask, HAS_ZEROS, EVEN_N, PACK_K)
     for c in range(c_begin, c_end):
         k0 = c * PACK_K
-        w_ptrs = w_ptr + (c * P8 + offs_i)[:, None] * N + offs_n[None, :]
-        if EVEN_N:
-            words = tl.load(w_ptrs)
-        else:
-            words = tl.load(w_ptrs, mask=n_mask[None, :], other=0)
+        # the next chunk's weights go out before this chunk's math (the last chunk re-reads itself, from L2)
+        words_next, s_next, z_next = _load_chunk(w_ptr, s_ptr, z_ptr, tl.minimum(c + 1, c_end - 1), N, G,
+                                                 group_size, stride_sg, stride_zg, offs_i, offs_n, n_mask,
+                                                 HAS_ZEROS, EVEN_N, PACK_K)
         words_hi = words >> 16
-        s, z = _group_params(s_ptr, z_ptr, k0, G, group_size, stride_sg, stride_zg, offs_n, n_mask,
-                             HAS_ZEROS, EVEN_N)
         for j in tl.static_range(8):
             SH = 1 << (4 * (j % 4))
             if SLICE_GROUPS:
@@ -62,6 +61,7 @@ def _w4a16_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, bias_ptr, M, N, K, G
             t = _nibble_magic(words, words_hi, magic, j) - (z * SH + MAGIC)
             wk = (t * (s * (1.0 / SH))).to(xk.dtype)                                         # [P8, BN]
             acc = tl.dot(xk, wk, acc)
+        words, s, z = words_next, s_next, z_next
     _store_result(acc, out_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om, pid_k, HAS_BIAS, SPLIT)
 
 

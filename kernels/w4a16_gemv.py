@@ -36,6 +36,20 @@ def _group_params(s_ptr, z_ptr, k, G, group_size, stride_sg, stride_zg, offs_n, 
 
 
 @triton.jit
+def _load_chunk(w_ptr, s_ptr, z_ptr, c, N, G, group_size, stride_sg, stride_zg, offs_i, offs_n, n_mask,
+                HAS_ZEROS: tl.constexpr, EVEN_N: tl.constexpr, PACK_K: tl.constexpr):
+    """Word tile [P8, BLOCK_N] of chunk c and its (first) group's scale and zero point [1, BLOCK_N]."""
+    w_ptrs = w_ptr + (c * (PACK_K // 8) + offs_i)[:, None] * N + offs_n[None, :]
+    if EVEN_N:
+        words = tl.load(w_ptrs)
+    else:
+        words = tl.load(w_ptrs, mask=n_mask[None, :], other=0)
+    s, z = _group_params(s_ptr, z_ptr, c * PACK_K, G, group_size, stride_sg, stride_zg, offs_n, n_mask,
+                         HAS_ZEROS, EVEN_N)
+    return words, s, z
+
+
+@triton.jit
 def _nibble_magic(words, words_hi, magic, J: tl.constexpr):
     """Nibble J of each word as the float 2^23 + q * 16^(J % 4). `magic` (the bits of 2^23) arrives as a kernel
     argument so it lives in a register: with two immediates the and-or would take two LOP3s instead of one."""
@@ -96,16 +110,15 @@ def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, bias_ptr, M, N, K, G
     c_end = tl.minimum(c_begin + chunks_per_split, tl.cdiv(K, PACK_K))
     x_row = x_ptr + pid_m * stride_xm
     acc = tl.zeros([P8, BLOCK_N], dtype=tl.float32)       # reduced over its rows once, after the loop
+    words, s, z = _load_chunk(w_ptr, s_ptr, z_ptr, c_begin, N, G, group_size, stride_sg, stride_zg, offs_i, offs_n,
+                              n_mask, HAS_ZEROS, EVEN_N, PACK_K)
     for c in range(c_begin, c_end):
         k0 = c * PACK_K
-        w_ptrs = w_ptr + (c * P8 + offs_i)[:, None] * N + offs_n[None, :]
-        if EVEN_N:
-            words = tl.load(w_ptrs)
-        else:
-            words = tl.load(w_ptrs, mask=n_mask[None, :], other=0)
+        # the next chunk's loads go out before this chunk's math (the last chunk re-reads itself, from L2)
+        words_next, s_next, z_next = _load_chunk(w_ptr, s_ptr, z_ptr, tl.minimum(c + 1, c_end - 1), N, G,
+                                                 group_size, stride_sg, stride_zg, offs_i, offs_n, n_mask,
+                                                 HAS_ZEROS, EVEN_N, PACK_K)
         words_hi = words >> 16
-        s, z = _group_params(s_ptr, z_ptr, k0, G, group_size, stride_sg, stride_zg, offs_n, n_mask,
-                             HAS_ZEROS, EVEN_N)
         part = tl.zeros([P8, BLOCK_N], dtype=tl.float32)  # sum over the chunk of (q - z) * x, scaled once
         for j in tl.static_range(8):
             SH = 1 << (4 * (j % 4))
@@ -125,6 +138,7 @@ def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, bias_ptr, M, N, K, G
                 part += t * xk
         if not SLICE_GROUPS:
             acc += part * s
+        words, s, z = words_next, s_next, z_next
     res = tl.sum(acc, axis=0)[None, :]                                             # [1, BLOCK_N]
     offs_m = pid_m + tl.arange(0, 1)
     _store_result(res, out_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om, pid_k, HAS_BIAS, SPLIT)

@@ -23,13 +23,19 @@ def _c(path, bm=16, bn=128, sk=1, nw=4, ns=3) -> W4A16Config:
     return W4A16Config(path, bm, bn, sk, nw, ns)
 
 
-# family -> heuristic constants and per-(K, N) lists of (largest M, config), M ascending.
-TABLES: dict[str, dict] = {
-    "default": {
-        "gemv_max_m": 1, "dequant_min_m": 2048, "target_waves": 2.0, "max_split": 16,
-        "shapes": {},
+# family -> heuristic constants and per-(K, N) lists of (largest M, config), M ascending. sm90: measured on an
+# H200 (bench/results/kernels-tune-h200.json, bench/NOTES-kernels.md); the Qwen2.5-7B rows are that run's winners
+# where the GPU, not the launch, set the time.
+_SM90 = {
+    "gemv_max_m": 1, "dequant_min_m": 129, "gemv_programs": 2048, "gemm_programs": 600, "max_split": 16,
+    "shapes": {
+        (3584, 37888): [(1, _c("gemv", 1, 64, 4)), (16, _c("gemm", 16, 256, 4, 8)), (32, _c("gemm", 32, 256, 4, 8)),
+                        (64, _c("gemm", 64, 128, 2)), (128, _c("gemm", 64, 128, 2))],
+        (18944, 3584): [(1, _c("gemv", 1, 64, 8)), (16, _c("gemm", 16, 256, 16, 8)), (32, _c("gemm", 32, 256, 8, 8)),
+                        (64, _c("gemm", 64, 128, 8)), (128, _c("gemm", 128, 256, 8, 8))],
     },
 }
+TABLES: dict[str, dict] = {"sm90": _SM90, "default": dict(_SM90, shapes={})}
 
 
 @lru_cache(maxsize=None)
@@ -39,20 +45,28 @@ def gpu_family(device_index: int) -> tuple[str, int]:
     return f"sm{major}{minor}", torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _pow2_split(target_programs: int, tiles: int, max_split: int) -> int:
+    split = 1
+    while split < max_split and tiles * split * 2 <= target_programs:
+        split *= 2
+    return split
+
+
 def heuristic_config(m: int, k: int, n: int, table: dict, sms: int) -> W4A16Config:
+    """Enough programs to cover the GPU several times over: GEMV programs are light, GEMM ones heavy."""
     if m >= table["dequant_min_m"]:
         return _c("dequant")
     if m <= table["gemv_max_m"]:
-        path, bm, bn, nw = "gemv", 1, 128, 4
-        tiles = m * -(-n // bn)
-    else:
-        path = "gemm"
-        bm = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
-        bn = 128
-        nw = 4 if bm <= 64 else 8
-        tiles = -(-m // bm) * -(-n // bn)
-    split = max(1, min(table["max_split"], round(table["target_waves"] * sms / tiles)))
-    return _c(path, bm, bn, split, nw, 3)
+        tiles = m * -(-n // 64)
+        return _c("gemv", 1, 64, _pow2_split(table["gemv_programs"], tiles, table["max_split"]))
+    bm, bn = (16, 256) if m <= 16 else (32, 256) if m <= 32 else (64, 128)
+    tiles = -(-m // bm) * -(-n // bn)
+    return _c("gemm", bm, bn, _pow2_split(table["gemm_programs"], tiles, table["max_split"]), _warps(bm, bn))
+
+
+def _warps(bm: int, bn: int) -> int:
+    """Eight warps once a tile's weight words, double-buffered, would crowd four warps' registers."""
+    return 8 if bn >= 256 or bm * bn > 64 * 128 else 4
 
 
 def select_config(m: int, k: int, n: int, device: torch.device) -> W4A16Config:
@@ -74,8 +88,7 @@ def candidate_configs(m: int, k: int, n: int, pack_k: int = 128) -> list[W4A16Co
     bms = [16] if m <= 16 else [16, 32] if m <= 32 else [32, 64] if m <= 64 else [64, 128]
     for bm in bms:
         for bn in (64, 128, 256):
-            nw = 4 if bm * bn <= 64 * 128 else 8
-            out += [_c("gemm", bm, bn, s, nw, 3) for s in (splits if m <= 128 else splits[:3])]
+            out += [_c("gemm", bm, bn, s, _warps(bm, bn), 3) for s in (splits if m <= 128 else splits[:3])]
     if m >= 64:
         out.append(_c("dequant"))
     return out
