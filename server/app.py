@@ -87,10 +87,9 @@ def build_app(engine: LLMEngine, served_model_names: list[str], api_key: str | N
               max_queued_requests: int | None = DEFAULT_MAX_QUEUED_REQUESTS) -> FastAPI:
     if not served_model_names:
         raise ValueError("at least one served model name is needed")
-    metrics_holder: list[AsyncEngine] = []
-    metrics = ServerMetrics(served_model_names[0], snapshot=lambda: metrics_holder[0].snapshot)
+    # the snapshot is read at scrape time, when async_engine exists
+    metrics = ServerMetrics(served_model_names[0], snapshot=lambda: async_engine.snapshot)
     async_engine = AsyncEngine(engine, max_queued_requests, on_output=metrics.observe, on_abort=metrics.forget)
-    metrics_holder.append(async_engine)
     ctx = ServingContext(engine, async_engine, list(served_model_names))
     created = int(time.time())
 

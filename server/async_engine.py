@@ -89,6 +89,8 @@ class AsyncEngine:
                      arrival_time: float | None = None) -> "RequestStream":
         """Queue one engine request per (request_id, prompt_token_ids, params), each with n sequences. Raises
         QueueFullError before anything is queued, so the handler can still answer 503. Call from the event loop."""
+        if self.started and not self.is_alive:
+            raise EngineRequestError("the engine loop is not running; see the server log")
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         arrival_time = time.time() if arrival_time is None else arrival_time
@@ -154,10 +156,10 @@ class AsyncEngine:
         except Exception as e:
             # A failed step cannot be pinned on one request: fail those in flight and keep serving.
             logger.exception("engine step failed; aborting the %d requests in flight", len(self.engine.requests))
-            for request_id in list(self.engine.requests):
-                self._fail(request_id, EngineRequestError(f"engine step failed: {e!r}"))
-                self._abort_now(request_id)
             with self._lock:
+                for request_id in list(self.engine.requests):
+                    self._fail(request_id, EngineRequestError(f"engine step failed: {e!r}"))
+                    self._abort_now(request_id)
                 self._publish()
             return
         now = time.time()
@@ -194,7 +196,7 @@ class AsyncEngine:
             pass
 
     def _publish(self) -> None:
-        """Called with the lock held, from the engine thread (or __init__)."""
+        """Called with the lock held, from the engine thread (and once from __init__)."""
         engine, bm = self.engine, self.engine.block_manager
         running = waiting = 0
         for request in engine.requests.values():
@@ -238,6 +240,9 @@ class RequestStream:
         if item.finished:
             self._unfinished.discard(item.request_id)
         return item
+
+    def __del__(self):
+        self.close()    # a streaming response that never started still aborts its requests
 
     def close(self) -> None:
         if self._closed:

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-MAX_SEED = 2**63 - 1
+SEED_RANGE = (-2**63, 2**63 - 1)    # int64, as in vLLM; torch seeds take it (children add their index)
 MAX_LOGPROBS = 20
 
 
@@ -46,7 +46,7 @@ class SamplingRequest(OpenAIBaseModel):
     n: int = Field(1, ge=1)
     temperature: float | None = None
     top_p: float | None = None
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stop: str | list[str] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None

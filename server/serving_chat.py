@@ -38,13 +38,17 @@ def render_chat(ctx: ServingContext, messages: list[ChatMessage], add_generation
         raise APIError(400, "add_generation_prompt and continue_final_message cannot both be true",
                        param="continue_final_message")
     try:
-        return ctx.tokenizer.apply_chat_template(
+        text = ctx.tokenizer.apply_chat_template(
             message_dicts(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message, **(template_kwargs or {}))
     except APIError:
         raise
     except Exception as e:    # the template raised (jinja raise_exception, a bad role, a missing field)
         raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from e
+    if not isinstance(text, str):   # chat_template_kwargs asked for something else (tokenize=True, ...)
+        raise APIError(400, "chat_template_kwargs must leave the template's output as text",
+                       param="chat_template_kwargs")
+    return text
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request):

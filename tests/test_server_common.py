@@ -119,13 +119,33 @@ def assert_error_shape(response: httpx.Response, status: int, code: str | None =
     return error
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """For an in-process engine beside a server process: two processes with two threads each on two cores make
+    every small op wait for a busy core."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+_shared: list[ServerProcess] = []
+
+
 @pytest.fixture(scope="session")
 def shared_server(tmp_path_factory):
-    """The server that test_server_openai.py and test_server_http.py share: API key, two names, 256 blocks."""
+    """The server that test_server_openai.py and test_server_http.py share: API key, two names, 256 blocks.
+    Each module that imports this fixture gets its own fixture instance, so the process itself is cached here."""
+    if _shared:
+        yield _shared[0]
+        return
     args = [str(TINY), "--num-gpu-blocks-override", "256", "--max-model-len", "512", "--max-num-seqs", "16",
             "--dtype", "float32", "--served-model-name", "tiny", "tiny-alias", "--api-key", KEY]
     with running_server(args, tmp_path_factory.mktemp("server") / "server.log") as server:
+        _shared.append(server)
         yield server
+        _shared.clear()
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ from conftest import TINY, TINY_AWQ
 from helpers import assert_all_blocks_free, make_engine
 from server.app import build_app
 from server.cli_serve import startup_report
-from test_server_common import assert_error_shape, running_server, wait_until
+from test_server_common import assert_error_shape, one_torch_thread, running_server, wait_until  # noqa: F401
 
 LONG = {"prompt": "Once upon a time", "max_tokens": 240, "ignore_eos": True, "temperature": 0}
 
@@ -30,8 +30,9 @@ def test_full_waiting_queue_is_503_with_retry_after(queue_server):
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", url, json={**LONG, "stream": True}) as running:
             assert running.status_code == 200
-            print(next(running.iter_lines()))
-            assert wait_until(lambda: queue_server.health()["num_requests_running"] == 1, 10), queue_server.health()
+            lines = running.iter_lines()     # keep a reference: a dropped iterator closes the connection
+            assert next(lines).startswith("data: ")
+            assert wait_until(lambda: queue_server.health()["num_requests_running"] == 1, 10)
             with http.stream("POST", url, json={**LONG, "stream": True}) as waiting:
                 assert waiting.status_code == 200
                 assert wait_until(lambda: queue_server.health()["num_requests_waiting"] == 1, 10)
@@ -46,7 +47,7 @@ def test_full_waiting_queue_is_503_with_retry_after(queue_server):
 
 
 @pytest.fixture(scope="module")
-def engine():
+def engine(one_torch_thread):
     return make_engine(TINY, num_blocks=64, max_model_len=256, max_num_seqs=8)
 
 
@@ -113,13 +114,30 @@ def test_failed_step_fails_the_requests_in_flight_and_the_server_lives_on(engine
     assert_all_blocks_free(engine)
 
 
+def test_serve_takes_vllm_flag_names():
+    args = server.cli.build_parser().parse_args([
+        "serve", "some/model", "--host", "0.0.0.0", "--port", "9000", "--served-model-name", "a", "b",
+        "--api-key", "k", "--max-model-len", "128", "--max-num-seqs", "4", "--max-num-batched-tokens", "256",
+        "--gpu-memory-utilization", "0.5", "--kv-cache-dtype", "fp8", "--no-enable-prefix-caching",
+        "--enforce-eager", "--quantization", "awq", "--dtype", "float16", "--max-queued-requests", "7",
+        "--load-format", "safetensors"])
+    config = server.cli.engine_config_from_args(args)
+    assert (args.host, args.port, args.served_model_name, args.api_key, args.max_queued_requests) == \
+        ("0.0.0.0", 9000, ["a", "b"], "k", 7)
+    assert config.model == "some/model" and config.max_model_len == 128 and config.enforce_eager
+    assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (4, 256)
+    assert (config.cache.gpu_memory_utilization, config.cache.kv_cache_dtype) == (0.5, "fp8")
+    assert not config.cache.enable_prefix_caching
+    assert (config.quantization, config.dtype, config.load_format) == ("awq", "float16", "safetensors")
+
+
 def test_serve_without_a_model_fails_clearly(monkeypatch, capsys):
     monkeypatch.setattr(server.cli, "demo_model_dir", lambda: None)
     assert server.cli.main(["serve", "--port", "1"]) == 2
     assert "no MODEL given and the bundled demo model is not installed" in capsys.readouterr().err
 
 
-def test_startup_report_names_the_quantization():
+def test_startup_report_names_the_quantization(one_torch_thread):
     engine = make_engine(TINY_AWQ, num_blocks=64, max_model_len=256, dtype="auto")
     loaded, memory, kv = startup_report(engine)
     assert "awq" in loaded and "4-bit" in loaded and "group 128" in loaded

@@ -1,5 +1,7 @@
 """Error statuses, tokenizer endpoints, client disconnects and /metrics, against the shared real server."""
 import json
+import os
+import time
 
 import httpx
 import openai
@@ -163,3 +165,36 @@ def test_metrics_move_with_traffic(server, client):
     assert cached == (second.usage.prompt_tokens - 1) // 16 * 16 > 0
     assert delta("vllm:prefix_cache_hits_total") == cached
     assert delta("vllm:prefix_cache_queries_total") == second.usage.prompt_tokens
+
+
+def test_sse_framing(server):
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        text = response.read().decode()
+    events = text.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    payloads = [json.loads(e[len("data: "):]) for e in events[:-2]]
+    assert all(e.startswith("data: ") for e in events[:-1])
+    assert payloads[-1]["choices"] == [] and payloads[-1]["usage"]["completion_tokens"] == 4
+    assert all(p["object"] == "text_completion" and p["id"] == payloads[0]["id"] for p in payloads)
+
+
+def test_idle_engine_loop_does_not_spin(server):
+    """With no requests the engine thread sleeps on an event: the process uses (almost) no CPU."""
+    stat = f"/proc/{server.proc.pid}/stat"
+    try:
+        open(stat).close()
+    except OSError:
+        pytest.skip("needs /proc")
+    assert wait_until(server.pool_is_whole, 10)
+
+    def cpu_seconds() -> float:
+        fields = open(stat).read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime + stime
+
+    before = cpu_seconds()
+    time.sleep(1.5)
+    assert cpu_seconds() - before < 0.2

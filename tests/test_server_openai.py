@@ -5,7 +5,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from test_server_common import KEY, chat_messages, client, post, shared_server  # noqa: F401 (fixtures)
+from test_server_common import chat_messages, client, post, shared_server  # noqa: F401 (fixtures)
 
 GREEDY = {"temperature": 0.0}
 LONG = {"ignore_eos": True}      # extra_body: keeps the token count fixed
@@ -187,3 +187,13 @@ def test_concurrent_streams_interleave(client):
     assert [text for _, text in results] == expected
     # every stream got its first chunk before any stream finished: they ran side by side
     assert max(times[0] for times, _ in results) < min(times[-1] for times, _ in results)
+
+
+def test_best_of_returns_the_most_likely_of_its_samples(client):
+    kw = dict(model="tiny", prompt="Once upon a time", max_tokens=6, temperature=1.0, seed=11, extra_body=LONG)
+    samples = client.completions.create(n=3, logprobs=0, **kw).choices
+    totals = [sum(c.logprobs.token_logprobs) for c in sorted(samples, key=lambda c: c.index)]
+    best = client.completions.create(n=1, best_of=3, **kw)
+    assert len(best.choices) == 1 and best.choices[0].logprobs is None
+    assert best.choices[0].text == sorted(samples, key=lambda c: c.index)[totals.index(max(totals))].text
+    assert len({c.text for c in samples}) > 1, "the samples differ, so the choice among them matters"
