@@ -112,15 +112,22 @@ def nbytes(m, k, n, int4=True):
     return (k * n // 2 + (k // GS) * n * 5 // 2 if int4 else k * n * 2) + m * k * 2 + m * n * 2
 
 
-def tune_point(x, ws, m, k, n, deadline):
-    """Time every candidate, refine the winner; -> (list of {config, us}, best)."""
+def tune_point(x, ws, m, k, n, deadline, ref):
+    """Time every candidate (after checking it against the exact reference), refine the winner;
+    -> (list of {config, us, rel_err}, best). A candidate with rel_err > 2e-3 is recorded, never chosen."""
     rows = []
 
     def run(cfg, weights, tag=""):
         try:
+            y = w4a16_forward(x, weights[0], None, cfg).float()
+            err = ((y - ref).norm() / ref.norm()).item()
+            if not err < 2e-3:
+                rows.append({"config": dataclasses.asdict(cfg), "pack_k": weights[0].pack_k, "rel_err": err,
+                             "error": "wrong result"})
+                return
             fns = [lambda w=w: w4a16_forward(x, w, None, cfg) for w in weights]
             rows.append({"config": dataclasses.asdict(cfg), "pack_k": weights[0].pack_k, "us": graph_us(fns),
-                         "tag": tag})
+                         "tag": tag, "rel_err": err})
         except Exception as e:                                   # a config the compiler rejects (resources)
             rows.append({"config": dataclasses.asdict(cfg), "pack_k": weights[0].pack_k, "error": repr(e)[:200]})
 
@@ -182,7 +189,7 @@ def bench_linear(name, k, n, awq, tune, deadline, log):
                 fns = [lambda a=a: awq.awq_gemm_triton(x, *a, split_k_iters=8) for a in awq_ws]
             timed(row, "awq", fns)
         if tune and m in TUNE_MS:
-            row["tune"], best = tune_point(x, ws, m, k, n, deadline)
+            row["tune"], best = tune_point(x, ws, m, k, n, deadline, ref)
             if best is not None:
                 row["tuned_us"], row["tuned_config"], row["tuned_pack_k"] = best["us"], best["config"], best["pack_k"]
         for key in ("fp16", "ours", "tinygemm", "awq", "tuned"):
@@ -271,7 +278,11 @@ def main():
     ap.add_argument("--awq-sdist", default="")
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new tuning points after this")
+    ap.add_argument("--no-decode", action="store_true", help="skip the attention section (tuning runs)")
+    ap.add_argument("--ms", default="", help="comma-separated M list (default: all)")
     args = ap.parse_args()
+    if args.ms:
+        MS[:] = [int(v) for v in args.ms.split(",")]
     start = time.time()
     log = print
     git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
@@ -289,7 +300,11 @@ def main():
     for name, (k, n) in SHAPES.items():          # saved after every section: a killed run keeps what it measured
         result["linear"][name] = bench_linear(name, k, n, awq, args.tune, deadline, log)
         Path(args.out).write_text(json.dumps(result, indent=1))
-    result["decode"] = bench_decode(args.tune, log)
+    if args.no_decode:
+        result["wall_s"] = time.time() - start
+        Path(args.out).write_text(json.dumps(result, indent=1))
+        return
+    result["decode"] = bench_decode(False, log)
     result["summary"] = summarize(result["linear"], result["decode"])
     result["wall_s"] = time.time() - start
     Path(args.out).write_text(json.dumps(result, indent=1))

@@ -1,9 +1,10 @@
 """Per-step attention metadata and the call into the paged-attention kernels (Triton on CUDA, torch twin on CPU)."""
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from kernels.attention_ref import paged_attention_ref, store_kv_ref
+from kernels.paged_attention import paged_attention, store_kv
 
 
 @dataclass
@@ -14,12 +15,16 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor   # [B+1] int32: sequence b owns tokens [query_start_loc[b], query_start_loc[b+1])
     max_seq_len: int
     max_query_len: int
+    # Calibration hook: called with (k, v, k_scale, v_scale) of each layer before the store; may set the scales.
+    kv_observer: Callable | None = None
 
 
 def paged_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                             v_cache: torch.Tensor, k_scale, v_scale, meta: AttentionMetadata,
                             softmax_scale: float) -> torch.Tensor:
     """q: [T, Hq, D], k/v: [T, Hkv, D] (RoPE applied). Stores k/v by slot_mapping, then attends. -> [T, Hq, D]"""
-    store_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
-    return paged_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+    if meta.kv_observer is not None:
+        meta.kv_observer(k, v, k_scale, v_scale)
+    store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+    return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                                softmax_scale, k_scale, v_scale)

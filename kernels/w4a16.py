@@ -1,11 +1,12 @@
 """W4A16 entry points: the kernel layout (`prepare_w4a16`) and the dispatcher `w4a16_matmul`.
 
 On CPU tensors everything runs the torch twin (kernels/w4a16_ref.py) on the standard internal layout. On CUDA the
-weights should be prepared once at load: the Triton kernels read a K-interleaved repack of qweight (see
+weights should be prepared once at load: the Triton kernels read a byte repack of qweight (see W4A16Weights and
 kernels/w4a16_gemv.py); passing standard tensors on CUDA repacks on every call (correct, slow).
 Paths, picked per (M, K, N) from the measured table in kernels/w4a16_tuning.py:
   gemv     one row per program, CUDA-core FMAs, split-K                      (M = 1..few)
-  gemm     tensor-core tiles, split-K when the tiles alone cannot fill the GPU (M = 2..mid)
+  gemm     tensor-core tiles, split-K when the tiles alone cannot fill the GPU (M = 2..mid); "gemmt" computes
+           y^T = W^T x^T (the weight tile is the MMA's M side)
   dequant  Triton dequantize to a dense W, then cuBLAS                          (large M)
 """
 from dataclasses import dataclass
@@ -20,8 +21,10 @@ DEFAULT_PACK_K = 128
 
 @dataclass
 class W4A16Weights:
-    """INT4 weights in the kernel layout. qweight: int32 [ceil(K/pack_k)*pack_k/8, N], K-interleaved per chunk
-    (pad rows hold code 0 and meet zero activations); scales [G, N]; qzeros int32 [G, ceil(N/8)] or None."""
+    """INT4 weights in the kernel layout. qweight: int32 [ceil(K/pack_k)*pack_k/8, N] whose bytes, seen as uint8
+    [Kp/2, N], hold per pack_k chunk c and row r < pack_k/2 the codes of rows c*pack_k + r (low nibble) and
+    c*pack_k + pack_k/2 + r (high nibble), columns in col_perm order (pad rows hold code 0 and meet zero
+    activations); scales [G, N]; qzeros int32 [G, ceil(N/8)] or None."""
     qweight: torch.Tensor
     scales: torch.Tensor
     qzeros: torch.Tensor | None
@@ -40,15 +43,33 @@ class W4A16Weights:
         return self.scales.shape[0] > 1 and self.group_size % self.pack_k != 0
 
 
-def _interleave(codes: torch.Tensor, pack_k: int) -> torch.Tensor:
-    """codes [Kp, N] natural order -> [Kp, N] in word order: row (c, i, j) holds natural row c*pack_k + j*P8 + i."""
-    kp, n = codes.shape
-    return codes.view(kp // pack_k, 8, pack_k // 8, n).transpose(1, 2).reshape(kp, n)
+def col_perm(n: int, device=None) -> torch.Tensor:
+    """Byte position p of a kernel-layout row holds column col_perm(n)[p]: within each group of 4 columns the order
+    is (0, 2, 1, 3) (an involution), so one LOP3 on a 4-byte word yields the fp16 pair of columns (n, n+1) and,
+    after a shift by 8, the pair (n+2, n+3). Identity when N % 4 != 0 (those shapes take the plain path)."""
+    p = torch.arange(n, device=device)
+    return p if n % 4 else (p & ~3) | ((p & 1) << 1) | ((p >> 1) & 1)
 
 
-def _deinterleave(codes: torch.Tensor, pack_k: int) -> torch.Tensor:
+def _to_bytes(codes: torch.Tensor, pack_k: int) -> torch.Tensor:
+    """codes [Kp, N] natural order -> uint8 [Kp/2, N]: byte (c*pack_k/2 + r, p) = code[c*pack_k + r, col] |
+    code[c*pack_k + pack_k/2 + r, col] << 4, col = col_perm(N)[p]."""
     kp, n = codes.shape
-    return codes.view(kp // pack_k, pack_k // 8, 8, n).transpose(1, 2).reshape(kp, n)
+    c = codes.view(kp // pack_k, 2, pack_k // 2, n)
+    b = (c[:, 0] | (c[:, 1] << 4)).reshape(kp // 2, n).to(torch.uint8)
+    return b[:, col_perm(n, codes.device)]
+
+
+def _from_bytes(b: torch.Tensor, pack_k: int) -> torch.Tensor:
+    kp2, n = b.shape
+    b = b[:, col_perm(n, b.device)].to(torch.int32).view(kp2 * 2 // pack_k, 1, pack_k // 2, n)
+    return torch.cat([b & 0xF, b >> 4], dim=1).reshape(kp2 * 2, n)
+
+
+def weight_bytes(w: "W4A16Weights") -> torch.Tensor:
+    """The kernel layout's qweight (int32 [Kp/8, N]) seen as its uint8 [Kp/2, N] bytes."""
+    kp8, n = w.qweight.shape
+    return w.qweight.view(-1).view(torch.uint8).view(kp8 * 4, n)
 
 
 def prepare_w4a16(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None, group_size: int,
@@ -60,23 +81,25 @@ def prepare_w4a16(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Ten
     num_groups = scales.shape[0]
     if num_groups != -(-k // gs):
         raise ValueError(f"scales have {num_groups} groups, expected ceil({k}/{gs})")
-    if pack_k not in (128, 256, 512):              # pack_k/8 is a dot's K: at least 16
+    if pack_k not in (128, 256, 512):              # pack_k/2 is a dot's K
         raise ValueError(f"pack_k must be 128, 256 or 512, got {pack_k}")
     if num_groups > 1 and gs % (pack_k // 8):
         raise ValueError(f"group size {gs} is not a multiple of pack_k/8 = {pack_k // 8}; use a smaller pack_k")
     kp = -(-k // pack_k) * pack_k
     words = torch.empty((kp // 8, n), dtype=torch.int32, device=qweight.device)
-    for n0 in range(0, n, 4096):                          # bounds the int64 temporaries to K x 4096
-        codes = unpack_int4_rows(qweight[:, n0:n0 + 4096])
+    out = words.view(-1).view(torch.uint8).view(kp // 2, n)
+    step = 4096 if n % 4 == 0 else n                      # bounds the temporaries; keeps 4-column groups whole
+    for n0 in range(0, n, step):
+        codes = unpack_int4_rows(qweight[:, n0:n0 + step])
         codes = torch.cat([codes, codes.new_zeros(kp - k, codes.shape[1])]) if kp > k else codes
-        words[:, n0:n0 + 4096] = pack_int4_rows(_interleave(codes, pack_k))
+        out[:, n0:n0 + step] = _to_bytes(codes, pack_k)
     return W4A16Weights(words, scales.contiguous(), None if qzeros is None else qzeros.contiguous(), gs, k, pack_k,
                         None if perm is None else perm.to(torch.long))
 
 
 def standard_layout(w: W4A16Weights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
     """W4A16Weights -> (qweight [K/8, N], scales, qzeros, group_size) in the standard layout (the twin's input)."""
-    codes = _deinterleave(unpack_int4_rows(w.qweight), w.pack_k)[: w.in_features]
+    codes = _from_bytes(weight_bytes(w), w.pack_k)[: w.in_features]
     return pack_int4_rows(codes), w.scales, w.qzeros, w.group_size
 
 
@@ -112,6 +135,7 @@ def w4a16_forward(x: torch.Tensor, w: W4A16Weights, bias: torch.Tensor | None = 
     cfg = config or select_config(m, k, w.out_features, x.device)
     if cfg.path == "gemv":
         return w4a16_gemv(x, w, bias, cfg.block_n, cfg.split_k, cfg.num_warps, cfg.num_stages)
-    if cfg.path == "gemm":
-        return w4a16_gemm(x, w, bias, cfg.block_m, cfg.block_n, cfg.split_k, cfg.num_warps, cfg.num_stages)
+    if cfg.path in ("gemm", "gemmt"):
+        return w4a16_gemm(x, w, bias, cfg.block_m, cfg.block_n, cfg.split_k, cfg.num_warps, cfg.num_stages,
+                          swap=cfg.path == "gemmt")
     return w4a16_dequant_matmul(x, w, bias)

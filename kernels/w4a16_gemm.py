@@ -1,24 +1,27 @@
 """Triton W4A16 tiled GEMM (tensor cores, split-K) and the dequantize kernel for the dequantize + cuBLAS path.
 
-Both read the K-interleaved kernel layout described in kernels/w4a16_gemv.py.
+Both read the byte layout described in kernels/w4a16_gemv.py: a chunk of PACK_K rows is one [P2, BN] byte tile,
+dequantized (fp16 inline-asm fast path, or plain fp32) into two [P2, BN] weight tiles -> two dots of K = P2.
+SWAP computes acc^T = W^T x^T: the weight tile is the MMA's M side (BN >= 64), the activations its N side, so a
+small M does not pad the MMA's M to 16/64 rows.
 """
 import torch
 import triton
 import triton.language as tl
 
-from kernels.w4a16_gemv import (MAGIC_BITS, _group_params, _load_chunk, _nibble_magic, _store_result,
-                                 launch_splitk_reduce, split_plan)
+from kernels.w4a16_gemv import (_dequant, _dequant_words, _interleave4, _load_chunk, _load_words, _store_result,
+                                 fast_dequant_ok, launch_splitk_reduce, split_plan)
 
 
 @triton.jit
-def _w4a16_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, bias_ptr, M, N, K, G, group_size,
-                       stride_xm, stride_om, stride_sg, stride_zg, chunks_per_split, magic,
+def _w4a16_gemm_kernel(x_ptr, b_ptr, s_ptr, z_ptr, out_ptr, bias_ptr, M, N, K, G, group_size,
+                       stride_xm, stride_om, stride_sg, stride_zg, chunks_per_split, NW,
                        HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, SLICE_GROUPS: tl.constexpr,
-                       SPLIT: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+                       SPLIT: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, FAST: tl.constexpr,
+                       PERMUTED: tl.constexpr, SWAP: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PACK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """Grid (M tiles * N tiles, splits). Each PACK_K chunk is 8 dots of K = PACK_K/8, one per nibble."""
-    P8: tl.constexpr = PACK_K // 8
-    MAGIC: tl.constexpr = 8388608.0
+    """Grid (M tiles * N tiles, splits)."""
+    P2: tl.constexpr = PACK_K // 2
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -33,69 +36,97 @@ def _w4a16_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, bias_ptr, M, N, K, G
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    offs_i = tl.arange(0, P8)
+    offs_r = tl.arange(0, P2)
     # rows past M re-read row M-1 instead of masking: unmasked loads pipeline better; they are never stored
     x_rows = x_ptr + tl.minimum(offs_m, M - 1)[:, None] * stride_xm
     c_begin = pid_k * chunks_per_split
     c_end = tl.minimum(c_begin + chunks_per_split, tl.cdiv(K, PACK_K))
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    words, s, z = _load_chunk(w_ptr, s_ptr, z_ptr, c_begin, N, G, group_size, stride_sg, stride_zg, offs_i, offs_n,
-                              n_mask, HAS_ZEROS, EVEN_N, PACK_K)
+    if SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    BJ: tl.constexpr = BLOCK_N // 4
+    offs_j = pid_n * BJ + tl.arange(0, BJ)
+    j_mask = offs_j < NW
+    if FAST:
+        cur = _load_words(b_ptr, s_ptr, z_ptr, c_begin, NW, G, group_size, stride_sg, stride_zg, offs_r, offs_j,
+                          j_mask, HAS_ZEROS, SLICE_GROUPS, EVEN_N, PACK_K)
+    else:
+        cur = _load_chunk(b_ptr, s_ptr, z_ptr, c_begin, N, G, group_size, stride_sg, stride_zg, offs_r, offs_n,
+                          n_mask, HAS_ZEROS, SLICE_GROUPS, EVEN_N, FAST, PERMUTED, PACK_K)
     for c in range(c_begin, c_end):
-        k0 = c * PACK_K
         # the next chunk's weights go out before this chunk's math (the last chunk re-reads itself, from L2)
-        words_next, s_next, z_next = _load_chunk(w_ptr, s_ptr, z_ptr, tl.minimum(c + 1, c_end - 1), N, G,
-                                                 group_size, stride_sg, stride_zg, offs_i, offs_n, n_mask,
-                                                 HAS_ZEROS, EVEN_N, PACK_K)
-        words_hi = words >> 16
-        for j in tl.static_range(8):
-            SH = 1 << (4 * (j % 4))
-            if SLICE_GROUPS:
-                s, z = _group_params(s_ptr, z_ptr, k0 + j * P8, G, group_size, stride_sg, stride_zg, offs_n,
-                                     n_mask, HAS_ZEROS, EVEN_N)
-            offs_k = k0 + j * P8 + offs_i
-            if EVEN_K:
-                xk = tl.load(x_rows + offs_k[None, :])                                      # [BM, P8]
-            else:
-                xk = tl.load(x_rows + offs_k[None, :], mask=(offs_k < K)[None, :], other=0.0)
-            t = _nibble_magic(words, words_hi, magic, j) - (z * SH + MAGIC)
-            wk = (t * (s * (1.0 / SH))).to(xk.dtype)                                         # [P8, BN]
-            acc = tl.dot(xk, wk, acc)
-        words, s, z = words_next, s_next, z_next
-    _store_result(acc, out_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om, pid_k, HAS_BIAS, SPLIT)
+        if FAST:
+            nxt = _load_words(b_ptr, s_ptr, z_ptr, tl.minimum(c + 1, c_end - 1), NW, G, group_size, stride_sg,
+                              stride_zg, offs_r, offs_j, j_mask, HAS_ZEROS, SLICE_GROUPS, EVEN_N, PACK_K)
+        else:
+            nxt = _load_chunk(b_ptr, s_ptr, z_ptr, tl.minimum(c + 1, c_end - 1), N, G, group_size, stride_sg,
+                              stride_zg, offs_r, offs_n, n_mask, HAS_ZEROS, SLICE_GROUPS, EVEN_N, FAST, PERMUTED,
+                              PACK_K)
+        k_lo = c * PACK_K + offs_r
+        if EVEN_K:
+            x_lo = tl.load(x_rows + k_lo[None, :])                                     # [BM, P2]
+            x_hi = tl.load(x_rows + (k_lo + P2)[None, :])
+        else:
+            x_lo = tl.load(x_rows + k_lo[None, :], mask=(k_lo < K)[None, :], other=0.0)
+            x_hi = tl.load(x_rows + (k_lo + P2)[None, :], mask=(k_lo + P2 < K)[None, :], other=0.0)
+        if FAST:
+            l0, l1, l2, l3, h0, h1, h2, h3 = _dequant_words(*cur)
+            w_lo = _interleave4(l0, l1, l2, l3)
+            w_hi = _interleave4(h0, h1, h2, h3)
+        else:
+            b, s_lo, z_lo, s_hi, z_hi = cur
+            w_lo, w_hi = _dequant(b, s_lo, z_lo, s_hi, z_hi)
+            w_lo = w_lo.to(x_lo.dtype)
+            w_hi = w_hi.to(x_lo.dtype)
+        if SWAP:
+            acc = tl.dot(tl.trans(w_lo), tl.trans(x_lo), acc)                          # [BN, BM]
+            acc = tl.dot(tl.trans(w_hi), tl.trans(x_hi), acc)
+        else:
+            acc = tl.dot(x_lo, w_lo, acc)
+            acc = tl.dot(x_hi, w_hi, acc)
+        cur = nxt
+    if SWAP:
+        res = tl.trans(acc)
+    else:
+        res = acc
+    _store_result(res, out_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om, pid_k, HAS_BIAS, SPLIT)
 
 
 @triton.jit
-def _w4a16_dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, G, group_size, stride_sg, stride_zg, stride_on,
-                          magic,
+def _w4a16_dequant_kernel(b_ptr, s_ptr, z_ptr, out_ptr, N, K, G, group_size, stride_sg, stride_zg, stride_on, NW,
                           HAS_ZEROS: tl.constexpr, SLICE_GROUPS: tl.constexpr, EVEN_N: tl.constexpr,
-                          BLOCK_N: tl.constexpr, PACK_K: tl.constexpr):
+                          FAST: tl.constexpr, PERMUTED: tl.constexpr, BLOCK_N: tl.constexpr, PACK_K: tl.constexpr):
     """Grid (K chunks, N tiles): one PACK_K chunk -> W rows [k0, k0 + PACK_K) in natural order."""
-    P8: tl.constexpr = PACK_K // 8
-    MAGIC: tl.constexpr = 8388608.0
+    P2: tl.constexpr = PACK_K // 2
     c = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    offs_i = tl.arange(0, P8)
-    k0 = c * PACK_K
-    words = tl.load(w_ptr + (c * P8 + offs_i)[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
-    words_hi = words >> 16
-    s, z = _group_params(s_ptr, z_ptr, k0, G, group_size, stride_sg, stride_zg, offs_n, n_mask, HAS_ZEROS, EVEN_N)
-    for j in tl.static_range(8):
-        SH = 1 << (4 * (j % 4))
-        if SLICE_GROUPS:
-            s, z = _group_params(s_ptr, z_ptr, k0 + j * P8, G, group_size, stride_sg, stride_zg, offs_n, n_mask,
-                                 HAS_ZEROS, EVEN_N)
-        offs_k = k0 + j * P8 + offs_i
-        t = _nibble_magic(words, words_hi, magic, j) - (z * SH + MAGIC)
-        wk = t * (s * (1.0 / SH))
-        mask = (offs_k < K)[:, None] & n_mask[None, :]
-        tl.store(out_ptr + offs_k[:, None] * stride_on + offs_n[None, :], wk.to(out_ptr.dtype.element_ty), mask=mask)
+    offs_r = tl.arange(0, P2)
+    if FAST:
+        BJ: tl.constexpr = BLOCK_N // 4
+        offs_j = tl.program_id(1) * BJ + tl.arange(0, BJ)
+        cur = _load_words(b_ptr, s_ptr, z_ptr, c, NW, G, group_size, stride_sg, stride_zg, offs_r, offs_j,
+                          offs_j < NW, HAS_ZEROS, SLICE_GROUPS, EVEN_N, PACK_K)
+        l0, l1, l2, l3, h0, h1, h2, h3 = _dequant_words(*cur)
+        w_lo = _interleave4(l0, l1, l2, l3)
+        w_hi = _interleave4(h0, h1, h2, h3)
+    else:
+        b, s_lo, z_lo, s_hi, z_hi = _load_chunk(b_ptr, s_ptr, z_ptr, c, N, G, group_size, stride_sg, stride_zg,
+                                                offs_r, offs_n, n_mask, HAS_ZEROS, SLICE_GROUPS, EVEN_N, FAST,
+                                                PERMUTED, PACK_K)
+        w_lo, w_hi = _dequant(b, s_lo, z_lo, s_hi, z_hi)
+    k_lo = c * PACK_K + offs_r
+    ptrs = out_ptr + k_lo[:, None] * stride_on + offs_n[None, :]
+    tl.store(ptrs, w_lo.to(out_ptr.dtype.element_ty), mask=(k_lo < K)[:, None] & n_mask[None, :])
+    tl.store(ptrs + P2 * stride_on, w_hi.to(out_ptr.dtype.element_ty),
+             mask=(k_lo + P2 < K)[:, None] & n_mask[None, :])
 
 
 def w4a16_gemm(x: torch.Tensor, w, bias: torch.Tensor | None, block_m: int, block_n: int, split_k: int,
-               num_warps: int, num_stages: int, group_m: int = 8) -> torch.Tensor:
+               num_warps: int, num_stages: int, group_m: int = 8, swap: bool = False) -> torch.Tensor:
     """x: [M, K] (already act-order permuted), w: W4A16Weights -> [M, N] in x's dtype."""
+    from kernels.w4a16 import weight_bytes
     M, K = x.shape
     N = w.qweight.shape[1]
     splits, per = split_plan(K, w.pack_k, split_k)
@@ -103,13 +134,15 @@ def w4a16_gemm(x: torch.Tensor, w, bias: torch.Tensor | None, block_m: int, bloc
     dst = out if splits == 1 else torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
     zeros = w.qzeros if w.qzeros is not None else w.qweight
     grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n), splits)
+    fast = fast_dequant_ok(x, w)
     _w4a16_gemm_kernel[grid](
-        x, w.qweight, w.scales, zeros, dst, bias if bias is not None else w.scales,
-        M, N, K, w.scales.shape[0], w.group_size, x.stride(0), out.stride(0), w.scales.stride(0),
-        zeros.stride(0), per, MAGIC_BITS,
+        x, w.qweight if fast else weight_bytes(w), w.scales.view(torch.int32) if fast else w.scales, zeros, dst,
+        bias if bias is not None else w.scales,
+        M, N, K, w.scales.shape[0], w.group_size, x.stride(0), out.stride(0),
+        w.scales.stride(0) // 2 if fast else w.scales.stride(0), zeros.stride(0), per, N // 4,
         HAS_ZEROS=w.qzeros is not None, HAS_BIAS=bias is not None, SLICE_GROUPS=w.slice_groups,
-        SPLIT=splits > 1, EVEN_N=N % block_n == 0, EVEN_K=K % w.pack_k == 0, BLOCK_M=block_m, BLOCK_N=block_n,
-        PACK_K=w.pack_k, GROUP_M=group_m,
+        SPLIT=splits > 1, EVEN_N=N % block_n == 0, EVEN_K=K % w.pack_k == 0, FAST=fast,
+        PERMUTED=N % 4 == 0, SWAP=swap, BLOCK_M=block_m, BLOCK_N=block_n, PACK_K=w.pack_k, GROUP_M=group_m,
         num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         launch_splitk_reduce(dst, bias, out, splits)
@@ -117,16 +150,20 @@ def w4a16_gemm(x: torch.Tensor, w, bias: torch.Tensor | None, block_m: int, bloc
 
 
 def w4a16_dequantize(w, dtype: torch.dtype, block_n: int = 128) -> torch.Tensor:
-    """W4A16Weights -> dense W [K, N] in `dtype`, rows in internal (act-order) order; fp32 math, one rounding."""
+    """W4A16Weights -> dense W [K, N] in `dtype`, rows in internal (act-order) order; one rounding of (q - z) * s
+    (fp16: the packed-half fast path, bit-identical; otherwise fp32 math)."""
+    from kernels.w4a16 import weight_bytes
     K, N = w.in_features, w.qweight.shape[1]
     out = torch.empty((K, N), dtype=dtype, device=w.qweight.device)
     zeros = w.qzeros if w.qzeros is not None else w.qweight
     grid = (triton.cdiv(K, w.pack_k), triton.cdiv(N, block_n))
+    fast = fast_dequant_ok(out, w, dtype)
     _w4a16_dequant_kernel[grid](
-        w.qweight, w.scales, zeros, out, N, K, w.scales.shape[0], w.group_size, w.scales.stride(0),
-        zeros.stride(0), out.stride(0), MAGIC_BITS,
-        HAS_ZEROS=w.qzeros is not None, SLICE_GROUPS=w.slice_groups, EVEN_N=N % block_n == 0, BLOCK_N=block_n,
-        PACK_K=w.pack_k, num_warps=4)
+        w.qweight if fast else weight_bytes(w), w.scales.view(torch.int32) if fast else w.scales, zeros, out, N, K,
+        w.scales.shape[0], w.group_size, w.scales.stride(0) // 2 if fast else w.scales.stride(0),
+        zeros.stride(0), out.stride(0), N // 4,
+        HAS_ZEROS=w.qzeros is not None, SLICE_GROUPS=w.slice_groups, EVEN_N=N % block_n == 0,
+        FAST=fast, PERMUTED=N % 4 == 0, BLOCK_N=block_n, PACK_K=w.pack_k, num_warps=4)
     return out
 
 

@@ -1,63 +1,212 @@
 """Triton W4A16 GEMV (one activation row per program, CUDA-core FMAs, split-K) and the pieces every W4A16 kernel
 shares.
 
-All kernels read the K-interleaved kernel layout made by `kernels.w4a16.prepare_w4a16`: K is cut into chunks of
-PACK_K rows; word row c*P8 + i (P8 = PACK_K/8) holds, in nibble j, the code of row c*PACK_K + j*P8 + i. Nibble j
-of a [P8, BLOCK_N] word tile is thus P8 *consecutive* rows of W, whose activations are one contiguous load: no
-reshape, no strided gather. Scales [G, N] and packed zeros [G, ceil(N/8)] keep the standard layout.
+All kernels read the byte layout made by `kernels.w4a16.prepare_w4a16`: K is cut into chunks of PACK_K rows; seen
+as uint8 [Kp/2, N], byte (c*P2 + r, p) (P2 = PACK_K/2) holds the code of row c*PACK_K + r in its low nibble and of
+row c*PACK_K + P2 + r in its high nibble, for column col_perm(p) (order 0, 2, 1, 3 in each group of 4). A [P2, BN]
+byte tile is thus two [P2, BN] weight tiles of consecutive rows (two contiguous activation slices, two dots).
 
-Dequantization without int->float conversions (quarter-rate instructions): nibble j sits at bit 4*(j%4) of the
-word (j < 4) or of the word shifted right by 16 (j >= 4). OR-ing it, still in place, into the mantissa of 2^23
-gives the float 2^23 + q*16^(j%4) exactly; subtracting 2^23 + z*16^(j%4) is exact, and the 16^(j%4) factor is
-folded into the scale (or the activations). One LOP3, one FADD and one FMUL/FFMA per weight.
+Fast dequant (fp16 activations and scales, N % 4 == 0, compiled): Marlin's trick on a 4-byte word (4 columns):
+`lop3(w, 0x000F000F, 0x64006400)` is the fp16 pair (1024 + q) of columns (n, n+1), mask 0x00F000F0 the pair
+(1024 + 16 q) of the high nibbles; the word shifted by 8 gives columns (n+2, n+3). Then one exact sub.f16x2
+(or fma.f16x2 by 1/16) removes 1024 + z and one mul.f16x2 applies the scale: 13 instructions per 8 weights,
+2 weights per lane op, bit-identical to rounding (q - z) * s to fp16 once. Elsewhere (bf16, fp32 output, the CPU
+interpreter, which cannot run inline asm) a plain Triton path computes the same values in fp32.
 """
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-MAGIC_BITS = 0x4B000000     # the bits of the float 2^23
+# inputs: word $8 (bytes of columns 4j, 4j+2, 4j+1, 4j+3), scale pairs $9 (4j, 4j+1) $10 (4j+2, 4j+3), 1024+z pairs
+# $11 $12, -(64+z) pairs $13 $14; outputs (.b16): low-nibble rows of columns 4j..4j+3 $0..$3, high-nibble rows $4..$7
+_DQ_ASM = tl.constexpr("""
+{
+.reg .b32 w1, a0, a1, a2, a3, k16;
+mov.b32 k16, 0x2C002C00;
+lop3.b32 a0, $8, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 a1, $8, 0x00F000F0, 0x64006400, 0xEA;
+shr.u32 w1, $8, 8;
+lop3.b32 a2, w1, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 a3, w1, 0x00F000F0, 0x64006400, 0xEA;
+sub.rn.f16x2 a0, a0, $11;
+sub.rn.f16x2 a2, a2, $12;
+fma.rn.f16x2 a1, a1, k16, $13;
+fma.rn.f16x2 a3, a3, k16, $14;
+mul.rn.f16x2 a0, a0, $9;
+mul.rn.f16x2 a2, a2, $10;
+mul.rn.f16x2 a1, a1, $9;
+mul.rn.f16x2 a3, a3, $10;
+mov.b32 {$0, $1}, a0;
+mov.b32 {$2, $3}, a2;
+mov.b32 {$4, $5}, a1;
+mov.b32 {$6, $7}, a3;
+}
+""")
+# the GEMV's version: same dequant, then acc_t += w_lo_t * x_lo + w_hi_t * x_hi in fp32 for the 4 columns.
+# outputs acc $0..$3; inputs word $4, scale pairs $5 $6, 1024+z pairs $7 $8, -(64+z) pairs $9 $10, x_lo $11,
+# x_hi $12, acc $13..$16
+_DQ_FMA_ASM = tl.constexpr("""
+{
+.reg .b32 w1, a0, a1, a2, a3, k16;
+.reg .b16 h<8>;
+.reg .f32 f<8>;
+mov.b32 k16, 0x2C002C00;
+lop3.b32 a0, $4, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 a1, $4, 0x00F000F0, 0x64006400, 0xEA;
+shr.u32 w1, $4, 8;
+lop3.b32 a2, w1, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 a3, w1, 0x00F000F0, 0x64006400, 0xEA;
+sub.rn.f16x2 a0, a0, $7;
+sub.rn.f16x2 a2, a2, $8;
+fma.rn.f16x2 a1, a1, k16, $9;
+fma.rn.f16x2 a3, a3, k16, $10;
+mul.rn.f16x2 a0, a0, $5;
+mul.rn.f16x2 a2, a2, $6;
+mul.rn.f16x2 a1, a1, $5;
+mul.rn.f16x2 a3, a3, $6;
+mov.b32 {h0, h1}, a0;
+mov.b32 {h2, h3}, a2;
+mov.b32 {h4, h5}, a1;
+mov.b32 {h6, h7}, a3;
+cvt.f32.f16 f0, h0;
+cvt.f32.f16 f1, h1;
+cvt.f32.f16 f2, h2;
+cvt.f32.f16 f3, h3;
+cvt.f32.f16 f4, h4;
+cvt.f32.f16 f5, h5;
+cvt.f32.f16 f6, h6;
+cvt.f32.f16 f7, h7;
+fma.rn.f32 f0, f0, $11, $13;
+fma.rn.f32 f1, f1, $11, $14;
+fma.rn.f32 f2, f2, $11, $15;
+fma.rn.f32 f3, f3, $11, $16;
+fma.rn.f32 $0, f4, $12, f0;
+fma.rn.f32 $1, f5, $12, f1;
+fma.rn.f32 $2, f6, $12, f2;
+fma.rn.f32 $3, f7, $12, f3;
+}
+""")
+ZLO_BASE = tl.constexpr(0x64006400)                 # fp16 pair (1024, 1024)
+ZHI_BASE = tl.constexpr(0xD400D400 - (1 << 32))     # fp16 pair (-64, -64), as a signed int32; + 16 z per half gives -(64 + z)
+
+
+def fast_dequant_ok(x: torch.Tensor, w, out_dtype: torch.dtype | None = None) -> bool:
+    """The inline-asm fp16 dequant applies: compiled CUDA, fp16 activations and scales, N % 4 == 0."""
+    return (x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1" and w.scales.dtype == torch.float16
+            and not w.slice_groups
+            and (out_dtype or x.dtype) == torch.float16 and w.qweight.shape[1] % 4 == 0
+            and w.scales.stride(-1) == 1)
 
 
 @triton.jit
-def _group_params(s_ptr, z_ptr, k, G, group_size, stride_sg, stride_zg, offs_n, n_mask,
+def _group_params(s_ptr, z_ptr, g, stride_sg, stride_zg, offs_n, n_mask,
                   HAS_ZEROS: tl.constexpr, EVEN_N: tl.constexpr):
-    """Scale and zero point as fp32 [1, BLOCK_N] for the group holding row k."""
-    g = tl.minimum(k // group_size, G - 1)   # K padding rows clamp to the last group (their activations are 0)
+    """Scale (its own dtype) and zero point (fp32) of group g (a scalar -> [1, BN], or [R, 1] -> [R, BN])."""
     if EVEN_N:
-        s = tl.load(s_ptr + g * stride_sg + offs_n).to(tl.float32)
+        s = tl.load(s_ptr + g * stride_sg + offs_n[None, :])
     else:
-        s = tl.load(s_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        s = tl.load(s_ptr + g * stride_sg + offs_n[None, :], mask=n_mask[None, :], other=0.0)
     if HAS_ZEROS:
-        zw = tl.load(z_ptr + g * stride_zg + offs_n // 8, mask=n_mask, other=0)
-        z = ((zw >> ((offs_n % 8) * 4)) & 0xF).to(tl.float32)
+        zw = tl.load(z_ptr + g * stride_zg + (offs_n // 8)[None, :], mask=n_mask[None, :], other=0)
+        z = ((zw >> ((offs_n % 8) * 4)[None, :]) & 0xF).to(tl.float32)
     else:
-        z = s * 0.0 + 8.0                        # symmetric
-    return s[None, :], z[None, :]
+        z = s.to(tl.float32) * 0.0 + 8.0                        # symmetric
+    return s, z
 
 
 @triton.jit
-def _load_chunk(w_ptr, s_ptr, z_ptr, c, N, G, group_size, stride_sg, stride_zg, offs_i, offs_n, n_mask,
-                HAS_ZEROS: tl.constexpr, EVEN_N: tl.constexpr, PACK_K: tl.constexpr):
-    """Word tile [P8, BLOCK_N] of chunk c and its (first) group's scale and zero point [1, BLOCK_N]."""
-    w_ptrs = w_ptr + (c * (PACK_K // 8) + offs_i)[:, None] * N + offs_n[None, :]
+def _load_chunk(b_ptr, s_ptr, z_ptr, c, N, G, group_size, stride_sg, stride_zg, offs_r, offs_n, n_mask,
+                HAS_ZEROS: tl.constexpr, SLICE_GROUPS: tl.constexpr, EVEN_N: tl.constexpr, FAST: tl.constexpr,
+                PERMUTED: tl.constexpr, PACK_K: tl.constexpr):
+    """Byte tile [P2, BN] of chunk c (memory column order when FAST, else real order) and the groups' scales and
+    zero points for its low rows (k0 + r) and high rows (k0 + P2 + r)."""
+    P2: tl.constexpr = PACK_K // 2
+    if FAST or not PERMUTED:
+        cols = offs_n
+    else:
+        cols = (offs_n - (offs_n & 3)) | ((offs_n & 1) << 1) | ((offs_n >> 1) & 1)
+    ptrs = b_ptr + (c * P2 + offs_r)[:, None] * N + cols[None, :]
     if EVEN_N:
-        words = tl.load(w_ptrs)
+        b = tl.load(ptrs)
     else:
-        words = tl.load(w_ptrs, mask=n_mask[None, :], other=0)
-    s, z = _group_params(s_ptr, z_ptr, c * PACK_K, G, group_size, stride_sg, stride_zg, offs_n, n_mask,
-                         HAS_ZEROS, EVEN_N)
-    return words, s, z
+        b = tl.load(ptrs, mask=n_mask[None, :], other=0)
+    k0 = c * PACK_K
+    if SLICE_GROUPS:
+        g_lo = tl.minimum((k0 + offs_r) // group_size, G - 1)[:, None]
+        g_hi = tl.minimum((k0 + P2 + offs_r) // group_size, G - 1)[:, None]
+        s_lo, z_lo = _group_params(s_ptr, z_ptr, g_lo, stride_sg, stride_zg, offs_n, n_mask, HAS_ZEROS, EVEN_N)
+        s_hi, z_hi = _group_params(s_ptr, z_ptr, g_hi, stride_sg, stride_zg, offs_n, n_mask, HAS_ZEROS, EVEN_N)
+    else:
+        g = tl.minimum(k0 // group_size, G - 1)   # K padding rows clamp to the last group (their activations are 0)
+        s_lo, z_lo = _group_params(s_ptr, z_ptr, g, stride_sg, stride_zg, offs_n, n_mask, HAS_ZEROS, EVEN_N)
+        s_hi, z_hi = s_lo, z_lo
+    return b, s_lo, z_lo, s_hi, z_hi
 
 
 @triton.jit
-def _nibble_magic(words, words_hi, magic, J: tl.constexpr):
-    """Nibble J of each word as the float 2^23 + q * 16^(J % 4). `magic` (the bits of 2^23) arrives as a kernel
-    argument so it lives in a register: with two immediates the and-or would take two LOP3s instead of one."""
-    if J < 4:
-        bits = (words & (0xF << (4 * J))) | magic
+def _load_words(w_ptr, s2_ptr, z_ptr, c, NW, G, group_size, stride_s2, stride_zg, offs_r, offs_j, j_mask,
+                HAS_ZEROS: tl.constexpr, SLICE_GROUPS: tl.constexpr, EVEN_N: tl.constexpr, PACK_K: tl.constexpr):
+    """Fast path: word tile [P2, BJ] (word j = columns 4j..4j+3) of chunk c, scale pairs (fp16x2 as int32) and the
+    packed zero constants of the low and high rows' groups."""
+    P2: tl.constexpr = PACK_K // 2
+    ptrs = w_ptr + (c * P2 + offs_r)[:, None] * NW + offs_j[None, :]
+    if EVEN_N:
+        wd = tl.load(ptrs)
     else:
-        bits = (words_hi & (0xF << (4 * (J - 4)))) | magic
-    return bits.to(tl.float32, bitcast=True)
+        wd = tl.load(ptrs, mask=j_mask[None, :], other=0)
+    k0 = c * PACK_K
+    if SLICE_GROUPS:
+        g_lo = tl.minimum((k0 + offs_r) // group_size, G - 1)[:, None]
+        g_hi = tl.minimum((k0 + P2 + offs_r) // group_size, G - 1)[:, None]
+        sa_lo, sb_lo, za_lo, zb_lo = _pair_params(s2_ptr, z_ptr, g_lo, stride_s2, stride_zg, offs_j, j_mask, HAS_ZEROS)
+        sa_hi, sb_hi, za_hi, zb_hi = _pair_params(s2_ptr, z_ptr, g_hi, stride_s2, stride_zg, offs_j, j_mask, HAS_ZEROS)
+    else:
+        g = tl.minimum(k0 // group_size, G - 1)
+        sa_lo, sb_lo, za_lo, zb_lo = _pair_params(s2_ptr, z_ptr, g, stride_s2, stride_zg, offs_j, j_mask, HAS_ZEROS)
+        sa_hi, sb_hi, za_hi, zb_hi = sa_lo, sb_lo, za_lo, zb_lo
+    return wd, sa_lo, sb_lo, za_lo, zb_lo, sa_hi, sb_hi, za_hi, zb_hi
+
+
+@triton.jit
+def _pair_params(s2_ptr, z_ptr, g, stride_s2, stride_zg, offs_j, j_mask, HAS_ZEROS: tl.constexpr):
+    """Scale pairs (4j, 4j+1), (4j+2, 4j+3) as int32 and the zero codes packed the same way (z | z' << 16)."""
+    sa = tl.load(s2_ptr + g * stride_s2 + (2 * offs_j)[None, :], mask=j_mask[None, :], other=0)
+    sb = tl.load(s2_ptr + g * stride_s2 + (2 * offs_j + 1)[None, :], mask=j_mask[None, :], other=0)
+    if HAS_ZEROS:
+        zz = tl.load(z_ptr + g * stride_zg + (offs_j // 2)[None, :], mask=j_mask[None, :], other=0)
+        zz = zz >> ((offs_j % 2) * 16)[None, :]
+        za = (zz & 0xF) | (((zz >> 4) & 0xF) << 16)
+        zb = ((zz >> 8) & 0xF) | (((zz >> 12) & 0xF) << 16)
+    else:
+        za = sa * 0 + (8 | (8 << 16))
+        zb = za
+    return sa, sb, za, zb
+
+
+@triton.jit
+def _dequant_words(wd, sa_lo, sb_lo, za_lo, zb_lo, sa_hi, sb_hi, za_hi, zb_hi):
+    """-> 8 fp16 tensors [P2, BJ]: low rows of columns 4j+0..3, then high rows of columns 4j+0..3."""
+    return tl.inline_asm_elementwise(
+        _DQ_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r,r,r",
+        [wd, sa_lo, sb_lo, za_lo + ZLO_BASE, zb_lo + ZLO_BASE, (za_hi << 4) + ZHI_BASE, (zb_hi << 4) + ZHI_BASE],
+        dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+
+
+@triton.jit
+def _interleave4(a, b, c, d):
+    """Four [R, BJ] tensors (columns 4j + 0..3) -> [R, 4 BJ] in column order."""
+    t = tl.join(tl.join(a, c), tl.join(b, d))                                     # [R, BJ, 2, 2]
+    return tl.reshape(t, [a.shape[0], a.shape[1] * 4])
+
+
+@triton.jit
+def _dequant(b, s_lo, z_lo, s_hi, z_hi):
+    """Plain path: -> (W rows k0 + r, W rows k0 + P2 + r), each fp32 [P2, BN], real column order."""
+    lo = ((b & 0xF).to(tl.float32) - z_lo) * s_lo.to(tl.float32)
+    hi = ((b >> 4).to(tl.float32) - z_hi) * s_hi.to(tl.float32)
+    return lo, hi
 
 
 @triton.jit
@@ -91,55 +240,73 @@ def _splitk_reduce_kernel(ws_ptr, bias_ptr, out_ptr, M, N, stride_om, split_k,
 
 
 @triton.jit
-def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, bias_ptr, M, N, K, G, group_size,
-                       stride_xm, stride_om, stride_sg, stride_zg, chunks_per_split, magic,
+def _w4a16_gemv_kernel(x_ptr, b_ptr, s_ptr, z_ptr, out_ptr, bias_ptr, M, N, K, G, group_size,
+                       stride_xm, stride_om, stride_sg, stride_zg, chunks_per_split, NW,
                        HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, SLICE_GROUPS: tl.constexpr,
-                       SPLIT: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                       BLOCK_N: tl.constexpr, PACK_K: tl.constexpr):
+                       SPLIT: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, FAST: tl.constexpr,
+                       PERMUTED: tl.constexpr, BLOCK_N: tl.constexpr, PACK_K: tl.constexpr):
     """Grid (M, N tiles, splits): rows vary fastest, so a weight tile's programs run together and all but the
     first read it from L2."""
-    P8: tl.constexpr = PACK_K // 8
-    MAGIC: tl.constexpr = 8388608.0
+    P2: tl.constexpr = PACK_K // 2
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    offs_i = tl.arange(0, P8)
+    offs_r = tl.arange(0, P2)
     c_begin = pid_k * chunks_per_split
     c_end = tl.minimum(c_begin + chunks_per_split, tl.cdiv(K, PACK_K))
     x_row = x_ptr + pid_m * stride_xm
-    acc = tl.zeros([P8, BLOCK_N], dtype=tl.float32)       # reduced over its rows once, after the loop
-    words, s, z = _load_chunk(w_ptr, s_ptr, z_ptr, c_begin, N, G, group_size, stride_sg, stride_zg, offs_i, offs_n,
-                              n_mask, HAS_ZEROS, EVEN_N, PACK_K)
-    for c in range(c_begin, c_end):
-        k0 = c * PACK_K
-        # the next chunk's loads go out before this chunk's math (the last chunk re-reads itself, from L2)
-        words_next, s_next, z_next = _load_chunk(w_ptr, s_ptr, z_ptr, tl.minimum(c + 1, c_end - 1), N, G,
-                                                 group_size, stride_sg, stride_zg, offs_i, offs_n, n_mask,
-                                                 HAS_ZEROS, EVEN_N, PACK_K)
-        words_hi = words >> 16
-        part = tl.zeros([P8, BLOCK_N], dtype=tl.float32)  # sum over the chunk of (q - z) * x, scaled once
-        for j in tl.static_range(8):
-            SH = 1 << (4 * (j % 4))
-            if SLICE_GROUPS:
-                s, z = _group_params(s_ptr, z_ptr, k0 + j * P8, G, group_size, stride_sg, stride_zg, offs_n,
-                                     n_mask, HAS_ZEROS, EVEN_N)
-            offs_k = k0 + j * P8 + offs_i
+    if FAST:
+        BJ: tl.constexpr = BLOCK_N // 4
+        offs_j = pid_n * BJ + tl.arange(0, BJ)
+        j_mask = offs_j < NW
+        a0 = tl.zeros([P2, BJ], dtype=tl.float32)
+        a1 = tl.zeros([P2, BJ], dtype=tl.float32)
+        a2 = tl.zeros([P2, BJ], dtype=tl.float32)
+        a3 = tl.zeros([P2, BJ], dtype=tl.float32)
+        cur = _load_words(b_ptr, s_ptr, z_ptr, c_begin, NW, G, group_size, stride_sg, stride_zg, offs_r, offs_j,
+                          j_mask, HAS_ZEROS, SLICE_GROUPS, EVEN_N, PACK_K)
+        for c in range(c_begin, c_end):
+            nxt = _load_words(b_ptr, s_ptr, z_ptr, tl.minimum(c + 1, c_end - 1), NW, G, group_size, stride_sg,
+                              stride_zg, offs_r, offs_j, j_mask, HAS_ZEROS, SLICE_GROUPS, EVEN_N, PACK_K)
+            k_lo = c * PACK_K + offs_r
             if EVEN_K:
-                xk = tl.load(x_row + offs_k).to(tl.float32)                                # [P8]
+                x_lo = tl.load(x_row + k_lo).to(tl.float32)[:, None]
+                x_hi = tl.load(x_row + k_lo + P2).to(tl.float32)[:, None]
             else:
-                xk = tl.load(x_row + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-            xk = (xk * (1.0 / SH))[:, None]
-            t = _nibble_magic(words, words_hi, magic, j) - (z * SH + MAGIC)
-            if SLICE_GROUPS:
-                acc += (t * xk) * s
+                x_lo = tl.load(x_row + k_lo, mask=k_lo < K, other=0.0).to(tl.float32)[:, None]
+                x_hi = tl.load(x_row + k_lo + P2, mask=k_lo + P2 < K, other=0.0).to(tl.float32)[:, None]
+            wd, sa, sb, za, zb, _, _, _, _ = cur                         # one group per chunk (not SLICE_GROUPS)
+            a0, a1, a2, a3 = tl.inline_asm_elementwise(
+                _DQ_FMA_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+                [wd, sa, sb, za + ZLO_BASE, zb + ZLO_BASE, (za << 4) + ZHI_BASE, (zb << 4) + ZHI_BASE, x_lo, x_hi,
+                 a0, a1, a2, a3], dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+            cur = nxt
+        res = _interleave4(tl.sum(a0, axis=0)[None, :], tl.sum(a1, axis=0)[None, :], tl.sum(a2, axis=0)[None, :],
+                           tl.sum(a3, axis=0)[None, :])
+    else:
+        acc = tl.zeros([P2, BLOCK_N], dtype=tl.float32)       # reduced over its rows once, after the loop
+        b, s_lo, z_lo, s_hi, z_hi = _load_chunk(b_ptr, s_ptr, z_ptr, c_begin, N, G, group_size, stride_sg, stride_zg,
+                                                offs_r, offs_n, n_mask, HAS_ZEROS, SLICE_GROUPS, EVEN_N, FAST,
+                                                PERMUTED, PACK_K)
+        for c in range(c_begin, c_end):
+            # the next chunk's loads go out before this chunk's math (the last chunk re-reads itself, from L2)
+            nb, ns_lo, nz_lo, ns_hi, nz_hi = _load_chunk(b_ptr, s_ptr, z_ptr, tl.minimum(c + 1, c_end - 1), N, G,
+                                                         group_size, stride_sg, stride_zg, offs_r, offs_n, n_mask,
+                                                         HAS_ZEROS, SLICE_GROUPS, EVEN_N, FAST, PERMUTED, PACK_K)
+            k_lo = c * PACK_K + offs_r
+            if EVEN_K:
+                x_lo = tl.load(x_row + k_lo).to(tl.float32)
+                x_hi = tl.load(x_row + k_lo + P2).to(tl.float32)
             else:
-                part += t * xk
-        if not SLICE_GROUPS:
-            acc += part * s
-        words, s, z = words_next, s_next, z_next
-    res = tl.sum(acc, axis=0)[None, :]                                             # [1, BLOCK_N]
+                x_lo = tl.load(x_row + k_lo, mask=k_lo < K, other=0.0).to(tl.float32)
+                x_hi = tl.load(x_row + k_lo + P2, mask=k_lo + P2 < K, other=0.0).to(tl.float32)
+            w_lo, w_hi = _dequant(b, s_lo, z_lo, s_hi, z_hi)
+            acc += w_lo.to(tl.float32) * x_lo[:, None]
+            acc += w_hi.to(tl.float32) * x_hi[:, None]
+            b, s_lo, z_lo, s_hi, z_hi = nb, ns_lo, nz_lo, ns_hi, nz_hi
+        res = tl.sum(acc, axis=0)[None, :]                                     # [1, BLOCK_N]
     offs_m = pid_m + tl.arange(0, 1)
     _store_result(res, out_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om, pid_k, HAS_BIAS, SPLIT)
 
@@ -162,6 +329,7 @@ def launch_splitk_reduce(ws: torch.Tensor, bias, out: torch.Tensor, split_k: int
 def w4a16_gemv(x: torch.Tensor, w, bias: torch.Tensor | None, block_n: int, split_k: int,
                num_warps: int, num_stages: int) -> torch.Tensor:
     """x: [M, K] (already act-order permuted, unit stride along K), w: W4A16Weights -> [M, N] in x's dtype."""
+    from kernels.w4a16 import weight_bytes
     M, K = x.shape
     N = w.qweight.shape[1]
     splits, per = split_plan(K, w.pack_k, split_k)
@@ -169,13 +337,17 @@ def w4a16_gemv(x: torch.Tensor, w, bias: torch.Tensor | None, block_n: int, spli
     dst = out if splits == 1 else torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
     zeros = w.qzeros if w.qzeros is not None else w.qweight
     grid = (M, triton.cdiv(N, block_n), splits)
+    fast = fast_dequant_ok(x, w)
+    # fast path: int32 words [Kp/2, N/4] and fp16 scale pairs as int32 [G, N/2]
     _w4a16_gemv_kernel[grid](
-        x, w.qweight, w.scales, zeros, dst, bias if bias is not None else w.scales,
-        M, N, K, w.scales.shape[0], w.group_size, x.stride(0), out.stride(0), w.scales.stride(0),
-        zeros.stride(0), per, MAGIC_BITS,
+        x, w.qweight if fast else weight_bytes(w), w.scales.view(torch.int32) if fast else w.scales, zeros, dst,
+        bias if bias is not None else w.scales,
+        M, N, K, w.scales.shape[0], w.group_size, x.stride(0), out.stride(0),
+        w.scales.stride(0) // 2 if fast else w.scales.stride(0),
+        zeros.stride(0), per, N // 4,
         HAS_ZEROS=w.qzeros is not None, HAS_BIAS=bias is not None, SLICE_GROUPS=w.slice_groups,
-        SPLIT=splits > 1, EVEN_N=N % block_n == 0, EVEN_K=K % w.pack_k == 0, BLOCK_N=block_n, PACK_K=w.pack_k,
-        num_warps=num_warps, num_stages=num_stages)
+        SPLIT=splits > 1, EVEN_N=N % block_n == 0, EVEN_K=K % w.pack_k == 0, FAST=fast,
+        PERMUTED=N % 4 == 0, BLOCK_N=block_n, PACK_K=w.pack_k, num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         launch_splitk_reduce(dst, bias, out, splits)
     return out

@@ -11,7 +11,7 @@ import torch
 
 @dataclass(frozen=True)
 class W4A16Config:
-    path: str                 # "gemv" | "gemm" | "dequant"
+    path: str                 # "gemv" | "gemm" | "gemmt" (swapped operands) | "dequant"
     block_m: int = 16
     block_n: int = 128
     split_k: int = 1          # upper bound: the launcher never leaves a split empty
@@ -24,15 +24,20 @@ def _c(path, bm=16, bn=128, sk=1, nw=4, ns=3) -> W4A16Config:
 
 
 # family -> heuristic constants and per-(K, N) lists of (largest M, config), M ascending. sm90: measured on an
-# H200 (bench/results/kernels-tune-h200.json, bench/NOTES-kernels.md); the Qwen2.5-7B rows are that run's winners
-# where the GPU, not the launch, set the time.
+# H200 (bench/results/kernels-tune-h200.json, graph-timed sweep; bench/NOTES-kernels.md): the winners of every
+# tuned point of the Qwen2.5-7B shapes (M in 1, 4, 16, 32, 64, 128, 256).
 _SM90 = {
-    "gemv_max_m": 1, "dequant_min_m": 129, "gemv_programs": 2048, "gemm_programs": 600, "max_split": 16,
+    "gemv_max_m": 1, "dequant_min_m": 128, "gemv_programs": 2048, "gemm_programs": 600, "max_split": 16,
     "shapes": {
-        (3584, 37888): [(1, _c("gemv", 1, 64, 4)), (16, _c("gemm", 16, 256, 4, 8)), (32, _c("gemm", 32, 256, 4, 8)),
-                        (64, _c("gemm", 64, 128, 2)), (128, _c("gemm", 64, 128, 2))],
-        (18944, 3584): [(1, _c("gemv", 1, 64, 8)), (16, _c("gemm", 16, 256, 16, 8)), (32, _c("gemm", 32, 256, 8, 8)),
-                        (64, _c("gemm", 64, 128, 8)), (128, _c("gemm", 128, 256, 8, 8))],
+        (3584, 4608): [(1, _c("gemv", 1, 64, 8)), (16, _c("gemmt", 16, 64, 8)), (32, _c("gemmt", 32, 64, 8)),
+                       (64, _c("gemmt", 64, 128, 8))],
+        (3584, 3584): [(1, _c("gemv", 1, 64, 8)), (16, _c("gemmt", 16, 64, 8)), (32, _c("gemmt", 32, 64, 8)),
+                       (64, _c("gemmt", 64, 64, 8))],
+        (3584, 37888): [(1, _c("gemv", 1, 128, 4)), (4, _c("gemmt", 16, 128, 4, 8)), (16, _c("gemmt", 16, 64, 4)),
+                        (32, _c("gemmt", 32, 64, 2, 4, 4)), (64, _c("gemmt", 64, 64, 2)),
+                        (128, _c("gemmt", 128, 128, 1, 8, 4))],
+        (18944, 3584): [(1, _c("gemv", 1, 64, 8)), (16, _c("gemmt", 16, 64, 8)), (32, _c("gemmt", 32, 64, 8, 4, 4)),
+                        (64, _c("gemmt", 64, 128, 8, 4, 4)), (128, _c("gemm", 128, 256, 8, 8))],
     },
 }
 TABLES: dict[str, dict] = {"sm90": _SM90, "default": dict(_SM90, shapes={})}
@@ -59,7 +64,11 @@ def heuristic_config(m: int, k: int, n: int, table: dict, sms: int) -> W4A16Conf
     if m <= table["gemv_max_m"]:
         tiles = m * -(-n // 64)
         return _c("gemv", 1, 64, _pow2_split(table["gemv_programs"], tiles, table["max_split"]))
-    bm, bn = (16, 256) if m <= 16 else (32, 256) if m <= 32 else (64, 128)
+    bm = 16 if m <= 16 else 32 if m <= 32 else 64
+    if m <= 64:                       # swapped operands, narrow N tiles: the winners of every tuned shape
+        tiles = -(-m // bm) * -(-n // 64)
+        return _c("gemmt", bm, 64, _pow2_split(table["gemm_programs"], tiles, table["max_split"]), 4)
+    bn = 128
     tiles = -(-m // bm) * -(-n // bn)
     return _c("gemm", bm, bn, _pow2_split(table["gemm_programs"], tiles, table["max_split"]), _warps(bm, bn))
 
@@ -84,12 +93,16 @@ def candidate_configs(m: int, k: int, n: int, pack_k: int = 128) -> list[W4A16Co
     splits = [s for s in (1, 2, 4, 8, 16) if s <= chunks]
     out = []
     if m <= 4:
-        out += [_c("gemv", 1, bn, s, 4, 3) for bn in (64, 128, 256) for s in splits]
-    bms = [16] if m <= 16 else [16, 32] if m <= 32 else [32, 64] if m <= 64 else [64, 128]
-    for bm in bms:
-        for bn in (64, 128, 256):
-            out += [_c("gemm", bm, bn, s, _warps(bm, bn), 3) for s in (splits if m <= 128 else splits[:3])]
-    if m >= 64:
+        out += [_c("gemv", 1, bn, s, 4 if bn < 256 else 8, 3) for bn in (64, 128, 256) for s in splits]
+    if m <= 64:
+        bm = 16 if m <= 16 else 32 if m <= 32 else 64
+        out += [_c("gemmt", bm, bn, s, 4 if bn < 256 else 8, 3) for bn in (64, 128, 256) for s in splits]
+    if 8 <= m <= 128:
+        bm = 16 if m <= 16 else 32 if m <= 32 else 64
+        out += [_c("gemm", bm, bn, s, 4 if bn < 256 else 8, 3) for bn in (128, 256) for s in splits[::2]]
+    if m >= 128:
+        out += [_c("gemm", bm, bn, s, 8, 3) for bm in (64, 128) for bn in (128, 256) for s in (1, 2)]
+        out += [_c("gemmt", bm, 128, s, 8, 3) for bm in (64, 128) for s in (1, 2)]
         out.append(_c("dequant"))
     return out
 

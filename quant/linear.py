@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from kernels.w4a16_ref import dequantize_w4, pack_int4_cols, w4a16_matmul_ref
+from kernels.w4a16 import W4A16Weights, prepare_w4a16, standard_layout, w4a16_matmul
 
 
 class DenseLinear(nn.Module):
@@ -68,6 +69,7 @@ class QuantLinear(nn.Module):
         self._shards: list = [None] * len(output_sizes)
         for name in ("qweight", "scales", "qzeros", "perm", "bias"):
             self.register_buffer(name, None)
+        self.packed: W4A16Weights | None = None   # the kernels' layout on CUDA (repacked once at load)
 
     def load_shard(self, shard_id: int, tensors: dict[str, torch.Tensor], prefix: str) -> None:
         if not 0 <= shard_id < len(self.output_sizes):
@@ -123,6 +125,17 @@ class QuantLinear(nn.Module):
         self.perm = shards[0].perm
         self.bias = torch.cat([s.bias for s in shards]) if self.has_bias else None
         self._shards = None
+        self._repack_for_kernels()
+
+    def _repack_for_kernels(self) -> None:
+        """On CUDA keep only the kernels' layout (one copy of the weights on the GPU)."""
+        if self.device.type != "cuda":
+            return
+        self.packed = prepare_w4a16(self.qweight, self.scales, self.qzeros, self.group_size, self.perm)
+        self.qweight = self.scales = self.qzeros = self.perm = None
+        self.register_buffer("packed_qweight", self.packed.qweight)     # counted as a weight (memory, bench)
+        self.register_buffer("packed_scales", self.packed.scales)
+        self.register_buffer("packed_qzeros", self.packed.qzeros)
 
     def init_dummy(self, gen: torch.Generator) -> None:
         """Random codes and scales (weights about N(0, 0.02)) for --load-format dummy."""
@@ -132,19 +145,26 @@ class QuantLinear(nn.Module):
         self.scales = torch.full((g, n), 0.02 / 4.6, dtype=self.dtype, device=self.device)
         self.qzeros, self.perm, self.parts, self._shards = None, None, None, None
         self.bias = torch.zeros(n, dtype=self.dtype, device=self.device) if self.has_bias else None
+        self._repack_for_kernels()
 
     def dequantized_weight(self) -> torch.Tensor:
         """fp32 W [N, K] with K in the original input order (what nn.Linear would hold)."""
         if self.parts is not None:
             return torch.cat([p.dequantized_weight() for p in self.parts], dim=0)
-        w = dequantize_w4(self.qweight, self.scales, self.qzeros, self.group_size)   # [K, N], internal row order
-        if self.perm is not None:
-            w = torch.empty_like(w).index_copy_(0, self.perm, w)
+        qweight, scales, qzeros, perm = self.qweight, self.scales, self.qzeros, self.perm
+        if self.packed is not None:
+            qweight, scales, qzeros, _ = standard_layout(self.packed)
+            perm = self.packed.perm
+        w = dequantize_w4(qweight, scales, qzeros, self.group_size)   # [K, N], internal row order
+        if perm is not None:
+            w = torch.empty_like(w).index_copy_(0, perm, w)
         return w.t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parts is not None:
             return torch.cat([p(x) for p in self.parts], dim=-1)
+        if self.packed is not None:
+            return w4a16_matmul(x, self.packed, bias=self.bias)
         return w4a16_matmul_ref(x, self.qweight, self.scales, self.qzeros, self.group_size, self.perm, self.bias)
 
     def extra_repr(self) -> str:

@@ -84,17 +84,18 @@ def test_gemv_matches_twin(m, dtype, group_size, zeros, split_k):
     assert rel_err(y, ref) < TOL[dtype]
 
 
-@pytest.mark.parametrize("m,dtype,group_size,zeros,act_order,block_m,split_k", [
-    (5, torch.float16, 64, True, False, 16, 1),
-    (7, torch.bfloat16, 128, True, True, 16, 4),
-    (33, torch.float16, 32, False, True, 32, 2),
+@pytest.mark.parametrize("m,dtype,group_size,zeros,act_order,block_m,split_k,path", [
+    (5, torch.float16, 64, True, False, 16, 1, "gemm"),
+    (7, torch.bfloat16, 128, True, True, 16, 4, "gemm"),
+    (33, torch.float16, 32, False, True, 32, 2, "gemm"),
+    (3, torch.float16, 128, True, False, 16, 2, "gemmt"),
 ])
-def test_gemm_matches_twin(m, dtype, group_size, zeros, act_order, block_m, split_k):
+def test_gemm_matches_twin(m, dtype, group_size, zeros, act_order, block_m, split_k, path):
     k, n = 256, 72
     qweight, scales, qzeros, gs, perm = make_weights(k, n, group_size, zeros, act_order, dtype, seed=m)
     w = prepare_w4a16(qweight, scales, qzeros, gs, perm)
     x = torch.randn(m, k, dtype=dtype, device=DEV)
-    y = w4a16_forward(x, w, None, W4A16Config("gemm", block_m, 32, split_k))
+    y = w4a16_forward(x, w, None, W4A16Config(path, block_m, 32, split_k))
     ref = reference(x, qweight, scales, qzeros, gs, perm, None)
     assert rel_err(y, ref) < TOL[dtype]
 
@@ -129,11 +130,13 @@ def test_gpu_qwen_shapes_all_paths(k, n, dtype):
     w = prepare_w4a16(qweight, scales, qzeros, gs)
     dense = dequantize_w4(qweight, scales, qzeros, gs, torch.float32)                # on the GPU
     assert torch.equal(w4a16_dequantize(w, torch.float32), dense)
+    if dtype == torch.float16:                       # the packed-half fast path rounds (q - z) * s once, like this
+        assert torch.equal(w4a16_dequantize(w, torch.float16), dense.half())
     for m in (1, 4, 16, 64, 256, 1024):
         x = torch.randn(m, k, dtype=dtype, device="cuda")
         ref = x.float() @ dense
         for cfg in (None, W4A16Config("gemv", 1, 128, 4), W4A16Config("gemm", 16 if m <= 16 else 64, 128, 2),
-                    W4A16Config("dequant")):
+                    W4A16Config("gemmt", 16 if m <= 16 else 64, 128, 2, 4), W4A16Config("dequant")):
             if cfg is not None and cfg.path == "gemv" and m > 16:
                 continue
             y = w4a16_forward(x, w, None, cfg)
