@@ -42,6 +42,9 @@ class CacheConfig:
     gpu_memory_gb: float | None = None      # plan for a card of this size (emulate a 24 GB card); None = the real one
     kv_cache_memory_gb: float | None = None  # explicit KV pool size; None = planned on CUDA, 1 GiB on the CPU path
     enable_prefix_caching: bool = True
+    kv_scale_source: str = "auto"          # fp8 K/V scales: auto | checkpoint | file | first-prompt | unit
+    cpu_kv_gb: float = 0                   # CPU tier (host memory) for swapped and evicted KV blocks; 0 = none
+    num_cpu_blocks: int | None = None      # exact CPU tier block count (tests); None = from cpu_kv_gb
 
 
 @dataclass

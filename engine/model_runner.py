@@ -4,10 +4,12 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.config import CacheConfig, ModelConfig
+from engine.kv_scales import FP8_DTYPES, KVRangeObserver
 from engine.models.decoder import DecoderForCausalLM
 from engine.sampler import Sampler, compute_prompt_logprobs
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Logprob
+from engine.swap import CpuKVTier
 
 KV_CACHE_DTYPES = {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16,
                    "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
@@ -25,7 +27,7 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch
 
 class ModelRunner:
     def __init__(self, model: DecoderForCausalLM, model_config: ModelConfig, cache_config: CacheConfig,
-                 num_blocks: int, device: torch.device, dtype: torch.dtype, seed: int = 0):
+                 num_blocks: int, device: torch.device, dtype: torch.dtype, seed: int = 0, num_cpu_blocks: int = 0):
         self.model = model
         self.model_config = model_config
         self.block_size = cache_config.block_size
@@ -34,7 +36,27 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.kv_dtype = kv_cache_torch_dtype(cache_config.kv_cache_dtype, dtype)
         self.sampler = Sampler(seed=seed)
+        self.num_tokens_forwarded = 0        # tokens run through the model (prefix hits are not)
+        self.kv_observer = None              # sees every layer's new K/V before the store (calibration)
+        self._first_forward_observer: KVRangeObserver | None = None
         self._allocate_kv_cache()
+        self.cpu_tier = CpuKVTier(self.k_caches + self.v_caches, num_cpu_blocks) if num_cpu_blocks else None
+
+    @property
+    def kv_is_fp8(self) -> bool:
+        return self.kv_dtype in FP8_DTYPES
+
+    def set_kv_scales(self, scales: list[tuple[float, float]] | None) -> None:
+        """Per-layer (k_scale, v_scale) for an fp8 cache; None computes them inside the first forward. Either
+        way the first forward checks every layer's K and V against the fp8 range (warns when they were clamped)."""
+        if not self.kv_is_fp8:
+            return
+        layers = self.model.attention_layers
+        for attn, (k_scale, v_scale) in zip(layers, scales or []):
+            attn.k_scale.fill_(k_scale)
+            attn.v_scale.fill_(v_scale)
+        fp8_max = float(torch.finfo(self.kv_dtype).max)
+        self._first_forward_observer = KVRangeObserver(layers, set_scales_for=fp8_max if scales is None else None)
 
     def _allocate_kv_cache(self) -> None:
         cfg = self.model_config
@@ -49,6 +71,13 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         cfg = self.model_config
         return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * self.kv_dtype.itemsize
+
+    def apply_transfers(self, out: SchedulerOutput) -> None:
+        """Swaps and copies of a step; before the forward that reads them, and also when nothing is scheduled."""
+        if self.cpu_tier is not None:
+            self.cpu_tier.issue(out.blocks_to_swap_out, out.blocks_to_swap_in)
+            self.cpu_tier.wait()
+        self.copy_blocks(out.blocks_to_copy)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
@@ -83,18 +112,33 @@ class ModelRunner:
         return tensor(input_ids, torch.long), tensor(positions, torch.long), meta, starts
 
     @torch.inference_mode()
+    def forward(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
+        """The step's transfers, then the model over the scheduled tokens: (hidden [T, hidden], row starts)."""
+        if self.cpu_tier is not None:   # async on CUDA: the host prepares the batch meanwhile
+            self.cpu_tier.issue(out.blocks_to_swap_out, out.blocks_to_swap_in)
+        input_ids, positions, meta, starts = self._prepare(out)
+        if self.cpu_tier is not None:
+            self.cpu_tier.wait()
+        self.copy_blocks(out.blocks_to_copy)
+        first = self._first_forward_observer if self.kv_observer is None else None
+        meta.kv_observer = self.kv_observer or first
+        hidden = self.model(input_ids, positions, meta)
+        if first is not None:
+            self._first_forward_observer = None
+            first.report(self.model.attention_layers, self.kv_dtype)
+        self.num_tokens_forwarded += len(input_ids)
+        return hidden, starts
+
+    @torch.inference_mode()
     def compute_all_logits(self, out: SchedulerOutput) -> torch.Tensor:
         """Logits for every scheduled token (scoring / eval): [T, vocab] fp32. Samples nothing."""
-        input_ids, positions, meta, _ = self._prepare(out)
-        return self.model.compute_logits(self.model(input_ids, positions, meta))
+        return self.model.compute_logits(self.forward(out)[0])
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[list[int | None], list[Logprob | None]]:
         """Runs one step. Returns (sampled token or None per scheduled entry, its Logprob or None).
         Prompt logprobs, when requested, are appended to each sequence's `prompt_logprobs`."""
-        self.copy_blocks(out.blocks_to_copy)
-        input_ids, positions, meta, starts = self._prepare(out)
-        hidden = self.model(input_ids, positions, meta)                       # [T, hidden]
+        hidden, starts = self.forward(out)                                   # [T, hidden]
         sample_rows = [starts[i + 1] - 1 for i, item in enumerate(out.scheduled) if item.sample]
         sample_seqs = [item.seq for item in out.scheduled if item.sample]
         self._prompt_logprobs(out, hidden, starts)

@@ -24,7 +24,7 @@ class ScheduledSeq:
 
 @dataclass
 class SchedulerOutput:
-    scheduled: list[ScheduledSeq]        # running sequences first (in running order), then newly admitted ones
+    scheduled: list[ScheduledSeq]        # running sequences first (in running order), then resumed, then admitted
     num_batched_tokens: int
     preempted: list[Sequence] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
@@ -50,17 +50,19 @@ class Scheduler:
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()     # preempted into the CPU tier, oldest first
         self.num_preemptions_total = 0
+        self.num_swap_preemptions_total = 0         # of those, swapped to the CPU tier (the rest recompute)
 
     def add_sequence(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def abort(self, request_id: str) -> Sequence | None:
-        for seq in list(self.waiting) + self.running:
+        for seq in list(self.waiting) + self.running + list(self.swapped):
             if seq.request_id == request_id:
                 self.finish(seq, "abort")
                 return seq
@@ -69,6 +71,7 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         _remove(self.running, seq)
         _remove(self.waiting, seq)
+        _remove(self.swapped, seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
@@ -100,8 +103,24 @@ class Scheduler:
                 budget -= num_new
                 i += 1
 
-        # 2. Waiting sequences in FIFO order; none when blocks just ran out.
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        # 2. Swapped sequences, oldest first, before any new one; none when blocks just ran out.
+        while not preempted and self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.swapped[0]
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            num_new = min(remaining, budget)
+            if not self.config.enable_chunked_prefill and num_new < remaining:
+                break
+            if not bm.swap_in(seq, num_new):
+                break
+            self.swapped.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+
+        # 3. Waiting sequences in FIFO order; none when blocks just ran out or swapped ones still wait.
+        while (not preempted and not self.swapped and self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
             computed = bm.get_computed_blocks(seq)
             num_computed = len(computed) * bm.block_size
@@ -119,21 +138,30 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
 
+        swap_in, swap_out = bm.take_swaps()
         return SchedulerOutput(
             scheduled=scheduled,
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
             preempted=preempted,
             blocks_to_copy=bm.take_copies(),
+            blocks_to_swap_in=swap_in,
+            blocks_to_swap_out=swap_out,
         )
 
     def _preempt(self, seq: Sequence) -> None:
+        seq.num_preemptions += 1
+        self.num_preemptions_total += 1
+        # Swap into the CPU tier when it has room: the sequence later continues exactly where it stopped.
+        if self.block_manager.swap_out(seq):
+            self.num_swap_preemptions_total += 1
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.appendleft(seq)     # victims go newest first, so the oldest ends up at the head
+            return
         # Recompute: drop the KV; the prefix cache may still hold the freed blocks when it is readmitted.
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.num_cached_tokens = 0
         seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
-        self.num_preemptions_total += 1
         self.waiting.appendleft(seq)
 
     def postprocess(self, output: SchedulerOutput, sampled: list[int | None]) -> list[Sequence]:
