@@ -8,6 +8,7 @@ import gc
 import json
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -30,13 +31,6 @@ def engine_for(config_dir: Path, kv: str, max_num_seqs: int, max_model_len: int,
         enforce_eager=enforce_eager,
         cache=CacheConfig(kv_cache_dtype=kv, gpu_memory_gb=24.0, gpu_memory_utilization=0.90),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=2048)), show_progress=False)
-
-
-def release(engine) -> None:
-    del engine
-    gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.set_per_process_memory_fraction(1.0)
 
 
 def hf_generate(config_dir: Path, batch: int, prompt_len: int = 128, new_tokens: int = 128) -> float:
@@ -64,6 +58,35 @@ def hf_generate(config_dir: Path, batch: int, prompt_len: int = 128, new_tokens:
     return tok_s
 
 
+def measure(name: str, config_dir: Path, kv: str, n_conc: int, bandwidth: float, enforce_eager: bool) -> dict:
+    start = time.perf_counter()
+    engine = engine_for(config_dir, kv, max_num_seqs=256, max_model_len=4096, enforce_eager=enforce_eager)
+    torch.cuda.reset_peak_memory_stats()
+    run = {"startup_s": time.perf_counter() - start,
+           "kv_cache_tokens": engine.block_manager.num_blocks * engine.config.cache.block_size,
+           "planned_kv_bytes": engine.memory_plan.kv_cache_bytes if engine.memory_plan else None,
+           "allocated_kv_bytes": sum(t.numel() * t.element_size()
+                                     for t in engine.runner.k_caches + engine.runner.v_caches),
+           "decode_bytes_per_step": decode_bytes_per_step(engine.model)}
+    b1 = run_offline(engine, 1, 128, 256)
+    run["batch1"] = b1
+    run["batch1_tok_s"] = b1["decode_tok_s"]
+    run["roofline_tok_s"] = bandwidth / run["decode_bytes_per_step"]
+    run["roofline_fraction"] = b1["decode_tok_s"] / run["roofline_tok_s"]
+    print(f"{name} kv={kv}: batch-1 {b1['decode_tok_s']:.1f} tok/s ({run['roofline_fraction']:.0%} of roofline), "
+          f"KV {run['kv_cache_tokens']} tokens", flush=True)
+    if kv == "fp8":
+        thr = run_offline(engine, n_conc, 512, 256)
+        run["throughput"] = thr
+        print(f"{name} kv={kv}: {n_conc} x 512/256 -> {thr['output_tok_s']:.0f} out tok/s, "
+              f"TTFT p50 {thr['ttft_p50_s']:.2f}s p99 {thr['ttft_p99_s']:.2f}s, "
+              f"TPOT p50 {thr['tpot_p50_s'] * 1e3:.1f}ms", flush=True)
+    run["peak_gpu_memory_bytes"] = torch.cuda.max_memory_allocated()
+    run["gpu_memory_reserved_bytes"] = torch.cuda.memory_reserved()
+    del engine
+    return run
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="bench/results/e2e-h200.json")
@@ -78,44 +101,35 @@ def main() -> int:
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     for name, config_dir in CONFIGS.items():
         for kv in ("auto", "fp8"):
-            engine = engine_for(config_dir, kv, max_num_seqs=256, max_model_len=4096, enforce_eager=args.enforce_eager)
-            run = {"kv_cache_tokens": engine.block_manager.num_blocks * engine.config.cache.block_size,
-                   "planned_kv_bytes": engine.memory_plan.kv_cache_bytes if engine.memory_plan else None,
-                   "allocated_kv_bytes": sum(t.numel() * t.element_size()
-                                             for t in engine.runner.k_caches + engine.runner.v_caches),
-                   "decode_bytes_per_step": decode_bytes_per_step(engine.model)}
-            b1 = run_offline(engine, 1, 128, 256)
-            run["batch1"] = b1
-            run["batch1_tok_s"] = b1["decode_tok_s"]
-            run["roofline_tok_s"] = bandwidth / run["decode_bytes_per_step"]
-            run["roofline_fraction"] = b1["decode_tok_s"] / run["roofline_tok_s"]
-            print(f"{name} kv={kv}: batch-1 {b1['decode_tok_s']:.1f} tok/s "
-                  f"({run['roofline_fraction']:.0%} of roofline)", flush=True)
-            if kv == "fp8":
-                thr = run_offline(engine, n_conc, 512, 256)
-                run["throughput"] = thr
-                print(f"{name} kv={kv}: {n_conc} x 512/256 -> {thr['output_tok_s']:.0f} out tok/s, "
-                      f"TTFT p50 {thr['ttft_p50_s']:.2f}s p99 {thr['ttft_p99_s']:.2f}s, "
-                      f"TPOT p50 {thr['tpot_p50_s'] * 1e3:.1f}ms", flush=True)
-            run["peak_gpu_memory_bytes"] = torch.cuda.max_memory_allocated()
-            result["runs"][f"{name}/{kv}"] = run
-            release(engine)
+            try:
+                result["runs"][f"{name}/{kv}"] = measure(name, config_dir, kv, n_conc, bandwidth, args.enforce_eager)
+            except Exception as e:  # keep what the other runs measured
+                traceback.print_exc()
+                result["runs"][f"{name}/{kv}"] = {"error": repr(e)}
+            torch.cuda.set_per_process_memory_fraction(1.0)
+            gc.collect()
+            torch.cuda.empty_cache()
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(result, indent=2))
     if not args.skip_hf:
-        result["hf_batch1_tok_s"] = hf_generate(CONFIGS["qwen2.5-7b-awq"], 1)
-        result["hf_batch64_tok_s"] = hf_generate(CONFIGS["qwen2.5-7b-awq"], 64)
-        print(f"HF bf16: batch 1 {result['hf_batch1_tok_s']:.1f}, batch 64 {result['hf_batch64_tok_s']:.0f} tok/s")
-    q16, q8 = result["runs"]["qwen2.5-7b-awq/auto"], result["runs"]["qwen2.5-7b-awq/fp8"]
-    thr = q8["throughput"]
+        try:
+            result["hf_batch1_tok_s"] = hf_generate(CONFIGS["qwen2.5-7b-awq"], 1)
+            result["hf_batch64_tok_s"] = hf_generate(CONFIGS["qwen2.5-7b-awq"], 64)
+            print(f"HF bf16: batch 1 {result['hf_batch1_tok_s']:.1f}, batch 64 {result['hf_batch64_tok_s']:.0f} tok/s")
+        except Exception as e:
+            traceback.print_exc()
+            result["hf_error"] = repr(e)
+    runs = result["runs"]
+    q16, q8 = runs["qwen2.5-7b-awq/auto"], runs["qwen2.5-7b-awq/fp8"]
+    thr = q8.get("throughput", {})
     result["summary"] = {
-        "batch1_tok_s": q16["batch1_tok_s"], "batch1_fp8_tok_s": q8["batch1_tok_s"],
-        "roofline_fraction": q16["roofline_fraction"], "throughput_tok_s": thr["output_tok_s"],
-        "ttft_p50_s": thr["ttft_p50_s"], "ttft_p99_s": thr["ttft_p99_s"],
-        "tpot_p50_s": thr["tpot_p50_s"], "tpot_p99_s": thr["tpot_p99_s"],
-        "llama_batch1_tok_s": result["runs"]["llama-3.1-8b-gptq/auto"]["batch1_tok_s"],
-        "llama_throughput_tok_s": result["runs"]["llama-3.1-8b-gptq/fp8"]["throughput"]["output_tok_s"],
-        "kv_cache_tokens_fp8_24gib": q8["kv_cache_tokens"],
+        "batch1_tok_s": q16.get("batch1_tok_s"), "batch1_fp8_tok_s": q8.get("batch1_tok_s"),
+        "roofline_fraction": q16.get("roofline_fraction"), "throughput_tok_s": thr.get("output_tok_s"),
+        "ttft_p50_s": thr.get("ttft_p50_s"), "ttft_p99_s": thr.get("ttft_p99_s"),
+        "tpot_p50_s": thr.get("tpot_p50_s"), "tpot_p99_s": thr.get("tpot_p99_s"),
+        "llama_batch1_tok_s": runs["llama-3.1-8b-gptq/auto"].get("batch1_tok_s"),
+        "llama_throughput_tok_s": runs["llama-3.1-8b-gptq/fp8"].get("throughput", {}).get("output_tok_s"),
+        "kv_cache_tokens_fp8_24gib": q8.get("kv_cache_tokens"),
         "hf_batch1_tok_s": result.get("hf_batch1_tok_s"), "hf_batch64_tok_s": result.get("hf_batch64_tok_s"),
         "concurrency": n_conc}
     Path(args.out).write_text(json.dumps(result, indent=2))

@@ -70,6 +70,8 @@ class LLMEngine:
         self.runner.set_kv_scales(resolve_kv_scales(
             config.cache.kv_scale_source, self.runner.kv_dtype, self.model_dir,
             getattr(self.model, "checkpoint_kv_scales", {}), self.model_config.num_layers))
+        if self.device != "cpu" and not config.enforce_eager:
+            self.runner.capture_decode_graphs(min(config.scheduler.max_num_seqs, 512), self.max_model_len)
         self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                                           num_cpu_blocks)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
@@ -129,10 +131,12 @@ class LLMEngine:
 
     def _planned_blocks(self) -> int:
         cache, sched = self.config.cache, self.config.scheduler
-        total_gb = torch.cuda.get_device_properties(self.device).total_memory / 2**30
+        device = torch.device(self.device)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        total_gb = torch.cuda.get_device_properties(index).total_memory / 2**30
         gpu_gb = cache.gpu_memory_gb or total_gb
         if cache.gpu_memory_gb is not None:  # emulate a smaller card: the allocator must not go past it either
-            torch.cuda.set_per_process_memory_fraction(min(1.0, gpu_gb / total_gb), self.device)
+            torch.cuda.set_per_process_memory_fraction(min(1.0, gpu_gb / total_gb), index)
         plan = plan_memory(self.model_dir, gpu_mem_gb=gpu_gb, gpu_memory_utilization=cache.gpu_memory_utilization,
                            kv_cache_dtype=cache.kv_cache_dtype, max_model_len=self.max_model_len,
                            max_num_batched_tokens=sched.max_num_batched_tokens, max_num_seqs=sched.max_num_seqs,

@@ -4,6 +4,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.config import CacheConfig, ModelConfig
+from engine.cuda_graph import DecodeGraphs
 from engine.kv_scales import FP8_DTYPES, KVRangeObserver
 from engine.models.decoder import DecoderForCausalLM
 from engine.sampler import Sampler, compute_prompt_logprobs
@@ -40,7 +41,13 @@ class ModelRunner:
         self.kv_observer = None              # sees every layer's new K/V before the store (calibration)
         self._first_forward_observer: KVRangeObserver | None = None
         self._allocate_kv_cache()
+        self.decode_graphs: DecodeGraphs | None = None
         self.cpu_tier = CpuKVTier(self.k_caches + self.v_caches, num_cpu_blocks) if num_cpu_blocks else None
+
+    def capture_decode_graphs(self, max_batch: int, max_model_len: int) -> None:
+        """CUDA only; the first forward (scale calibration / range check) still runs eagerly."""
+        self.decode_graphs = DecodeGraphs(self.model, max_batch, max_model_len, self.block_size, self.device)
+        self.decode_graphs.capture()
 
     @property
     def kv_is_fp8(self) -> bool:
@@ -122,7 +129,11 @@ class ModelRunner:
         self.copy_blocks(out.blocks_to_copy)
         first = self._first_forward_observer if self.kv_observer is None else None
         meta.kv_observer = self.kv_observer or first
-        hidden = self.model(input_ids, positions, meta)
+        graphs = self.decode_graphs
+        if graphs is not None and meta.kv_observer is None and graphs.can_run(len(out.scheduled), len(input_ids)):
+            hidden = graphs.run(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, meta)
         if first is not None:
             self._first_forward_observer = None
             first.report(self.model.attention_layers, self.kv_dtype)

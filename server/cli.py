@@ -34,6 +34,11 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
                    help="plan for (and cap the allocator at) a card of this many GiB, e.g. 24 to emulate a 24 GB card")
     p.add_argument("--kv-cache-memory-gb", type=float, default=None,
                    help="KV pool size in GiB (default: planned on CUDA, 1 GiB on CPU)")
+    p.add_argument("--kv-scale-source", default="auto",
+                   choices=["auto", "checkpoint", "file", "first-prompt", "unit"],
+                   help="where FP8 KV scales come from (auto: checkpoint, then kv_scales.json, then the first prompt)")
+    p.add_argument("--cpu-kv-gb", type=float, default=0.0,
+                   help="host-memory tier for KV blocks of preempted sequences and evicted prefix blocks")
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
@@ -52,7 +57,8 @@ def engine_config_from_args(args) -> EngineConfig:
         cache=CacheConfig(num_gpu_blocks=args.num_gpu_blocks_override, kv_cache_dtype=args.kv_cache_dtype,
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           kv_cache_memory_gb=args.kv_cache_memory_gb, gpu_memory_gb=args.gpu_memory_gb,
-                          enable_prefix_caching=args.enable_prefix_caching),
+                          enable_prefix_caching=args.enable_prefix_caching,
+                          kv_scale_source=args.kv_scale_source, cpu_kv_gb=args.cpu_kv_gb),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_chunked_prefill=args.enable_chunked_prefill))
 
