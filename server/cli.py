@@ -96,25 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to the prompt")
     gen.set_defaults(func=cmd_generate)
 
-    for register in _subcommand_registrars():
-        register(sub)
+    from server import cli_bench, cli_eval, cli_plan, cli_quantize, cli_serve
+    for module in (cli_serve, cli_quantize, cli_eval, cli_plan, cli_bench):
+        module.register(sub)
     return parser
-
-
-def _subcommand_registrars():
-    """Subcommands living in other modules register themselves here (serve, quantize, eval, plan, bench)."""
-    import importlib
-    registrars = []
-    for module_name in ("server.cli_serve", "server.cli_quantize", "server.cli_eval", "server.cli_plan",
-                        "server.cli_bench"):
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as e:
-            if e.name != module_name:
-                raise
-            continue
-        registrars.append(module.register)
-    return registrars
 
 
 def main(argv: list[str] | None = None) -> int:

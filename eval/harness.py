@@ -1,0 +1,180 @@
+"""`quant-serve eval` without the CLI: the reference and each candidate through LLMEngine on the same windows."""
+import gc
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from eval.compare import ReferenceStore, TokenStats
+from eval.data import load_tokens, make_windows
+from eval.layer_error import LayerError, layer_errors
+from eval.metadata import model_hash
+from eval.tasks import DEFAULT_TASKS, TaskResult, load_task, run_task
+
+logger = logging.getLogger("quant_serve")
+
+MIN_MODEL_LEN = 1024      # room for task prompts and generations, whatever the window length
+TASK_BATCH = 64           # sequences the scheduler runs at once for tasks
+
+
+@dataclass
+class EvalConfig:
+    reference: str
+    models: list[str] = field(default_factory=list)
+    data: list[str] = field(default_factory=list)
+    kv_cache_dtype: str | None = None        # also evaluate the reference's weights with this KV cache dtype
+    kv_scale_source: str | None = None       # engine default when None
+    tasks: list[str] = field(default_factory=lambda: list(DEFAULT_TASKS))
+    task_limit: int | None = None            # first N items of each task
+    max_tokens: int | None = 32768
+    context_len: int = 512
+    stride: int = 512
+    layer_windows: int = 4                   # windows of calibration activations for the per-layer error
+    device: str = "auto"
+    dtype: str = "auto"
+    work_dir: str | None = None              # where the reference log-probs are spilled (default: the temp dir)
+
+
+@dataclass
+class Candidate:
+    name: str
+    model_dir: str
+    kv_cache_dtype: str = "auto"
+    kv_only: bool = False                    # same weights as the reference, only the KV cache dtype differs
+
+
+@dataclass
+class ModelResult:
+    name: str
+    model_dir: str
+    kv_cache_dtype: str
+    kv_only: bool
+    format: str
+    hash: str
+    dtype: str
+    stats: TokenStats
+    tasks: dict[str, TaskResult] = field(default_factory=dict)
+    layers: list[LayerError] = field(default_factory=list)
+    kv_scales: dict | None = None
+
+
+@dataclass
+class EvalResult:
+    config: EvalConfig
+    reference: ModelResult
+    candidates: list[ModelResult]
+    num_windows: int
+    num_tokens: int
+    device: str
+
+
+KV_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8_e4m3",
+            torch.float8_e5m2: "fp8_e5m2"}
+
+
+def kv_label(kv_cache_dtype: str) -> str:
+    return "fp8_e4m3" if kv_cache_dtype == "fp8" else kv_cache_dtype
+
+
+def plan_candidates(cfg: EvalConfig) -> list[Candidate]:
+    names: dict[str, int] = {}
+    out = []
+    for model in cfg.models:
+        base = Path(model).name or model
+        names[base] = names.get(base, 0) + 1
+        out.append(Candidate(base if names[base] == 1 else f"{base}#{names[base]}", model))
+    if cfg.kv_cache_dtype and cfg.kv_cache_dtype != "auto":
+        out.append(Candidate(f"{Path(cfg.reference).name} kv={kv_label(cfg.kv_cache_dtype)}", cfg.reference,
+                             cfg.kv_cache_dtype, kv_only=True))
+    if not out:
+        raise ValueError("nothing to compare: give at least one --model, or --kv-cache-dtype fp8")
+    return out
+
+
+def make_engine(model: str, cfg: EvalConfig, kv_cache_dtype: str = "auto") -> LLMEngine:
+    max_len = max(cfg.context_len, MIN_MODEL_LEN)
+    cache = CacheConfig(num_gpu_blocks=max(4 * math.ceil(max_len / 16), 512), kv_cache_dtype=kv_cache_dtype,
+                        enable_prefix_caching=False)   # prefix hits would skip prompt logprobs
+    if cfg.kv_scale_source is not None:
+        cache.kv_scale_source = cfg.kv_scale_source
+    config = EngineConfig(model=model, dtype=cfg.dtype, device=cfg.device, cache=cache,
+                          scheduler=SchedulerConfig(max_num_seqs=TASK_BATCH, max_model_len=max_len,
+                                                    max_num_batched_tokens=max(2048, cfg.context_len)))
+    engine = LLMEngine(config, show_progress=True)
+    if engine.max_model_len < cfg.context_len:
+        raise ValueError(f"{model}: context length {cfg.context_len} exceeds the model's maximum of "
+                         f"{engine.max_model_len} tokens")
+    return engine
+
+
+def describe(engine: LLMEngine) -> str:
+    return engine.quant_config.describe() if engine.quant_config else "unquantized"
+
+
+def dtype_name(engine: LLMEngine) -> str:
+    return str(engine.dtype).replace("torch.", "")
+
+
+def kv_scales(engine: LLMEngine) -> dict | None:
+    if engine.runner.kv_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return None
+    k = [float(a.k_scale) for a in engine.model.attention_layers]
+    v = [float(a.v_scale) for a in engine.model.attention_layers]
+    return {"k_scale": k, "v_scale": v, "source": getattr(engine.config.cache, "kv_scale_source", "unit")}
+
+
+def check_same_tokenizer(reference: LLMEngine, candidate: LLMEngine, name: str) -> None:
+    if reference.tokenizer.get_vocab() != candidate.tokenizer.get_vocab():
+        raise ValueError(f"{name}: its tokenizer differs from the reference's; perplexity and KL divergence "
+                         "need the same token stream")
+
+
+def run_tasks(engine: LLMEngine, tasks, desc: str) -> dict[str, TaskResult]:
+    return {task.name: run_task(engine, task, desc) for task in tasks}
+
+
+def _free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run_eval(cfg: EvalConfig) -> EvalResult:
+    candidates = plan_candidates(cfg)
+    for path in cfg.data:       # fail before any model loads
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"--data file {path} does not exist")
+    if not cfg.data:
+        raise ValueError("no evaluation text: pass --data FILE (plain UTF-8 text, e.g. a held-out split)")
+    tasks = [load_task(spec, cfg.task_limit) for spec in cfg.tasks]
+    ref_name = Path(cfg.reference).name
+    logger.info("eval: reference %s, candidates %s", ref_name, ", ".join(c.name for c in candidates))
+    reference = make_engine(cfg.reference, cfg)
+    ids = load_tokens(cfg.data, reference.tokenizer, cfg.max_tokens)
+    windows = make_windows(ids, cfg.context_len, cfg.stride)
+    num_scored = sum(w.num_scored for w in windows)
+    logger.info("eval: %d tokens, %d windows of %d (stride %d), %d scored", len(ids), len(windows),
+                cfg.context_len, cfg.stride, num_scored)
+    with ReferenceStore(windows, reference.model_config.vocab_size, cfg.work_dir) as store:
+        logger.info("reference log-probs: %.2f GiB on disk", store.num_bytes / 2**30)
+        ref_result = ModelResult(ref_name, cfg.reference, KV_NAMES[reference.runner.kv_dtype], False,
+                                 describe(reference), model_hash(reference.model_dir), dtype_name(reference),
+                                 store.fill(reference, ref_name), run_tasks(reference, tasks, ref_name))
+        results = []
+        for cand in candidates:
+            engine = make_engine(cand.model_dir, cfg, cand.kv_cache_dtype)
+            check_same_tokenizer(reference, engine, cand.name)
+            result = ModelResult(cand.name, cand.model_dir, KV_NAMES[engine.runner.kv_dtype], cand.kv_only,
+                                 describe(engine), model_hash(engine.model_dir), dtype_name(engine),
+                                 store.compare(engine, cand.name))
+            result.kv_scales = kv_scales(engine)     # after the first forward: first-prompt scales are set by then
+            result.tasks = run_tasks(engine, tasks, cand.name)
+            result.layers = layer_errors(reference, engine, windows[:cfg.layer_windows], cand.name)
+            results.append(result)
+            del engine          # one candidate in memory at a time, beside the reference
+            _free_memory()
+    return EvalResult(cfg, ref_result, results, len(windows), num_scored, str(reference.device))
