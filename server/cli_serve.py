@@ -60,7 +60,7 @@ def cmd_serve(args) -> int:
     engine = LLMEngine(config)
     for line in startup_report(engine):
         logger.info(line)
-    names = args.served_model_name or [args.model_tag or args.model or config.model]
+    names = args.served_model_name or [args.model_tag or args.model or "quant-serve-demo"]
     app = build_app(engine, names, api_key=args.api_key, max_queued_requests=args.max_queued_requests)
     logger.info("serving %s on http://%s:%d", ", ".join(names), args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
