@@ -1,18 +1,26 @@
-"""Build a calibration file from text already on this machine: the docstrings of the Python standard library.
+"""Build a calibration file from text already on this machine, never from ../shared/data/val.txt.
 
-    python bench/make_calib.py OUT.jsonl [--max-docs N]
+    python bench/make_calib.py OUT.jsonl [--wordnet WORDNET] [--chat-model MODEL_DIR] [--max-docs N]
 
-One JSONL row {"text": ...} per documented module, class or function (at least 200 characters), in a fixed
-order, so the file depends only on the Python version (recorded in the first row's "source" field). This is
-Python-documentation prose, the largest part of what the fixture model was trained on, and shares no document
-with ../shared/data/val.txt (which comes from the Python documentation *sources*, fortunes and a dictionary; the
-held-out split is never used for calibration). No network access.
+Sources, one JSONL row {"text": ...} per document, in a fixed order (the file depends only on the Python version
+and the WordNet release, both recorded in the first row's "source" field):
+- the docstrings of the Python standard library (every documented module, class, function and method of at
+  least 200 characters): documentation prose, like the largest part of the fixture's training text;
+- optionally WordNet 3.0 glosses as dictionary entries `Word (n): gloss.` (`--wordnet`: the Debian
+  wordnet-base .deb, e.g. /var/cache/apt/archives/wordnet-base_1%3a3.0-37_all.deb, or its dict directory
+  /usr/share/wordnet; elsewhere `apt-get download wordnet-base`), a share of them rendered as chat turns
+  `What does "word" mean?` with the model's own chat template (`--chat-model`). WordNet is not the dictionary
+  the fixture was trained or evaluated on (GCIDE), so no held-out document can leak into calibration.
+No network access.
 """
 import argparse
 import importlib
 import inspect
 import json
+import random
+import subprocess
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -72,16 +80,60 @@ def _signature(obj) -> str:
         return ""
 
 
+POS = {"n": "n", "v": "v", "a": "a", "s": "a", "r": "adv"}
+
+
+def wordnet_entries(path: Path, count: int, seed: int = 0) -> list[tuple[str, str]]:
+    """-> [(word, "Word (pos): gloss.")] for `count` synsets drawn with a fixed seed from WordNet's data.* files."""
+    if path.suffix == ".deb":
+        tmp = tempfile.mkdtemp(prefix="wordnet-")
+        subprocess.run(["dpkg-deb", "-x", str(path), tmp], check=True)
+        path = Path(tmp) / "usr" / "share" / "wordnet"
+    lines = []
+    for part in ("noun", "verb", "adj", "adv"):
+        lines += [ln for ln in (path / f"data.{part}").read_text(encoding="latin-1").splitlines()
+                  if ln and not ln.startswith("  ")]
+    entries = []
+    for line in random.Random(seed).sample(lines, min(count, len(lines))):
+        fields, _, gloss = line.partition(" | ")
+        parts = fields.split()
+        word = parts[4].replace("_", " ")
+        word = word.split("(")[0]                              # adjective markers like "big(a)"
+        gloss = gloss.strip().rstrip(";")
+        entries.append((word, f"{word[:1].upper()}{word[1:]} ({POS[parts[2]]}): {gloss[:1].upper()}{gloss[1:]}."))
+    return entries
+
+
+def chat_renderer(model_dir: str):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return lambda q, a: tok.apply_chat_template([{"role": "user", "content": q},
+                                                 {"role": "assistant", "content": a}], tokenize=False)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
-    parser.add_argument("--max-docs", type=int, default=None)
+    parser.add_argument("--max-docs", type=int, default=None, help="docstring documents to keep (default all)")
+    parser.add_argument("--wordnet", type=Path, default=None, help="wordnet-base .deb or its dict directory")
+    parser.add_argument("--wordnet-entries", type=int, default=8000)
+    parser.add_argument("--chat-model", default=None, help="render a share of the entries with this chat template")
+    parser.add_argument("--chat-share", type=float, default=0.3)
     args = parser.parse_args()
     docs = documents(args.max_docs)
     version = ".".join(map(str, sys.version_info[:3]))
+    source = f"Python {version} stdlib docstrings"
+    if args.wordnet is not None:
+        chat = chat_renderer(args.chat_model) if args.chat_model else None
+        rng = random.Random(1)
+        for word, entry in wordnet_entries(args.wordnet, args.wordnet_entries):
+            use_chat = chat is not None and rng.random() < args.chat_share
+            docs.append(chat(f'What does "{word}" mean?', entry).strip("\n") if use_chat else entry)
+        source += f" + {args.wordnet_entries} WordNet 3.0 entries ({args.wordnet.name})"
+        source += f", {args.chat_share:.0%} as chat turns" if chat else ""
     with args.out.open("w", encoding="utf-8") as f:
         for i, text in enumerate(docs):
-            row = {"text": text} | ({"source": f"Python {version} stdlib docstrings"} if i == 0 else {})
+            row = {"text": text} | ({"source": source} if i == 0 else {})
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
     print(f"wrote {len(docs)} documents ({sum(map(len, docs)) / 1e6:.1f} M chars, Python {version}) to {args.out}")
     return 0

@@ -8,24 +8,28 @@ Differences from AutoAWQ, each so that the search optimizes what the checkpoint 
   over every calibration token instead of a subsample;
 - asymmetric clipping shrinks both ends of the range (AutoAWQ clips to a symmetric +-max).
 """
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from quant.calib import (ModelSpec, attn_core, attn_input, attn_module, block_forward, chunked, gram, mlp_act,
                          mlp_input, mlp_module)
-from quant.rtn import QuantResult, fake_quantize, quantize_rtn
+from quant.rtn import QuantResult, fake_quantize, quantize_rtn, search_clip
 
 QKV = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
 GATE_UP = ["mlp.gate_proj", "mlp.up_proj"]
 NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj")   # their error acts through q.k, not through their outputs
+
+logger = logging.getLogger("quant_serve")
 
 
 @dataclass
 class AWQSettings:
     n_grid: int = 20                  # alpha in {0, 1/20, ..., 19/20}
     max_shrink: float = 0.5           # clip ratios 1.0, 0.95, ..., 0.55
-    search_tokens: int = 16384        # tokens (whole sequences) for the attention / MLP output losses
+    clip_2d: bool = True              # asym: shrink min and max independently (10 x 10 grid)
+    search_tokens: int = 8192         # tokens (whole sequences) for the attention / MLP output losses
     propagate: str = "quantized"      # next block's input: "quantized" block output or "fp"
     chunk: int = 8                    # sequences per forward chunk (bounds activation memory)
 
@@ -51,13 +55,13 @@ def awq_block(w: dict[str, torch.Tensor], x: torch.Tensor, spec: ModelSpec, rope
     d = chunked(lambda t: mlp_act(w, t), m, chunk=c)                               # [S, L, I]
     stats = {"a": _input_stats(a), "o": _input_stats(o), "m": _input_stats(m), "d": _input_stats(d)}
 
-    s = _search_module(w, QKV, stats["a"][0], a[:n_sub], lambda ww, t: attn_module(ww, t, spec, rope), q_cfg, c,
+    s = _search_module(w, QKV, stats["a"], a[:n_sub], lambda ww, t: attn_module(ww, t, spec, rope), q_cfg, c,
                        settings)
     _fold(w, "input_layernorm", QKV, s, stats["a"])
     if spec.num_heads == spec.num_kv_heads:        # with GQA one v row feeds several o columns: AutoAWQ skips it
         s = _search_linear(w, ["self_attn.o_proj"], stats["o"], q_cfg, settings)
         _fold(w, "self_attn.v_proj", ["self_attn.o_proj"], s, stats["o"])
-    s = _search_module(w, GATE_UP, stats["m"][0], m[:n_sub], lambda ww, t: mlp_module(ww, t), q_cfg, c, settings)
+    s = _search_module(w, GATE_UP, stats["m"], m[:n_sub], lambda ww, t: mlp_module(ww, t), q_cfg, c, settings)
     _fold(w, "post_attention_layernorm", GATE_UP, s, stats["m"])
     s = _search_linear(w, ["mlp.down_proj"], stats["d"], q_cfg, settings)
     _fold(w, "mlp.up_proj", ["mlp.down_proj"], s, stats["d"])
@@ -111,17 +115,20 @@ def _scaled_fake_quant(w: dict, names: list[str], s: torch.Tensor, q_cfg) -> dic
     return out
 
 
-def _search_module(w, names, x_mean, x_sub, forward, q_cfg, chunk, settings) -> torch.Tensor:
+def _search_module(w, names, stats, x_sub, forward, q_cfg, chunk, settings) -> torch.Tensor:
     """Scale minimizing the MSE of a module's output (attention or MLP) on the search subset."""
     target = chunked(lambda t: forward(w, t), x_sub, chunk=chunk)
     w_mean = _weight_mean(w, names, q_cfg[0])
     best, best_loss = None, float("inf")
-    for s in _candidates(x_mean, w_mean, settings.n_grid):
+    for s in _candidates(stats[0], w_mean, settings.n_grid):
         ww = _scaled_fake_quant(w, names, s, q_cfg)
         out = chunked(lambda t: forward(ww, t), x_sub, chunk=chunk)
         loss = float((out - target).pow(2).mean())
+        if best is None:
+            rtn_loss = loss
         if loss < best_loss:
             best, best_loss = s, loss
+    logger.debug("awq scale %s: loss %.3g of RTN's", names, best_loss / max(rtn_loss, 1e-30))
     return best
 
 
@@ -134,8 +141,11 @@ def _search_linear(w, names, stats, q_cfg, settings) -> torch.Tensor:
         ww = _scaled_fake_quant(w, names, s, q_cfg)
         loss = sum(float(((ww[f"{n}.weight"] - w[f"{n}.weight"]) @ g).mul_(ww[f"{n}.weight"] - w[f"{n}.weight"])
                          .sum()) for n in names)
+        if best is None:
+            rtn_loss = loss
         if loss < best_loss:
             best, best_loss = s, loss
+    logger.debug("awq scale %s: loss %.3g of RTN's", names, best_loss / max(rtn_loss, 1e-30))
     return best
 
 
@@ -154,20 +164,10 @@ def _fold(w: dict, prev: str, names: list[str], s: torch.Tensor, stats: list[tor
 
 def _search_clip(weight: torch.Tensor, g: torch.Tensor, group_size: int, sym: bool, settings: AWQSettings
                  ) -> torch.Tensor:
-    """Per (output row, group) shrink ratio of the range minimizing that group's share of the output error,
-    d_g^T G_g d_g with G_g the group's diagonal block of X^T X (every token). -> ratios [N, G]."""
     n, k = weight.shape
     gs = k if group_size <= 0 else group_size
-    ng = k // gs
-    blocks = torch.stack([g[i * gs:(i + 1) * gs, i * gs:(i + 1) * gs] for i in range(ng)])   # [G, gs, gs]
-    best = torch.ones(n, ng, device=weight.device)
-    best_err = torch.full((n, ng), float("inf"), device=weight.device)
-    for i in range(int(settings.max_shrink * settings.n_grid)):
-        ratio = 1 - i / settings.n_grid
-        clip = torch.full((n, ng), ratio, device=weight.device)
-        diff = (fake_quantize(weight, group_size, sym, clip) - weight).view(n, ng, gs)
-        err = torch.einsum("ngi,gij,ngj->ng", diff, blocks, diff)
-        better = err < best_err
-        best_err = torch.where(better, err, best_err)
-        best = torch.where(better, clip, best)
-    return best
+    blocks = torch.stack([g[i:i + gs, i:i + gs] for i in range(0, k, gs)])              # [G, gs, gs]
+    ratios = [1 - i / settings.n_grid for i in range(int(settings.max_shrink * settings.n_grid))]
+    clip, err = search_clip(weight, blocks, group_size, sym, ratios, settings.clip_2d)
+    logger.debug("awq clip: error %.3g of the unclipped", err)
+    return clip

@@ -10,10 +10,12 @@ from dataclasses import dataclass
 import torch
 
 from quant.calib import ModelSpec, attn_core, attn_input, block_output, chunked, gram, mlp_act, mlp_input
-from quant.rtn import MAXQ, QuantResult, group_params
+from quant.rtn import MAXQ, QuantResult, group_params, search_clip
 
 STAGES = [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
           ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]
+
+CLIP_RATIOS = [1 - i / 20 for i in range(10)]            # AWQ's grid: 1.0, 0.95, ..., 0.55
 
 
 @dataclass
@@ -22,6 +24,7 @@ class GPTQSettings:
     block_size: int = 128             # columns per lazy batch update
     act_order: bool = False           # desc_act: visit columns by descending diag(H)
     static_groups: bool = False       # with act_order: groups fixed on the original order (g_idx = k // G)
+    clip_search: bool = True          # group ranges shrunk to minimize the group's H-weighted output error
     chunk: int = 8                    # sequences per forward chunk
 
 
@@ -67,7 +70,8 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, 
 
     static = None
     if settings.static_groups or group_size <= 0:
-        static = [_params(W[:, i:i + gs], sym) for i in range(0, k, gs)]        # on the original order
+        static = [_params(W[:, i:i + gs], H[i:i + gs, i:i + gs], sym, settings)      # on the original order
+                  for i in range(0, k, gs)]
     perm = None
     if settings.act_order:
         perm = torch.argsort(torch.diag(H), descending=True)
@@ -88,7 +92,8 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, 
                 scale, zero = static[orig_group[col]]
             elif col % gs == 0:                                 # a new group, formed in visiting order
                 # the group's columns as updated so far (AutoGPTQ reads W here, stale when G < block_size)
-                scale, zero = _params(torch.cat([W1[:, i:], W[:, i2:]], dim=1)[:, :gs], sym)
+                scale, zero = _params(torch.cat([W1[:, i:], W[:, i2:]], dim=1)[:, :gs], H[col:col + gs, col:col + gs],
+                                      sym, settings)
                 scales.append(scale)
                 zeros.append(zero)
             w = W1[:, i]
@@ -114,9 +119,15 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, 
     return QuantResult(codes, scales_t, zeros_t, g_idx)
 
 
-def _params(block: torch.Tensor, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Min-max scale and zero [N] of a group of columns [N, gs], scales rounded to fp16 (what is stored)."""
-    return group_params(block.amin(dim=1), block.amax(dim=1), sym, torch.float16)
+def _params(block: torch.Tensor, h: torch.Tensor, sym: bool, settings: GPTQSettings
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero [N] of a group of columns [N, gs] (its Hessian block h [gs, gs]), scales rounded to fp16
+    (what is stored): min-max, or with clip_search the range shrink minimizing the H-weighted rounding error."""
+    lo = hi = 1.0
+    if settings.clip_search:
+        clip, _ = search_clip(block, h[None], block.shape[1], sym, CLIP_RATIOS)                 # [2, N, 1]
+        lo, hi = clip[0, :, 0], clip[1, :, 0]
+    return group_params(block.amin(dim=1) * lo, block.amax(dim=1) * hi, sym, torch.float16)
 
 
 def _inverse_cholesky(H: torch.Tensor, damp_percent: float) -> torch.Tensor:

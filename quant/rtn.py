@@ -51,15 +51,14 @@ def quantize_rtn(weight: torch.Tensor, bits: int = 4, group_size: int = 128, sym
 
     asym: range widened to include 0, s = (max - min) / 15, z = clamp(round(-min / s), 0, 15).
     sym (GPTQ convention): s = 2 * max|w| / 15, z = 8. q = clamp(round(w / s) + z, 0, 15).
-    clip [N, G]: shrink ratio applied to both ends of each group's range (AWQ's clipping search).
+    clip: shrink ratios of each group's range (AWQ's clipping search): [N, G] for both ends, or [2, N, G] for
+    the min and the max separately.
     """
     if bits != 4:
         raise ValueError(f"only 4-bit RTN is supported, got {bits}")
     n, k = weight.shape
     grouped, g = _grouped(weight.detach().float(), group_size)          # [N, G, gs]
-    wmin, wmax = grouped.amin(dim=-1), grouped.amax(dim=-1)
-    if clip is not None:
-        wmin, wmax = wmin * clip, wmax * clip
+    wmin, wmax = _clipped_range(grouped, clip)
     scales, zeros = group_params(wmin, wmax, sym, scale_dtype)
     q = torch.clamp(torch.round(grouped / scales[..., None]) + zeros[..., None], 0, MAXQ)
     q = q.view(n, -1)[:, :k].to(torch.int32)
@@ -71,13 +70,43 @@ def fake_quantize(weight: torch.Tensor, group_size: int, sym: bool, clip: torch.
     """Quantize-dequantize [N, K] -> fp32 [N, K] (what the checkpoint will hold), for the calibration searches."""
     n, k = weight.shape
     grouped, _ = _grouped(weight.float(), group_size)
-    wmin, wmax = grouped.amin(dim=-1), grouped.amax(dim=-1)
-    if clip is not None:
-        wmin, wmax = wmin * clip, wmax * clip
+    wmin, wmax = _clipped_range(grouped, clip)
     scale, zero = group_params(wmin, wmax, sym, scale_dtype)
     scale, zero = scale[..., None], zero[..., None]
     q = torch.clamp(torch.round(grouped / scale) + zero, 0, MAXQ)
     return ((q - zero) * scale).view(n, -1)[:, :k]
+
+
+def search_clip(weight: torch.Tensor, blocks: torch.Tensor, group_size: int, sym: bool, ratios: list[float],
+                two_d: bool = True) -> tuple[torch.Tensor, float]:
+    """Per (output row, group) shrink of the range minimizing that group's share of the layer's output error,
+    d^T G_g d, d = Q(w) - w, with G_g [gs, gs] the group's diagonal block of X^T X (blocks [G, gs, gs]).
+    Asymmetric ranges may shrink min and max independently (two_d: a grid over scale and zero point).
+    -> (ratios [2, N, G] for (min, max), error relative to the unclipped range)."""
+    n, k = weight.shape
+    ng = blocks.shape[0]
+    pairs = [(lo, hi) for lo in ratios for hi in ratios] if two_d and not sym else [(r, r) for r in ratios]
+    best = torch.ones(2, n, ng, device=weight.device)
+    best_err = torch.full((n, ng), float("inf"), device=weight.device)
+    base = None
+    for lo, hi in pairs:
+        clip = torch.tensor([lo, hi], device=weight.device).view(2, 1, 1).expand(2, n, ng)
+        diff, _ = _grouped(fake_quantize(weight, group_size, sym, clip) - weight, group_size)   # [N, G, gs]
+        err = (torch.einsum("ngi,gij->ngj", diff, blocks) * diff).sum(-1)                   # [N, G]
+        if lo == hi == 1:
+            base = float(err.sum())
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best = torch.where(better, clip, best)
+    return best, float(best_err.sum()) / max(base or 0.0, 1e-30)
+
+
+def _clipped_range(grouped: torch.Tensor, clip: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    wmin, wmax = grouped.amin(dim=-1), grouped.amax(dim=-1)                          # [N, G]
+    if clip is None:
+        return wmin, wmax
+    lo, hi = (clip[0], clip[1]) if clip.dim() == 3 else (clip, clip)
+    return wmin * lo, wmax * hi
 
 
 def _grouped(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, int]:
