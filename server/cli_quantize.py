@@ -45,6 +45,9 @@ def register(subparsers) -> None:
     p.add_argument("--damp-percent", type=float, default=0.01, help="gptq: damping, fraction of mean diag(H)")
     p.add_argument("--device", default="auto", help="compute device: auto (cuda if available), cuda, cpu, cuda:1")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
+    p.add_argument("--kv-scales", action="store_true",
+                   help="also calibrate per-layer FP8 KV-cache scales on the calibration text and store them as "
+                        "kv_scales.json next to the weights (read by --kv-cache-dtype fp8)")
     p.set_defaults(func=cmd_quantize)
 
 
@@ -60,16 +63,31 @@ def cmd_quantize(args) -> int:
     model_dir = Path(args.model_dir)
     source = load_source(model_dir)
     calib = None
-    if args.method != "rtn":
+    if args.method != "rtn" or args.kv_scales:
         if args.calib is None:
-            raise ValueError(f"--method {args.method} needs calibration text: {CALIB_HELP}")
+            raise ValueError(f"--method {args.method}{' --kv-scales' if args.kv_scales else ''} needs calibration "
+                             f"text: {CALIB_HELP}")
         calib = tokenize_calib(model_dir, args.calib, args.calib_samples, args.calib_seq_len)
         logger.info("calibration: %d windows of %d tokens from %s", calib.shape[0], calib.shape[1], args.calib)
     logger.info("quantizing %s with %s (%s, group %d) on %s into %s format", model_dir, args.method,
                 "sym" if sym else "asym", args.group_size, device, fmt)
     quantize_model(source, calib, cfg, args.out_dir, overwrite=args.overwrite)
+    if args.kv_scales:
+        write_calibrated_kv_scales(Path(args.out_dir), calib, device)
     print(f"wrote {args.out_dir} ({fmt}); run it with: quant-serve generate --model {args.out_dir} --prompt ...")
     return 0
+
+
+def write_calibrated_kv_scales(out_dir: Path, calib: torch.Tensor, device: str) -> None:
+    """K/V amax of the quantized model on the calibration windows -> out_dir/kv_scales.json."""
+    from engine.config import CacheConfig, EngineConfig
+    from engine.kv_scales import calibrate_kv_scales, write_kv_scales
+    from engine.llm_engine import LLMEngine
+    engine = LLMEngine(EngineConfig(model=str(out_dir), device=device, enforce_eager=True,
+                                    max_model_len=calib.shape[1] + 1, cache=CacheConfig(kv_cache_memory_gb=0.25)),
+                       show_progress=False)
+    path = write_kv_scales(out_dir, calibrate_kv_scales(engine, calib.tolist()))
+    logger.info("wrote FP8 KV scales for %d layers to %s", engine.model_config.num_layers, path)
 
 
 def model_spec(cfg: ModelConfig) -> ModelSpec:
