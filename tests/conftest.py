@@ -25,6 +25,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """One intra-op thread in every test module: on a busy 2-core machine (and beside the server processes the
+    tests start) a second thread turns each small op into a wait for a core (one attention call: 39 ms with two
+    threads, 0.15 ms with one)."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_dir() -> Path:
     assert (TINY / "config.json").is_file(), f"fixture model missing at {TINY}"

@@ -27,15 +27,6 @@ CHROMIUM = "/usr/bin/chromium"
 pytestmark = pytest.mark.skipif(not (TINY_AWQ / "config.json").is_file(), reason="shared model fixtures missing")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """One intra-op thread: on a busy 2-core machine a second thread turns every small op into a ~8 ms wait for
-    a core (measured: one attention call 39 ms with two threads, 0.15 ms with one)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture(scope="module")
 def damaged_dir(tmp_path_factory):

@@ -11,15 +11,6 @@ from eval.tasks import GENERATION, Task, choice_scores, load_task, run_generatio
 from helpers import make_engine
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """One intra-op thread: on a busy 2-core machine a second thread turns every small op into a ~8 ms wait for
-    a core (measured: one attention call 39 ms with two threads, 0.15 ms with one)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture(scope="module")
 def engine():

@@ -16,14 +16,6 @@ from conftest import DATA, TINY
 WINDOW, NUM_WINDOWS = 512, 4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Small matmuls on a shared 2-core machine: one thread avoids oversubscription (much faster, same results).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def linked_copy(path):
     """The fixture model in a writable directory (files are symlinks), so kv_scales.json can be written beside it."""

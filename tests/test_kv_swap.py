@@ -12,14 +12,6 @@ from conftest import DATA, TINY
 PARAMS = SamplingParams(max_tokens=16, min_tokens=16, temperature=0.0)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Small matmuls on a shared 2-core machine: one thread avoids oversubscription (much faster, same results).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture(scope="module")
 def text_ids():

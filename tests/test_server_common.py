@@ -119,16 +119,6 @@ def assert_error_shape(response: httpx.Response, status: int, code: str | None =
     return error
 
 
-@pytest.fixture(scope="module")
-def one_torch_thread():
-    """For an in-process engine beside a server process: two processes with two threads each on two cores make
-    every small op wait for a busy core."""
-    import torch
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 _shared: list[ServerProcess] = []
 

@@ -12,7 +12,7 @@ from conftest import TINY, TINY_AWQ
 from helpers import assert_all_blocks_free, make_engine
 from server.app import build_app
 from server.cli_serve import startup_report
-from test_server_common import assert_error_shape, one_torch_thread, running_server, wait_until  # noqa: F401
+from test_server_common import assert_error_shape, running_server, wait_until
 
 LONG = {"prompt": "Once upon a time", "max_tokens": 240, "ignore_eos": True, "temperature": 0}
 

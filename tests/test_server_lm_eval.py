@@ -10,7 +10,7 @@ import torch
 from conftest import DATA, TINY
 from engine.sampling_params import SamplingParams
 from helpers import make_engine
-from test_server_common import one_torch_thread, running_server  # noqa: F401 (fixture)
+from test_server_common import running_server
 
 TASKS = Path(__file__).parent / "lm_eval_tasks"
 NUM_MC_DOCS, NUM_GEN_DOCS, MAX_MODEL_LEN = 40, 8, 512
