@@ -1,12 +1,15 @@
-"""Where a batch-1 decode step spends its time (GPU machine): whole step vs model vs sampler vs host work.
+"""Where a decode step spends its time (GPU machine): whole step vs model vs sampler vs host work, and the GPU
+kernels of a step (torch.profiler), at batch 1 and at a large batch.
 
-    PYTHONPATH=. python bench/profile_decode.py --out bench/results/profile-decode-h200.json
+    PYTHONPATH=. python bench/profile_decode.py --batches 1,256 --out bench/results/profile-decode-h200.json
 """
 import argparse
 import gc
 import json
+import subprocess
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -27,8 +30,26 @@ def timed(fn, sink: list):
     return wrapper
 
 
-def profile(eager: bool) -> dict:
-    engine = engine_for(CONFIGS["qwen2.5-7b-awq"], "auto", max_num_seqs=256, max_model_len=4096, enforce_eager=eager)
+def median_ms(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2] * 1e3
+
+
+def kernel_table(prof, steps: int, top: int = 30) -> tuple[float, list[dict]]:
+    """(GPU kernel time per step in ms, the top kernels by time per step)."""
+    per_name = defaultdict(lambda: [0.0, 0])
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            per_name[event.name][0] += event.device_time_total
+            per_name[event.name][1] += 1
+    rows = sorted(per_name.items(), key=lambda kv: -kv[1][0])
+    total_us = sum(t for t, _ in per_name.values())
+    return total_us / steps / 1e3, [{"kernel": name[:120], "us_per_step": t / steps, "calls_per_step": n / steps}
+                                    for name, (t, n) in rows[:top]]
+
+
+def profile(batch: int, ctx: int, kv: str, eager: bool, steps: int = 24) -> dict:
+    engine = engine_for(CONFIGS["qwen2.5-7b-awq"], kv, max_num_seqs=max(batch, 1), max_model_len=4096,
+                        enforce_eager=eager)
     runner = engine.runner
     parts = {"runner.forward": [], "sampler": [], "model.compute_logits": [], "runner._prepare": []}
     runner.forward = timed(runner.forward, parts["runner.forward"])
@@ -37,20 +58,29 @@ def profile(eager: bool) -> dict:
     runner.sampler.release = sampler.release
     engine.model.compute_logits = timed(engine.model.compute_logits, parts["model.compute_logits"])
     runner._prepare = timed(runner._prepare, parts["runner._prepare"])
-    engine.add_request("p", list(range(100, 228)), SamplingParams(max_tokens=200, ignore_eos=True, temperature=0))
-    engine.step()                                     # prefill
+    for i in range(batch):
+        engine.add_request(f"p{i}", [100 + (i + j) % 1000 for j in range(ctx)],
+                           SamplingParams(max_tokens=steps + 16, ignore_eos=True, temperature=0))
+    while engine.scheduler.waiting or any(s.num_output_tokens == 0 for s in engine.scheduler.running):
+        engine.step()                                     # prefills (and the first decodes of early sequences)
     for v in parts.values():
         v.clear()
-    steps = []
-    while engine.has_unfinished_requests():
+    times = []
+    for _ in range(steps):
         torch.cuda.synchronize()
         start = time.perf_counter()
         engine.step()
         torch.cuda.synchronize()
-        steps.append(time.perf_counter() - start)
-    median = lambda xs: sorted(xs)[len(xs) // 2] * 1e3  # noqa: E731
-    result = {"step_ms": median(steps), **{f"{k}_ms": median(v) for k, v in parts.items() if v}}
-    # the model alone: replay / eager forward of one decode token without the engine around it
+        times.append(time.perf_counter() - start)
+    result = {"batch": batch, "context": ctx, "kv": kv, "cuda_graphs": not eager, "step_ms": median_ms(times),
+              **{f"{k}_ms": median_ms(v) for k, v in parts.items() if v}}
+    prof_steps = 5
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(prof_steps):
+            engine.step()
+        torch.cuda.synchronize()
+    result["gpu_kernel_ms_per_step"], result["top_kernels"] = kernel_table(prof, prof_steps)
     del engine, runner, sampler
     gc.collect()
     torch.cuda.empty_cache()
@@ -61,11 +91,19 @@ def profile(eager: bool) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="bench/results/profile-decode-h200.json")
+    parser.add_argument("--batches", default="1,256")
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--kv", default="fp8")
+    parser.add_argument("--eager", action="store_true", help="also profile without CUDA graphs")
     args = parser.parse_args()
-    out = {"graphs": profile(False)}
-    print(json.dumps(out, indent=2), flush=True)
-    out["eager"] = profile(True)
-    print(json.dumps(out, indent=2))
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    out = {"command": "PYTHONPATH=. python " + " ".join(sys.argv), "commit": commit or None,
+           "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "model": f"dummy Qwen2.5-7B AWQ g128, {args.kv} KV, {args.context}-token prompts", "runs": []}
+    for batch in [int(b) for b in args.batches.split(",")]:
+        for eager in ([False, True] if args.eager else [False]):
+            out["runs"].append(profile(batch, args.context, args.kv, eager))
+            print(json.dumps(out["runs"][-1], indent=1), flush=True)
     Path(args.out).write_text(json.dumps(out, indent=2))
     return 0
 

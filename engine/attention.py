@@ -4,7 +4,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.paged_attention import paged_attention, store_kv
+from kernels.attention_ref import apply_rope_ref
+from kernels.paged_attention import paged_attention, rope_store_kv, store_kv
 
 
 @dataclass
@@ -19,12 +20,17 @@ class AttentionMetadata:
     kv_observer: Callable | None = None
 
 
-def paged_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                            v_cache: torch.Tensor, k_scale, v_scale, meta: AttentionMetadata,
-                            softmax_scale: float) -> torch.Tensor:
-    """q: [T, Hq, D], k/v: [T, Hkv, D] (RoPE applied). Stores k/v by slot_mapping, then attends. -> [T, Hq, D]"""
-    if meta.kv_observer is not None:
+def paged_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                            cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale,
+                            v_scale, meta: AttentionMetadata, softmax_scale: float) -> torch.Tensor:
+    """q: [T, Hq, D], k/v: [T, Hkv, D] before RoPE; positions [T]; cos_sin_cache [max_pos, D].
+    Rotates q and k in place, stores k/v by slot_mapping (one fused kernel on CUDA), then attends. -> [T, Hq, D]"""
+    if meta.kv_observer is None:
+        rope_store_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+    else:
+        q.copy_(apply_rope_ref(q, positions, cos_sin_cache))
+        k.copy_(apply_rope_ref(k, positions, cos_sin_cache))
         meta.kv_observer(k, v, k_scale, v_scale)
-    store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
     return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                                softmax_scale, k_scale, v_scale)

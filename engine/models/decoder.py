@@ -10,6 +10,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention_forward
 from engine.config import ModelConfig
+from kernels.norm_act import rms_norm, silu_and_mul
 from quant.linear import make_linear
 
 
@@ -19,10 +20,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        variance = x.float().pow(2).mean(-1, keepdim=True)
-        normed = x.float() * torch.rsqrt(variance + self.eps)
-        return self.weight * normed.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """x: [T, H] -> normed; with residual: (normed(x + residual), x + residual) in one kernel on CUDA."""
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -47,7 +47,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotation (rotate_half) as in the HF Llama/Qwen2 code. cos_sin_cache[pos] = cat(cos, sin)."""
+    """The cos/sin table of neox-style RoPE (rotate_half, as in the HF Llama/Qwen2 code), computed in fp32 like HF:
+    cos_sin_cache[pos] = cat(cos, sin) [D]. The rotation itself runs in kernels.paged_attention.rope_store_kv."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None, device):
         super().__init__()
@@ -56,16 +57,6 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv_freq)                                     # [max_pos, D/2]
         cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)                # [max_pos, D]
         self.register_buffer("cos_sin_cache", cache.to(device), persistent=False)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, Hq, D], k: [T, Hkv, D] -> rotated copies."""
-        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)   # [T, 1, D/2] each
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -91,9 +82,8 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
-        out = paged_attention_forward(q, k, v, self.k_cache, self.v_cache, self.k_scale, self.v_scale, meta,
-                                      self.softmax_scale)                   # [T, Hq, D]
+        out = paged_attention_forward(q, k, v, positions, rotary.cos_sin_cache, self.k_cache, self.v_cache,
+                                      self.k_scale, self.v_scale, meta, self.softmax_scale)   # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, -1))
 
 
@@ -109,8 +99,7 @@ class MLP(nn.Module):
                                      [f"{prefix}.down_proj"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -121,9 +110,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = MLP(cfg, f"{prefix}.mlp", dtype, device, quant_config)
 
-    def forward(self, positions, x, meta, rotary):
-        x = x + self.self_attn(positions, self.input_layernorm(x), meta, rotary)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, positions, x, residual, meta, rotary):
+        """x: this layer's input delta [T, H], residual: the stream before it (None for the first layer).
+        -> (the MLP output, the stream before it); their sum is the layer's output."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta, rotary)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class DecoderModel(nn.Module):
@@ -138,10 +134,10 @@ class DecoderModel(nn.Module):
                                       device)
 
     def forward(self, input_ids, positions, meta):
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(positions, x, meta, self.rotary)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual, meta, self.rotary)
+        return self.norm(x, residual)[0]
 
 
 class DecoderForCausalLM(nn.Module):
