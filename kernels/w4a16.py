@@ -5,6 +5,7 @@ weights should be prepared once at load: the Triton kernels read a byte repack o
 kernels/w4a16_gemv.py); passing standard tensors on CUDA repacks on every call (correct, slow).
 Paths, picked per (M, K, N) from the measured table in kernels/w4a16_tuning.py:
   gemv     one row per program, CUDA-core FMAs, split-K                      (M = 1..few)
+           (split-K partials: summed by a second kernel, or, with one_launch, by the last split to arrive)
   gemm     tensor-core tiles, split-K when the tiles alone cannot fill the GPU (M = 2..mid); "gemmt" computes
            y^T = W^T x^T (the weight tile is the MMA's M side)
   dequant  Triton dequantize to a dense W, then cuBLAS                          (large M)
@@ -134,8 +135,9 @@ def w4a16_forward(x: torch.Tensor, w: W4A16Weights, bias: torch.Tensor | None = 
     m, k = x.shape
     cfg = config or select_config(m, k, w.out_features, x.device)
     if cfg.path == "gemv":
-        return w4a16_gemv(x, w, bias, cfg.block_n, cfg.split_k, cfg.num_warps, cfg.num_stages)
+        return w4a16_gemv(x, w, bias, cfg.block_n, cfg.split_k, cfg.num_warps, cfg.num_stages, cfg.one_launch,
+                          cfg.pipeline, cfg.rows)
     if cfg.path in ("gemm", "gemmt"):
         return w4a16_gemm(x, w, bias, cfg.block_m, cfg.block_n, cfg.split_k, cfg.num_warps, cfg.num_stages,
-                          swap=cfg.path == "gemmt")
+                          swap=cfg.path == "gemmt", one_launch=cfg.one_launch)
     return w4a16_dequant_matmul(x, w, bias)

@@ -9,16 +9,16 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.w4a16_gemv import (_dequant, _dequant_words, _interleave4, _load_chunk, _load_words, _store_result,
-                                 fast_dequant_ok, launch_splitk_reduce, split_plan)
+from kernels.w4a16_gemv import _dequant, _dequant_words, _interleave4, _load_chunk, _load_words, fast_dequant_ok
+from kernels.w4a16_splitk import _store_result, launch_splitk_reduce, split_buffers, split_plan
 
 
-@triton.jit
-def _w4a16_gemm_kernel(x_ptr, b_ptr, s_ptr, z_ptr, out_ptr, bias_ptr, M, N, K, G, group_size,
-                       stride_xm, stride_om, stride_sg, stride_zg, chunks_per_split, NW,
+@triton.jit(do_not_specialize=["chunks_per_split", "n_splits"])
+def _w4a16_gemm_kernel(x_ptr, b_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias_ptr, M, N, K, G, group_size,
+                       stride_xm, stride_om, stride_sg, stride_zg, chunks_per_split, n_splits, NW,
                        HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, SLICE_GROUPS: tl.constexpr,
-                       SPLIT: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, FAST: tl.constexpr,
-                       PERMUTED: tl.constexpr, SWAP: tl.constexpr,
+                       SPLIT: tl.constexpr, ONE_LAUNCH: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+                       FAST: tl.constexpr, PERMUTED: tl.constexpr, SWAP: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PACK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """Grid (M tiles * N tiles, splits)."""
     P2: tl.constexpr = PACK_K // 2
@@ -90,7 +90,8 @@ def _w4a16_gemm_kernel(x_ptr, b_ptr, s_ptr, z_ptr, out_ptr, bias_ptr, M, N, K, G
         res = tl.trans(acc)
     else:
         res = acc
-    _store_result(res, out_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om, pid_k, HAS_BIAS, SPLIT)
+    _store_result(res, out_ptr, ws_ptr, cnt_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om, pid_k, n_splits, pid,
+                  HAS_BIAS, SPLIT, ONE_LAUNCH)
 
 
 @triton.jit
@@ -124,28 +125,30 @@ def _w4a16_dequant_kernel(b_ptr, s_ptr, z_ptr, out_ptr, N, K, G, group_size, str
 
 
 def w4a16_gemm(x: torch.Tensor, w, bias: torch.Tensor | None, block_m: int, block_n: int, split_k: int,
-               num_warps: int, num_stages: int, group_m: int = 8, swap: bool = False) -> torch.Tensor:
-    """x: [M, K] (already act-order permuted), w: W4A16Weights -> [M, N] in x's dtype."""
+               num_warps: int, num_stages: int, group_m: int = 8, swap: bool = False,
+               one_launch: bool = False) -> torch.Tensor:
+    """x: [M, K] (already act-order permuted), w: W4A16Weights -> [M, N] in x's dtype. one_launch: split-K
+    summed by the last split of each tile (ticket) instead of a second kernel."""
     from kernels.w4a16 import weight_bytes
     M, K = x.shape
     N = w.qweight.shape[1]
     splits, per = split_plan(K, w.pack_k, split_k)
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    dst = out if splits == 1 else torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
+    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    one_launch = one_launch and splits > 1
+    out, ws, counters = split_buffers(x, M, N, splits, one_launch, tiles)
     zeros = w.qzeros if w.qzeros is not None else w.qweight
-    grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n), splits)
     fast = fast_dequant_ok(x, w)
-    _w4a16_gemm_kernel[grid](
-        x, w.qweight if fast else weight_bytes(w), w.scales.view(torch.int32) if fast else w.scales, zeros, dst,
-        bias if bias is not None else w.scales,
+    _w4a16_gemm_kernel[(tiles, splits)](
+        x, w.qweight if fast else weight_bytes(w), w.scales.view(torch.int32) if fast else w.scales, zeros, out, ws,
+        counters, bias if bias is not None else w.scales,
         M, N, K, w.scales.shape[0], w.group_size, x.stride(0), out.stride(0),
-        w.scales.stride(0) // 2 if fast else w.scales.stride(0), zeros.stride(0), per, N // 4,
+        w.scales.stride(0) // 2 if fast else w.scales.stride(0), zeros.stride(0), per, splits, N // 4,
         HAS_ZEROS=w.qzeros is not None, HAS_BIAS=bias is not None, SLICE_GROUPS=w.slice_groups,
-        SPLIT=splits > 1, EVEN_N=N % block_n == 0, EVEN_K=K % w.pack_k == 0, FAST=fast,
+        SPLIT=splits > 1, ONE_LAUNCH=one_launch, EVEN_N=N % block_n == 0, EVEN_K=K % w.pack_k == 0, FAST=fast,
         PERMUTED=N % 4 == 0, SWAP=swap, BLOCK_M=block_m, BLOCK_N=block_n, PACK_K=w.pack_k, GROUP_M=group_m,
         num_warps=num_warps, num_stages=num_stages)
-    if splits > 1:
-        launch_splitk_reduce(dst, bias, out, splits)
+    if splits > 1 and not one_launch:
+        launch_splitk_reduce(ws, bias, out, splits)
     return out
 
 

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.w4a16_splitk import _store_result, launch_splitk_reduce, split_buffers, split_plan  # noqa: F401
+
 # inputs: word $8 (bytes of columns 4j, 4j+2, 4j+1, 4j+3), scale pairs $9 (4j, 4j+1) $10 (4j+2, 4j+3), 1024+z pairs
 # $11 $12, -(64+z) pairs $13 $14; outputs (.b16): low-nibble rows of columns 4j..4j+3 $0..$3, high-nibble rows $4..$7
 _DQ_ASM = tl.constexpr("""
@@ -210,144 +212,140 @@ def _dequant(b, s_lo, z_lo, s_hi, z_hi):
 
 
 @triton.jit
-def _store_result(acc, out_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om, pid_k,
-                  HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
-    """acc fp32 [BM, BN] -> the output (bias, cast), or this split's slice of the fp32 workspace [S, M, N]."""
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    if SPLIT:
-        tl.store(out_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :], acc, mask=mask)
+def _x_rows(x_row, c, offs_r, K, EVEN_K: tl.constexpr, PACK_K: tl.constexpr):
+    """Activations of the low rows (c*PACK_K + r) and high rows (+ P2) of a row block, fp32 [R]."""
+    k_lo = c * PACK_K + offs_r
+    if EVEN_K:
+        x_lo = tl.load(x_row + k_lo)
+        x_hi = tl.load(x_row + k_lo + PACK_K // 2)
     else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=mask)
+        x_lo = tl.load(x_row + k_lo, mask=k_lo < K, other=0.0)
+        x_hi = tl.load(x_row + k_lo + PACK_K // 2, mask=k_lo + PACK_K // 2 < K, other=0.0)
+    return x_lo.to(tl.float32), x_hi.to(tl.float32)
 
 
 @triton.jit
-def _splitk_reduce_kernel(ws_ptr, bias_ptr, out_ptr, M, N, stride_om, split_k,
-                          HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    """out[m, n] = sum_s ws[s, m, n] (+ bias): a second pass keeps split-K deterministic and needs no memset."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < M * N
-    acc = tl.load(ws_ptr + offs, mask=mask, other=0.0)
-    for s in range(1, split_k):
-        acc += tl.load(ws_ptr + s * M * N + offs, mask=mask, other=0.0)
-    m = offs // N
-    n = offs % N
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + m * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
+def _fma_words(words, x_lo, x_hi, a0, a1, a2, a3):
+    """Fast path: a_t [R, BJ] += dequant(word tile) * x for the 4 columns 4j+t of each word (one asm per word)."""
+    wd, sa, sb, za, zb, _, _, _, _ = words                              # one group per chunk (not SLICE_GROUPS)
+    return tl.inline_asm_elementwise(
+        _DQ_FMA_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+        [wd, sa, sb, za + ZLO_BASE, zb + ZLO_BASE, (za << 4) + ZHI_BASE, (zb << 4) + ZHI_BASE, x_lo[:, None],
+         x_hi[:, None], a0, a1, a2, a3], dtype=(tl.float32,) * 4, is_pure=True, pack=1)
 
 
 @triton.jit
-def _w4a16_gemv_kernel(x_ptr, b_ptr, s_ptr, z_ptr, out_ptr, bias_ptr, M, N, K, G, group_size,
-                       stride_xm, stride_om, stride_sg, stride_zg, chunks_per_split, NW,
+def _fma_bytes(tile, x_lo, x_hi, acc):
+    """Plain path: acc [R, BN] += dequant(byte tile) * x."""
+    b, s_lo, z_lo, s_hi, z_hi = tile
+    w_lo, w_hi = _dequant(b, s_lo, z_lo, s_hi, z_hi)
+    return acc + w_lo * x_lo[:, None] + w_hi * x_hi[:, None]
+
+
+@triton.jit(do_not_specialize=["chunks_per_split", "n_splits"])
+def _w4a16_gemv_kernel(x_ptr, b_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias_ptr, M, N, K, G, group_size,
+                       stride_xm, stride_om, stride_sg, stride_zg, chunks_per_split, n_splits, NW,
                        HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, SLICE_GROUPS: tl.constexpr,
-                       SPLIT: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, FAST: tl.constexpr,
-                       PERMUTED: tl.constexpr, BLOCK_N: tl.constexpr, PACK_K: tl.constexpr):
+                       SPLIT: tl.constexpr, ONE_LAUNCH: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+                       FAST: tl.constexpr, PERMUTED: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+                       STAGES: tl.constexpr, PACK_K: tl.constexpr):
     """Grid (M, N tiles, splits): rows vary fastest, so a weight tile's programs run together and all but the
-    first read it from L2."""
-    P2: tl.constexpr = PACK_K // 2
+    first read it from L2. A step covers ROWS rows of a chunk's byte/word tile (ROWS = PACK_K/2: the whole chunk);
+    STAGES = 0 prefetches the next step into registers, STAGES >= 2 loads inside tl.range(num_stages=STAGES), which
+    Triton turns into a cp.async ring of STAGES - 1 steps in flight through shared memory."""
+    RPC: tl.constexpr = PACK_K // 2 // ROWS                               # steps per chunk
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    offs_r = tl.arange(0, P2)
-    c_begin = pid_k * chunks_per_split
-    c_end = tl.minimum(c_begin + chunks_per_split, tl.cdiv(K, PACK_K))
+    i_begin = pid_k * chunks_per_split * RPC
+    i_end = tl.minimum((pid_k + 1) * chunks_per_split, tl.cdiv(K, PACK_K)) * RPC
     x_row = x_ptr + pid_m * stride_xm
     if FAST:
         BJ: tl.constexpr = BLOCK_N // 4
         offs_j = pid_n * BJ + tl.arange(0, BJ)
         j_mask = offs_j < NW
-        a0 = tl.zeros([P2, BJ], dtype=tl.float32)
-        a1 = tl.zeros([P2, BJ], dtype=tl.float32)
-        a2 = tl.zeros([P2, BJ], dtype=tl.float32)
-        a3 = tl.zeros([P2, BJ], dtype=tl.float32)
-        cur = _load_words(b_ptr, s_ptr, z_ptr, c_begin, NW, G, group_size, stride_sg, stride_zg, offs_r, offs_j,
-                          j_mask, HAS_ZEROS, SLICE_GROUPS, EVEN_N, PACK_K)
-        for c in range(c_begin, c_end):
-            nxt = _load_words(b_ptr, s_ptr, z_ptr, tl.minimum(c + 1, c_end - 1), NW, G, group_size, stride_sg,
-                              stride_zg, offs_r, offs_j, j_mask, HAS_ZEROS, SLICE_GROUPS, EVEN_N, PACK_K)
-            k_lo = c * PACK_K + offs_r
-            if EVEN_K:
-                x_lo = tl.load(x_row + k_lo).to(tl.float32)[:, None]
-                x_hi = tl.load(x_row + k_lo + P2).to(tl.float32)[:, None]
-            else:
-                x_lo = tl.load(x_row + k_lo, mask=k_lo < K, other=0.0).to(tl.float32)[:, None]
-                x_hi = tl.load(x_row + k_lo + P2, mask=k_lo + P2 < K, other=0.0).to(tl.float32)[:, None]
-            wd, sa, sb, za, zb, _, _, _, _ = cur                         # one group per chunk (not SLICE_GROUPS)
-            a0, a1, a2, a3 = tl.inline_asm_elementwise(
-                _DQ_FMA_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r",
-                [wd, sa, sb, za + ZLO_BASE, zb + ZLO_BASE, (za << 4) + ZHI_BASE, (zb << 4) + ZHI_BASE, x_lo, x_hi,
-                 a0, a1, a2, a3], dtype=(tl.float32,) * 4, is_pure=True, pack=1)
-            cur = nxt
+        a0 = tl.zeros([ROWS, BJ], dtype=tl.float32)
+        a1 = tl.zeros([ROWS, BJ], dtype=tl.float32)
+        a2 = tl.zeros([ROWS, BJ], dtype=tl.float32)
+        a3 = tl.zeros([ROWS, BJ], dtype=tl.float32)
+        if STAGES == 0:
+            cur = _load_words(b_ptr, s_ptr, z_ptr, i_begin // RPC, NW, G, group_size, stride_sg, stride_zg,
+                              (i_begin % RPC) * ROWS + tl.arange(0, ROWS), offs_j, j_mask, HAS_ZEROS, SLICE_GROUPS,
+                              EVEN_N, PACK_K)
+            for i in range(i_begin, i_end):
+                # the next step's loads go out before this step's math (the last step re-reads itself, from L2)
+                i_nx = tl.minimum(i + 1, i_end - 1)
+                nxt = _load_words(b_ptr, s_ptr, z_ptr, i_nx // RPC, NW, G, group_size, stride_sg, stride_zg,
+                                  (i_nx % RPC) * ROWS + tl.arange(0, ROWS), offs_j, j_mask, HAS_ZEROS, SLICE_GROUPS,
+                                  EVEN_N, PACK_K)
+                x_lo, x_hi = _x_rows(x_row, i // RPC, (i % RPC) * ROWS + tl.arange(0, ROWS), K, EVEN_K, PACK_K)
+                a0, a1, a2, a3 = _fma_words(cur, x_lo, x_hi, a0, a1, a2, a3)
+                cur = nxt
+        else:
+            for i in tl.range(i_begin, i_end, num_stages=STAGES):
+                offs_r = (i % RPC) * ROWS + tl.arange(0, ROWS)
+                cur = _load_words(b_ptr, s_ptr, z_ptr, i // RPC, NW, G, group_size, stride_sg, stride_zg, offs_r,
+                                  offs_j, j_mask, HAS_ZEROS, SLICE_GROUPS, EVEN_N, PACK_K)
+                x_lo, x_hi = _x_rows(x_row, i // RPC, offs_r, K, EVEN_K, PACK_K)
+                a0, a1, a2, a3 = _fma_words(cur, x_lo, x_hi, a0, a1, a2, a3)
         res = _interleave4(tl.sum(a0, axis=0)[None, :], tl.sum(a1, axis=0)[None, :], tl.sum(a2, axis=0)[None, :],
                            tl.sum(a3, axis=0)[None, :])
     else:
-        acc = tl.zeros([P2, BLOCK_N], dtype=tl.float32)       # reduced over its rows once, after the loop
-        b, s_lo, z_lo, s_hi, z_hi = _load_chunk(b_ptr, s_ptr, z_ptr, c_begin, N, G, group_size, stride_sg, stride_zg,
-                                                offs_r, offs_n, n_mask, HAS_ZEROS, SLICE_GROUPS, EVEN_N, FAST,
-                                                PERMUTED, PACK_K)
-        for c in range(c_begin, c_end):
-            # the next chunk's loads go out before this chunk's math (the last chunk re-reads itself, from L2)
-            nb, ns_lo, nz_lo, ns_hi, nz_hi = _load_chunk(b_ptr, s_ptr, z_ptr, tl.minimum(c + 1, c_end - 1), N, G,
-                                                         group_size, stride_sg, stride_zg, offs_r, offs_n, n_mask,
-                                                         HAS_ZEROS, SLICE_GROUPS, EVEN_N, FAST, PERMUTED, PACK_K)
-            k_lo = c * PACK_K + offs_r
-            if EVEN_K:
-                x_lo = tl.load(x_row + k_lo).to(tl.float32)
-                x_hi = tl.load(x_row + k_lo + P2).to(tl.float32)
-            else:
-                x_lo = tl.load(x_row + k_lo, mask=k_lo < K, other=0.0).to(tl.float32)
-                x_hi = tl.load(x_row + k_lo + P2, mask=k_lo + P2 < K, other=0.0).to(tl.float32)
-            w_lo, w_hi = _dequant(b, s_lo, z_lo, s_hi, z_hi)
-            acc += w_lo.to(tl.float32) * x_lo[:, None]
-            acc += w_hi.to(tl.float32) * x_hi[:, None]
-            b, s_lo, z_lo, s_hi, z_hi = nb, ns_lo, nz_lo, ns_hi, nz_hi
+        acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)       # reduced over its rows once, after the loop
+        if STAGES == 0:
+            cur = _load_chunk(b_ptr, s_ptr, z_ptr, i_begin // RPC, N, G, group_size, stride_sg, stride_zg,
+                              (i_begin % RPC) * ROWS + tl.arange(0, ROWS), offs_n, n_mask, HAS_ZEROS, SLICE_GROUPS,
+                              EVEN_N, FAST, PERMUTED, PACK_K)
+            for i in range(i_begin, i_end):
+                i_nx = tl.minimum(i + 1, i_end - 1)
+                nxt = _load_chunk(b_ptr, s_ptr, z_ptr, i_nx // RPC, N, G, group_size, stride_sg, stride_zg,
+                                  (i_nx % RPC) * ROWS + tl.arange(0, ROWS), offs_n, n_mask, HAS_ZEROS, SLICE_GROUPS,
+                                  EVEN_N, FAST, PERMUTED, PACK_K)
+                x_lo, x_hi = _x_rows(x_row, i // RPC, (i % RPC) * ROWS + tl.arange(0, ROWS), K, EVEN_K, PACK_K)
+                acc = _fma_bytes(cur, x_lo, x_hi, acc)
+                cur = nxt
+        else:
+            for i in tl.range(i_begin, i_end, num_stages=STAGES):
+                offs_r = (i % RPC) * ROWS + tl.arange(0, ROWS)
+                cur = _load_chunk(b_ptr, s_ptr, z_ptr, i // RPC, N, G, group_size, stride_sg, stride_zg, offs_r,
+                                  offs_n, n_mask, HAS_ZEROS, SLICE_GROUPS, EVEN_N, FAST, PERMUTED, PACK_K)
+                x_lo, x_hi = _x_rows(x_row, i // RPC, offs_r, K, EVEN_K, PACK_K)
+                acc = _fma_bytes(cur, x_lo, x_hi, acc)
         res = tl.sum(acc, axis=0)[None, :]                                     # [1, BLOCK_N]
     offs_m = pid_m + tl.arange(0, 1)
-    _store_result(res, out_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om, pid_k, HAS_BIAS, SPLIT)
+    _store_result(res, out_ptr, ws_ptr, cnt_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om, pid_k, n_splits,
+                  pid_m * tl.num_programs(1) + pid_n, HAS_BIAS, SPLIT, ONE_LAUNCH)
 
 
-def split_plan(K: int, pack_k: int, split_k: int) -> tuple[int, int]:
-    """(splits actually used, chunks per split): no split is left empty."""
-    chunks = triton.cdiv(K, pack_k)
-    per = triton.cdiv(chunks, max(1, min(split_k, chunks)))
-    return triton.cdiv(chunks, per), per
-
-
-def launch_splitk_reduce(ws: torch.Tensor, bias, out: torch.Tensor, split_k: int) -> None:
-    M, N = out.shape
-    block = 1024
-    _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](
-        ws, bias if bias is not None else ws, out, M, N, out.stride(0), split_k,
-        HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
-
-
-def w4a16_gemv(x: torch.Tensor, w, bias: torch.Tensor | None, block_n: int, split_k: int,
-               num_warps: int, num_stages: int) -> torch.Tensor:
-    """x: [M, K] (already act-order permuted, unit stride along K), w: W4A16Weights -> [M, N] in x's dtype."""
+def w4a16_gemv(x: torch.Tensor, w, bias: torch.Tensor | None, block_n: int, split_k: int, num_warps: int,
+               num_stages: int, one_launch: bool = False, pipeline: bool = False, rows: int = 0) -> torch.Tensor:
+    """x: [M, K] (already act-order permuted, unit stride along K), w: W4A16Weights -> [M, N] in x's dtype.
+    one_launch: split-K summed by the last split (ticket) instead of a second kernel; pipeline: loads in
+    tl.range(num_stages) instead of the register prefetch; rows: tile rows per step (0: pack_k/2, a chunk)."""
     from kernels.w4a16 import weight_bytes
     M, K = x.shape
     N = w.qweight.shape[1]
+    rows = rows or w.pack_k // 2
+    if (w.pack_k // 2) % rows:
+        raise ValueError(f"rows={rows} must divide pack_k/2 = {w.pack_k // 2}")
     splits, per = split_plan(K, w.pack_k, split_k)
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    dst = out if splits == 1 else torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
+    n_tiles = triton.cdiv(N, block_n)
+    one_launch = one_launch and splits > 1
+    out, ws, counters = split_buffers(x, M, N, splits, one_launch, M * n_tiles)
     zeros = w.qzeros if w.qzeros is not None else w.qweight
-    grid = (M, triton.cdiv(N, block_n), splits)
     fast = fast_dequant_ok(x, w)
     # fast path: int32 words [Kp/2, N/4] and fp16 scale pairs as int32 [G, N/2]
-    _w4a16_gemv_kernel[grid](
-        x, w.qweight if fast else weight_bytes(w), w.scales.view(torch.int32) if fast else w.scales, zeros, dst,
-        bias if bias is not None else w.scales,
+    _w4a16_gemv_kernel[(M, n_tiles, splits)](
+        x, w.qweight if fast else weight_bytes(w), w.scales.view(torch.int32) if fast else w.scales, zeros, out, ws,
+        counters, bias if bias is not None else w.scales,
         M, N, K, w.scales.shape[0], w.group_size, x.stride(0), out.stride(0),
-        w.scales.stride(0) // 2 if fast else w.scales.stride(0),
-        zeros.stride(0), per, N // 4,
+        w.scales.stride(0) // 2 if fast else w.scales.stride(0), zeros.stride(0), per, splits, N // 4,
         HAS_ZEROS=w.qzeros is not None, HAS_BIAS=bias is not None, SLICE_GROUPS=w.slice_groups,
-        SPLIT=splits > 1, EVEN_N=N % block_n == 0, EVEN_K=K % w.pack_k == 0, FAST=fast,
-        PERMUTED=N % 4 == 0, BLOCK_N=block_n, PACK_K=w.pack_k, num_warps=num_warps, num_stages=num_stages)
-    if splits > 1:
-        launch_splitk_reduce(dst, bias, out, splits)
+        SPLIT=splits > 1, ONE_LAUNCH=one_launch, EVEN_N=N % block_n == 0, EVEN_K=K % w.pack_k == 0, FAST=fast,
+        PERMUTED=N % 4 == 0, BLOCK_N=block_n, ROWS=rows, STAGES=num_stages if pipeline else 0, PACK_K=w.pack_k,
+        num_warps=num_warps, num_stages=num_stages)
+    if splits > 1 and not one_launch:
+        launch_splitk_reduce(ws, bias, out, splits)
     return out

@@ -82,6 +82,8 @@ def test_gemv_matches_twin(m, dtype, group_size, zeros, split_k):
     ref = reference(x, qweight, scales, qzeros, gs, None, bias)
     assert y.dtype == dtype and y.shape == (m, n)
     assert rel_err(y, ref) < TOL[dtype]
+    cfg = W4A16Config("gemv", 1, 32, split_k, 4, 2, one_launch=True, pipeline=True)   # one counter per (row, tile)
+    assert torch.equal(w4a16_forward(x, w, bias, cfg), y)
 
 
 @pytest.mark.parametrize("m,dtype,group_size,zeros,act_order,block_m,split_k,path", [
@@ -107,6 +109,61 @@ def test_dequant_path_matches_twin():
     bias = torch.randn(40, dtype=torch.bfloat16, device=DEV)
     y = w4a16_forward(x, w, bias, W4A16Config("dequant"))
     assert rel_err(y, reference(x, qweight, scales, qzeros, gs, perm, bias)) < TOL[torch.bfloat16]
+
+
+# single-launch split-K (ticket), the pipelined loop and narrow row steps: each must equal the two-launch, register-
+# prefetch result bit for bit (same per-element sums in the same order), twice in a row (the counters reset).
+@pytest.mark.parametrize("n,group_size,zeros,act_order,bias", [
+    (100, 32, True, False, True),        # N not a multiple of the tile; groups slice a chunk
+    (75, 64, False, True, False),        # odd N (no column permutation); act-order; symmetric
+    (96, 128, True, True, True),
+    (40, -1, True, False, True),
+])
+def test_gemv_variants_equal_baseline(n, group_size, zeros, act_order, bias):
+    from kernels.w4a16_splitk import tile_counters
+    k = 384                                              # 3 chunks of 128, the last one padded
+    qweight, scales, qzeros, gs, perm = make_weights(k, n, group_size, zeros, act_order, torch.float16, seed=n)
+    w = prepare_w4a16(qweight, scales, qzeros, gs, perm)
+    x = torch.randn(1, k, dtype=torch.float16, device=DEV)
+    b = torch.randn(n, dtype=torch.float16, device=DEV) if bias else None
+    ref = reference(x, qweight, scales, qzeros, gs, perm, b)
+    for split_k in (1, 3):
+        base = w4a16_forward(x, w, b, W4A16Config("gemv", 1, 32, split_k))
+        assert rel_err(base, ref) < TOL[torch.float16]
+        for variant in (dict(one_launch=True), dict(pipeline=True, num_stages=2),
+                        dict(one_launch=True, pipeline=True, num_stages=3),
+                        dict(one_launch=True, rows=16, num_stages=3), dict(pipeline=True, rows=32, num_stages=4)):
+            cfg = W4A16Config("gemv", 1, 64 if variant.get("rows") else 32, split_k, **variant)
+            for _ in range(2):
+                y = w4a16_forward(x, w, b, cfg)
+                if variant.get("rows"):                  # another row blocking sums in another order
+                    assert rel_err(y, ref) < TOL[torch.float16], cfg
+                else:
+                    assert torch.equal(y, base), cfg
+    assert not tile_counters(x.device, 1).any()
+
+
+@pytest.mark.parametrize("path,m", [("gemm", 5), ("gemmt", 3)])
+def test_gemm_one_launch_equals_two_launch(path, m):
+    from kernels.w4a16_splitk import tile_counters
+    k, n = 384, 72
+    qweight, scales, qzeros, gs, perm = make_weights(k, n, 64, True, True, torch.float16, seed=m)
+    w = prepare_w4a16(qweight, scales, qzeros, gs, perm)
+    x = torch.randn(m, k, dtype=torch.float16, device=DEV)
+    b = torch.randn(n, dtype=torch.float16, device=DEV)
+    base = w4a16_forward(x, w, b, W4A16Config(path, 16, 32, 3))
+    assert rel_err(base, reference(x, qweight, scales, qzeros, gs, perm, b)) < TOL[torch.float16]
+    for _ in range(2):
+        assert torch.equal(w4a16_forward(x, w, b, W4A16Config(path, 16, 32, 3, one_launch=True)), base)
+    assert not tile_counters(x.device, 1).any()
+
+
+def test_gemv_rejects_rows_not_dividing_chunk():
+    qweight, scales, qzeros, gs, _ = make_weights(256, 32, 128, True, False, torch.float16)
+    w = prepare_w4a16(qweight, scales, qzeros, gs)
+    with pytest.raises(ValueError):
+        w4a16_forward(torch.randn(1, 256, dtype=torch.float16, device=DEV), w, None,
+                      W4A16Config("gemv", 1, 32, 1, rows=48))
 
 
 def test_dispatcher_cpu_uses_twin_on_both_layouts():
@@ -135,8 +192,12 @@ def test_gpu_qwen_shapes_all_paths(k, n, dtype):
     for m in (1, 4, 16, 64, 256, 1024):
         x = torch.randn(m, k, dtype=dtype, device="cuda")
         ref = x.float() @ dense
-        for cfg in (None, W4A16Config("gemv", 1, 128, 4), W4A16Config("gemm", 16 if m <= 16 else 64, 128, 2),
-                    W4A16Config("gemmt", 16 if m <= 16 else 64, 128, 2, 4), W4A16Config("dequant")):
+        bm = 16 if m <= 16 else 64
+        for cfg in (None, W4A16Config("gemv", 1, 128, 4), W4A16Config("gemm", bm, 128, 2),
+                    W4A16Config("gemmt", bm, 128, 2, 4), W4A16Config("dequant"),
+                    W4A16Config("gemv", 1, 64, 8, 4, 3, one_launch=True, pipeline=True),
+                    W4A16Config("gemv", 1, 256, 4, 8, 3, one_launch=True, rows=16),
+                    W4A16Config("gemmt", bm, 128, 2, 4, one_launch=True)):
             if cfg is not None and cfg.path == "gemv" and m > 16:
                 continue
             y = w4a16_forward(x, w, None, cfg)
@@ -154,3 +215,55 @@ def test_gpu_act_order_bias_sym():
         ref = reference(x, qweight, scales, qzeros, gs, perm, bias)
         assert rel_err(w4a16_matmul(x, w, bias=bias), ref) < TOL[torch.float16]
         assert rel_err(w4a16_matmul(x, qweight, scales, qzeros, gs, perm, bias), ref) < TOL[torch.float16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,n", QWEN_SHAPES)
+def test_gpu_fast_gemv_variants_bitwise(k, n):
+    """Fast path: single launch and the cp.async pipeline give the baseline's bits (same sums, same order)."""
+    qweight, scales, qzeros, gs, _ = make_weights(k, n, 128, True, False, torch.float16, seed=k + n)
+    w = prepare_w4a16(qweight, scales, qzeros, gs)
+    x = torch.randn(1, k, dtype=torch.float16, device="cuda")
+    bias = torch.randn(n, dtype=torch.float16, device="cuda")
+    for bn in (32, 64, 128):
+        for split_k in (1, 2, 16):
+            base = w4a16_forward(x, w, bias, W4A16Config("gemv", 1, bn, split_k))
+            for ns in (2, 3, 4):
+                for one in (False, True):
+                    for _ in range(2):
+                        cfg = W4A16Config("gemv", 1, bn, split_k, 4, ns, one_launch=one, pipeline=True)
+                        assert torch.equal(w4a16_forward(x, w, bias, cfg), base), cfg
+            cfg = W4A16Config("gemv", 1, bn, split_k, 4, 3, one_launch=True)
+            assert torch.equal(w4a16_forward(x, w, bias, cfg), base), cfg
+    ref = reference(x, qweight, scales, qzeros, gs, None, bias)
+    y = w4a16_forward(x, w, bias, W4A16Config("gemv", 1, 256, 8, 8, 3, one_launch=True, pipeline=True, rows=16))
+    assert rel_err(y, ref) < TOL[torch.float16]
+
+
+@pytest.mark.gpu
+def test_gpu_one_launch_in_cuda_graph():
+    """Several single-launch split-K linears in one captured graph, replayed twice: the counters are allocated
+    before capture and every kernel leaves its counters at 0 for the next."""
+    from kernels.w4a16_splitk import tile_counters
+    layers = []
+    for k, n in QWEN_SHAPES[:2] + [(512, 200)]:
+        qweight, scales, qzeros, gs, _ = make_weights(k, n, 128, True, False, torch.float16, seed=k)
+        layers.append((prepare_w4a16(qweight, scales, qzeros, gs), torch.randn(1, k, dtype=torch.float16,
+                                                                               device="cuda")))
+    cfgs = [W4A16Config("gemv", 1, 64, 8, 4, 3, one_launch=True, pipeline=True),
+            W4A16Config("gemv", 1, 32, 4, 4, 3, one_launch=True), W4A16Config("gemmt", 16, 64, 2, 4, one_launch=True)]
+    eager = [[w4a16_forward(x, w, None, c) for c in cfgs] for w, x in layers]
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        with torch.cuda.graph(graph):
+            outs = [[w4a16_forward(x, w, None, c) for c in cfgs] for w, x in layers]
+    torch.cuda.current_stream().wait_stream(side)
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        for ys, refs in zip(outs, eager):
+            for y, r in zip(ys, refs):
+                assert torch.equal(y, r)
+    assert not tile_counters(torch.device("cuda"), 1).any()
