@@ -1,17 +1,20 @@
-"""Build a calibration file from text already on this machine, never from ../shared/data/val.txt.
+"""Build a calibration file from text on this machine or from the model itself, never from ../shared/data/val.txt.
 
-    python bench/make_calib.py OUT.jsonl [--wordnet WORDNET] [--chat-model MODEL_DIR] [--max-docs N]
+    python bench/make_calib.py OUT.jsonl [--docstrings] [--wordnet WORDNET [--chat-model DIR]]
+                                         [--samples-from MODEL_DIR [--samples N] [--sample-len L]]
 
-Sources, one JSONL row {"text": ...} per document, in a fixed order (the file depends only on the Python version
-and the WordNet release, both recorded in the first row's "source" field):
-- the docstrings of the Python standard library (every documented module, class, function and method of at
-  least 200 characters): documentation prose, like the largest part of the fixture's training text;
-- optionally WordNet 3.0 glosses as dictionary entries `Word (n): gloss.` (`--wordnet`: the Debian
-  wordnet-base .deb, e.g. /var/cache/apt/archives/wordnet-base_1%3a3.0-37_all.deb, or its dict directory
-  /usr/share/wordnet; elsewhere `apt-get download wordnet-base`), a share of them rendered as chat turns
-  `What does "word" mean?` with the model's own chat template (`--chat-model`). WordNet is not the dictionary
-  the fixture was trained or evaluated on (GCIDE), so no held-out document can leak into calibration.
-No network access.
+Sources (default: --docstrings), one JSONL row {"text": ...} per document, the first row naming them in "source":
+- `--docstrings`: the docstrings of the Python standard library (every documented module, class, function and
+  method of at least 200 characters), in a fixed order: documentation prose. Depends only on the Python version.
+- `--wordnet`: WordNet 3.0 glosses as dictionary entries `Word (n): gloss.` (the Debian wordnet-base .deb, e.g.
+  /var/cache/apt/archives/wordnet-base_1%3a3.0-37_all.deb, or its dict directory /usr/share/wordnet), a share
+  of them rendered as chat turns `What does "word" mean?` with a model's chat template (`--chat-model`).
+  WordNet is not the dictionary the fixture was trained or evaluated on (GCIDE).
+- `--samples-from MODEL_DIR`: N documents of L tokens sampled from the unquantized model itself (temperature 1,
+  one fixed seed per sample, starting from <|endoftext|>), i.e. text from the model's own distribution without
+  any corpus ("data-free" calibration). Deterministic for a given torch build and CPU.
+None of them can contain a held-out document: val.txt is a split of the fixture's training corpus (the Python
+documentation sources, fortunes, GCIDE), and the model never saw it. No network access.
 """
 import argparse
 import importlib
@@ -23,6 +26,10 @@ import sys
 import tempfile
 import warnings
 from pathlib import Path
+
+# bench/ holds a kernels.py: keep this folder off sys.path so that the repository's kernels package wins
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 # Modules that act on import (print, open a browser, need a display) or are internal / test-only.
 SKIP = {"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "test", "lib2to3", "ensurepip",
@@ -111,32 +118,64 @@ def chat_renderer(model_dir: str):
                                                  {"role": "assistant", "content": a}], tokenize=False)
 
 
+def model_samples(model_dir: str, count: int, length: int, seed: int = 1000) -> list[str]:
+    """Documents sampled from the model (the engine on CPU, fp32), each decoded with its special tokens."""
+    from engine.config import CacheConfig, EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+    blocks = count * (-(-(length + 1) // 16))
+    engine = LLMEngine(EngineConfig(model=model_dir, device="cpu", dtype="float32", max_model_len=length + 1,
+                                    cache=CacheConfig(num_gpu_blocks=blocks)))
+    tok = engine.tokenizer
+    start = tok.convert_tokens_to_ids("<|endoftext|>") if "<|endoftext|>" in tok.get_vocab() else tok.eos_token_id
+    params = [SamplingParams(max_tokens=length, temperature=1.0, seed=seed + i, ignore_eos=True)
+              for i in range(count)]
+    outputs = engine.generate([[start]] * count, params, use_tqdm=True)
+    return [tok.decode(o.outputs[0].token_ids, skip_special_tokens=False) for o in outputs]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
+    parser.add_argument("--docstrings", action="store_true", help="Python stdlib docstrings (the default source)")
     parser.add_argument("--max-docs", type=int, default=None, help="docstring documents to keep (default all)")
     parser.add_argument("--wordnet", type=Path, default=None, help="wordnet-base .deb or its dict directory")
     parser.add_argument("--wordnet-entries", type=int, default=8000)
     parser.add_argument("--chat-model", default=None, help="render a share of the entries with this chat template")
     parser.add_argument("--chat-share", type=float, default=0.3)
+    parser.add_argument("--samples-from", default=None, metavar="MODEL_DIR", help="sample documents from this model")
+    parser.add_argument("--samples", type=int, default=160)
+    parser.add_argument("--sample-len", type=int, default=512)
     args = parser.parse_args()
-    docs = documents(args.max_docs)
+    docs, sources = [], []
     version = ".".join(map(str, sys.version_info[:3]))
-    source = f"Python {version} stdlib docstrings"
+    if args.docstrings or (args.wordnet is None and args.samples_from is None):
+        docs += documents(args.max_docs)
+        sources.append(f"Python {version} stdlib docstrings")
+    if args.samples_from is not None:
+        docs += model_samples(args.samples_from, args.samples, args.sample_len)
+        sources.append(f"{args.samples} samples of {args.sample_len} tokens from {Path(args.samples_from).name} "
+                       f"(temperature 1, seeds 1000..{999 + args.samples}, torch {_torch_version()})")
     if args.wordnet is not None:
         chat = chat_renderer(args.chat_model) if args.chat_model else None
         rng = random.Random(1)
         for word, entry in wordnet_entries(args.wordnet, args.wordnet_entries):
             use_chat = chat is not None and rng.random() < args.chat_share
             docs.append(chat(f'What does "{word}" mean?', entry).strip("\n") if use_chat else entry)
-        source += f" + {args.wordnet_entries} WordNet 3.0 entries ({args.wordnet.name})"
-        source += f", {args.chat_share:.0%} as chat turns" if chat else ""
+        sources.append(f"{args.wordnet_entries} WordNet 3.0 entries ({args.wordnet.name})"
+                       + (f", {args.chat_share:.0%} as chat turns" if chat else ""))
+    source = " + ".join(sources)
     with args.out.open("w", encoding="utf-8") as f:
         for i, text in enumerate(docs):
             row = {"text": text} | ({"source": source} if i == 0 else {})
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    print(f"wrote {len(docs)} documents ({sum(map(len, docs)) / 1e6:.1f} M chars, Python {version}) to {args.out}")
+    print(f"wrote {len(docs)} documents ({sum(map(len, docs)) / 1e6:.1f} M chars: {source}) to {args.out}")
     return 0
+
+
+def _torch_version() -> str:
+    import torch
+    return torch.__version__
 
 
 if __name__ == "__main__":

@@ -4,9 +4,9 @@ dequantized to FP32 by our format readers and run through the plain-torch forwar
 
     python bench/quant_quality.py [--calib FILE] [--work DIR] [--out bench/results/quant-quality-tiny-qwen2.json]
 
-Quantizes the fixture with our RTN / AWQ / GPTQ through the `quant-serve quantize` CLI (calibration: the
-stdlib-docstring file of bench/make_calib.py, never val.txt) and measures them beside the AutoAWQ and
-llm-compressor fixtures.
+Quantizes the fixture with our RTN / AWQ / GPTQ through the `quant-serve quantize` CLI and measures them beside
+the AutoAWQ and llm-compressor fixtures. Calibration (never val.txt): --calib, or by default 160 documents of 512
+tokens sampled from the FP16 fixture itself (bench/make_calib.py --samples-from).
 """
 import argparse
 import json
@@ -19,6 +19,10 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+
+# bench/ holds a kernels.py: keep this folder off sys.path so that the repository's kernels package wins
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
@@ -128,15 +132,15 @@ def main() -> int:
     parser.add_argument("--only", nargs="*", default=None, help="subset of our configs to (re)run")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "quant-quality-tiny-qwen2.json"))
     args = parser.parse_args()
-    sys.path.insert(0, str(REPO))
     from engine.loader import load_model_config
     from server.cli import main as cli
     from server.cli_quantize import model_spec
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     calib = args.calib or str(work / "calib.jsonl")
+    calib_command = f"python bench/make_calib.py {calib} --samples-from {TINY} --samples 160 --sample-len 512"
     if args.calib is None:
-        subprocess.run([sys.executable, str(REPO / "bench" / "make_calib.py"), calib], check=True)
+        subprocess.run([sys.executable, *calib_command.split()[1:]], check=True, cwd=REPO)
     commands, timings = {}, {}
     for name, flags in OURS.items():
         if args.only is not None and name not in args.only:
@@ -157,13 +161,19 @@ def main() -> int:
         "torch": torch.__version__,
         "protocol": f"first {windows.numel()} tokens of val.txt, {len(windows)} windows of {windows.shape[1]}, "
                     "FP32 forward of dequantized weights; KLD(fp16 || quant) and top-1 at every position",
-        "calibration": f"{calib} (bench/make_calib.py: Python stdlib docstrings), 128 windows of 512 tokens",
+        "calibration": {"file": calib, "built_by": None if args.calib else calib_command,
+                        "source": _first_row_source(calib), "windows": "128 x 512 tokens (CLI defaults)"},
         "anchors_targets_md": ANCHORS, "quantize_commands": commands, "quantize_seconds": timings,
         "rows": rows,
     }
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
     return 0
+
+
+def _first_row_source(path: str) -> str | None:
+    with open(path, encoding="utf-8") as f:
+        return json.loads(f.readline()).get("source")
 
 
 def _git_commit() -> str:
