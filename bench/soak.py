@@ -67,18 +67,20 @@ class Tally:
             self.samples.append(f"{kind}: {text[:300]}")
 
 
-async def stream_one(client, url, model, rng: random.Random, tally: Tally, vocab: int) -> None:
+async def stream_one(client, url, model, rng: random.Random, tally: Tally, vocab: int, max_prompt: int,
+                     max_output: int, disconnect_share: float) -> None:
     chat = rng.random() < 0.15
-    max_tokens = rng.randint(8, 384)
+    max_tokens = rng.randint(min(8, max_output), max_output)
     if chat:
         words = " ".join(rng.choice(["the", "cat", "model", "quant", "serve", "memory", "block"])
-                         for _ in range(rng.randint(5, 300)))
+                         for _ in range(rng.randint(5, max(5, max_prompt // 5))))
         path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": words}]}
     else:
-        path, body = "/v1/completions", {"prompt": [rng.randrange(3, vocab) for _ in range(rng.randint(16, 1536))]}
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(min(16, max_prompt), max_prompt))]
+        path, body = "/v1/completions", {"prompt": prompt}
     body |= {"model": model, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
              "temperature": rng.choice([0.0, 0.7, 1.0]), "stream_options": {"include_usage": True}}
-    cut = rng.randint(1, max_tokens) if rng.random() < 0.25 else None
+    cut = rng.randint(1, max_tokens) if rng.random() < disconnect_share else None
     tokens = 0
     async with client.stream("POST", url + path, json=body) as response:
         if response.status_code != 200:
@@ -114,17 +116,19 @@ async def bad_one(client, url, model, rng: random.Random, tally: Tally) -> None:
                    f"bad request got {response.status_code} {response.text}")
 
 
-async def load(url: str, model: str, concurrency: int, duration: float, vocab: int, seed: int, tally: Tally):
+async def load(url: str, model: str, concurrency: int, duration: float, vocab: int, seed: int, tally: Tally,
+               max_prompt: int, max_output: int, bad_share: float, disconnect_share: float):
     deadline = time.monotonic() + duration
 
     async def worker(i: int, client):
         rng = random.Random(seed * 100_003 + i)
         while time.monotonic() < deadline:
             try:
-                if rng.random() < 0.02:
+                if rng.random() < bad_share:
                     await bad_one(client, url, model, rng, tally)
                 else:
-                    await stream_one(client, url, model, rng, tally, vocab)
+                    await stream_one(client, url, model, rng, tally, vocab, max_prompt, max_output,
+                                     disconnect_share)
             except httpx.HTTPError as e:
                 tally.fail("transport_errors", f"{type(e).__name__}: {e}")
                 await asyncio.sleep(1.0)
@@ -134,14 +138,16 @@ async def load(url: str, model: str, concurrency: int, duration: float, vocab: i
         await asyncio.gather(*(worker(i, client) for i in range(concurrency)))
 
 
-async def monitor(url: str, pid: int, interval: float, stop: asyncio.Event, timeline: list, start: float):
+async def monitor(url: str, pid: int, interval: float, stop: asyncio.Event, timeline: list, start: float,
+                  tally: Tally):
+    """Samples health, memory and the running tally (so a run cut short still shows its error counts)."""
     async with httpx.AsyncClient(timeout=30) as client:
         while not stop.is_set():
             health = (await client.get(url + "/health")).json()
             timeline.append({"t_s": round(time.monotonic() - start, 1), "rss_bytes": rss_bytes(pid),
                              "gpu_bytes": gpu_bytes(pid), **{k: health.get(k) for k in (
                                  "status", "num_requests_running", "num_requests_waiting", "num_free_blocks",
-                                 "num_blocks")}})
+                                 "num_blocks")}, **tally.counts})
             print(json.dumps(timeline[-1]), flush=True)
             try:
                 await asyncio.wait_for(stop.wait(), interval)
@@ -195,8 +201,9 @@ async def run(args, serve_args: list[str]) -> dict:
         startup_s = time.monotonic() - t0
         tally, timeline, stop = Tally(), [], asyncio.Event()
         start = time.monotonic()
-        mon = asyncio.create_task(monitor(url, server.pid, args.sample_every, stop, timeline, start))
-        await load(url, "soak", args.concurrency, args.duration, vocab, args.seed, tally)
+        mon = asyncio.create_task(monitor(url, server.pid, args.sample_every, stop, timeline, start, tally))
+        await load(url, "soak", args.concurrency, args.duration, vocab, args.seed, tally, args.max_prompt,
+                   args.max_output, args.bad_share, args.disconnect_share)
         load_s = time.monotonic() - start
         end_health = await wait_idle(url, 180)
         await asyncio.sleep(2.0)
@@ -233,6 +240,10 @@ def main() -> int:
     p.add_argument("--duration", type=float, default=600.0)
     p.add_argument("--concurrency", type=int, default=256)
     p.add_argument("--port", type=int, default=8321)
+    p.add_argument("--max-prompt", type=int, default=1536, help="prompt tokens drawn in [16, this]")
+    p.add_argument("--max-output", type=int, default=384, help="max_tokens drawn in [8, this]")
+    p.add_argument("--bad-share", type=float, default=0.02, help="share of requests that are invalid on purpose")
+    p.add_argument("--disconnect-share", type=float, default=0.25, help="share of streams the client cuts")
     p.add_argument("--vocab", type=int, default=None, help="token ids drawn below this (default: the tokenizer's)")
     p.add_argument("--sample-every", type=float, default=15.0)
     p.add_argument("--rss-tolerance-mb", type=int, default=256)

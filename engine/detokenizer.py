@@ -17,6 +17,9 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams):
         self.tokenizer = tokenizer
         self.skip_special_tokens = params.skip_special_tokens
+        # A fast tokenizer's Rust backend decodes exactly what `tokenizer.decode(..., clean_up_tokenization_spaces=
+        # False)` returns, without the Python wrapper that costs ~5x the decode itself (256 sequences per step).
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self.stop = [s for s in params.stop if s]
         self.include_stop_str_in_output = params.include_stop_str_in_output
         # With include_stop_str_in_output a partial stop string is emitted either way, so nothing is held back.
@@ -41,6 +44,8 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         # no clean-up: it rewrites spaces across token boundaries and would make window decodes disagree
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
                                      clean_up_tokenization_spaces=False)
 

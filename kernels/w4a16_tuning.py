@@ -28,18 +28,20 @@ def _c(path, bm=16, bn=128, sk=1, nw=4, ns=3, **variant) -> W4A16Config:
 
 # family -> heuristic constants and per-(K, N) lists of (largest M, config), M ascending. sm90: measured on an
 # H200 (bench/results/kernels-tune-h200.json, graph-timed sweep; bench/NOTES-kernels.md): the winners of every
-# tuned point of the Qwen2.5-7B shapes (M in 1, 4, 16, 32, 64, 128, 256).
+# tuned point of the Qwen2.5-7B shapes (M in 1, 4, 16, 32, 64, 128, 256); the M=1 rows come from the later
+# single-launch / pipelined gemv sweep (bench/results/kernels-tune-gemv-h200.json, 379 candidates per shape).
 _SM90 = {
     "gemv_max_m": 1, "dequant_min_m": 128, "gemv_programs": 2048, "gemm_programs": 600, "max_split": 16,
     "shapes": {
-        (3584, 4608): [(1, _c("gemv", 1, 64, 8)), (16, _c("gemmt", 16, 64, 8)), (32, _c("gemmt", 32, 64, 8)),
-                       (64, _c("gemmt", 64, 128, 8))],
-        (3584, 3584): [(1, _c("gemv", 1, 64, 8)), (16, _c("gemmt", 16, 64, 8)), (32, _c("gemmt", 32, 64, 8)),
-                       (64, _c("gemmt", 64, 64, 8))],
-        (3584, 37888): [(1, _c("gemv", 1, 128, 4)), (4, _c("gemmt", 16, 128, 4, 8)), (16, _c("gemmt", 16, 64, 4)),
-                        (32, _c("gemmt", 32, 64, 2, 4, 4)), (64, _c("gemmt", 64, 64, 2)),
+        (3584, 4608): [(1, _c("gemv", 1, 64, 8, 2, 3, one_launch=True, pipeline=True)),
+                       (16, _c("gemmt", 16, 64, 8)), (32, _c("gemmt", 32, 64, 8)), (64, _c("gemmt", 64, 128, 8))],
+        (3584, 3584): [(1, _c("gemv", 1, 64, 16, 2, 2, one_launch=True, pipeline=True)),
+                       (16, _c("gemmt", 16, 64, 8)), (32, _c("gemmt", 32, 64, 8)), (64, _c("gemmt", 64, 64, 8))],
+        (3584, 37888): [(1, _c("gemv", 1, 64, 4, 2, 3, pipeline=True)), (4, _c("gemmt", 16, 128, 4, 8)),
+                        (16, _c("gemmt", 16, 64, 4)), (32, _c("gemmt", 32, 64, 2, 4, 4)), (64, _c("gemmt", 64, 64, 2)),
                         (128, _c("gemmt", 128, 128, 1, 8, 4))],
-        (18944, 3584): [(1, _c("gemv", 1, 64, 8)), (16, _c("gemmt", 16, 64, 8)), (32, _c("gemmt", 32, 64, 8, 4, 4)),
+        (18944, 3584): [(1, _c("gemv", 1, 64, 8, 2, 3, one_launch=True, pipeline=True)),
+                        (16, _c("gemmt", 16, 64, 8)), (32, _c("gemmt", 32, 64, 8, 4, 4)),
                         (64, _c("gemmt", 64, 128, 8, 4, 4)), (128, _c("gemm", 128, 256, 8, 8))],
     },
 }

@@ -179,3 +179,15 @@ def test_stop_strings_on_random_text_match_reference(tok):
             expected = text
             assert detok.matched_stop is None
         assert "".join(deltas) + tail == detok.output_text == expected, (text, stops, include)
+
+
+def test_backend_decode_equals_the_tokenizer_wrapper(tok):
+    """The detokenizer calls the fast tokenizer's Rust backend directly; it must return what decode() does."""
+    rng = random.Random(1)
+    detok = IncrementalDetokenizer(tok, PROMPT, SamplingParams())
+    assert detok._backend is not None
+    for trial in range(200):
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randint(0, 30))]
+        detok.skip_special_tokens = trial % 2 == 0
+        assert detok._decode(ids) == tok.decode(ids, skip_special_tokens=detok.skip_special_tokens,
+                                                clean_up_tokenization_spaces=False)
