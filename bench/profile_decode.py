@@ -58,21 +58,27 @@ def profile(batch: int, ctx: int, kv: str, eager: bool, steps: int = 24) -> dict
     runner.sampler.release = sampler.release
     engine.model.compute_logits = timed(engine.model.compute_logits, parts["model.compute_logits"])
     runner._prepare = timed(runner._prepare, parts["runner._prepare"])
+    # No request may finish before the measured steps end: the early ones decode while the late ones prefill.
+    max_tokens = engine.max_model_len - ctx - 1
     for i in range(batch):
         engine.add_request(f"p{i}", [100 + (i + j) % 1000 for j in range(ctx)],
-                           SamplingParams(max_tokens=steps + 16, ignore_eos=True, temperature=0))
+                           SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0))
     while engine.scheduler.waiting or any(s.num_output_tokens == 0 for s in engine.scheduler.running):
         engine.step()                                     # prefills (and the first decodes of early sequences)
     for v in parts.values():
         v.clear()
-    times = []
+    times, sizes = [], []
     for _ in range(steps):
+        sizes.append(len(engine.scheduler.running))
         torch.cuda.synchronize()
         start = time.perf_counter()
         engine.step()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+    if min(sizes) != batch:
+        raise RuntimeError(f"decode batch shrank to {min(sizes)} of {batch} during the measured steps")
     result = {"batch": batch, "context": ctx, "kv": kv, "cuda_graphs": not eager, "step_ms": median_ms(times),
+              "decode_tok_s": batch / (median_ms(times) / 1e3),
               **{f"{k}_ms": median_ms(v) for k, v in parts.items() if v}}
     prof_steps = 5
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
@@ -81,6 +87,8 @@ def profile(batch: int, ctx: int, kv: str, eager: bool, steps: int = 24) -> dict
             engine.step()
         torch.cuda.synchronize()
     result["gpu_kernel_ms_per_step"], result["top_kernels"] = kernel_table(prof, prof_steps)
+    for i in range(batch):
+        engine.abort(f"p{i}")
     del engine, runner, sampler
     gc.collect()
     torch.cuda.empty_cache()
