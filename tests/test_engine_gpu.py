@@ -3,9 +3,9 @@ import pytest
 import torch
 
 from engine.sampling_params import SamplingParams
-from helpers import assert_all_blocks_free, make_engine
+from helpers import assert_all_blocks_free, awq_model_dir, fp16_model_dir, make_engine
 
-from conftest import DATA, TINY, TINY_AWQ
+from conftest import DATA
 
 pytestmark = pytest.mark.gpu
 
@@ -20,8 +20,9 @@ def _greedy(engine, prompts, logprobs=None):
     return engine.generate(prompts, params)
 
 
-@pytest.mark.parametrize("model", [TINY, TINY_AWQ], ids=["fp16", "awq"])
-def test_cuda_greedy_matches_cpu(model):
+@pytest.mark.parametrize("kind", ["fp16", "awq"])
+def test_cuda_greedy_matches_cpu(kind, tmp_path_factory):
+    model = fp16_model_dir(tmp_path_factory.getbasetemp()) if kind == "fp16" else awq_model_dir()
     cpu = make_engine(model, dtype="float32")
     gpu = make_engine(model, dtype="float16", device="cuda", chunk=32)
     prompts = _prompts(cpu)
@@ -38,8 +39,8 @@ def test_cuda_greedy_matches_cpu(model):
 
 
 def test_cuda_graph_decode_matches_eager():
-    eager = make_engine(TINY_AWQ, dtype="float16", device="cuda", enforce_eager=True)
-    graphed = make_engine(TINY_AWQ, dtype="float16", device="cuda")
+    eager = make_engine(awq_model_dir(), dtype="float16", device="cuda", enforce_eager=True)
+    graphed = make_engine(awq_model_dir(), dtype="float16", device="cuda")
     assert graphed.runner.decode_graphs is not None and eager.runner.decode_graphs is None
     prompts = _prompts(eager, 5)
     a = _greedy(eager, prompts, logprobs=1)

@@ -5,7 +5,7 @@ import torch
 
 from engine.sampling_params import SamplingParams
 from engine.swap import CpuKVTier, block_runs
-from helpers import assert_all_blocks_free, make_engine
+from helpers import assert_all_blocks_free, fp16_model_dir, make_engine
 
 from conftest import DATA, TINY
 
@@ -127,11 +127,12 @@ def test_prefix_block_evicted_to_cpu_tier_is_hit_later(text_ids):
 
 
 @pytest.mark.gpu
-def test_swaps_on_cuda_give_identical_outputs(prompts):
-    ref = make_engine(TINY, max_model_len=64, chunk=128, device="cuda")
+def test_swaps_on_cuda_give_identical_outputs(prompts, tmp_path_factory):
+    model = fp16_model_dir(tmp_path_factory.getbasetemp())
+    ref = make_engine(model, max_model_len=64, chunk=128, device="cuda")
     expected = [o.outputs[0].token_ids for o in ref.generate(prompts, PARAMS)]
     for num_cpu_blocks in (64, 2):
-        engine = make_engine(TINY, max_model_len=64, chunk=128, num_blocks=5, num_cpu_blocks=num_cpu_blocks,
+        engine = make_engine(model, max_model_len=64, chunk=128, num_blocks=5, num_cpu_blocks=num_cpu_blocks,
                              device="cuda")
         assert engine.runner.cpu_tier.cpu_caches[0].is_pinned()
         outs = [o.outputs[0].token_ids for o in engine.generate(prompts, PARAMS)]
@@ -140,8 +141,8 @@ def test_swaps_on_cuda_give_identical_outputs(prompts):
         assert_all_blocks_free(engine)
     # fp8 cache, async copies of fp8 blocks
     fp8 = dict(max_model_len=64, chunk=128, device="cuda", kv_cache_dtype="fp8_e4m3", kv_scale_source="unit")
-    expected = [o.outputs[0].token_ids for o in make_engine(TINY, **fp8).generate(prompts, PARAMS)]
-    engine = make_engine(TINY, num_blocks=5, num_cpu_blocks=64, **fp8)
+    expected = [o.outputs[0].token_ids for o in make_engine(model, **fp8).generate(prompts, PARAMS)]
+    engine = make_engine(model, num_blocks=5, num_cpu_blocks=64, **fp8)
     assert [o.outputs[0].token_ids for o in engine.generate(prompts, PARAMS)] == expected
     assert engine.scheduler.num_swap_preemptions_total > 0
     assert_all_blocks_free(engine)
