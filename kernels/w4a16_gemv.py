@@ -21,26 +21,33 @@ import triton.language as tl
 
 from kernels.w4a16_splitk import _store_result, launch_splitk_reduce, split_buffers, split_plan  # noqa: F401
 
+def _dequant_lines(word: int, scale: int, zlo: int, zhi: int) -> str:
+    """PTX turning the int32 word $word into 4 fp16x2 registers a0 (low-nibble rows, columns 4j, 4j+1), a2 (4j+2,
+    4j+3), a1 and a3 (the high-nibble rows, same columns); scale pairs in $scale, $scale+1, 1024+z pairs in $zlo,
+    $zlo+1, -(64+z) pairs in $zhi, $zhi+1."""
+    return f"""mov.b32 k16, 0x2C002C00;
+lop3.b32 a0, ${word}, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 a1, ${word}, 0x00F000F0, 0x64006400, 0xEA;
+shr.u32 w1, ${word}, 8;
+lop3.b32 a2, w1, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 a3, w1, 0x00F000F0, 0x64006400, 0xEA;
+sub.rn.f16x2 a0, a0, ${zlo};
+sub.rn.f16x2 a2, a2, ${zlo + 1};
+fma.rn.f16x2 a1, a1, k16, ${zhi};
+fma.rn.f16x2 a3, a3, k16, ${zhi + 1};
+mul.rn.f16x2 a0, a0, ${scale};
+mul.rn.f16x2 a2, a2, ${scale + 1};
+mul.rn.f16x2 a1, a1, ${scale};
+mul.rn.f16x2 a3, a3, ${scale + 1};
+"""
+
+
 # inputs: word $8 (bytes of columns 4j, 4j+2, 4j+1, 4j+3), scale pairs $9 (4j, 4j+1) $10 (4j+2, 4j+3), 1024+z pairs
 # $11 $12, -(64+z) pairs $13 $14; outputs (.b16): low-nibble rows of columns 4j..4j+3 $0..$3, high-nibble rows $4..$7
 _DQ_ASM = tl.constexpr("""
 {
 .reg .b32 w1, a0, a1, a2, a3, k16;
-mov.b32 k16, 0x2C002C00;
-lop3.b32 a0, $8, 0x000F000F, 0x64006400, 0xEA;
-lop3.b32 a1, $8, 0x00F000F0, 0x64006400, 0xEA;
-shr.u32 w1, $8, 8;
-lop3.b32 a2, w1, 0x000F000F, 0x64006400, 0xEA;
-lop3.b32 a3, w1, 0x00F000F0, 0x64006400, 0xEA;
-sub.rn.f16x2 a0, a0, $11;
-sub.rn.f16x2 a2, a2, $12;
-fma.rn.f16x2 a1, a1, k16, $13;
-fma.rn.f16x2 a3, a3, k16, $14;
-mul.rn.f16x2 a0, a0, $9;
-mul.rn.f16x2 a2, a2, $10;
-mul.rn.f16x2 a1, a1, $9;
-mul.rn.f16x2 a3, a3, $10;
-mov.b32 {$0, $1}, a0;
+""" + _dequant_lines(8, 9, 11, 13) + """mov.b32 {$0, $1}, a0;
 mov.b32 {$2, $3}, a2;
 mov.b32 {$4, $5}, a1;
 mov.b32 {$6, $7}, a3;
@@ -54,21 +61,7 @@ _DQ_FMA_ASM = tl.constexpr("""
 .reg .b32 w1, a0, a1, a2, a3, k16;
 .reg .b16 h<8>;
 .reg .f32 f<8>;
-mov.b32 k16, 0x2C002C00;
-lop3.b32 a0, $4, 0x000F000F, 0x64006400, 0xEA;
-lop3.b32 a1, $4, 0x00F000F0, 0x64006400, 0xEA;
-shr.u32 w1, $4, 8;
-lop3.b32 a2, w1, 0x000F000F, 0x64006400, 0xEA;
-lop3.b32 a3, w1, 0x00F000F0, 0x64006400, 0xEA;
-sub.rn.f16x2 a0, a0, $7;
-sub.rn.f16x2 a2, a2, $8;
-fma.rn.f16x2 a1, a1, k16, $9;
-fma.rn.f16x2 a3, a3, k16, $10;
-mul.rn.f16x2 a0, a0, $5;
-mul.rn.f16x2 a2, a2, $6;
-mul.rn.f16x2 a1, a1, $5;
-mul.rn.f16x2 a3, a3, $6;
-mov.b32 {h0, h1}, a0;
+""" + _dequant_lines(4, 5, 7, 9) + """mov.b32 {h0, h1}, a0;
 mov.b32 {h2, h3}, a2;
 mov.b32 {h4, h5}, a1;
 mov.b32 {h6, h7}, a3;
