@@ -63,8 +63,13 @@ def profile(batch: int, ctx: int, kv: str, eager: bool, steps: int = 24) -> dict
     for i in range(batch):
         engine.add_request(f"p{i}", [100 + (i + j) % 1000 for j in range(ctx)],
                            SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0))
+    torch.cuda.synchronize()
+    prefill_start, prefill_steps = time.perf_counter(), 0
     while engine.scheduler.waiting or any(s.num_output_tokens == 0 for s in engine.scheduler.running):
         engine.step()                                     # prefills (and the first decodes of early sequences)
+        prefill_steps += 1
+    torch.cuda.synchronize()
+    prefill_s = time.perf_counter() - prefill_start
     for v in parts.values():
         v.clear()
     times, sizes = [], []
@@ -79,6 +84,8 @@ def profile(batch: int, ctx: int, kv: str, eager: bool, steps: int = 24) -> dict
         raise RuntimeError(f"decode batch shrank to {min(sizes)} of {batch} during the measured steps")
     result = {"batch": batch, "context": ctx, "kv": kv, "cuda_graphs": not eager, "step_ms": median_ms(times),
               "decode_tok_s": batch / (median_ms(times) / 1e3),
+              "prefill_phase_s": prefill_s, "prefill_phase_steps": prefill_steps,
+              "prefill_phase_prompt_tok_s": batch * ctx / prefill_s,
               **{f"{k}_ms": median_ms(v) for k, v in parts.items() if v}}
     prof_steps = 5
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
@@ -96,6 +103,41 @@ def profile(batch: int, ctx: int, kv: str, eager: bool, steps: int = 24) -> dict
     return result
 
 
+def profile_prefill(ctx: int, kv: str, budget: int = 2048) -> dict:
+    """One full prefill step of budget // ctx prompts (budget tokens): wall time and its GPU kernels."""
+    engine = engine_for(CONFIGS["qwen2.5-7b-awq"], kv, max_num_seqs=256, max_model_len=4096, enforce_eager=False)
+    prompts = budget // ctx
+    times = []
+    for rep in range(4):                                  # rep 0 warms up (autotune, allocator)
+        for i in range(prompts):
+            engine.add_request(f"r{rep}-{i}", [100 + (i + j) % 1000 for j in range(ctx)],
+                               SamplingParams(max_tokens=2, ignore_eos=True, temperature=0))
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        for i in range(prompts):
+            engine.abort(f"r{rep}-{i}")
+    for i in range(prompts):
+        engine.add_request(f"p{i}", [100 + (i + j) % 1000 for j in range(ctx)],
+                           SamplingParams(max_tokens=2, ignore_eos=True, temperature=0))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        engine.step()
+        torch.cuda.synchronize()
+    result = {"prefill_tokens": prompts * ctx, "context": ctx, "kv": kv, "step_ms": median_ms(times[1:]),
+              "prefill_tok_s": prompts * ctx / (median_ms(times[1:]) / 1e3)}
+    result["gpu_kernel_ms_per_step"], result["top_kernels"] = kernel_table(prof, 1)
+    for i in range(prompts):
+        engine.abort(f"p{i}")
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="bench/results/profile-decode-h200.json")
@@ -103,6 +145,7 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--kv", default="fp8")
     parser.add_argument("--eager", action="store_true", help="also profile without CUDA graphs")
+    parser.add_argument("--prefill", action="store_true", help="also profile one 2048-token prefill step")
     args = parser.parse_args()
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     out = {"command": "PYTHONPATH=. python " + " ".join(sys.argv), "commit": commit or None,
@@ -112,6 +155,9 @@ def main() -> int:
         for eager in ([False, True] if args.eager else [False]):
             out["runs"].append(profile(batch, args.context, args.kv, eager))
             print(json.dumps(out["runs"][-1], indent=1), flush=True)
+    if args.prefill:
+        out["prefill"] = profile_prefill(args.context, args.kv)
+        print(json.dumps(out["prefill"], indent=1), flush=True)
     Path(args.out).write_text(json.dumps(out, indent=2))
     return 0
 
