@@ -65,8 +65,21 @@ def profile(batch: int, ctx: int, kv: str, eager: bool, steps: int = 24) -> dict
                            SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0))
     torch.cuda.synchronize()
     prefill_start, prefill_steps = time.perf_counter(), 0
+    mixed, step_times = None, []
     while engine.scheduler.waiting or any(s.num_output_tokens == 0 for s in engine.scheduler.running):
-        engine.step()                                     # prefills (and the first decodes of early sequences)
+        t0 = time.perf_counter()
+        if prefill_steps == 40:                           # mid-phase: decodes of early sequences + a prefill chunk
+            decoding = sum(s.num_output_tokens > 0 for s in engine.scheduler.running)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:
+                engine.step()
+                torch.cuda.synchronize()
+            mixed = {"decoding_seqs_before": decoding}
+            mixed["gpu_kernel_ms_per_step"], mixed["top_kernels"] = kernel_table(prof, 1)
+        else:
+            engine.step()                                 # prefills (and the first decodes of early sequences)
+        torch.cuda.synchronize()
+        step_times.append(time.perf_counter() - t0)
         prefill_steps += 1
     torch.cuda.synchronize()
     prefill_s = time.perf_counter() - prefill_start
@@ -86,6 +99,7 @@ def profile(batch: int, ctx: int, kv: str, eager: bool, steps: int = 24) -> dict
               "decode_tok_s": batch / (median_ms(times) / 1e3),
               "prefill_phase_s": prefill_s, "prefill_phase_steps": prefill_steps,
               "prefill_phase_prompt_tok_s": batch * ctx / prefill_s,
+              "prefill_phase_step_ms": [round(t * 1e3, 2) for t in step_times], "mixed_step_profile": mixed,
               **{f"{k}_ms": median_ms(v) for k, v in parts.items() if v}}
     prof_steps = 5
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
@@ -108,9 +122,14 @@ def profile_prefill(ctx: int, kv: str, budget: int = 2048) -> dict:
     engine = engine_for(CONFIGS["qwen2.5-7b-awq"], kv, max_num_seqs=256, max_model_len=4096, enforce_eager=False)
     prompts = budget // ctx
     times = []
+    gen = torch.Generator().manual_seed(0)
+
+    def fresh_prompt() -> list[int]:                      # random tokens: no prefix-cache hit between prompts
+        return torch.randint(1000, 100000, (ctx,), generator=gen).tolist()
+
     for rep in range(4):                                  # rep 0 warms up (autotune, allocator)
         for i in range(prompts):
-            engine.add_request(f"r{rep}-{i}", [100 + (i + j) % 1000 for j in range(ctx)],
+            engine.add_request(f"r{rep}-{i}", fresh_prompt(),
                                SamplingParams(max_tokens=2, ignore_eos=True, temperature=0))
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -120,12 +139,14 @@ def profile_prefill(ctx: int, kv: str, budget: int = 2048) -> dict:
         for i in range(prompts):
             engine.abort(f"r{rep}-{i}")
     for i in range(prompts):
-        engine.add_request(f"p{i}", [100 + (i + j) % 1000 for j in range(ctx)],
-                           SamplingParams(max_tokens=2, ignore_eos=True, temperature=0))
+        engine.add_request(f"p{i}", fresh_prompt(), SamplingParams(max_tokens=2, ignore_eos=True, temperature=0))
+    computed_before = engine.runner.num_tokens_forwarded
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         engine.step()
         torch.cuda.synchronize()
+    if engine.runner.num_tokens_forwarded - computed_before != prompts * ctx:
+        raise RuntimeError("the profiled step did not prefill every prompt token (prefix-cache hit or budget)")
     result = {"prefill_tokens": prompts * ctx, "context": ctx, "kv": kv, "step_ms": median_ms(times[1:]),
               "prefill_tok_s": prompts * ctx / (median_ms(times[1:]) / 1e3)}
     result["gpu_kernel_ms_per_step"], result["top_kernels"] = kernel_table(prof, 1)
