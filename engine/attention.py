@@ -16,6 +16,10 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor   # [B+1] int32: sequence b owns tokens [query_start_loc[b], query_start_loc[b+1])
     max_seq_len: int
     max_query_len: int
+    # Mixed steps: the first num_decodes sequences have one query token each and run the decode kernel; the rest
+    # run the prefill kernel with prefill_query_start_loc ([B - num_decodes + 1] int32, starting at 0).
+    num_decodes: int = 0
+    prefill_query_start_loc: torch.Tensor | None = None
     # Calibration hook: called with (k, v, k_scale, v_scale) of each layer before the store; may set the scales.
     kv_observer: Callable | None = None
 
@@ -32,5 +36,21 @@ def paged_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p
         k.copy_(apply_rope_ref(k, positions, cos_sin_cache))
         meta.kv_observer(k, v, k_scale, v_scale)
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+    return attend(q, k_cache, v_cache, meta, softmax_scale, k_scale, v_scale)
+
+
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+           softmax_scale: float, k_scale=1.0, v_scale=1.0) -> torch.Tensor:
+    """q: [T, Hq, D] (rotated) against the paged cache, which already holds this step's K/V. -> [T, Hq, D]"""
+    d = meta.num_decodes
+    if 0 < d < meta.block_tables.shape[0] and meta.prefill_query_start_loc is not None:
+        # One query token per sequence costs the prefill kernel a whole [BLOCK_M, ctx] tile sweep per sequence;
+        # the decode kernel reads each sequence's context once.
+        out = torch.empty_like(q)
+        out[:d] = paged_attention(q[:d], k_cache, v_cache, meta.block_tables[:d], meta.seq_lens[:d],
+                                  meta.query_start_loc[:d + 1], softmax_scale, k_scale, v_scale)
+        out[d:] = paged_attention(q[d:], k_cache, v_cache, meta.block_tables[d:], meta.seq_lens[d:],
+                                  meta.prefill_query_start_loc, softmax_scale, k_scale, v_scale)
+        return out
     return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                               softmax_scale, k_scale, v_scale)
+                           softmax_scale, k_scale, v_scale)

@@ -72,6 +72,12 @@ class LLMEngine:
             getattr(self.model, "checkpoint_kv_scales", {}), self.model_config.num_layers))
         if self.device != "cpu" and not config.enforce_eager:
             self.runner.capture_decode_graphs(min(config.scheduler.max_num_seqs, 512), self.max_model_len)
+        if self.device != "cpu":                # the CPU path runs the torch twins: nothing to compile
+            start = time.perf_counter()
+            forwards = self.runner.warmup(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
+                                          self.max_model_len)
+            logger.info("warm-up: %d throwaway forwards in %.1f s (kernel compilation)", forwards,
+                        time.perf_counter() - start)
         self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                                           num_cpu_blocks)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)

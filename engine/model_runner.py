@@ -112,10 +112,17 @@ class ModelRunner:
         def tensor(values, dtype):
             return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
+        num_decodes = 0                     # leading sequences with one new token (running decodes come first)
+        while num_decodes < len(out.scheduled) and out.scheduled[num_decodes].num_new_tokens == 1:
+            num_decodes += 1
+        mixed = 0 < num_decodes < len(out.scheduled)
         meta = AttentionMetadata(
             slot_mapping=tensor(slots, torch.long), block_tables=tensor(table_rows, torch.int32),
             seq_lens=tensor(seq_lens, torch.int32), query_start_loc=tensor(starts, torch.int32),
-            max_seq_len=max(seq_lens), max_query_len=max(b - a for a, b in zip(starts, starts[1:])))
+            max_seq_len=max(seq_lens), max_query_len=max(b - a for a, b in zip(starts, starts[1:])),
+            num_decodes=num_decodes if mixed else 0,
+            prefill_query_start_loc=tensor([s - num_decodes for s in starts[num_decodes:]], torch.int32)
+            if mixed else None)
         return tensor(input_ids, torch.long), tensor(positions, torch.long), meta, starts
 
     @torch.inference_mode()
@@ -139,6 +146,50 @@ class ModelRunner:
             first.report(self.model.attention_layers, self.kv_dtype)
         self.num_tokens_forwarded += len(input_ids)
         return hidden, starts
+
+    @torch.inference_mode()
+    def warmup(self, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> int:
+        """Throwaway forwards over the step shapes serving meets: a full-budget prompt chunk, short prompts in every
+        W4A16 dispatch band, decodes alone and mixed with a chunk. Triton then compiles (and cuBLAS and the
+        allocator settle) before the first request instead of inside its time to first token. Stores nothing (every
+        slot is -1) and leaves the first-forward KV-scale calibration to the first real step. -> forwards run"""
+        budget = max_num_batched_tokens
+        shapes: list[tuple[list[int], list[int]]] = [([], [budget])]          # (decode contexts, prompt chunks)
+        shapes += [([], [t]) for t in (1, 3, 8, 16, 24, 48, 64, 100, 128, 200, 512) if t < budget]
+        decodes = min(max_num_seqs, 64, budget)
+        shapes.append(([max_model_len // 2] * min(3, decodes), []))
+        shapes.append(([min(32, max_model_len)] * decodes, []))
+        if max_num_seqs > 1 and budget > 3:
+            shapes.append(([max_model_len // 2] * min(3, decodes, max_num_seqs - 1), [budget - 3]))
+        if max_num_seqs > 1 and budget > 64:
+            shapes.append(([min(32, max_model_len)] * min(decodes, max_num_seqs - 1, budget - 50), [50]))
+        for contexts, chunks in shapes:
+            chunks = [min(c, max_model_len) for c in chunks]
+            self._warmup_forward(contexts, chunks)
+        return len(shapes)
+
+    def _warmup_forward(self, contexts: list[int], chunks: list[int]) -> None:
+        q_lens = [1] * len(contexts) + chunks
+        seq_lens = contexts + chunks
+        positions = [c - 1 for c in contexts] + [p for c in chunks for p in range(c)]
+        starts = [0]
+        for n in q_lens:
+            starts.append(starts[-1] + n)
+        d = len(contexts) if contexts and chunks else 0
+        num_tokens = starts[-1]
+        max_blocks = -(-max(seq_lens) // self.block_size)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=dev),
+            block_tables=torch.zeros((len(q_lens), max_blocks), dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            max_seq_len=max(seq_lens), max_query_len=max(q_lens), num_decodes=d,
+            prefill_query_start_loc=torch.tensor([x - d for x in starts[d:]], dtype=torch.int32, device=dev)
+            if d else None)
+        hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=dev),
+                            torch.tensor(positions, dtype=torch.long, device=dev), meta)
+        self.model.compute_logits(hidden[[s - 1 for s in starts[1:]]])
 
     @torch.inference_mode()
     def compute_all_logits(self, out: SchedulerOutput) -> torch.Tensor:

@@ -90,7 +90,7 @@ def _decode_kernel(q_ptr, k_cache, v_cache, tables_ptr, seq_lens_ptr, qsl_ptr, o
         tl.store(part_ml + base * 2 + 1, l_i, mask=row_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(part_o, part_ml, qsl_ptr, out_ptr, v_scale_ptr, v_scale_val, Hq, D, num_splits,
                           stride_ot, stride_oh, SPLITS_P2: tl.constexpr,
                           BLOCK_D: tl.constexpr, IS_FP8: tl.constexpr, SCALE_PTR: tl.constexpr):
@@ -127,7 +127,7 @@ def _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])   # varies every step: one compile
 def _prefill_kernel(q_ptr, k_cache, v_cache, tables_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
                     k_scale_ptr, v_scale_ptr, k_scale_val, v_scale_val, qk_scale, num_seqs, D,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_tb, stride_cb, stride_cs, stride_ch,

@@ -13,7 +13,7 @@ from kernels.w4a16_gemv import _dequant, _dequant_words, _interleave4, _load_chu
 from kernels.w4a16_splitk import _store_result, launch_splitk_reduce, split_buffers, split_plan
 
 
-@triton.jit(do_not_specialize=["chunks_per_split", "n_splits"])
+@triton.jit(do_not_specialize=["M", "chunks_per_split", "n_splits"])   # M varies every step: one compile
 def _w4a16_gemm_kernel(x_ptr, b_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias_ptr, M, N, K, G, group_size,
                        stride_xm, stride_om, stride_sg, stride_zg, chunks_per_split, n_splits, NW,
                        HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, SLICE_GROUPS: tl.constexpr,

@@ -235,7 +235,7 @@ def _fma_bytes(tile, x_lo, x_hi, acc):
     return acc + w_lo * x_lo[:, None] + w_hi * x_hi[:, None]
 
 
-@triton.jit(do_not_specialize=["chunks_per_split", "n_splits"])
+@triton.jit(do_not_specialize=["M", "chunks_per_split", "n_splits"])
 def _w4a16_gemv_kernel(x_ptr, b_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias_ptr, M, N, K, G, group_size,
                        stride_xm, stride_om, stride_sg, stride_zg, chunks_per_split, n_splits, NW,
                        HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, SLICE_GROUPS: tl.constexpr,

@@ -72,7 +72,7 @@ def _write_out(acc, out_ptr, bias_ptr, offs_m, offs_n, N, mask, stride_om, HAS_B
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "split_k"])
 def _splitk_reduce_kernel(ws_ptr, bias_ptr, out_ptr, M, N, stride_om, split_k,
                           HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     """out[m, n] = sum_s ws[s, m, n] (+ bias): a second pass keeps split-K deterministic and needs no memset."""

@@ -123,6 +123,28 @@ def test_prefill_matches_twin(hq, hkv, dtype, cache_dtype):
     assert rel_err(out, ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float16, E4M3])
+def test_mixed_step_splits_decodes_from_prefills(cache_dtype):
+    """engine.attention.attend: the leading one-token sequences of a mixed step go to the decode path, the rest to
+    the prefill path (relative query starts); together they equal one attention over the whole batch."""
+    from engine.attention import AttentionMetadata, attend
+    gen = torch.Generator().manual_seed(11)
+    hq, hkv, d = 4, 2, 32
+    seq_lens, q_lens = [40, 17, 64, 50, 9], [1, 1, 1, 20, 9]     # three decodes, a chunk after a prefix, a prompt
+    scale = 0.25 if cache_dtype == E4M3 else 1.0
+    k_cache, v_cache = make_cache(24, hkv, d, cache_dtype, scale, gen)
+    tables, lens, qsl = make_batch(seq_lens, q_lens, 24, gen)
+    q = torch.randn(sum(q_lens), hq, d, generator=gen).to(torch.float16).to(DEV)
+    starts = qsl.tolist()
+    meta = AttentionMetadata(slot_mapping=torch.full((sum(q_lens),), -1, device=DEV), block_tables=tables,
+                             seq_lens=lens, query_start_loc=qsl, max_seq_len=64, max_query_len=20, num_decodes=3,
+                             prefill_query_start_loc=torch.tensor([s - 3 for s in starts[3:]], dtype=torch.int32,
+                                                                  device=DEV))
+    out = attend(q, k_cache, v_cache, meta, d ** -0.5, scale, scale)
+    ref = paged_attention_ref(q.float(), k_cache, v_cache, tables, lens, qsl, d ** -0.5, scale, scale)
+    assert rel_err(out, ref) < TOL[torch.float16]
+
+
 def test_dispatchers_use_twins_on_cpu():
     gen = torch.Generator().manual_seed(3)
     k_cache, v_cache = (c.cpu() for c in make_cache(4, 1, 16, torch.float32, 1.0, gen))
