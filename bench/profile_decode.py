@@ -51,13 +51,6 @@ def profile(batch: int, ctx: int, kv: str, eager: bool, steps: int = 24) -> dict
     engine = engine_for(CONFIGS["qwen2.5-7b-awq"], kv, max_num_seqs=max(batch, 1), max_model_len=4096,
                         enforce_eager=eager)
     runner = engine.runner
-    parts = {"runner.forward": [], "sampler": [], "model.compute_logits": [], "runner._prepare": []}
-    runner.forward = timed(runner.forward, parts["runner.forward"])
-    sampler = runner.sampler
-    runner.sampler = timed(sampler, parts["sampler"])
-    runner.sampler.release = sampler.release
-    engine.model.compute_logits = timed(engine.model.compute_logits, parts["model.compute_logits"])
-    runner._prepare = timed(runner._prepare, parts["runner._prepare"])
     # No request may finish before the measured steps end: the early ones decode while the late ones prefill.
     max_tokens = engine.max_model_len - ctx - 1
     for i in range(batch):
@@ -83,8 +76,6 @@ def profile(batch: int, ctx: int, kv: str, eager: bool, steps: int = 24) -> dict
         prefill_steps += 1
     torch.cuda.synchronize()
     prefill_s = time.perf_counter() - prefill_start
-    for v in parts.values():
-        v.clear()
     times, sizes = [], []
     for _ in range(steps):
         sizes.append(len(engine.scheduler.running))
@@ -93,6 +84,16 @@ def profile(batch: int, ctx: int, kv: str, eager: bool, steps: int = 24) -> dict
         engine.step()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+    # The breakdown wraps the parts with device syncs, which also stops the host work overlapping the GPU: it
+    # runs on separate steps, after the step time above was measured without it.
+    parts = {"runner.forward": [], "sampler.sample": [], "model.compute_logits": [], "runner._prepare": []}
+    runner.forward = timed(runner.forward, parts["runner.forward"])
+    runner.sampler.sample = timed(runner.sampler.sample, parts["sampler.sample"])
+    engine.model.compute_logits = timed(engine.model.compute_logits, parts["model.compute_logits"])
+    runner._prepare = timed(runner._prepare, parts["runner._prepare"])
+    for _ in range(steps):
+        sizes.append(len(engine.scheduler.running))
+        engine.step()
     if min(sizes) != batch:
         raise RuntimeError(f"decode batch shrank to {min(sizes)} of {batch} during the measured steps")
     result = {"batch": batch, "context": ctx, "kv": kv, "cuda_graphs": not eager, "step_ms": median_ms(times),

@@ -17,7 +17,7 @@ from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
-from engine.sequence import Sequence
+from engine.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger("quant_serve")
 
@@ -83,6 +83,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.requests: dict[str, Request] = {}
         self._seq_owner: dict[str, tuple[Request, int]] = {}
+        self._pending: list[tuple[Sequence, int]] = []   # tokens of the last step, not yet detokenized
         self.stats = EngineStats()
         logger.info("model %s: %s, %s on %s; %s", self.model_dir, self.model_config.architecture,
                     str(self.dtype).replace("torch.", ""), self.device,
@@ -214,30 +215,45 @@ class LLMEngine:
 
     # ---- the step ----------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedules and runs one step. Returns the outputs of the step before it: their detokenization and stop
+        strings are done while the GPU runs this one (host work that would otherwise leave the GPU idle); a call
+        that finds nothing to run returns the last outputs. A stop string found that way ends its sequence one step
+        late: the token computed for it meanwhile is dropped."""
         out = self.scheduler.schedule()
         self.stats.num_preemptions_total += len(out.preempted)
         self._count_transfers(out)
         if not out.scheduled:
             self.runner.apply_transfers(out)   # a step that only swapped out must still move the blocks
-            return []
+            return self._emit_pending()
         now = time.time()
         for item in out.scheduled:
             request, _ = self._seq_owner[item.seq.request_id]
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
-        sampled, logprobs = self.runner.execute(out)
-        for item, lp in zip(out.scheduled, logprobs):
-            if lp is not None:
+        launched = self.runner.launch(out)
+        outputs = self._emit_pending()
+        sampled, logprobs = launched.resolve()
+        # A sequence that ended meanwhile (a stop string found by _emit_pending) gets no token from this step.
+        live = [item.seq.status == SequenceStatus.RUNNING for item in out.scheduled]
+        for item, lp, alive in zip(out.scheduled, logprobs, live):
+            if lp is not None and alive:
                 item.seq.output_logprobs.append(lp)
         self.scheduler.postprocess(out, sampled)
+        self._pending = [(item.seq, token) for item, token, alive in zip(out.scheduled, sampled, live)
+                         if token is not None and alive]
+        return outputs
+
+    def _emit_pending(self) -> list[RequestOutput]:
+        """Text, stop strings and RequestOutputs for the tokens the last step sampled."""
+        pending, self._pending = self._pending, []
         now = time.time()
         touched: dict[str, Request] = {}
         deltas: dict[tuple[str, int], tuple[str, list[int]]] = {}
-        for item, token in zip(out.scheduled, sampled):
-            if token is None:
+        for seq, token in pending:
+            owner = self._seq_owner.get(seq.request_id)
+            if owner is None:                   # aborted since
                 continue
-            seq = item.seq
-            request, index = self._seq_owner[seq.request_id]
+            request, index = owner
             self.stats.generation_tokens_total += 1
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now

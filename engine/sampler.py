@@ -19,6 +19,32 @@ class SamplerOutput:
     logprobs: list[Logprob | None]     # None for sequences whose params.logprobs is None
 
 
+@dataclass
+class PendingSample:
+    """A sample still on the device: resolve() makes the step's one device-to-host copy (and waits for the GPU),
+    so the host can do other work between Sampler.sample() and resolve()."""
+    values: torch.Tensor               # [S] int64 token ids, or float64 ids + chosen logprobs (+ top ids, top logprobs)
+    num_seqs: int
+    rows: list[int]                    # rows that want logprobs
+    k: int = 0                         # top alternatives computed per such row
+    wanted: list[int] | None = None    # alternatives each such row asked for (<= k)
+
+    def resolve(self) -> SamplerOutput:
+        num_seqs = self.num_seqs
+        if not self.rows:
+            return SamplerOutput(token_ids=self.values.tolist(), logprobs=[None] * num_seqs)
+        flat, k = self.values.tolist(), self.k
+        token_ids = [int(t) for t in flat[:num_seqs]]
+        chosen_lp = flat[num_seqs:2 * num_seqs]
+        top_ids_flat = flat[2 * num_seqs:2 * num_seqs + len(self.rows) * k]
+        top_lp_flat = flat[2 * num_seqs + len(self.rows) * k:]
+        logprobs: list[Logprob | None] = [None] * num_seqs
+        for r, (i, n) in enumerate(zip(self.rows, self.wanted)):
+            top = [(int(top_ids_flat[r * k + j]), top_lp_flat[r * k + j]) for j in range(n)]
+            logprobs[i] = Logprob(token_id=token_ids[i], logprob=chosen_lp[i], top=top)
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+
 def _is_greedy(seq: Sequence) -> bool:
     return seq.params.temperature < _SAMPLING_EPS
 
@@ -167,6 +193,10 @@ class Sampler:
         return (probs / noise.clamp_min(torch.finfo(torch.float32).tiny)).argmax(dim=-1)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        return self.sample(logits, seqs).resolve()
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> PendingSample:
+        """Queues the sampling of one token per row of logits [S, V]; nothing waits for the GPU."""
         assert logits.dim() == 2 and logits.shape[0] == len(seqs), (tuple(logits.shape), len(seqs))
         logits = logits.float()                                                                  # [S, V]
         want_logprobs = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
@@ -184,12 +214,11 @@ class Sampler:
                 sampled[idx] = self._sample_random(logits[idx], [seqs[i] for i in random_rows])
 
         if not want_logprobs:
-            return SamplerOutput(token_ids=sampled.tolist(), logprobs=[None] * len(seqs))
+            return PendingSample(sampled, len(seqs), [])
         return self._with_logprobs(sampled, raw_logprobs, seqs, want_logprobs)
 
     def _with_logprobs(self, sampled: torch.Tensor, raw_logprobs: torch.Tensor, seqs: list[Sequence],
-                       rows: list[int]) -> SamplerOutput:
-        num_seqs = len(seqs)
+                       rows: list[int]) -> PendingSample:
         k = min(max(seqs[i].params.logprobs for i in rows), raw_logprobs.shape[1])
         idx = _to_device(rows, torch.long, sampled.device)
         chosen = raw_logprobs.gather(1, sampled[:, None])[:, 0]                                  # [S]
@@ -197,19 +226,8 @@ class Sampler:
         if k > 0:
             top_lp, top_ids = raw_logprobs[idx].topk(k, dim=-1)                                  # [R, k]
             parts += [top_ids.flatten().double(), top_lp.flatten().double()]
-        # One device-to-host copy: ids (< 2**53) and fp32 logprobs are both exact in float64.
-        flat = torch.cat(parts).tolist()
-        token_ids = [int(t) for t in flat[:num_seqs]]
-        chosen_lp = flat[num_seqs:2 * num_seqs]
-        top_ids_flat = flat[2 * num_seqs:2 * num_seqs + len(rows) * k]
-        top_lp_flat = flat[2 * num_seqs + len(rows) * k:]
-
-        logprobs: list[Logprob | None] = [None] * num_seqs
-        for r, i in enumerate(rows):
-            n = min(seqs[i].params.logprobs, k)
-            top = [(int(top_ids_flat[r * k + j]), top_lp_flat[r * k + j]) for j in range(n)]
-            logprobs[i] = Logprob(token_id=token_ids[i], logprob=chosen_lp[i], top=top)
-        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+        # One device-to-host copy at resolve(): ids (< 2**53) and fp32 logprobs are both exact in float64.
+        return PendingSample(torch.cat(parts), len(seqs), rows, k, [min(seqs[i].params.logprobs, k) for i in rows])
 
 
 def compute_prompt_logprobs(logits: torch.Tensor, target_ids: list[int], k: int) -> list[Logprob]:
