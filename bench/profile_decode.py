@@ -19,6 +19,44 @@ from bench.e2e import CONFIGS, engine_for  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
 
+COMPILES: list[dict] = []      # Triton compilations since the last engine finished starting
+
+
+def track_compiles() -> None:
+    """Record every Triton JIT compilation (kernel, seconds): after the engine's warm-up there should be none."""
+    from triton.runtime.jit import JITFunction
+    real = JITFunction._do_compile
+
+    def do_compile(self, key, signature, device, constexprs, options, attrs, warmup):
+        start = time.perf_counter()
+        kernel = real(self, key, signature, device, constexprs, options, attrs, warmup)
+        COMPILES.append({"kernel": self.fn.__name__, "s": round(time.perf_counter() - start, 3)})
+        return kernel
+    JITFunction._do_compile = do_compile
+
+
+def wall_timed(obj, name: str, sink: list, wrap_result: list | None = None) -> None:
+    """Instance-level wrapper timing obj.name() with no device sync; with wrap_result, also times the returned
+    object's resolve() (the step's wait for the GPU)."""
+    fn = getattr(obj, name)
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        result = fn(*args, **kwargs)
+        sink.append(time.perf_counter() - start)
+        if wrap_result is not None:
+            real_resolve = result.resolve
+
+            def resolve():
+                t0 = time.perf_counter()
+                value = real_resolve()
+                wrap_result.append(time.perf_counter() - t0)
+                return value
+            result.resolve = resolve
+        return result
+    setattr(obj, name, wrapper)
+
+
 def timed(fn, sink: list):
     def wrapper(*args, **kwargs):
         torch.cuda.synchronize()
@@ -51,6 +89,7 @@ def profile(batch: int, ctx: int, kv: str, eager: bool, steps: int = 24) -> dict
     engine = engine_for(CONFIGS["qwen2.5-7b-awq"], kv, max_num_seqs=max(batch, 1), max_model_len=4096,
                         enforce_eager=eager)
     runner = engine.runner
+    COMPILES.clear()
     # No request may finish before the measured steps end: the early ones decode while the late ones prefill.
     max_tokens = engine.max_model_len - ctx - 1
     for i in range(batch):
@@ -76,6 +115,13 @@ def profile(batch: int, ctx: int, kv: str, eager: bool, steps: int = 24) -> dict
         prefill_steps += 1
     torch.cuda.synchronize()
     prefill_s = time.perf_counter() - prefill_start
+    # Host-side phases of the step, timed without device syncs (they keep overlapping the GPU): resolve is where
+    # the host waits for the GPU; the others are host work.
+    phases = {"schedule": [], "launch": [], "emit_previous": [], "resolve_wait": [], "postprocess": []}
+    wall_timed(engine.scheduler, "schedule", phases["schedule"])
+    wall_timed(runner, "launch", phases["launch"], wrap_result=phases["resolve_wait"])
+    wall_timed(engine, "_emit_pending", phases["emit_previous"])
+    wall_timed(engine.scheduler, "postprocess", phases["postprocess"])
     times, sizes = [], []
     for _ in range(steps):
         sizes.append(len(engine.scheduler.running))
@@ -84,6 +130,11 @@ def profile(batch: int, ctx: int, kv: str, eager: bool, steps: int = 24) -> dict
         engine.step()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+    host_phase_ms = {k: median_ms(v) for k, v in phases.items() if v}
+    for name in ("schedule", "postprocess"):
+        vars(engine.scheduler).pop(name)
+    vars(runner).pop("launch")
+    vars(engine).pop("_emit_pending")
     # The breakdown wraps the parts with device syncs, which also stops the host work overlapping the GPU: it
     # runs on separate steps, after the step time above was measured without it.
     parts = {"runner.forward": [], "sampler.sample": [], "model.compute_logits": [], "runner._prepare": []}
@@ -101,6 +152,7 @@ def profile(batch: int, ctx: int, kv: str, eager: bool, steps: int = 24) -> dict
               "prefill_phase_s": prefill_s, "prefill_phase_steps": prefill_steps,
               "prefill_phase_prompt_tok_s": batch * ctx / prefill_s,
               "prefill_phase_step_ms": [round(t * 1e3, 2) for t in step_times], "mixed_step_profile": mixed,
+              "compiles_after_startup": list(COMPILES), "host_phase_ms": host_phase_ms,
               **{f"{k}_ms": median_ms(v) for k, v in parts.items() if v}}
     prof_steps = 5
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
@@ -111,7 +163,7 @@ def profile(batch: int, ctx: int, kv: str, eager: bool, steps: int = 24) -> dict
     result["gpu_kernel_ms_per_step"], result["top_kernels"] = kernel_table(prof, prof_steps)
     for i in range(batch):
         engine.abort(f"p{i}")
-    del engine, runner, sampler
+    del engine, runner
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.set_per_process_memory_fraction(1.0)
@@ -169,6 +221,7 @@ def main() -> int:
     parser.add_argument("--eager", action="store_true", help="also profile without CUDA graphs")
     parser.add_argument("--prefill", action="store_true", help="also profile one 2048-token prefill step")
     args = parser.parse_args()
+    track_compiles()
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     out = {"command": "PYTHONPATH=. python " + " ".join(sys.argv), "commit": commit or None,
            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -39,7 +39,7 @@ def _attend_tile(q, k, v, s_mask, m_i, l_i, acc, qk_scale):
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tb"], do_not_specialize_on_alignment=["tables_ptr", "seq_lens_ptr", "qsl_ptr"])
 def _decode_kernel(q_ptr, k_cache, v_cache, tables_ptr, seq_lens_ptr, qsl_ptr, out_ptr, part_o, part_ml,
                    k_scale_ptr, v_scale_ptr, k_scale_val, v_scale_val, qk_scale, tokens_per_split, D,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_tb, stride_cb, stride_cs, stride_ch,
@@ -127,7 +127,9 @@ def _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit(do_not_specialize=["num_seqs"])   # varies every step: one compile
+# Per-step values (sequence count, block-table width, sliced metadata pointers) must not each cost a compile.
+@triton.jit(do_not_specialize=["num_seqs", "stride_tb"],
+            do_not_specialize_on_alignment=["tables_ptr", "seq_lens_ptr", "qsl_ptr"])
 def _prefill_kernel(q_ptr, k_cache, v_cache, tables_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
                     k_scale_ptr, v_scale_ptr, k_scale_val, v_scale_val, qk_scale, num_seqs, D,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_tb, stride_cb, stride_cs, stride_ch,
