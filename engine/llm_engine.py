@@ -13,7 +13,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_scales import resolve_kv_scales
 from engine.memory import kv_dtype_bytes, plan_memory
 from engine.loader import default_device, load_model, load_model_config, pick_dtype, resolve_model_dir
-from engine.model_runner import ModelRunner
+from engine.model_runner import LaunchedStep, ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
@@ -84,6 +84,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._seq_owner: dict[str, tuple[Request, int]] = {}
         self._pending: list[tuple[Sequence, int]] = []   # tokens of the last step, not yet detokenized
+        self._inflight: tuple[SchedulerOutput, LaunchedStep] | None = None   # launched, not yet resolved
         self.stats = EngineStats()
         logger.info("model %s: %s, %s on %s; %s", self.model_dir, self.model_config.architecture,
                     str(self.dtype).replace("torch.", ""), self.device,
@@ -215,10 +216,18 @@ class LLMEngine:
 
     # ---- the step ----------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedules and runs one step. Returns the outputs of the step before it: their detokenization and stop
-        strings are done while the GPU runs this one (host work that would otherwise leave the GPU idle); a call
-        that finds nothing to run returns the last outputs. A stop string found that way ends its sequence one step
-        late: the token computed for it meanwhile is dropped."""
+        """Runs one step; returns the outputs of the step before it (see _emit_pending). With async scheduling a
+        decode step is launched before the previous one is resolved (_look_ahead), so the host's bookkeeping
+        between two steps no longer leaves the GPU idle; a call that finds nothing to run returns the last
+        outputs."""
+        if self._inflight is not None:
+            prev_out, prev = self._inflight
+            self._inflight = None
+            following = self._look_ahead(prev_out, prev)
+            outputs = self._emit_pending()
+            self._finish_step(prev_out, prev)
+            self._inflight = following
+            return outputs
         out = self.scheduler.schedule()
         self.stats.num_preemptions_total += len(out.preempted)
         self._count_transfers(out)
@@ -231,17 +240,76 @@ class LLMEngine:
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
         launched = self.runner.launch(out)
+        if self._may_look_ahead(out):
+            self._inflight = (out, launched)   # resolved by the next call, after it launched the following step
+            return self._emit_pending()
         outputs = self._emit_pending()
+        self._finish_step(out, launched)
+        return outputs
+
+    def _finish_step(self, out: SchedulerOutput, launched: LaunchedStep) -> None:
+        """Waits for a launched step and applies its tokens; their text is made by the next _emit_pending."""
         sampled, logprobs = launched.resolve()
-        # A sequence that ended meanwhile (a stop string found by _emit_pending) gets no token from this step.
+        # A sequence that ended meanwhile (a stop string found by _emit_pending, an abort) gets no token.
         live = [item.seq.status == SequenceStatus.RUNNING for item in out.scheduled]
         for item, lp, alive in zip(out.scheduled, logprobs, live):
             if lp is not None and alive:
                 item.seq.output_logprobs.append(lp)
         self.scheduler.postprocess(out, sampled)
-        self._pending = [(item.seq, token) for item, token, alive in zip(out.scheduled, sampled, live)
-                         if token is not None and alive]
-        return outputs
+        self._pending += [(item.seq, token) for item, token, alive in zip(out.scheduled, sampled, live)
+                          if token is not None and alive]
+
+    def _may_look_ahead(self, out: SchedulerOutput) -> bool:
+        """Can the step after `out` be launched before `out`'s tokens reach the host? Only when every entry samples
+        a token, nothing waits for admission (schedule() must run for that), and no sequence's sampling depends on
+        its previous token on the host (penalties, min_tokens)."""
+        if not self.config.async_scheduling or self.scheduler.waiting or self.scheduler.swapped:
+            return False
+        if self.runner.kv_observer is not None or self.runner._first_forward_observer is not None:
+            return False
+        for item in out.scheduled:
+            params = item.seq.params
+            if not item.sample or params.min_tokens or params.repetition_penalty != 1.0 \
+                    or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
+                return False
+        return True
+
+    def _look_ahead(self, prev_out: SchedulerOutput, prev: LaunchedStep):
+        """Launches the decode step that follows the unresolved `prev`: every sequence still running computes the
+        token prev sampled for it. None when that is not possible now (the caller resolves prev first)."""
+        if not self._may_look_ahead(prev_out):
+            return None
+        bm, max_len = self.block_manager, self.max_model_len
+        seqs, rows = [], []
+        for row, item in enumerate(prev_out.scheduled):
+            seq = item.seq
+            if seq.status != SequenceStatus.RUNNING:
+                continue
+            max_tokens = seq.params.max_tokens
+            if (max_tokens is not None and seq.num_output_tokens + 1 >= max_tokens) or seq.num_tokens + 1 >= max_len:
+                continue                        # prev's token is its last
+            # Slot for position num_tokens (prev's token): blocks a later step needs anyway, so nothing to undo.
+            if not bm.reserve_slot(seq, seq.num_tokens):
+                return None
+            seqs.append(seq)
+            rows.append(row)
+        if not seqs:
+            return None
+        launched = self.runner.launch_next_decode(seqs, prev, rows)
+        entries = [ScheduledSeq(seq, 1) for seq in seqs]
+        for entry in entries:
+            entry.sample = True                 # prev's tokens are not appended yet: computed here, not derived
+        return SchedulerOutput(entries, len(entries)), launched
+
+    def drain(self) -> list[RequestOutput]:
+        """Resolves a step still in flight and returns every output not yet returned."""
+        if self._inflight is not None:
+            out, launched = self._inflight
+            self._inflight = None
+            outputs = self._emit_pending()
+            self._finish_step(out, launched)
+            return outputs + self._emit_pending()
+        return self._emit_pending()
 
     def _emit_pending(self) -> list[RequestOutput]:
         """Text, stop strings and RequestOutputs for the tokens the last step sampled."""
@@ -328,6 +396,10 @@ class LLMEngine:
         [len, vocab] fp32 on the CPU. Used by eval; call it while no requests are running."""
         if len(token_ids) > self.max_model_len:
             raise ValueError(f"{len(token_ids)} tokens exceed max_model_len {self.max_model_len}")
+        if self._inflight is not None:         # a step launched ahead; its tokens wait for the next step's outputs
+            out, launched = self._inflight
+            self._inflight = None
+            self._finish_step(out, launched)
         seq = Sequence("score", list(token_ids), SamplingParams(max_tokens=None))
         chunk = self.config.scheduler.max_num_batched_tokens
         pieces = []

@@ -12,7 +12,7 @@ from engine.kv_scales import FP8_DTYPES, KVRangeObserver
 from engine.models.decoder import DecoderForCausalLM
 from engine.sampler import PendingSample, Sampler, compute_prompt_logprobs
 from engine.scheduler import SchedulerOutput
-from engine.sequence import Logprob
+from engine.sequence import Logprob, Sequence
 from engine.swap import CpuKVTier
 
 KV_CACHE_DTYPES = {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16,
@@ -169,6 +169,36 @@ class ModelRunner:
             first.report(self.model.attention_layers, self.kv_dtype)
         self.num_tokens_forwarded += len(input_ids)
         return hidden, starts
+
+    @torch.inference_mode()
+    def launch_next_decode(self, seqs: list[Sequence], prev: "LaunchedStep", rows: list[int]) -> "LaunchedStep":
+        """The decode step after `prev`, queued before prev is resolved: seqs[i] computes the token that prev sampled
+        in its row rows[i], which only the device knows yet, at position seqs[i].num_tokens (slot allocated)."""
+        bs = self.block_size
+        positions = [seq.num_tokens for seq in seqs]
+        slots = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions)]
+        max_blocks = max(len(seq.block_table) for seq in seqs)
+        table_rows = np.zeros((len(seqs), max_blocks), dtype=np.int32)
+        for row, seq in zip(table_rows, seqs):
+            row[:len(seq.block_table)] = seq.block_table
+
+        def tensor(values, dtype):
+            return torch.from_numpy(np.asarray(values, dtype=dtype)).to(self.device, non_blocking=True)
+
+        n = len(seqs)
+        meta = AttentionMetadata(
+            slot_mapping=tensor(slots, np.int64), block_tables=tensor(table_rows, np.int32),
+            seq_lens=tensor([p + 1 for p in positions], np.int32), query_start_loc=tensor(range(n + 1), np.int32),
+            max_seq_len=max(positions) + 1, max_query_len=1)
+        input_ids = prev.pending.token_ids[tensor(rows, np.int64)]                       # [n], on the device
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.can_run(n, n):
+            hidden = graphs.run(input_ids, tensor(positions, np.int64), meta)
+        else:
+            hidden = self.model(input_ids, tensor(positions, np.int64), meta)
+        self.num_tokens_forwarded += n
+        logits = self.model.compute_logits(hidden)                                        # [n, vocab] fp32
+        return LaunchedStep([True] * n, self.sampler.sample(logits, seqs))
 
     @torch.inference_mode()
     def warmup(self, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> int:

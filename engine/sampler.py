@@ -23,6 +23,7 @@ class SamplerOutput:
 class PendingSample:
     """A sample still on the device: resolve() makes the step's one device-to-host copy (and waits for the GPU),
     so the host can do other work between Sampler.sample() and resolve()."""
+    token_ids: torch.Tensor            # [S] int64, on the device (the next step's input before the host has it)
     values: torch.Tensor               # [S] int64 token ids, or float64 ids + chosen logprobs (+ top ids, top logprobs)
     num_seqs: int
     rows: list[int]                    # rows that want logprobs
@@ -214,7 +215,7 @@ class Sampler:
                 sampled[idx] = self._sample_random(logits[idx], [seqs[i] for i in random_rows])
 
         if not want_logprobs:
-            return PendingSample(sampled, len(seqs), [])
+            return PendingSample(sampled, sampled, len(seqs), [])
         return self._with_logprobs(sampled, raw_logprobs, seqs, want_logprobs)
 
     def _with_logprobs(self, sampled: torch.Tensor, raw_logprobs: torch.Tensor, seqs: list[Sequence],
@@ -227,7 +228,8 @@ class Sampler:
             top_lp, top_ids = raw_logprobs[idx].topk(k, dim=-1)                                  # [R, k]
             parts += [top_ids.flatten().double(), top_lp.flatten().double()]
         # One device-to-host copy at resolve(): ids (< 2**53) and fp32 logprobs are both exact in float64.
-        return PendingSample(torch.cat(parts), len(seqs), rows, k, [min(seqs[i].params.logprobs, k) for i in rows])
+        return PendingSample(sampled, torch.cat(parts), len(seqs), rows, k,
+                             [min(seqs[i].params.logprobs, k) for i in rows])
 
 
 def compute_prompt_logprobs(logits: torch.Tensor, target_ids: list[int], k: int) -> list[Logprob]:

@@ -43,6 +43,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                   help="resolve every step before scheduling the next (by default a decode step is launched while "
+                        "the host still processes the previous one)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -53,7 +56,7 @@ def engine_config_from_args(args) -> EngineConfig:
     return EngineConfig(
         model=model, tokenizer=args.tokenizer, revision=args.revision, dtype=args.dtype, device=args.device,
         load_format=args.load_format, quantization=args.quantization, seed=args.seed,
-        enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
+        enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling, max_model_len=args.max_model_len,
         cache=CacheConfig(num_gpu_blocks=args.num_gpu_blocks_override, kv_cache_dtype=args.kv_cache_dtype,
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           kv_cache_memory_gb=args.kv_cache_memory_gb, gpu_memory_gb=args.gpu_memory_gb,

@@ -94,18 +94,20 @@ def test_failure_in_one_requests_output_is_500_and_spares_the_others(engine, mon
 
 
 def test_failed_step_fails_the_requests_in_flight_and_the_server_lives_on(engine, monkeypatch):
-    real_launch = engine.runner.launch
     calls = {"n": 0}
     lock = threading.Lock()
 
-    def launch(out):
-        with lock:
-            calls["n"] += 1
-            if calls["n"] == 4:         # a few tokens in: blocks are allocated
-                raise RuntimeError("kernel exploded")
-        return real_launch(out)
+    def failing(real):                  # a step is launched by launch() or, looking ahead, launch_next_decode()
+        def launch(*args):
+            with lock:
+                calls["n"] += 1
+                if calls["n"] == 4:     # a few tokens in: blocks are allocated
+                    raise RuntimeError("kernel exploded")
+            return real(*args)
+        return launch
 
-    monkeypatch.setattr(engine.runner, "launch", launch)
+    monkeypatch.setattr(engine.runner, "launch", failing(engine.runner.launch))
+    monkeypatch.setattr(engine.runner, "launch_next_decode", failing(engine.runner.launch_next_decode))
     with TestClient(build_app(engine, ["tiny"]), raise_server_exceptions=False) as client:
         error = assert_error_shape(_completion(client, "Once upon a time", 20), 500, "internal_error")
         assert "kernel exploded" in error["message"]

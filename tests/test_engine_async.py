@@ -1,0 +1,72 @@
+"""Async scheduling (a decode step launched before the previous step's tokens reach the host) must not change what
+requests get: same tokens, text, finish reasons and logprobs as the synchronous engine, and no leaked block."""
+import pytest
+
+from engine.demo import DEMO_MODEL_DIR
+from engine.sampling_params import SamplingParams
+
+from helpers import assert_all_blocks_free, make_engine
+
+PROMPTS = ["The meaning of the word", 'What does "harbor" mean?', "Once upon a time", "A list of fruits:"]
+
+
+def _params() -> list[SamplingParams]:
+    return [
+        SamplingParams(max_tokens=24, temperature=0),
+        SamplingParams(max_tokens=17, temperature=0.8, seed=7, logprobs=2),
+        SamplingParams(max_tokens=30, temperature=0, stop=[" the", "."]),           # stop strings end it early
+        SamplingParams(max_tokens=4, temperature=0, repetition_penalty=1.3),          # steps with it run in sync
+        SamplingParams(max_tokens=1, temperature=0),
+        SamplingParams(max_tokens=6, temperature=0, min_tokens=2),
+    ]
+
+
+def _run(engine, staggered: bool) -> dict[str, tuple]:
+    results, pending, steps = {}, [(f"r{i}-{j}", p, sp) for j, sp in enumerate(_params())
+                                   for i, p in enumerate(PROMPTS[:2])], 0
+    if not staggered:
+        for rid, prompt, sp in pending:
+            engine.add_request(rid, prompt, sp)
+        pending = []
+    while pending or engine.has_unfinished_requests():
+        if pending and steps % 3 == 0:        # arrivals while others decode: look-ahead stops and resumes
+            engine.add_request(*pending.pop(0))
+        for out in engine.step():
+            if out.finished:
+                o = out.outputs[0]
+                results[out.request_id] = (o.token_ids, o.text, o.finish_reason, o.stop_reason,
+                                           [(lp.token_id, round(lp.logprob, 4)) for lp in o.logprobs or []])
+        steps += 1
+    return results
+
+
+@pytest.mark.parametrize("staggered", [False, True])
+def test_async_scheduling_matches_sync(staggered):
+    sync = make_engine(DEMO_MODEL_DIR, async_scheduling=False, max_model_len=256)
+    ahead = make_engine(DEMO_MODEL_DIR, async_scheduling=True, max_model_len=256)
+    launched = []
+    real = ahead.runner.launch_next_decode
+    ahead.runner.launch_next_decode = lambda *a: launched.append(len(a[0])) or real(*a)
+    expected = _run(sync, staggered)
+    assert _run(ahead, staggered) == expected
+    assert len(launched) > 5                   # the look-ahead path did run
+    assert any(r[2] == "stop" and r[3] in (" the", ".") for r in expected.values())
+    assert_all_blocks_free(sync)
+    assert_all_blocks_free(ahead)
+
+
+def test_abort_with_a_step_in_flight_frees_everything():
+    engine = make_engine(DEMO_MODEL_DIR, max_model_len=256)
+    for i in range(3):
+        engine.add_request(f"a{i}", PROMPTS[i], SamplingParams(max_tokens=40, temperature=0))
+    for _ in range(6):
+        engine.step()
+    assert engine._inflight is not None
+    engine.abort("a1")
+    seen = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id] = out
+    assert set(seen) == {"a0", "a2"} and all(len(o.outputs[0].token_ids) == 40 for o in seen.values())
+    engine.step()                              # resolves whatever is still in flight
+    assert_all_blocks_free(engine)
