@@ -29,6 +29,16 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch
     return KV_CACHE_DTYPES[kv_cache_dtype]
 
 
+def host_to_device(values, dtype, device: torch.device) -> torch.Tensor:
+    """Step metadata to the device without a wait: a copy from pageable memory would hold the host until the
+    stream reaches it, i.e. until the step in flight ends (PyTorch's pinned-memory cache keeps each staging buffer
+    until its copy is done)."""
+    host = torch.from_numpy(np.asarray(values, dtype=dtype))
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class LaunchedStep:
     samples: list[bool]                  # per scheduled entry: does it get a token
@@ -133,7 +143,7 @@ class ModelRunner:
             row[:len(table)] = table
 
         def tensor(values, dtype):
-            return torch.from_numpy(np.asarray(values, dtype=dtype)).to(self.device, non_blocking=True)
+            return host_to_device(values, dtype, self.device)
 
         num_decodes = 0                     # leading sequences with one new token (running decodes come first)
         while num_decodes < len(out.scheduled) and out.scheduled[num_decodes].num_new_tokens == 1:
@@ -183,7 +193,7 @@ class ModelRunner:
             row[:len(seq.block_table)] = seq.block_table
 
         def tensor(values, dtype):
-            return torch.from_numpy(np.asarray(values, dtype=dtype)).to(self.device, non_blocking=True)
+            return host_to_device(values, dtype, self.device)
 
         n = len(seqs)
         meta = AttentionMetadata(

@@ -60,8 +60,10 @@ def _min_tokens_active(seq: Sequence) -> bool:
 
 
 def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    # non_blocking from pageable memory stages the copy without waiting for the device queue
-    return torch.tensor(data, dtype=dtype).to(device, non_blocking=True)
+    # From pageable memory PyTorch syncs the stream after the copy (the host would wait for the step in flight);
+    # from pinned memory the copy is queued and the host goes on.
+    host = torch.tensor(data, dtype=dtype)
+    return host.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else host
 
 
 def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
