@@ -80,27 +80,31 @@ async def stream_one(client, url, model, rng: random.Random, tally: Tally, vocab
         path, body = "/v1/completions", {"prompt": prompt}
     body |= {"model": model, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
              "temperature": rng.choice([0.0, 0.7, 1.0]), "stream_options": {"include_usage": True}}
-    cut = rng.randint(1, max_tokens) if rng.random() < disconnect_share else None
+    # A disconnecting client leaves after a random time, not after N chunks: a model whose tokens decode to no
+    # text (dummy weights under a small tokenizer) streams no chunk until the end, so a chunk count never fires.
+    cut_after_s = rng.uniform(0.05, 5.0) if rng.random() < disconnect_share else None
     tokens = 0
-    async with client.stream("POST", url + path, json=body) as response:
-        if response.status_code != 200:
-            text = (await response.aread()).decode(errors="replace")
-            tally.fail("server_errors_5xx" if response.status_code >= 500 else "unexpected",
-                       f"{response.status_code} {text}")
-            return
-        async for line in response.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
-                break
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                tally.fail("server_errors_5xx", json.dumps(chunk))
+    try:
+        async with asyncio.timeout(cut_after_s), client.stream("POST", url + path, json=body) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")
+                tally.fail("server_errors_5xx" if response.status_code >= 500 else "unexpected",
+                           f"{response.status_code} {text}")
                 return
-            tokens += 1 if chunk.get("choices") else 0
-            if cut is not None and tokens >= cut:
-                tally.counts["disconnected"] += 1          # leaving the block closes the connection mid-stream
-                return
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    break
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    tally.fail("server_errors_5xx", json.dumps(chunk))
+                    return
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+    except TimeoutError:
+        tally.counts["disconnected"] += 1                  # the timeout closed the connection mid-stream
+        return
     tally.counts["completed"] += 1
     tally.counts["output_tokens"] += tokens
 
