@@ -70,3 +70,40 @@ def test_abort_with_a_step_in_flight_frees_everything():
     assert set(seen) == {"a0", "a2"} and all(len(o.outputs[0].token_ids) == 40 for o in seen.values())
     engine.step()                              # resolves whatever is still in flight
     assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("num_cpu_blocks", [0, 16])
+def test_async_scheduling_under_block_pressure_matches_sync(num_cpu_blocks):
+    """A pool too small for every sequence: look-ahead slot reservations fail and fall back, the scheduler preempts
+    (recompute, or swap to the CPU tier), and the outputs still equal the synchronous engine's."""
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    results = []
+    for async_scheduling in (False, True):
+        engine = make_engine(DEMO_MODEL_DIR, async_scheduling=async_scheduling, max_model_len=128, num_blocks=9,
+                             num_cpu_blocks=num_cpu_blocks)
+        launched = []
+        real = engine.runner.launch_next_decode
+        engine.runner.launch_next_decode = lambda *a: launched.append(1) or real(*a)
+        outs = engine.generate(PROMPTS, params)
+        assert engine.scheduler.num_preemptions_total > 0 and (len(launched) > 0) == async_scheduling
+        assert_all_blocks_free(engine)
+        results.append([o.outputs[0].token_ids for o in outs])
+    assert results[0] == results[1]
+
+
+def test_async_scheduling_with_parallel_samples_matches_sync():
+    """n=2: the two sequences share the prompt's blocks; a shared block refuses a look-ahead slot (copy on write is
+    the scheduler's), and every token still equals the synchronous engine's."""
+    results = []
+    for async_scheduling in (False, True):
+        engine = make_engine(DEMO_MODEL_DIR, async_scheduling=async_scheduling, max_model_len=256)
+        engine.add_request("n2", PROMPTS[1], SamplingParams(max_tokens=20, temperature=0.9, seed=5), n=2)
+        engine.add_request("g", PROMPTS[0], SamplingParams(max_tokens=25, temperature=0))
+        final = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    final[out.request_id] = [o.token_ids for o in out.outputs]
+        assert_all_blocks_free(engine)
+        results.append(final)
+    assert results[0] == results[1] and len(results[1]["n2"]) == 2
