@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
+from engine import kv_pool
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_scales import resolve_kv_scales
-from engine.memory import kv_dtype_bytes, plan_memory
 from engine.loader import default_device, load_model, load_model_config, pick_dtype, resolve_model_dir
 from engine.model_runner import LaunchedStep, ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -57,14 +57,14 @@ class LLMEngine:
         quantized = self.model_config.quantization_config is not None and config.quantization != "none"
         self.dtype = pick_dtype(config.dtype, self.model_config, self.device, quantized)
         self.max_model_len = self._max_model_len()
-        self.memory_plan = None
         config.scheduler.max_model_len = self.max_model_len
         torch.manual_seed(config.seed)
         self.model, self.quant_config = load_model(self.model_dir, self.model_config, self.dtype, self.device,
                                                    config.load_format, config.quantization, show_progress,
                                                    config.seed)
-        num_blocks = self._num_kv_blocks()
-        num_cpu_blocks = self._num_cpu_blocks()
+        num_blocks, self.memory_plan = kv_pool.num_gpu_blocks(config, self.model_config, self.model_dir,
+                                                              self.device, self.dtype, self.max_model_len)
+        num_cpu_blocks = kv_pool.num_cpu_blocks(config, self.model_config, self.dtype)
         self.runner = ModelRunner(self.model, self.model_config, config.cache, num_blocks, self.device, self.dtype,
                                   config.seed, num_cpu_blocks)
         self.runner.set_kv_scales(resolve_kv_scales(
@@ -109,51 +109,6 @@ class LLMEngine:
             raise ValueError(f"max_model_len {wanted} exceeds the model's limit of {limit} tokens "
                              "(max_position_embeddings or sliding window)")
         return wanted
-
-    def _num_kv_blocks(self) -> int:
-        """Exact count when given; on CUDA the memory plan (same function as `quant-serve plan`); else a pool size."""
-        cache = self.config.cache
-        if cache.num_gpu_blocks is not None:
-            num_blocks = cache.num_gpu_blocks
-        elif self.device != "cpu" and cache.kv_cache_memory_gb is None:
-            num_blocks = self._planned_blocks()
-        else:
-            cfg = self.model_config
-            kv_bytes = kv_dtype_bytes(cache.kv_cache_dtype, self.dtype)
-            per_block = 2 * cfg.num_layers * cache.block_size * cfg.num_kv_heads * cfg.head_dim * kv_bytes
-            num_blocks = int((cache.kv_cache_memory_gb or 1.0) * 2**30) // per_block
-        fit = num_blocks * cache.block_size
-        if fit < self.max_model_len:
-            raise ValueError(f"KV cache holds {fit} tokens ({num_blocks} blocks), fewer than one sequence at "
-                             f"max_model_len {self.max_model_len}; lower --max-model-len to at most {fit} or "
-                             "give the cache more memory")
-        return num_blocks
-
-    def _num_cpu_blocks(self) -> int:
-        cache, cfg = self.config.cache, self.model_config
-        if cache.num_cpu_blocks is not None:
-            return cache.num_cpu_blocks
-        kv_bytes = kv_dtype_bytes(cache.kv_cache_dtype, self.dtype)
-        per_block = 2 * cfg.num_layers * cache.block_size * cfg.num_kv_heads * cfg.head_dim * kv_bytes
-        return int(cache.cpu_kv_gb * 2**30) // per_block
-
-    def _planned_blocks(self) -> int:
-        cache, sched = self.config.cache, self.config.scheduler
-        device = torch.device(self.device)
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        total_gb = torch.cuda.get_device_properties(index).total_memory / 2**30
-        gpu_gb = cache.gpu_memory_gb or total_gb
-        if cache.gpu_memory_gb is not None:  # emulate a smaller card: the allocator must not go past it either
-            torch.cuda.set_per_process_memory_fraction(min(1.0, gpu_gb / total_gb), index)
-        plan = plan_memory(self.model_dir, gpu_mem_gb=gpu_gb, gpu_memory_utilization=cache.gpu_memory_utilization,
-                           kv_cache_dtype=cache.kv_cache_dtype, max_model_len=self.max_model_len,
-                           max_num_batched_tokens=sched.max_num_batched_tokens, max_num_seqs=sched.max_num_seqs,
-                           block_size=cache.block_size, enforce_eager=self.config.enforce_eager,
-                           weights_dtype=str(self.dtype).replace("torch.", ""))
-        if not plan.fits:
-            raise ValueError(plan.error_message())
-        self.memory_plan = plan
-        return plan.num_blocks
 
     # ---- requests ----------------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:

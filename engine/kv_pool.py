@@ -1,0 +1,57 @@
+"""How many KV blocks the engine allocates: on the GPU (an exact count, the memory plan on CUDA, or a fixed pool
+size) and in the CPU tier."""
+import torch
+
+from engine.config import EngineConfig, ModelConfig
+from engine.memory import MemoryPlan, kv_dtype_bytes, plan_memory
+
+
+def _bytes_per_block(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> int:
+    cache, cfg = config.cache, model_config
+    kv_bytes = kv_dtype_bytes(cache.kv_cache_dtype, dtype)
+    return 2 * cfg.num_layers * cache.block_size * cfg.num_kv_heads * cfg.head_dim * kv_bytes
+
+
+def num_gpu_blocks(config: EngineConfig, model_config: ModelConfig, model_dir, device: str, dtype: torch.dtype,
+                   max_model_len: int) -> tuple[int, MemoryPlan | None]:
+    """(blocks, the memory plan when one was made). Exact count when given; on CUDA the memory plan (same function
+    as `quant-serve plan`); else a pool of kv_cache_memory_gb (1 GiB by default)."""
+    cache = config.cache
+    plan = None
+    if cache.num_gpu_blocks is not None:
+        num_blocks = cache.num_gpu_blocks
+    elif device != "cpu" and cache.kv_cache_memory_gb is None:
+        plan = _plan(config, model_dir, device, dtype, max_model_len)
+        num_blocks = plan.num_blocks
+    else:
+        num_blocks = int((cache.kv_cache_memory_gb or 1.0) * 2**30) // _bytes_per_block(config, model_config, dtype)
+    fit = num_blocks * cache.block_size
+    if fit < max_model_len:
+        raise ValueError(f"KV cache holds {fit} tokens ({num_blocks} blocks), fewer than one sequence at "
+                         f"max_model_len {max_model_len}; lower --max-model-len to at most {fit} or "
+                         "give the cache more memory")
+    return num_blocks, plan
+
+
+def num_cpu_blocks(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> int:
+    if config.cache.num_cpu_blocks is not None:
+        return config.cache.num_cpu_blocks
+    return int(config.cache.cpu_kv_gb * 2**30) // _bytes_per_block(config, model_config, dtype)
+
+
+def _plan(config: EngineConfig, model_dir, device: str, dtype: torch.dtype, max_model_len: int) -> MemoryPlan:
+    cache, sched = config.cache, config.scheduler
+    dev = torch.device(device)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    total_gb = torch.cuda.get_device_properties(index).total_memory / 2**30
+    gpu_gb = cache.gpu_memory_gb or total_gb
+    if cache.gpu_memory_gb is not None:  # emulate a smaller card: the allocator must not go past it either
+        torch.cuda.set_per_process_memory_fraction(min(1.0, gpu_gb / total_gb), index)
+    plan = plan_memory(model_dir, gpu_mem_gb=gpu_gb, gpu_memory_utilization=cache.gpu_memory_utilization,
+                       kv_cache_dtype=cache.kv_cache_dtype, max_model_len=max_model_len,
+                       max_num_batched_tokens=sched.max_num_batched_tokens, max_num_seqs=sched.max_num_seqs,
+                       block_size=cache.block_size, enforce_eager=config.enforce_eager,
+                       weights_dtype=str(dtype).replace("torch.", ""))
+    if not plan.fits:
+        raise ValueError(plan.error_message())
+    return plan
