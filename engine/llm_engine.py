@@ -15,6 +15,7 @@ from engine.kv_scales import resolve_kv_scales
 from engine.loader import default_device, load_model, load_model_config, pick_dtype, resolve_model_dir
 from engine.model_runner import LaunchedStep, ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.sampler import needs_last_token_on_host
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
@@ -220,14 +221,9 @@ class LLMEngine:
         its previous token on the host (penalties, min_tokens)."""
         if not self.config.async_scheduling or self.scheduler.waiting or self.scheduler.swapped:
             return False
-        if self.runner.kv_observer is not None or self.runner._first_forward_observer is not None:
+        if self.runner.observes_kv:
             return False
-        for item in out.scheduled:
-            params = item.seq.params
-            if not item.sample or params.min_tokens or params.repetition_penalty != 1.0 \
-                    or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
-                return False
-        return True
+        return all(item.sample and not needs_last_token_on_host(item.seq) for item in out.scheduled)
 
     def _look_ahead(self, prev_out: SchedulerOutput, prev: LaunchedStep):
         """Launches the decode step that follows the unresolved `prev`: every sequence still running computes the

@@ -29,6 +29,14 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch
     return KV_CACHE_DTYPES[kv_cache_dtype]
 
 
+def _padded_rows(tables: list[list[int]]) -> np.ndarray:
+    """Block tables -> int32 [B, longest], padded with 0 (row fills: 4x faster than nested lists to a tensor)."""
+    rows = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int32)
+    for row, table in zip(rows, tables):
+        row[:len(table)] = table
+    return rows
+
+
 def host_to_device(values, dtype, device: torch.device) -> torch.Tensor:
     """Step metadata to the device without a wait: a copy from pageable memory would hold the host until the
     stream reaches it, i.e. until the step in flight ends (PyTorch's pinned-memory cache keeps each staging buffer
@@ -79,6 +87,11 @@ class ModelRunner:
         """CUDA only; the first forward (scale calibration / range check) still runs eagerly."""
         self.decode_graphs = DecodeGraphs(self.model, max_batch, max_model_len, self.block_size, self.device)
         self.decode_graphs.capture()
+
+    @property
+    def observes_kv(self) -> bool:
+        """The next forward hands K/V to an observer (calibration or the first-forward range check)."""
+        return self.kv_observer is not None or self._first_forward_observer is not None
 
     @property
     def kv_is_fp8(self) -> bool:
@@ -137,10 +150,7 @@ class ModelRunner:
             seq_lens.append(start + n)
             starts.append(starts[-1] + n)
             tables.append(seq.block_table)
-        max_blocks = max(len(t) for t in tables)
-        table_rows = np.zeros((len(tables), max_blocks), dtype=np.int32)   # row fills: 4x faster than nested lists
-        for row, table in zip(table_rows, tables):
-            row[:len(table)] = table
+        table_rows = _padded_rows(tables)
 
         def tensor(values, dtype):
             return host_to_device(values, dtype, self.device)
@@ -187,10 +197,7 @@ class ModelRunner:
         bs = self.block_size
         positions = [seq.num_tokens for seq in seqs]
         slots = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions)]
-        max_blocks = max(len(seq.block_table) for seq in seqs)
-        table_rows = np.zeros((len(seqs), max_blocks), dtype=np.int32)
-        for row, seq in zip(table_rows, seqs):
-            row[:len(seq.block_table)] = seq.block_table
+        table_rows = _padded_rows([seq.block_table for seq in seqs])
 
         def tensor(values, dtype):
             return host_to_device(values, dtype, self.device)

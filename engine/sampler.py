@@ -59,6 +59,12 @@ def _min_tokens_active(seq: Sequence) -> bool:
     return seq.num_output_tokens < seq.params.min_tokens
 
 
+def needs_last_token_on_host(seq: Sequence) -> bool:
+    """Penalties, and min_tokens until it is reached, read the sequence's tokens on the host: its next token can
+    only be sampled once the last one is there (no look-ahead step for it)."""
+    return _has_penalties(seq) or _min_tokens_active(seq)
+
+
 def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     # From pageable memory PyTorch syncs the stream after the copy (the host would wait for the step in flight);
     # from pinned memory the copy is queued and the host goes on.
