@@ -125,20 +125,6 @@ class BlockManager:
             table.append(self._pop_free())
         return True
 
-    def reserve_slot(self, seq: Sequence, position: int) -> bool:
-        """A slot for `position` (one past what the scheduled steps cover), for a step launched ahead of the
-        scheduler. False, changing nothing, when the block holding it is shared (copy on write is the scheduler's)
-        or no block is free."""
-        j = position // self.block_size
-        table = seq.block_table
-        if j < len(table):
-            return self.blocks[table[j]].ref_cnt == 1
-        if j - len(table) + 1 > self.gpu.num_free:
-            return False
-        while len(table) <= j:
-            table.append(self._pop_free())
-        return True
-
     def cache_full_blocks(self, seq: Sequence) -> None:
         if not self.enable_prefix_caching:
             return

@@ -66,7 +66,7 @@ class EngineConfig:
     revision: str | None = None
     seed: int = 0
     enforce_eager: bool = False
-    async_scheduling: bool = True          # launch a decode step before the previous one's tokens reach the host
+    async_scheduling: bool = True          # schedule and launch a step before the previous one's tokens are back
     max_model_len: int | None = None       # None = from the model config
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

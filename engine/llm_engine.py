@@ -13,12 +13,12 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_scales import resolve_kv_scales
 from engine.loader import default_device, load_model, load_model_config, pick_dtype, resolve_model_dir
-from engine.model_runner import LaunchedStep, ModelRunner
+from engine.model_runner import Carry, LaunchedStep, ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampler import needs_last_token_on_host
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
-from engine.sequence import Sequence, SequenceStatus
+from engine.sequence import Sequence
 
 logger = logging.getLogger("quant_serve")
 
@@ -172,95 +172,74 @@ class LLMEngine:
 
     # ---- the step ----------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Runs one step; returns the outputs of the step before it (see _emit_pending). With async scheduling a
-        decode step is launched before the previous one is resolved (_look_ahead), so the host's bookkeeping
-        between two steps no longer leaves the GPU idle; a call that finds nothing to run returns the last
-        outputs."""
-        if self._inflight is not None:
-            prev_out, prev = self._inflight
-            self._inflight = None
-            following = self._look_ahead(prev_out, prev)
+        """Runs one step; returns the outputs of the steps resolved before it (see _emit_pending). With async
+        scheduling the step stays in flight when the call returns: the next call schedules and launches the
+        following step on the in-flight one's pending tokens (their values gathered on the device) before waiting
+        for it, so the host's bookkeeping between two steps no longer leaves the GPU idle."""
+        prev = self._inflight
+        self._inflight = None
+        # _emit_pending always runs before the next _apply: a stop string it finds ends the sequence before any
+        # later token of it is applied.
+        if prev is not None and self._may_look_ahead(prev[0]):
+            self.scheduler.advance(prev[0])
+            launched = self._schedule_and_launch(prev[1].carry(prev[0]))
             outputs = self._emit_pending()
-            self._finish_step(prev_out, prev)
-            self._inflight = following
-            return outputs
+            self._apply(*prev)
+        elif prev is not None:
+            outputs = self._emit_pending()
+            self.scheduler.advance(prev[0])
+            self._apply(*prev)
+            launched = self._schedule_and_launch(None)
+        else:
+            launched = self._schedule_and_launch(None)
+            outputs = self._emit_pending()
+        if launched is not None:
+            if self.config.async_scheduling:
+                self._inflight = launched      # resolved by the next call, after it launched the following step
+            else:
+                self.scheduler.advance(launched[0])
+                self._apply(*launched)
+        return outputs
+
+    def _schedule_and_launch(self, carry: Carry | None) -> tuple[SchedulerOutput, LaunchedStep] | None:
         out = self.scheduler.schedule()
         self.stats.num_preemptions_total += len(out.preempted)
         self._count_transfers(out)
         if not out.scheduled:
             self.runner.apply_transfers(out)   # a step that only swapped out must still move the blocks
-            return self._emit_pending()
+            return None
         now = time.time()
         for item in out.scheduled:
             request, _ = self._seq_owner[item.seq.request_id]
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
-        launched = self.runner.launch(out)
-        if self._may_look_ahead(out):
-            self._inflight = (out, launched)   # resolved by the next call, after it launched the following step
-            return self._emit_pending()
-        outputs = self._emit_pending()
-        self._finish_step(out, launched)
-        return outputs
+        return out, self.runner.launch(out, carry)
 
-    def _finish_step(self, out: SchedulerOutput, launched: LaunchedStep) -> None:
-        """Waits for a launched step and applies its tokens; their text is made by the next _emit_pending."""
+    def _apply(self, out: SchedulerOutput, launched: LaunchedStep) -> None:
+        """Waits for an advanced step and applies its tokens; their text is made by the next _emit_pending."""
         sampled, logprobs = launched.resolve()
-        # A sequence that ended meanwhile (a stop string found by _emit_pending, an abort) gets no token.
-        live = [item.seq.status == SequenceStatus.RUNNING for item in out.scheduled]
-        for item, lp, alive in zip(out.scheduled, logprobs, live):
-            if lp is not None and alive:
+        for item, lp in zip(out.scheduled, logprobs):
+            if lp is not None and item.advanced and not item.seq.is_finished:
                 item.seq.output_logprobs.append(lp)
-        self.scheduler.postprocess(out, sampled)
-        self._pending += [(item.seq, token) for item, token, alive in zip(out.scheduled, sampled, live)
-                          if token is not None and alive]
+        self._pending += self.scheduler.apply_tokens(out, sampled)
 
     def _may_look_ahead(self, out: SchedulerOutput) -> bool:
-        """Can the step after `out` be launched before `out`'s tokens reach the host? Only when every entry samples
-        a token, nothing waits for admission (schedule() must run for that), and no sequence's sampling depends on
-        its previous token on the host (penalties, min_tokens)."""
-        if not self.config.async_scheduling or self.scheduler.waiting or self.scheduler.swapped:
-            return False
+        """Can the step after `out` be launched before `out`'s tokens reach the host? Not while K/V go to an
+        observer, nor when a sequence that samples in `out` needs its last token on the host to sample the next
+        (penalties, min_tokens not yet reached)."""
         if self.runner.observes_kv:
             return False
-        return all(item.sample and not needs_last_token_on_host(item.seq) for item in out.scheduled)
-
-    def _look_ahead(self, prev_out: SchedulerOutput, prev: LaunchedStep):
-        """Launches the decode step that follows the unresolved `prev`: every sequence still running computes the
-        token prev sampled for it. None when that is not possible now (the caller resolves prev first)."""
-        if not self._may_look_ahead(prev_out):
-            return None
-        bm, max_len = self.block_manager, self.max_model_len
-        seqs, rows = [], []
-        for row, item in enumerate(prev_out.scheduled):
-            seq = item.seq
-            if seq.status != SequenceStatus.RUNNING:
-                continue
-            max_tokens = seq.params.max_tokens
-            if (max_tokens is not None and seq.num_output_tokens + 1 >= max_tokens) or seq.num_tokens + 1 >= max_len:
-                continue                        # prev's token is its last
-            # Slot for position num_tokens (prev's token): blocks a later step needs anyway, so nothing to undo.
-            if not bm.reserve_slot(seq, seq.num_tokens):
-                return None
-            seqs.append(seq)
-            rows.append(row)
-        if not seqs:
-            return None
-        launched = self.runner.launch_next_decode(seqs, prev, rows)
-        entries = [ScheduledSeq(seq, 1) for seq in seqs]
-        for entry in entries:
-            entry.sample = True                 # prev's tokens are not appended yet: computed here, not derived
-        return SchedulerOutput(entries, len(entries)), launched
+        return not any(item.sample and needs_last_token_on_host(item.seq) for item in out.scheduled)
 
     def drain(self) -> list[RequestOutput]:
         """Resolves a step still in flight and returns every output not yet returned."""
+        outputs = self._emit_pending()
         if self._inflight is not None:
             out, launched = self._inflight
             self._inflight = None
-            outputs = self._emit_pending()
-            self._finish_step(out, launched)
-            return outputs + self._emit_pending()
-        return self._emit_pending()
+            self.scheduler.advance(out)
+            self._apply(out, launched)
+        return outputs + self._emit_pending()
 
     def _emit_pending(self) -> list[RequestOutput]:
         """Text, stop strings and RequestOutputs for the tokens the last step sampled."""
@@ -347,10 +326,9 @@ class LLMEngine:
         [len, vocab] fp32 on the CPU. Used by eval; call it while no requests are running."""
         if len(token_ids) > self.max_model_len:
             raise ValueError(f"{len(token_ids)} tokens exceed max_model_len {self.max_model_len}")
-        if self._inflight is not None:         # a step launched ahead; its tokens wait for the next step's outputs
-            out, launched = self._inflight
-            self._inflight = None
-            self._finish_step(out, launched)
+        if self.requests:
+            raise RuntimeError(f"score() needs an idle engine; {len(self.requests)} requests are unfinished")
+        self.drain()                            # a step that ran ahead for requests that have since finished
         seq = Sequence("score", list(token_ids), SamplingParams(max_tokens=None))
         chunk = self.config.scheduler.max_num_batched_tokens
         pieces = []

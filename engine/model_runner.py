@@ -12,7 +12,7 @@ from engine.kv_scales import FP8_DTYPES, KVRangeObserver
 from engine.models.decoder import DecoderForCausalLM
 from engine.sampler import PendingSample, Sampler, compute_prompt_logprobs
 from engine.scheduler import SchedulerOutput
-from engine.sequence import Logprob, Sequence
+from engine.sequence import Logprob
 from engine.swap import CpuKVTier
 
 KV_CACHE_DTYPES = {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16,
@@ -48,6 +48,13 @@ def host_to_device(values, dtype, device: torch.device) -> torch.Tensor:
 
 
 @dataclass
+class Carry:
+    """Tokens a step in flight samples, as inputs of the step launched behind it."""
+    tokens: torch.Tensor                 # [S] int64 on the device
+    rows: dict[int, int]                 # id(sequence) -> its row in tokens
+
+
+@dataclass
 class LaunchedStep:
     samples: list[bool]                  # per scheduled entry: does it get a token
     pending: PendingSample | None
@@ -63,6 +70,12 @@ class LaunchedStep:
                 if sample:
                     sampled[i], logprobs[i] = next(rows)
         return sampled, logprobs
+
+    def carry(self, out: SchedulerOutput) -> Carry | None:
+        if self.pending is None:             # nothing sampled (prompt chunks only): no input to carry over
+            return None
+        sampling = [item.seq for item in out.scheduled if item.sample]
+        return Carry(self.pending.token_ids, {id(seq): row for row, seq in enumerate(sampling)})
 
 
 class ModelRunner:
@@ -138,13 +151,19 @@ class ModelRunner:
         for cache in (*self.k_caches, *self.v_caches):
             cache[dst] = cache[src]
 
-    def _prepare(self, out: SchedulerOutput):
+    def _prepare(self, out: SchedulerOutput, carry: "Carry | None" = None):
         input_ids, positions, slots, seq_lens, starts = [], [], [], [], [0]
         tables = []
+        fill_at, fill_from = [], []        # input positions whose token the step in flight samples: its row
         bs = self.block_size
         for item in out.scheduled:
             seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
-            input_ids += seq.token_ids[start:start + n]
+            known = seq.token_ids[start:start + n]
+            if len(known) < n:             # the last input is the sequence's pending token
+                fill_at.append(len(input_ids) + len(known))
+                fill_from.append(carry.rows[id(seq)])
+                known = known + [0]
+            input_ids += known
             positions += range(start, start + n)
             slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
             seq_lens.append(start + n)
@@ -166,14 +185,18 @@ class ModelRunner:
             num_decodes=num_decodes if mixed else 0,
             prefill_query_start_loc=tensor([s - num_decodes for s in starts[num_decodes:]], np.int32)
             if mixed else None)
-        return tensor(input_ids, np.int64), tensor(positions, np.int64), meta, starts
+        ids = tensor(input_ids, np.int64)
+        if fill_at:                        # gathered on the device, behind the step that samples them
+            ids[tensor(fill_at, np.int64)] = carry.tokens[tensor(fill_from, np.int64)]
+        return ids, tensor(positions, np.int64), meta, starts
 
     @torch.inference_mode()
-    def forward(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
-        """The step's transfers, then the model over the scheduled tokens: (hidden [T, hidden], row starts)."""
+    def forward(self, out: SchedulerOutput, carry: "Carry | None" = None) -> tuple[torch.Tensor, list[int]]:
+        """The step's transfers, then the model over the scheduled tokens: (hidden [T, hidden], row starts).
+        carry: the step in flight whose sampled tokens are inputs here (sequences with a pending token)."""
         if self.cpu_tier is not None:   # async on CUDA: the host prepares the batch meanwhile
             self.cpu_tier.issue(out.blocks_to_swap_out, out.blocks_to_swap_in)
-        input_ids, positions, meta, starts = self._prepare(out)
+        input_ids, positions, meta, starts = self._prepare(out, carry)
         if self.cpu_tier is not None:
             self.cpu_tier.wait()
         self.copy_blocks(out.blocks_to_copy)
@@ -189,33 +212,6 @@ class ModelRunner:
             first.report(self.model.attention_layers, self.kv_dtype)
         self.num_tokens_forwarded += len(input_ids)
         return hidden, starts
-
-    @torch.inference_mode()
-    def launch_next_decode(self, seqs: list[Sequence], prev: "LaunchedStep", rows: list[int]) -> "LaunchedStep":
-        """The decode step after `prev`, queued before prev is resolved: seqs[i] computes the token that prev sampled
-        in its row rows[i], which only the device knows yet, at position seqs[i].num_tokens (slot allocated)."""
-        bs = self.block_size
-        positions = [seq.num_tokens for seq in seqs]
-        slots = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions)]
-        table_rows = _padded_rows([seq.block_table for seq in seqs])
-
-        def tensor(values, dtype):
-            return host_to_device(values, dtype, self.device)
-
-        n = len(seqs)
-        meta = AttentionMetadata(
-            slot_mapping=tensor(slots, np.int64), block_tables=tensor(table_rows, np.int32),
-            seq_lens=tensor([p + 1 for p in positions], np.int32), query_start_loc=tensor(range(n + 1), np.int32),
-            max_seq_len=max(positions) + 1, max_query_len=1)
-        input_ids = prev.pending.token_ids[tensor(rows, np.int64)]                       # [n], on the device
-        graphs = self.decode_graphs
-        if graphs is not None and graphs.can_run(n, n):
-            hidden = graphs.run(input_ids, tensor(positions, np.int64), meta)
-        else:
-            hidden = self.model(input_ids, tensor(positions, np.int64), meta)
-        self.num_tokens_forwarded += n
-        logits = self.model.compute_logits(hidden)                                        # [n, vocab] fp32
-        return LaunchedStep([True] * n, self.sampler.sample(logits, seqs))
 
     @torch.inference_mode()
     def warmup(self, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> int:
@@ -273,10 +269,10 @@ class ModelRunner:
         return self.launch(out).resolve()
 
     @torch.inference_mode()
-    def launch(self, out: SchedulerOutput) -> "LaunchedStep":
+    def launch(self, out: SchedulerOutput, carry: "Carry | None" = None) -> "LaunchedStep":
         """execute() without the wait: the forward and the sampling are queued on the device; the host is free
-        until LaunchedStep.resolve()."""
-        hidden, starts = self.forward(out)                                   # [T, hidden]
+        until LaunchedStep.resolve(). carry: see forward()."""
+        hidden, starts = self.forward(out, carry)                            # [T, hidden]
         sample_rows = [starts[i + 1] - 1 for i, item in enumerate(out.scheduled) if item.sample]
         sample_seqs = [item.seq for item in out.scheduled if item.sample]
         self._prompt_logprobs(out, hidden, starts)

@@ -17,6 +17,7 @@ class ScheduledSeq:
     # True when this step computes the sequence's last known token, so a next token is sampled. Fixed when the
     # entry is made, because postprocess later moves num_computed_tokens and num_tokens.
     sample: bool = field(init=False)
+    advanced: bool = field(init=False, default=False)   # Scheduler.advance() applied it (the sequence was running)
 
     def __post_init__(self):
         self.sample = self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
@@ -165,23 +166,42 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def postprocess(self, output: SchedulerOutput, sampled: list[int | None]) -> list[Sequence]:
+        """A step's results: advance() then apply_tokens(). -> the sequences it finished."""
+        self.advance(output)
+        return [seq for seq, _ in self.apply_tokens(output, sampled) if seq.is_finished]
+
+    def advance(self, output: SchedulerOutput) -> None:
+        """What a launched step computes, applied before its tokens are known, so that the next step can be
+        scheduled on it: computed counts, full-block hashes, and one pending token per sampling entry."""
+        for item in output.scheduled:
+            seq = item.seq
+            item.advanced = seq.status == SequenceStatus.RUNNING   # not if aborted or finished since schedule()
+            if item.advanced:
+                seq.num_computed_tokens += item.num_new_tokens
+                self.block_manager.cache_full_blocks(seq)
+                seq.num_pending_tokens += item.sample
+
+    def apply_tokens(self, output: SchedulerOutput, sampled: list[int | None]) -> list[tuple[Sequence, int]]:
+        """The advanced step's tokens: each replaces its pending token and may end the sequence. A sequence that
+        ended meanwhile (aborted, a stop string) drops it; a preempted one keeps it. -> the (seq, token) applied"""
         assert len(sampled) == len(output.scheduled)
-        finished: list[Sequence] = []
+        applied = []
         for item, token in zip(output.scheduled, sampled):
             seq = item.seq
-            if seq.status != SequenceStatus.RUNNING:   # aborted or finished between schedule() and now
+            if not item.advanced:
                 continue
-            assert token is None or item.sample, f"{seq.request_id}: token sampled mid-prefill"
-            seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.cache_full_blocks(seq)
+            assert (token is None) != item.sample, f"{seq.request_id}: sampled {token} for sample={item.sample}"
             if token is None:
                 continue
+            seq.num_pending_tokens -= 1
+            if seq.is_finished:
+                continue
             seq.append_token(token)
+            applied.append((seq, token))
             reason = self._check_stop(seq, token)
             if reason is not None:
                 self.finish(seq, *reason)
-                finished.append(seq)
-        return finished
+        return applied
 
     def _check_stop(self, seq: Sequence, token: int) -> tuple[str, int | None] | None:
         params = seq.params

@@ -39,6 +39,8 @@ class Sequence:
     first_token_time: float | None = None
     output_logprobs: list[Logprob] = field(default_factory=list)
     prompt_logprobs: list[Logprob | None] = field(default_factory=list)  # entry 0 is None (no context)
+    # Sampled by a step still in flight: counted in num_tokens (the next step is scheduled on it), not yet known.
+    num_pending_tokens: int = 0
 
     def __post_init__(self):
         if not self.token_ids:
@@ -50,7 +52,7 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) + self.num_pending_tokens
 
     @property
     def output_token_ids(self) -> list[int]:

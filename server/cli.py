@@ -44,8 +44,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
-                   help="resolve every step before scheduling the next (by default a decode step is launched while "
-                        "the host still processes the previous one)")
+                   help="resolve every step before scheduling the next (by default the next step is scheduled and "
+                        "launched while the previous one still runs)")
     p.add_argument("--seed", type=int, default=0)
 
 

@@ -29,7 +29,7 @@ def _run(engine, staggered: bool) -> dict[str, tuple]:
             engine.add_request(rid, prompt, sp)
         pending = []
     while pending or engine.has_unfinished_requests():
-        if pending and steps % 3 == 0:        # arrivals while others decode: look-ahead stops and resumes
+        if pending and steps % 3 == 0:        # arrivals admitted behind a step in flight
             engine.add_request(*pending.pop(0))
         for out in engine.step():
             if out.finished:
@@ -44,9 +44,9 @@ def _run(engine, staggered: bool) -> dict[str, tuple]:
 def test_async_scheduling_matches_sync(staggered):
     sync = make_engine(DEMO_MODEL_DIR, async_scheduling=False, max_model_len=256)
     ahead = make_engine(DEMO_MODEL_DIR, async_scheduling=True, max_model_len=256)
-    launched = []
-    real = ahead.runner.launch_next_decode
-    ahead.runner.launch_next_decode = lambda *a: launched.append(len(a[0])) or real(*a)
+    launched = []                              # steps launched behind one in flight (their inputs carried over)
+    real = ahead.runner.launch
+    ahead.runner.launch = lambda out, carry=None: (carry is not None and launched.append(1)) or real(out, carry)
     expected = _run(sync, staggered)
     assert _run(ahead, staggered) == expected
     assert len(launched) > 5                   # the look-ahead path did run
@@ -74,16 +74,16 @@ def test_abort_with_a_step_in_flight_frees_everything():
 
 @pytest.mark.parametrize("num_cpu_blocks", [0, 16])
 def test_async_scheduling_under_block_pressure_matches_sync(num_cpu_blocks):
-    """A pool too small for every sequence: look-ahead slot reservations fail and fall back, the scheduler preempts
-    (recompute, or swap to the CPU tier), and the outputs still equal the synchronous engine's."""
+    """A pool too small for every sequence: the scheduler preempts (recompute, or swap to the CPU tier) behind a step
+    in flight, sequences whose token is still pending included; the outputs still equal the synchronous engine's."""
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     results = []
     for async_scheduling in (False, True):
         engine = make_engine(DEMO_MODEL_DIR, async_scheduling=async_scheduling, max_model_len=128, num_blocks=9,
                              num_cpu_blocks=num_cpu_blocks)
         launched = []
-        real = engine.runner.launch_next_decode
-        engine.runner.launch_next_decode = lambda *a: launched.append(1) or real(*a)
+        real = engine.runner.launch
+        engine.runner.launch = lambda out, carry=None: (carry is not None and launched.append(1)) or real(out, carry)
         outs = engine.generate(PROMPTS, params)
         assert engine.scheduler.num_preemptions_total > 0 and (len(launched) > 0) == async_scheduling
         assert_all_blocks_free(engine)
@@ -92,8 +92,8 @@ def test_async_scheduling_under_block_pressure_matches_sync(num_cpu_blocks):
 
 
 def test_async_scheduling_with_parallel_samples_matches_sync():
-    """n=2: the two sequences share the prompt's blocks; a shared block refuses a look-ahead slot (copy on write is
-    the scheduler's), and every token still equals the synchronous engine's."""
+    """n=2: the two sequences share the prompt's blocks (copy on write behind a step in flight); every token still
+    equals the synchronous engine's."""
     results = []
     for async_scheduling in (False, True):
         engine = make_engine(DEMO_MODEL_DIR, async_scheduling=async_scheduling, max_model_len=256)
@@ -107,3 +107,18 @@ def test_async_scheduling_with_parallel_samples_matches_sync():
         assert_all_blocks_free(engine)
         results.append(final)
     assert results[0] == results[1] and len(results[1]["n2"]) == 2
+
+
+def test_async_scheduling_over_chunked_prefills_and_prefix_hits_matches_sync():
+    """Steps of prompt chunks only (nothing sampled, nothing to carry), decodes mixed with chunks, and prompts that
+    share a prefix (prefix-cache hits admitted behind a step in flight): same tokens as the synchronous engine."""
+    shared = "A list of fruits: apple, banana, cherry, grape, lemon, mango, orange, peach, pear, plum. "
+    prompts = [shared + p for p in PROMPTS] + [shared * 3]
+    params = SamplingParams(max_tokens=12, temperature=0)
+    results = []
+    for async_scheduling in (False, True):
+        engine = make_engine(DEMO_MODEL_DIR, async_scheduling=async_scheduling, max_model_len=256, chunk=24)
+        results.append([o.outputs[0].token_ids for o in engine.generate(prompts, params)])
+        assert engine.block_manager.prefix_hits > 0
+        assert_all_blocks_free(engine)
+    assert results[0] == results[1]

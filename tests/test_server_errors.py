@@ -97,17 +97,16 @@ def test_failed_step_fails_the_requests_in_flight_and_the_server_lives_on(engine
     calls = {"n": 0}
     lock = threading.Lock()
 
-    def failing(real):                  # a step is launched by launch() or, looking ahead, launch_next_decode()
-        def launch(*args):
-            with lock:
-                calls["n"] += 1
-                if calls["n"] == 4:     # a few tokens in: blocks are allocated
-                    raise RuntimeError("kernel exploded")
-            return real(*args)
-        return launch
+    real_launch = engine.runner.launch
 
-    monkeypatch.setattr(engine.runner, "launch", failing(engine.runner.launch))
-    monkeypatch.setattr(engine.runner, "launch_next_decode", failing(engine.runner.launch_next_decode))
+    def launch(*args):
+        with lock:
+            calls["n"] += 1
+            if calls["n"] == 4:         # a few tokens in: blocks are allocated
+                raise RuntimeError("kernel exploded")
+        return real_launch(*args)
+
+    monkeypatch.setattr(engine.runner, "launch", launch)
     with TestClient(build_app(engine, ["tiny"]), raise_server_exceptions=False) as client:
         error = assert_error_shape(_completion(client, "Once upon a time", 20), 500, "internal_error")
         assert "kernel exploded" in error["message"]
