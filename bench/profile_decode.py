@@ -117,11 +117,13 @@ def profile(batch: int, ctx: int, kv: str, eager: bool, steps: int = 24) -> dict
     prefill_s = time.perf_counter() - prefill_start
     # Host-side phases of the step, timed without device syncs (they keep overlapping the GPU): resolve is where
     # the host waits for the GPU; the others are host work.
-    phases = {"schedule": [], "launch": [], "emit_previous": [], "resolve_wait": [], "postprocess": []}
+    phases = {"schedule": [], "launch": [], "emit_previous": [], "resolve_wait": [], "advance": [],
+              "apply_tokens": []}
     wall_timed(engine.scheduler, "schedule", phases["schedule"])
     wall_timed(runner, "launch", phases["launch"], wrap_result=phases["resolve_wait"])
     wall_timed(engine, "_emit_pending", phases["emit_previous"])
-    wall_timed(engine.scheduler, "postprocess", phases["postprocess"])
+    wall_timed(engine.scheduler, "advance", phases["advance"])
+    wall_timed(engine.scheduler, "apply_tokens", phases["apply_tokens"])
     times, sizes = [], []
     for _ in range(steps):
         sizes.append(len(engine.scheduler.running))
@@ -131,7 +133,7 @@ def profile(batch: int, ctx: int, kv: str, eager: bool, steps: int = 24) -> dict
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     host_phase_ms = {k: median_ms(v) for k, v in phases.items() if v}
-    for name in ("schedule", "postprocess"):
+    for name in ("schedule", "advance", "apply_tokens"):
         vars(engine.scheduler).pop(name)
     vars(runner).pop("launch")
     vars(engine).pop("_emit_pending")
