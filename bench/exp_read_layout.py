@@ -13,10 +13,14 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.kernels import graph_us  # noqa: E402
 
 SHAPES = {"gate_up": (3584, 37888), "down": (18944, 3584), "qkv": (3584, 4608)}   # (K, N) of Qwen2.5-7B
 
@@ -36,32 +40,6 @@ def _stream_kernel(w_ptr, out_ptr, rows_per_split, stride_pid, stride_row,
     tl.store(out_ptr + (split * tl.num_programs(0) + pid) * BNW + cols, folded)
 
 
-def graph_time_us(fn, copies: int, reps: int = 20) -> float:
-    """Median per-launch time of `fn(i)` over `copies` rotating buffers (defeats the 50 MB L2), graph-replayed."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(copies):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(4):
-            for i in range(copies):
-                fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (4 * copies))
-    return sorted(times)[len(times) // 2]
-
-
 def run_shape(name: str, k: int, n: int, budget_s: float) -> dict:
     rows, words = k // 2, n // 4                   # uint8 [K/2, N] seen as int32 [K/2, N/4]
     nbytes = rows * n
@@ -71,7 +49,7 @@ def run_shape(name: str, k: int, n: int, budget_s: float) -> dict:
     fp16 = [torch.randn(n, k, dtype=torch.float16, device="cuda") for _ in range(max(2, -(-200_000_000 // (n * k * 2))))]
     x = torch.randn(k, dtype=torch.float16, device="cuda")
     result = {"k": k, "n": n, "int4_bytes": nbytes, "candidates": []}
-    result["fp16_cublas_mv_us"] = graph_time_us(lambda i: torch.mv(fp16[i], x), len(fp16))
+    result["fp16_cublas_mv_us"] = graph_us([lambda i=i: torch.mv(fp16[i], x) for i in range(len(fp16))])
     result["fp16_cublas_tb_s"] = n * k * 2 / result["fp16_cublas_mv_us"] / 1e6
     deadline = time.time() + budget_s
     for layout, bn, r, warps, stages, split in itertools.product(
@@ -91,7 +69,7 @@ def run_shape(name: str, k: int, n: int, budget_s: float) -> dict:
             _stream_kernel[(programs, split)](bufs[i], out, per_split, stride_pid, stride_row,
                                               BNW=bnw, R=r, STAGES=stages, num_warps=warps)
         try:
-            us = graph_time_us(launch, copies)
+            us = graph_us([lambda i=i: launch(i) for i in range(copies)])   # rotating copies: past the L2
         except Exception as exc:                   # a config that cannot compile (registers, smem) is skipped
             result["candidates"].append({"layout": layout, "bn": bn, "r": r, "error": str(exc)[:200]})
             continue
@@ -106,8 +84,6 @@ def run_shape(name: str, k: int, n: int, budget_s: float) -> dict:
             print(f"{name} {layout}: best {best['us']:.1f} us = {best['tb_s']:.2f} TB/s {best}", flush=True)
     print(f"{name} fp16 cuBLAS mv {result['fp16_cublas_mv_us']:.1f} us = {result['fp16_cublas_tb_s']:.2f} TB/s",
           flush=True)
-    del bufs, fp16
-    torch.cuda.empty_cache()
     return result
 
 
@@ -123,6 +99,7 @@ def main() -> int:
            "shapes": {}}
     for name in args.shapes.split(","):
         out["shapes"][name] = run_shape(name, *SHAPES[name], args.budget_s)
+        torch.cuda.empty_cache()                   # the shape's buffers died with run_shape
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
     return 0

@@ -14,6 +14,7 @@ from engine.sampler import PendingSample, Sampler, compute_prompt_logprobs
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Logprob
 from engine.swap import CpuKVTier
+from engine.transfer import to_device
 
 KV_CACHE_DTYPES = {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16,
                    "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
@@ -35,16 +36,6 @@ def _padded_rows(tables: list[list[int]]) -> np.ndarray:
     for row, table in zip(rows, tables):
         row[:len(table)] = table
     return rows
-
-
-def host_to_device(values, dtype, device: torch.device) -> torch.Tensor:
-    """Step metadata to the device without a wait: a copy from pageable memory would hold the host until the
-    stream reaches it, i.e. until the step in flight ends (PyTorch's pinned-memory cache keeps each staging buffer
-    until its copy is done)."""
-    host = torch.from_numpy(np.asarray(values, dtype=dtype))
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass
@@ -146,8 +137,8 @@ class ModelRunner:
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
             return
-        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
-        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
+        src = to_device([s for s, _ in pairs], torch.long, self.device)
+        dst = to_device([d for _, d in pairs], torch.long, self.device)
         for cache in (*self.k_caches, *self.v_caches):
             cache[dst] = cache[src]
 
@@ -172,23 +163,23 @@ class ModelRunner:
         table_rows = _padded_rows(tables)
 
         def tensor(values, dtype):
-            return host_to_device(values, dtype, self.device)
+            return to_device(values, dtype, self.device)
 
         num_decodes = 0                     # leading sequences with one new token (running decodes come first)
         while num_decodes < len(out.scheduled) and out.scheduled[num_decodes].num_new_tokens == 1:
             num_decodes += 1
         mixed = 0 < num_decodes < len(out.scheduled)
         meta = AttentionMetadata(
-            slot_mapping=tensor(slots, np.int64), block_tables=tensor(table_rows, np.int32),
-            seq_lens=tensor(seq_lens, np.int32), query_start_loc=tensor(starts, np.int32),
+            slot_mapping=tensor(slots, torch.int64), block_tables=tensor(table_rows, torch.int32),
+            seq_lens=tensor(seq_lens, torch.int32), query_start_loc=tensor(starts, torch.int32),
             max_seq_len=max(seq_lens), max_query_len=max(b - a for a, b in zip(starts, starts[1:])),
             num_decodes=num_decodes if mixed else 0,
-            prefill_query_start_loc=tensor([s - num_decodes for s in starts[num_decodes:]], np.int32)
+            prefill_query_start_loc=tensor([s - num_decodes for s in starts[num_decodes:]], torch.int32)
             if mixed else None)
-        ids = tensor(input_ids, np.int64)
+        ids = tensor(input_ids, torch.int64)
         if fill_at:                        # gathered on the device, behind the step that samples them
-            ids[tensor(fill_at, np.int64)] = carry.tokens[tensor(fill_from, np.int64)]
-        return ids, tensor(positions, np.int64), meta, starts
+            ids[tensor(fill_at, torch.int64)] = carry.tokens[tensor(fill_from, torch.int64)]
+        return ids, tensor(positions, torch.int64), meta, starts
 
     @torch.inference_mode()
     def forward(self, out: SchedulerOutput, carry: "Carry | None" = None) -> tuple[torch.Tensor, list[int]]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.sequence import Logprob, Sequence
+from engine.transfer import to_device
 
 # Temperatures below this are treated as greedy: dividing by them overflows fp32 (vLLM uses the same cut-off).
 _SAMPLING_EPS = 1e-5
@@ -65,16 +66,9 @@ def needs_last_token_on_host(seq: Sequence) -> bool:
     return _has_penalties(seq) or _min_tokens_active(seq)
 
 
-def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    # From pageable memory PyTorch syncs the stream after the copy (the host would wait for the step in flight);
-    # from pinned memory the copy is queued and the host goes on.
-    host = torch.tensor(data, dtype=dtype)
-    return host.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else host
-
-
 def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
     width = max(1, max(len(r) for r in rows))
-    return _to_device([r + [pad] * (width - len(r)) for r in rows], torch.long, device)
+    return to_device([r + [pad] * (width - len(r)) for r in rows], torch.long, device)
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -97,11 +91,11 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     seen.scatter_(1, all_ids, True)
     seen = seen[:, :vocab]                                                                       # [R, V]
 
-    rep = _to_device([s.params.repetition_penalty for s in pen_seqs], torch.float32, device)[:, None]
-    presence = _to_device([s.params.presence_penalty for s in pen_seqs], torch.float32, device)[:, None]
-    frequency = _to_device([s.params.frequency_penalty for s in pen_seqs], torch.float32, device)[:, None]
+    rep = to_device([s.params.repetition_penalty for s in pen_seqs], torch.float32, device)[:, None]
+    presence = to_device([s.params.presence_penalty for s in pen_seqs], torch.float32, device)[:, None]
+    frequency = to_device([s.params.frequency_penalty for s in pen_seqs], torch.float32, device)[:, None]
 
-    row_idx = _to_device(rows, torch.long, device)
+    row_idx = to_device(rows, torch.long, device)
     x = logits[row_idx]                                                                          # [R, V]
     x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
     x = x - frequency * counts - presence * (counts > 0).float()
@@ -122,7 +116,7 @@ def apply_min_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor
         return logits
     logits = logits.clone()                                                                      # contiguous [S, V]
     # index_fill_ on the flat view: assigning a scalar through advanced indexing syncs with the device
-    logits.view(-1).index_fill_(0, _to_device(flat_ids, torch.long, logits.device), float("-inf"))
+    logits.view(-1).index_fill_(0, to_device(flat_ids, torch.long, logits.device), float("-inf"))
     return logits
 
 
@@ -130,7 +124,7 @@ def _apply_min_p_top_k_top_p(logits: torch.Tensor, seqs: list[Sequence]) -> torc
     """logits: [R, V] already divided by temperature. Returns logits with filtered tokens at -inf."""
     device, vocab = logits.device, logits.shape[1]
     if any(s.params.min_p > 0 for s in seqs):
-        min_p = _to_device([s.params.min_p for s in seqs], torch.float32, device)[:, None]       # [R, 1]
+        min_p = to_device([s.params.min_p for s in seqs], torch.float32, device)[:, None]       # [R, 1]
         probs = logits.softmax(dim=-1)
         threshold = min_p * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < threshold, float("-inf"))
@@ -141,12 +135,12 @@ def _apply_min_p_top_k_top_p(logits: torch.Tensor, seqs: list[Sequence]) -> torc
         return logits
     sorted_logits, sorted_idx = logits.sort(dim=-1, descending=False)                           # [R, V]
     if use_top_k:
-        k = _to_device([s.params.top_k if 0 < s.params.top_k < vocab else vocab for s in seqs],
+        k = to_device([s.params.top_k if 0 < s.params.top_k < vocab else vocab for s in seqs],
                        torch.long, device)
         kth_largest = sorted_logits.gather(1, (vocab - k)[:, None])                              # [R, 1]
         sorted_logits = sorted_logits.masked_fill(sorted_logits < kth_largest, float("-inf"))
     if use_top_p:
-        top_p = _to_device([s.params.top_p for s in seqs], torch.float32, device)[:, None]
+        top_p = to_device([s.params.top_p for s in seqs], torch.float32, device)[:, None]
         cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         # drop the low tail whose total mass is at most 1 - top_p; the best token always stays
         drop = cum <= 1.0 - top_p
@@ -181,7 +175,7 @@ class Sampler:
     def _sample_random(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """logits: [R, V] penalized rows of non-greedy sequences. Returns sampled ids [R]."""
         device = logits.device
-        temperature = _to_device([s.params.temperature for s in seqs], torch.float32, device)[:, None]
+        temperature = to_device([s.params.temperature for s in seqs], torch.float32, device)[:, None]
         logits = _apply_min_p_top_k_top_p(logits / temperature, seqs)
         probs = logits.softmax(dim=-1)                                                           # [R, V]
 
@@ -192,7 +186,7 @@ class Sampler:
         if len(unseeded) == len(seqs):
             noise.exponential_(generator=self._shared_generator(device))
         elif unseeded:
-            noise[_to_device(unseeded, torch.long, device)] = torch.empty(
+            noise[to_device(unseeded, torch.long, device)] = torch.empty(
                 len(unseeded), probs.shape[1], device=device).exponential_(
                 generator=self._shared_generator(device))
         for j, seq in enumerate(seqs):
@@ -219,7 +213,7 @@ class Sampler:
             sampled = logits.argmax(dim=-1)          # the answer for greedy rows
             random_rows = [i for i, s in enumerate(seqs) if not _is_greedy(s)]
             if random_rows:
-                idx = _to_device(random_rows, torch.long, logits.device)
+                idx = to_device(random_rows, torch.long, logits.device)
                 sampled[idx] = self._sample_random(logits[idx], [seqs[i] for i in random_rows])
 
         if not want_logprobs:
@@ -229,7 +223,7 @@ class Sampler:
     def _with_logprobs(self, sampled: torch.Tensor, raw_logprobs: torch.Tensor, seqs: list[Sequence],
                        rows: list[int]) -> PendingSample:
         k = min(max(seqs[i].params.logprobs for i in rows), raw_logprobs.shape[1])
-        idx = _to_device(rows, torch.long, sampled.device)
+        idx = to_device(rows, torch.long, sampled.device)
         chosen = raw_logprobs.gather(1, sampled[:, None])[:, 0]                                  # [S]
         parts = [sampled.double(), chosen.double()]
         if k > 0:
@@ -248,7 +242,7 @@ def compute_prompt_logprobs(logits: torch.Tensor, target_ids: list[int], k: int)
         return []
     k = min(k, logits.shape[1])
     logprobs = logits.float().log_softmax(dim=-1)                                                # [P, V]
-    targets = _to_device(target_ids, torch.long, logits.device)
+    targets = to_device(target_ids, torch.long, logits.device)
     parts = [logprobs.gather(1, targets[:, None])[:, 0].double()]                                # [P]
     if k > 0:
         top_lp, top_ids = logprobs.topk(k, dim=-1)                                               # [P, k]

@@ -63,7 +63,7 @@ def test_silu_and_mul_matches_twin(dtype, inter):
     ulp_close(silu_and_mul_triton(gate_up), silu_and_mul_ref(gate_up), dtype)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_qwen_shapes_on_gpu():
     x, residual = (torch.randn(256, 3584, device="cuda").half() for _ in range(2))
     weight = torch.rand(3584, device="cuda").half()
