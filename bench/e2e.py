@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from engine.config import (OFFLINE_BATCHED_TOKENS, SERVE_BATCHED_TOKENS, CacheConfig, EngineConfig,  # noqa: E402
+                           SchedulerConfig)
 from engine.llm_engine import LLMEngine  # noqa: E402
 from server.bench_offline import decode_bytes_per_step, measure_copy_bandwidth, run_offline  # noqa: E402
 from server.cli_bench import _metadata  # noqa: E402
@@ -25,12 +26,13 @@ CONFIGS = {"qwen2.5-7b-awq": SHARED / "configs" / "qwen2.5-7b-instruct",
 TOKENIZER = SHARED / "models" / "tiny-qwen2"   # any tokenizer: prompts are random token ids
 
 
-def engine_for(config_dir: Path, kv: str, max_num_seqs: int, max_model_len: int, enforce_eager: bool) -> LLMEngine:
+def engine_for(config_dir: Path, kv: str, max_num_seqs: int, max_model_len: int, enforce_eager: bool,
+               batched_tokens: int = OFFLINE_BATCHED_TOKENS) -> LLMEngine:
     return LLMEngine(EngineConfig(
         model=str(config_dir), tokenizer=str(TOKENIZER), load_format="dummy", max_model_len=max_model_len,
         enforce_eager=enforce_eager,
         cache=CacheConfig(kv_cache_dtype=kv, gpu_memory_gb=24.0, gpu_memory_utilization=0.90),
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=2048)), show_progress=False)
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=batched_tokens)), show_progress=False)
 
 
 def hf_generate(config_dir: Path, batch: int, prompt_len: int = 128, new_tokens: int = 128) -> float:
@@ -58,27 +60,30 @@ def hf_generate(config_dir: Path, batch: int, prompt_len: int = 128, new_tokens:
     return tok_s
 
 
-def measure(name: str, config_dir: Path, kv: str, n_conc: int, bandwidth: float, enforce_eager: bool) -> dict:
+def measure(name: str, config_dir: Path, kv: str, n_conc: int, bandwidth: float, enforce_eager: bool,
+            batched_tokens: int = OFFLINE_BATCHED_TOKENS, batch1: bool = True) -> dict:
     start = time.perf_counter()
-    engine = engine_for(config_dir, kv, max_num_seqs=256, max_model_len=4096, enforce_eager=enforce_eager)
+    engine = engine_for(config_dir, kv, max_num_seqs=256, max_model_len=4096, enforce_eager=enforce_eager,
+                        batched_tokens=batched_tokens)
     torch.cuda.reset_peak_memory_stats()
     run = {"startup_s": time.perf_counter() - start,
            "kv_cache_tokens": engine.block_manager.num_blocks * engine.config.cache.block_size,
            "planned_kv_bytes": engine.memory_plan.kv_cache_bytes if engine.memory_plan else None,
            "allocated_kv_bytes": sum(t.numel() * t.element_size()
                                      for t in engine.runner.k_caches + engine.runner.v_caches),
-           "decode_bytes_per_step": decode_bytes_per_step(engine.model)}
-    b1 = run_offline(engine, 1, 128, 256)
-    run["batch1"] = b1
-    run["batch1_tok_s"] = b1["decode_tok_s"]
-    run["roofline_tok_s"] = bandwidth / run["decode_bytes_per_step"]
-    run["roofline_fraction"] = b1["decode_tok_s"] / run["roofline_tok_s"]
-    print(f"{name} kv={kv}: batch-1 {b1['decode_tok_s']:.1f} tok/s ({run['roofline_fraction']:.0%} of roofline), "
-          f"KV {run['kv_cache_tokens']} tokens", flush=True)
+           "decode_bytes_per_step": decode_bytes_per_step(engine.model), "max_num_batched_tokens": batched_tokens}
+    if batch1:
+        b1 = run_offline(engine, 1, 128, 256)
+        run["batch1"] = b1
+        run["batch1_tok_s"] = b1["decode_tok_s"]
+        run["roofline_tok_s"] = bandwidth / run["decode_bytes_per_step"]
+        run["roofline_fraction"] = b1["decode_tok_s"] / run["roofline_tok_s"]
+        print(f"{name} kv={kv}: batch-1 {b1['decode_tok_s']:.1f} tok/s ({run['roofline_fraction']:.0%} of "
+              f"roofline), KV {run['kv_cache_tokens']} tokens", flush=True)
     if kv == "fp8":
         thr = run_offline(engine, n_conc, 512, 256)
         run["throughput"] = thr
-        print(f"{name} kv={kv}: {n_conc} x 512/256 -> {thr['output_tok_s']:.0f} out tok/s, "
+        print(f"{name} kv={kv} budget={batched_tokens}: {n_conc} x 512/256 -> {thr['output_tok_s']:.0f} out tok/s, "
               f"TTFT p50 {thr['ttft_p50_s']:.2f}s p99 {thr['ttft_p99_s']:.2f}s, "
               f"TPOT p50 {thr['tpot_p50_s'] * 1e3:.1f}ms", flush=True)
     run["peak_gpu_memory_bytes"] = torch.cuda.max_memory_allocated()
@@ -99,18 +104,22 @@ def main() -> int:
     bandwidth = measure_copy_bandwidth()
     result["copy_bandwidth_bytes_s"] = bandwidth
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
-    for name, config_dir in CONFIGS.items():
-        for kv in ("auto", "fp8"):
-            try:
-                result["runs"][f"{name}/{kv}"] = measure(name, config_dir, kv, n_conc, bandwidth, args.enforce_eager)
-            except Exception as e:  # keep what the other runs measured
-                traceback.print_exc()
-                result["runs"][f"{name}/{kv}"] = {"error": repr(e)}
-            torch.cuda.set_per_process_memory_fraction(1.0)
-            gc.collect()
-            torch.cuda.empty_cache()
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(result, indent=2))
+    # (run key, model, kv, token budget, batch-1 too): throughput at the offline budget (vLLM's LLM class default on
+    # cards under 70 GiB) and, for comparison, at the serving budget
+    plan = [(f"{name}/{kv}", name, kv, OFFLINE_BATCHED_TOKENS, True) for name in CONFIGS for kv in ("auto", "fp8")]
+    plan += [(f"{name}/fp8/serve-budget", name, "fp8", SERVE_BATCHED_TOKENS, False) for name in CONFIGS]
+    for key, name, kv, budget, batch1 in plan:
+        try:
+            result["runs"][key] = measure(name, CONFIGS[name], kv, n_conc, bandwidth, args.enforce_eager, budget,
+                                          batch1)
+        except Exception as e:  # keep what the other runs measured
+            traceback.print_exc()
+            result["runs"][key] = {"error": repr(e)}
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        gc.collect()
+        torch.cuda.empty_cache()
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2))
     if not args.skip_hf:
         try:
             result["hf_batch1_tok_s"] = hf_generate(CONFIGS["qwen2.5-7b-awq"], 1)
@@ -129,7 +138,9 @@ def main() -> int:
         "tpot_p50_s": thr.get("tpot_p50_s"), "tpot_p99_s": thr.get("tpot_p99_s"),
         "llama_batch1_tok_s": runs["llama-3.1-8b-gptq/auto"].get("batch1_tok_s"),
         "llama_throughput_tok_s": runs["llama-3.1-8b-gptq/fp8"].get("throughput", {}).get("output_tok_s"),
-        "kv_cache_tokens_fp8_24gib": q8.get("kv_cache_tokens"),
+        "kv_cache_tokens_fp8_24gib": q8.get("kv_cache_tokens"), "max_num_batched_tokens": OFFLINE_BATCHED_TOKENS,
+        "throughput_serve_budget_tok_s": runs["qwen2.5-7b-awq/fp8/serve-budget"].get("throughput", {}).get(
+            "output_tok_s"),
         "hf_batch1_tok_s": result.get("hf_batch1_tok_s"), "hf_batch64_tok_s": result.get("hf_batch64_tok_s"),
         "concurrency": n_conc}
     Path(args.out).write_text(json.dumps(result, indent=2))

@@ -47,10 +47,17 @@ class CacheConfig:
     num_cpu_blocks: int | None = None      # exact CPU tier block count (tests); None = from cpu_kv_gb
 
 
+# Token budget per step, as vLLM sets it on cards under 70 GiB: a server keeps steps short for inter-token latency,
+# offline work (generate, bench offline, eval) takes longer steps, which amortize each step's weight reads over more
+# prompt tokens (fewer mixed steps, fewer INT4 dequantize passes).
+SERVE_BATCHED_TOKENS = 2048
+OFFLINE_BATCHED_TOKENS = 8192
+
+
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = SERVE_BATCHED_TOKENS
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
 

@@ -269,7 +269,11 @@ class ModelRunner:
         self._prompt_logprobs(out, hidden, starts)
         pending = None
         if sample_rows:
-            logits = self.model.compute_logits(hidden[sample_rows])          # [S, vocab] fp32
+            if len(sample_rows) == hidden.shape[0]:                          # every row samples (decodes)
+                rows = hidden
+            else:   # a list index would go through pageable memory, which waits for the step in flight
+                rows = hidden[to_device(sample_rows, torch.long, hidden.device)]
+            logits = self.model.compute_logits(rows)                         # [S, vocab] fp32
             pending = self.sampler.sample(logits, sample_seqs)
         return LaunchedStep([item.sample for item in out.scheduled], pending)
 

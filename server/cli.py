@@ -4,7 +4,7 @@ import logging
 import os
 import sys
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import OFFLINE_BATCHED_TOKENS, SERVE_BATCHED_TOKENS, CacheConfig, EngineConfig, SchedulerConfig
 
 
 def demo_model_dir() -> str | None:
@@ -26,7 +26,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
                    help="override the detected quantization: awq, gptq, compressed-tensors, none")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help=f"token budget per step (default: {SERVE_BATCHED_TOKENS} for serve, "
+                        f"{OFFLINE_BATCHED_TOKENS} for offline commands, as vLLM on cards under 70 GiB)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
     p.add_argument("--kv-cache-dtype", default="auto",
                    choices=["auto", "fp16", "bf16", "fp8", "fp8_e4m3", "fp8_e5m2"])
@@ -49,6 +51,12 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--seed", type=int, default=0)
 
 
+def batched_tokens(args) -> int:
+    if args.max_num_batched_tokens is not None:
+        return args.max_num_batched_tokens
+    return SERVE_BATCHED_TOKENS if getattr(args, "command", None) == "serve" else OFFLINE_BATCHED_TOKENS
+
+
 def engine_config_from_args(args) -> EngineConfig:
     model = getattr(args, "model_tag", None) or args.model or demo_model_dir()
     if model is None:
@@ -62,7 +70,7 @@ def engine_config_from_args(args) -> EngineConfig:
                           kv_cache_memory_gb=args.kv_cache_memory_gb, gpu_memory_gb=args.gpu_memory_gb,
                           enable_prefix_caching=args.enable_prefix_caching,
                           kv_scale_source=args.kv_scale_source, cpu_kv_gb=args.cpu_kv_gb),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=batched_tokens(args),
                                   enable_chunked_prefill=args.enable_chunked_prefill))
 
 

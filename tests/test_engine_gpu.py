@@ -51,3 +51,33 @@ def test_cuda_graph_decode_matches_eager():
         ly = torch.tensor([lp.logprob for lp in y.outputs[0].logprobs])
         torch.testing.assert_close(lx, ly, atol=2e-2, rtol=0)
     assert_all_blocks_free(graphed)
+
+
+def test_async_launch_never_waits_for_the_step_in_flight():
+    """A launch behind a step in flight must queue everything: one synchronizing call (a pageable copy, .item(),
+    a list index on a CUDA tensor) makes the host wait for the GPU and async scheduling silently stops paying."""
+    engine = make_engine(awq_model_dir(), dtype="float16", device="cuda", chunk=64)
+    launch, behind = engine.runner.launch, []
+
+    def strict_launch(out, carry=None):
+        if carry is None:
+            return launch(out, carry)
+        behind.append(len(out.scheduled))
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(out, carry)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    engine.runner.launch = strict_launch
+    prompts = _prompts(engine, 6)
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    for i, ids in enumerate(prompts[:3]):          # decodes in flight while later prompts are admitted in chunks
+        engine.add_request(f"r{i}", ids, params)
+    engine.step(), engine.step()
+    for i, ids in enumerate(prompts[3:], start=3):
+        engine.add_request(f"r{i}", ids * 4, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert len(behind) > 10
+    assert_all_blocks_free(engine)

@@ -132,6 +132,16 @@ def test_serve_takes_vllm_flag_names():
     assert (config.quantization, config.dtype, config.load_format) == ("awq", "float16", "safetensors")
 
 
+def test_token_budget_defaults_follow_vllm():
+    """Serving keeps 2048-token steps (inter-token latency); offline commands take 8192 (throughput)."""
+    parse = server.cli.build_parser().parse_args
+    budget = lambda argv: server.cli.engine_config_from_args(parse(argv)).scheduler.max_num_batched_tokens  # noqa
+    assert budget(["serve", "m"]) == 2048
+    assert budget(["bench", "offline", "--model", "m"]) == 8192
+    assert budget(["generate", "--model", "m", "--prompt", "hi"]) == 8192
+    assert budget(["bench", "offline", "--model", "m", "--max-num-batched-tokens", "512"]) == 512
+
+
 def test_serve_without_a_model_fails_clearly(monkeypatch, capsys):
     monkeypatch.setattr(server.cli, "demo_model_dir", lambda: None)
     assert server.cli.main(["serve", "--port", "1"]) == 2
