@@ -1,4 +1,5 @@
 """Configuration passed down from the CLI. Plain dataclasses; no environment variables."""
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -77,3 +78,18 @@ class EngineConfig:
     max_model_len: int | None = None       # None = from the model config
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+def resolve_max_model_len(model: ModelConfig, wanted: int | None) -> int:
+    """The engine's context limit: the one asked for, within the model's positions and sliding window."""
+    limit = model.max_position_embeddings
+    if model.sliding_window and model.sliding_window < limit:
+        logging.getLogger("quant_serve").info("capping max_model_len at the sliding window of %d tokens",
+                                              model.sliding_window)
+        limit = model.sliding_window
+    if wanted is None:
+        return limit
+    if wanted > limit:
+        raise ValueError(f"max_model_len {wanted} exceeds the model's limit of {limit} tokens "
+                         "(max_position_embeddings or sliding window)")
+    return wanted

@@ -2,50 +2,25 @@
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
 
 from engine import kv_pool
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig
+from engine.config import EngineConfig, resolve_max_model_len
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_scales import resolve_kv_scales
-from engine.loader import default_device, load_model, load_model_config, pick_dtype, resolve_model_dir
+from engine.loader import (default_device, load_model, load_model_config, load_tokenizer, pick_dtype,
+                           resolve_model_dir)
 from engine.model_runner import Carry, LaunchedStep, ModelRunner
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.outputs import EngineStats, Request, RequestMetrics, RequestOutput
 from engine.sampler import needs_last_token_on_host
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from engine.sequence import Sequence
 
 logger = logging.getLogger("quant_serve")
-
-
-@dataclass
-class Request:
-    """One user request: n sequences sharing a prompt."""
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence]
-    detokenizers: list[IncrementalDetokenizer]
-    metrics: RequestMetrics
-    emitted_logprobs: list[int] = field(default_factory=list)   # per sequence: logprobs already returned
-
-
-@dataclass
-class EngineStats:
-    prompt_tokens_total: int = 0
-    generation_tokens_total: int = 0
-    num_preemptions_total: int = 0
-    requests_finished_total: int = 0
-    swapped_out_blocks_total: int = 0      # KV blocks copied GPU -> CPU tier (preemption or prefix eviction)
-    swapped_in_blocks_total: int = 0       # KV blocks copied CPU tier -> GPU (resume or CPU prefix hit)
-    swap_bytes_total: int = 0
-    cpu_prefix_hits_total: int = 0         # blocks served from the CPU tier by prefix hits
 
 
 class LLMEngine:
@@ -57,7 +32,7 @@ class LLMEngine:
         self.device = default_device() if config.device == "auto" else config.device
         quantized = self.model_config.quantization_config is not None and config.quantization != "none"
         self.dtype = pick_dtype(config.dtype, self.model_config, self.device, quantized)
-        self.max_model_len = self._max_model_len()
+        self.max_model_len = resolve_max_model_len(self.model_config, config.max_model_len)
         config.scheduler.max_model_len = self.max_model_len
         torch.manual_seed(config.seed)
         self.model, self.quant_config = load_model(self.model_dir, self.model_config, self.dtype, self.device,
@@ -95,21 +70,6 @@ class LLMEngine:
                     num_blocks * config.cache.block_size / self.max_model_len, self.max_model_len)
         if num_cpu_blocks:
             logger.info("KV CPU tier: %d blocks = %d tokens", num_cpu_blocks, num_cpu_blocks * config.cache.block_size)
-
-    # ---- setup -------------------------------------------------------------------------------------------
-    def _max_model_len(self) -> int:
-        limit = self.model_config.max_position_embeddings
-        window = self.model_config.sliding_window
-        if window and window < limit:
-            logger.info("capping max_model_len at the sliding window of %d tokens", window)
-            limit = window
-        wanted = self.config.max_model_len
-        if wanted is None:
-            return limit
-        if wanted > limit:
-            raise ValueError(f"max_model_len {wanted} exceeds the model's limit of {limit} tokens "
-                             "(max_position_embeddings or sliding window)")
-        return wanted
 
     # ---- requests ----------------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -274,30 +234,14 @@ class LLMEngine:
         stats.cpu_prefix_hits_total = self.block_manager.cpu_prefix_hits
 
     def _make_output(self, request: Request, deltas, now: float) -> RequestOutput:
-        outputs = []
-        for i, (seq, detok) in enumerate(zip(request.seqs, request.detokenizers)):
-            delta_text, delta_ids = deltas.get((request.request_id, i), ("", []))
-            want_lp = request.params.logprobs is not None
-            new_lps = seq.output_logprobs[request.emitted_logprobs[i]:] if want_lp else None
-            request.emitted_logprobs[i] = len(seq.output_logprobs)
-            outputs.append(CompletionOutput(
-                index=i, text=detok.output_text, token_ids=seq.output_token_ids, delta_text=delta_text,
-                delta_token_ids=delta_ids, logprobs=list(seq.output_logprobs) if want_lp else None,
-                delta_logprobs=new_lps,
-                cumulative_logprob=sum(lp.logprob for lp in seq.output_logprobs) if want_lp else None,
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
-        finished = all(seq.is_finished for seq in request.seqs)
-        if finished:
+        output = request.output(deltas)
+        if output.finished:
             request.metrics.finished_time = now
             self.requests.pop(request.request_id, None)
             for seq in request.seqs:
                 self._seq_owner.pop(seq.request_id, None)
             self.stats.requests_finished_total += 1
-        first = request.seqs[0]
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs, finished,
-                             prompt_logprobs=first.prompt_logprobs if request.params.prompt_logprobs is not None
-                             else None,
-                             num_cached_tokens=first.num_cached_tokens, metrics=request.metrics)
+        return output
 
     # ---- offline -----------------------------------------------------------------------------------------
     def generate(self, prompts: list[str | list[int]] | str, params: SamplingParams | list[SamplingParams] | None
@@ -350,11 +294,3 @@ class LLMEngine:
     @property
     def kv_cache_usage(self) -> float:
         return self.block_manager.usage
-
-
-def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except Exception as e:
-        raise ValueError(f"cannot load a tokenizer from {path}: {e}") from e

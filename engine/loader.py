@@ -255,3 +255,10 @@ def pick_dtype(requested: str, cfg: ModelConfig, device: str, quantized: bool) -
         return torch.float16
     return cfg.torch_dtype if cfg.torch_dtype in (torch.float16, torch.bfloat16) else torch.float16
 
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:
+        raise ValueError(f"cannot load a tokenizer from {path}: {e}") from e
