@@ -98,9 +98,10 @@ def profile(batch: int, ctx: int, kv: str, eager: bool, steps: int = 24) -> dict
     torch.cuda.synchronize()
     prefill_start, prefill_steps = time.perf_counter(), 0
     mixed, step_times = None, []
+    mid = max(2, batch * ctx // engine.config.scheduler.max_num_batched_tokens // 2)
     while engine.scheduler.waiting or any(s.num_output_tokens == 0 for s in engine.scheduler.running):
         t0 = time.perf_counter()
-        if prefill_steps == 40:                           # mid-phase: decodes of early sequences + a prefill chunk
+        if prefill_steps == mid:                          # mid-phase: decodes of early sequences + a prefill chunk
             decoding = sum(s.num_output_tokens > 0 for s in engine.scheduler.running)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                     torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -110,8 +111,7 @@ def profile(batch: int, ctx: int, kv: str, eager: bool, steps: int = 24) -> dict
             mixed["gpu_kernel_ms_per_step"], mixed["top_kernels"] = kernel_table(prof, 1)
         else:
             engine.step()                                 # prefills (and the first decodes of early sequences)
-        torch.cuda.synchronize()
-        step_times.append(time.perf_counter() - t0)
+        step_times.append(time.perf_counter() - t0)       # host wall time of the call: no sync (async steps)
         prefill_steps += 1
     torch.cuda.synchronize()
     prefill_s = time.perf_counter() - prefill_start
@@ -124,14 +124,16 @@ def profile(batch: int, ctx: int, kv: str, eager: bool, steps: int = 24) -> dict
     wall_timed(engine, "_emit_pending", phases["emit_previous"])
     wall_timed(engine.scheduler, "advance", phases["advance"])
     wall_timed(engine.scheduler, "apply_tokens", phases["apply_tokens"])
-    times, sizes = [], []
+    # Consecutive steps without a device sync between them: with async scheduling a sync after each step would
+    # also wait for the step launched ahead and leave the GPU idle while the host schedules the next one.
+    sizes = []
+    torch.cuda.synchronize()
+    start = time.perf_counter()
     for _ in range(steps):
         sizes.append(len(engine.scheduler.running))
-        torch.cuda.synchronize()
-        start = time.perf_counter()
         engine.step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    step_ms = (time.perf_counter() - start) / steps * 1e3
     host_phase_ms = {k: median_ms(v) for k, v in phases.items() if v}
     for name in ("schedule", "advance", "apply_tokens"):
         vars(engine.scheduler).pop(name)
@@ -149,8 +151,8 @@ def profile(batch: int, ctx: int, kv: str, eager: bool, steps: int = 24) -> dict
         engine.step()
     if min(sizes) != batch:
         raise RuntimeError(f"decode batch shrank to {min(sizes)} of {batch} during the measured steps")
-    result = {"batch": batch, "context": ctx, "kv": kv, "cuda_graphs": not eager, "step_ms": median_ms(times),
-              "decode_tok_s": batch / (median_ms(times) / 1e3),
+    result = {"batch": batch, "context": ctx, "kv": kv, "cuda_graphs": not eager, "step_ms": step_ms,
+              "decode_tok_s": batch / (step_ms / 1e3),
               "prefill_phase_s": prefill_s, "prefill_phase_steps": prefill_steps,
               "prefill_phase_prompt_tok_s": batch * ctx / prefill_s,
               "prefill_phase_step_ms": [round(t * 1e3, 2) for t in step_times], "mixed_step_profile": mixed,

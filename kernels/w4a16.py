@@ -106,10 +106,12 @@ def standard_layout(w: W4A16Weights) -> tuple[torch.Tensor, torch.Tensor, torch.
 
 def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor | W4A16Weights, scales: torch.Tensor | None = None,
                  qzeros: torch.Tensor | None = None, group_size: int = -1, perm: torch.Tensor | None = None,
-                 bias: torch.Tensor | None = None, config: W4A16Config | None = None) -> torch.Tensor:
+                 bias: torch.Tensor | None = None, config: W4A16Config | None = None,
+                 silu_mul: bool = False) -> torch.Tensor:
     """x: [..., K] fp16/bf16 -> [..., N] in x's dtype. qweight: standard int32 [K/8, N] (with scales, qzeros,
     group_size, perm) or a W4A16Weights (the other weight arguments are then ignored). config overrides the
-    measured dispatch (benchmarks, tests)."""
+    measured dispatch (benchmarks, tests). silu_mul (N = 2I, gate | up): -> [..., I] = silu(gate) * up."""
+    from kernels.norm_act import silu_and_mul_ref
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])                                                  # [M, K]
     if not x.is_cuda:
@@ -117,15 +119,18 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor | W4A16Weights, scales: 
             perm = qweight.perm
             qweight, scales, qzeros, group_size = standard_layout(qweight)
         y = w4a16_matmul_ref(x2, qweight, scales, qzeros, group_size, perm, bias)
+        y = silu_and_mul_ref(y) if silu_mul else y
         return y.reshape(*lead, y.shape[-1])
     w = qweight if isinstance(qweight, W4A16Weights) else prepare_w4a16(qweight, scales, qzeros, group_size, perm)
-    y = w4a16_forward(x2, w, bias, config)
+    y = w4a16_forward(x2, w, bias, config, silu_mul)
     return y.reshape(*lead, y.shape[-1])
 
 
 def w4a16_forward(x: torch.Tensor, w: W4A16Weights, bias: torch.Tensor | None = None,
-                  config: W4A16Config | None = None) -> torch.Tensor:
-    """CUDA path. x: [M, K] -> [M, N]."""
+                  config: W4A16Config | None = None, silu_mul: bool = False) -> torch.Tensor:
+    """CUDA path. x: [M, K] -> [M, N], or [M, N/2] = silu(gate) * up with silu_mul (fused into the GEMV's split-K
+    reduce where it has one, else the silu_and_mul kernel after the matmul)."""
+    from kernels.norm_act import silu_and_mul
     from kernels.w4a16_gemm import w4a16_dequant_matmul, w4a16_gemm
     from kernels.w4a16_gemv import w4a16_gemv
     if w.perm is not None:
@@ -136,8 +141,10 @@ def w4a16_forward(x: torch.Tensor, w: W4A16Weights, bias: torch.Tensor | None = 
     cfg = config or select_config(m, k, w.out_features, x.device)
     if cfg.path == "gemv":
         return w4a16_gemv(x, w, bias, cfg.block_n, cfg.split_k, cfg.num_warps, cfg.num_stages, cfg.one_launch,
-                          cfg.pipeline, cfg.rows)
+                          cfg.pipeline, cfg.rows, silu_mul)
     if cfg.path in ("gemm", "gemmt"):
-        return w4a16_gemm(x, w, bias, cfg.block_m, cfg.block_n, cfg.split_k, cfg.num_warps, cfg.num_stages,
-                          swap=cfg.path == "gemmt", one_launch=cfg.one_launch)
-    return w4a16_dequant_matmul(x, w, bias)
+        y = w4a16_gemm(x, w, bias, cfg.block_m, cfg.block_n, cfg.split_k, cfg.num_warps, cfg.num_stages,
+                       swap=cfg.path == "gemmt", one_launch=cfg.one_launch)
+    else:
+        y = w4a16_dequant_matmul(x, w, bias)
+    return silu_and_mul(y) if silu_mul else y

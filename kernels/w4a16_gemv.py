@@ -313,10 +313,12 @@ def _w4a16_gemv_kernel(x_ptr, b_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bia
 
 
 def w4a16_gemv(x: torch.Tensor, w, bias: torch.Tensor | None, block_n: int, split_k: int, num_warps: int,
-               num_stages: int, one_launch: bool = False, pipeline: bool = False, rows: int = 0) -> torch.Tensor:
+               num_stages: int, one_launch: bool = False, pipeline: bool = False, rows: int = 0,
+               silu_mul: bool = False) -> torch.Tensor:
     """x: [M, K] (already act-order permuted, unit stride along K), w: W4A16Weights -> [M, N] in x's dtype.
     one_launch: split-K summed by the last split (ticket) instead of a second kernel; pipeline: loads in
-    tl.range(num_stages) instead of the register prefetch; rows: tile rows per step (0: pack_k/2, a chunk)."""
+    tl.range(num_stages) instead of the register prefetch; rows: tile rows per step (0: pack_k/2, a chunk).
+    silu_mul (N = 2I, gate | up): -> [M, I] = silu(gate) * up, computed by the split-K reduce when there is one."""
     from kernels.w4a16 import weight_bytes
     M, K = x.shape
     N = w.qweight.shape[1]
@@ -340,5 +342,12 @@ def w4a16_gemv(x: torch.Tensor, w, bias: torch.Tensor | None, block_n: int, spli
         PERMUTED=N % 4 == 0, BLOCK_N=block_n, ROWS=rows, STAGES=num_stages if pipeline else 0, PACK_K=w.pack_k,
         num_warps=num_warps, num_stages=num_stages)
     if splits > 1 and not one_launch:
+        if silu_mul:
+            act = torch.empty((M, N // 2), dtype=x.dtype, device=x.device)
+            launch_splitk_reduce(ws, bias, act, splits, silu_mul=True)
+            return act
         launch_splitk_reduce(ws, bias, out, splits)
+    if silu_mul:
+        from kernels.norm_act import silu_and_mul
+        return silu_and_mul(out)
     return out

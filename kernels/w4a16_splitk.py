@@ -74,26 +74,42 @@ def _write_out(acc, out_ptr, bias_ptr, offs_m, offs_n, N, mask, stride_om, HAS_B
 
 @triton.jit(do_not_specialize=["M", "split_k"])
 def _splitk_reduce_kernel(ws_ptr, bias_ptr, out_ptr, M, N, stride_om, split_k,
-                          HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    """out[m, n] = sum_s ws[s, m, n] (+ bias): a second pass keeps split-K deterministic and needs no memset."""
+                          HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK: tl.constexpr):
+    """out[m, n] = sum_s ws[s, m, n] (+ bias): a second pass keeps split-K deterministic and needs no memset.
+    SILU_MUL (N = 2I, gate | up): out [M, I] = silu(gate) * up, each half first rounded to out's dtype, as the
+    unfused GEMV + silu_and_mul kernel computes it (bit-identical), one launch and one [M, 2I] round trip fewer."""
+    W: tl.constexpr = 2 if SILU_MUL else 1
+    cols = N // W
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < M * N
-    acc = tl.load(ws_ptr + offs, mask=mask, other=0.0)
+    mask = offs < M * cols
+    m = offs // cols
+    n = offs % cols
+    src = m * N + n
+    acc = tl.load(ws_ptr + src, mask=mask, other=0.0)
     for s in range(1, split_k):
-        acc += tl.load(ws_ptr + s * M * N + offs, mask=mask, other=0.0)
-    m = offs // N
-    n = offs % N
+        acc += tl.load(ws_ptr + s * M * N + src, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    if SILU_MUL:
+        up = tl.load(ws_ptr + src + cols, mask=mask, other=0.0)
+        for s in range(1, split_k):
+            up += tl.load(ws_ptr + s * M * N + src + cols, mask=mask, other=0.0)
+        if HAS_BIAS:
+            up += tl.load(bias_ptr + n + cols, mask=mask, other=0.0).to(tl.float32)
+        gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        up = up.to(out_ptr.dtype.element_ty).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty)
+        acc = act.to(tl.float32) * up
     tl.store(out_ptr + m * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def launch_splitk_reduce(ws: torch.Tensor, bias, out: torch.Tensor, split_k: int) -> None:
-    M, N = out.shape
+def launch_splitk_reduce(ws: torch.Tensor, bias, out: torch.Tensor, split_k: int, silu_mul: bool = False) -> None:
+    """ws fp32 [S, M, N] -> out [M, N], or [M, N/2] = silu(gate) * up with silu_mul."""
+    M, cols = out.shape
     block = 1024
-    _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](
-        ws, bias if bias is not None else ws, out, M, N, out.stride(0), split_k,
-        HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+    _splitk_reduce_kernel[(triton.cdiv(M * cols, block),)](
+        ws, bias if bias is not None else ws, out, M, ws.shape[2], out.stride(0), split_k,
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, BLOCK=block, num_warps=4)
 
 
 def split_buffers(x: torch.Tensor, M: int, N: int, splits: int, one_launch: bool, tiles: int):

@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from kernels.w4a16_ref import dequantize_w4, pack_int4_cols, w4a16_matmul_ref
+from kernels.norm_act import silu_and_mul
 from kernels.w4a16 import W4A16Weights, prepare_w4a16, standard_layout, w4a16_matmul
 
 
@@ -43,6 +44,10 @@ class DenseLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(x, self.weight, self.bias)
+
+    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """A merged gate | up layer followed by the SwiGLU activation: [T, K] -> silu(gate) * up [T, N/2]."""
+        return silu_and_mul(self(x))
 
 
 class QuantLinear(nn.Module):
@@ -166,6 +171,14 @@ class QuantLinear(nn.Module):
         if self.packed is not None:
             return w4a16_matmul(x, self.packed, bias=self.bias)
         return w4a16_matmul_ref(x, self.qweight, self.scales, self.qzeros, self.group_size, self.perm, self.bias)
+
+    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """As DenseLinear.forward_silu_mul; on the kernel layout the GEMV's split-K reduce applies it (one launch
+        fewer per layer at decode)."""
+        hooked = self._forward_hooks or self._forward_pre_hooks      # eval's per-layer error hooks see [T, N]
+        if self.parts is None and self.packed is not None and not hooked:
+            return w4a16_matmul(x, self.packed, bias=self.bias, silu_mul=True)
+        return silu_and_mul(self(x))
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, output_sizes={self.output_sizes}, group_size={self.group_size}, "

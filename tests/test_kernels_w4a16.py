@@ -267,3 +267,38 @@ def test_gpu_one_launch_in_cuda_graph():
             for y, r in zip(ys, refs):
                 assert torch.equal(y, r)
     assert not tile_counters(torch.device("cuda"), 1).any()
+
+
+@pytest.mark.parametrize("split_k,one_launch,bias", [(3, False, True), (3, False, False), (1, False, True),
+                                                     (3, True, True)])
+def test_gemv_silu_mul_equals_unfused(split_k, one_launch, bias):
+    """gate | up -> silu(gate) * up: fused into the split-K reduce (two launches) or applied after (otherwise),
+    bit-identical to the GEMV followed by the silu_and_mul kernel."""
+    from kernels.norm_act import silu_and_mul_triton
+    k, inter = 384, 48
+    qweight, scales, qzeros, gs, _ = make_weights(k, 2 * inter, 128, True, False, torch.float16, seed=split_k)
+    w = prepare_w4a16(qweight, scales, qzeros, gs)
+    x = torch.randn(1, k, dtype=torch.float16, device=DEV)
+    b = torch.randn(2 * inter, dtype=torch.float16, device=DEV) if bias else None
+    cfg = W4A16Config("gemv", 1, 32, split_k, one_launch=one_launch)
+    fused = w4a16_forward(x, w, b, cfg, silu_mul=True)
+    assert fused.shape == (1, inter)
+    unfused = silu_and_mul_triton(w4a16_forward(x, w, b, cfg))
+    if split_k > 1 and not one_launch:                       # the reduce applied it: same formula, same roundings
+        assert torch.equal(fused, unfused)
+    else:
+        torch.testing.assert_close(fused, unfused, atol=1e-3, rtol=1e-3)
+    twin = w4a16_matmul(x.cpu(), qweight.cpu(), scales.cpu(), qzeros.cpu(), gs, bias=None if b is None else b.cpu(),
+                        silu_mul=True)
+    torch.testing.assert_close(fused.cpu().float(), twin.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_gate_up_silu_mul_fused_bitwise():
+    """Qwen2.5-7B gate | up at M=1 with the dispatcher's config: the fused reduce gives the unfused bits."""
+    from kernels.norm_act import silu_and_mul_triton
+    qweight, scales, qzeros, gs, _ = make_weights(3584, 37888, 128, True, False, torch.float16, seed=7)
+    w = prepare_w4a16(qweight, scales, qzeros, gs)
+    for m in (1, 4, 64, 300):
+        x = torch.randn(m, 3584, dtype=torch.float16, device="cuda")
+        assert torch.equal(w4a16_forward(x, w, None, silu_mul=True), silu_and_mul_triton(w4a16_forward(x, w)))

@@ -10,7 +10,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention_forward
 from engine.config import ModelConfig
-from kernels.norm_act import rms_norm, silu_and_mul
+from kernels.norm_act import rms_norm
 from quant.linear import make_linear
 
 
@@ -99,7 +99,7 @@ class MLP(nn.Module):
                                      [f"{prefix}.down_proj"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.forward_silu_mul(x))                  # silu(gate) * up
 
 
 class DecoderLayer(nn.Module):
