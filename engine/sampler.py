@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.sequence import Logprob, Sequence
-from engine.transfer import to_device
+from engine.transfer import start_to_host, to_device
 
 # Temperatures below this are treated as greedy: dividing by them overflows fp32 (vLLM uses the same cut-off).
 _SAMPLING_EPS = 1e-5
@@ -22,8 +22,8 @@ class SamplerOutput:
 
 @dataclass
 class PendingSample:
-    """A sample still on the device: resolve() makes the step's one device-to-host copy (and waits for the GPU),
-    so the host can do other work between Sampler.sample() and resolve()."""
+    """A sample still on the device: its one device-to-host copy is queued when it is made; resolve() waits for it
+    (i.e. for this step, not for steps launched after it), so the host can do other work in between."""
     token_ids: torch.Tensor            # [S] int64, on the device (the next step's input before the host has it)
     values: torch.Tensor               # [S] int64 token ids, or float64 ids + chosen logprobs (+ top ids, top logprobs)
     num_seqs: int
@@ -31,11 +31,14 @@ class PendingSample:
     k: int = 0                         # top alternatives computed per such row
     wanted: list[int] | None = None    # alternatives each such row asked for (<= k)
 
+    def __post_init__(self):
+        self._host = start_to_host(self.values)          # queued now, behind this step only
+
     def resolve(self) -> SamplerOutput:
         num_seqs = self.num_seqs
         if not self.rows:
-            return SamplerOutput(token_ids=self.values.tolist(), logprobs=[None] * num_seqs)
-        flat, k = self.values.tolist(), self.k
+            return SamplerOutput(token_ids=self._host.wait().tolist(), logprobs=[None] * num_seqs)
+        flat, k = self._host.wait().tolist(), self.k
         token_ids = [int(t) for t in flat[:num_seqs]]
         chosen_lp = flat[num_seqs:2 * num_seqs]
         top_ids_flat = flat[2 * num_seqs:2 * num_seqs + len(self.rows) * k]

@@ -1,4 +1,7 @@
-"""Host values to the device without making the host wait for the GPU."""
+"""Host values to the device and device results to the host without making the host wait for more GPU work than
+it needs."""
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -12,3 +15,27 @@ def to_device(values: list | np.ndarray, dtype: torch.dtype, device: torch.devic
     host = torch.from_numpy(np.asarray(values, dtype=_NUMPY[dtype])) if dtype in _NUMPY else \
         torch.as_tensor(values, dtype=dtype)
     return host.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else host
+
+
+@dataclass
+class HostCopy:
+    """A device tensor on its way to the host: the copy is queued when it is made, so wait() returns once the work
+    queued before it is done. A plain .cpu() / .tolist() at resolve time would queue the copy behind every step
+    launched since (async scheduling launches the next step first) and wait for those too."""
+    host: torch.Tensor
+    done: torch.cuda.Event | None
+
+    def wait(self) -> torch.Tensor:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host
+
+
+def start_to_host(t: torch.Tensor) -> HostCopy:
+    if t.device.type != "cuda":
+        return HostCopy(t, None)
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return HostCopy(host, done)

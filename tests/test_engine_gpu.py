@@ -81,3 +81,14 @@ def test_async_launch_never_waits_for_the_step_in_flight():
         engine.step()
     assert len(behind) > 10
     assert_all_blocks_free(engine)
+
+
+def test_sample_copy_does_not_wait_for_later_work():
+    """The sampled tokens' copy is queued with the step: resolving it must not wait for the step launched after."""
+    from engine.sampler import PendingSample
+    tokens = torch.arange(8, device="cuda")
+    pending = PendingSample(tokens, tokens, 8, [])
+    torch.cuda._sleep(2_000_000_000)                      # ~1 s of GPU work queued behind the copy: the next step
+    assert pending.resolve().token_ids == list(range(8))
+    assert not torch.cuda.current_stream().query(), "resolve() waited for work queued after the sample"
+    torch.cuda.synchronize()
