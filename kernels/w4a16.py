@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.norm_act import silu_and_mul, silu_and_mul_ref
 from kernels.w4a16_ref import pack_int4_rows, unpack_int4_rows, w4a16_matmul_ref
 from kernels.w4a16_tuning import W4A16Config, select_config
 
@@ -111,7 +112,6 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor | W4A16Weights, scales: 
     """x: [..., K] fp16/bf16 -> [..., N] in x's dtype. qweight: standard int32 [K/8, N] (with scales, qzeros,
     group_size, perm) or a W4A16Weights (the other weight arguments are then ignored). config overrides the
     measured dispatch (benchmarks, tests). silu_mul (N = 2I, gate | up): -> [..., I] = silu(gate) * up."""
-    from kernels.norm_act import silu_and_mul_ref
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])                                                  # [M, K]
     if not x.is_cuda:
@@ -130,7 +130,6 @@ def w4a16_forward(x: torch.Tensor, w: W4A16Weights, bias: torch.Tensor | None = 
                   config: W4A16Config | None = None, silu_mul: bool = False) -> torch.Tensor:
     """CUDA path. x: [M, K] -> [M, N], or [M, N/2] = silu(gate) * up with silu_mul (fused into the GEMV's split-K
     reduce where it has one, else the silu_and_mul kernel after the matmul)."""
-    from kernels.norm_act import silu_and_mul
     from kernels.w4a16_gemm import w4a16_dequant_matmul, w4a16_gemm
     from kernels.w4a16_gemv import w4a16_gemv
     if w.perm is not None:

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.norm_act import silu_and_mul
 from kernels.w4a16_splitk import _store_result, launch_splitk_reduce, split_buffers, split_plan  # noqa: F401
 
 def _dequant_lines(word: int, scale: int, zlo: int, zhi: int) -> str:
@@ -348,6 +349,5 @@ def w4a16_gemv(x: torch.Tensor, w, bias: torch.Tensor | None, block_n: int, spli
             return act
         launch_splitk_reduce(ws, bias, out, splits)
     if silu_mul:
-        from kernels.norm_act import silu_and_mul
         return silu_and_mul(out)
     return out
