@@ -232,7 +232,7 @@ class Sampler:
         if k > 0:
             top_lp, top_ids = raw_logprobs[idx].topk(k, dim=-1)                                  # [R, k]
             parts += [top_ids.flatten().double(), top_lp.flatten().double()]
-        # One device-to-host copy at resolve(): ids (< 2**53) and fp32 logprobs are both exact in float64.
+        # One device-to-host copy (queued by PendingSample): ids (< 2**53) and fp32 logprobs are exact in float64.
         return PendingSample(sampled, torch.cat(parts), len(seqs), rows, k,
                              [min(seqs[i].params.logprobs, k) for i in rows])
 

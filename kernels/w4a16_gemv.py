@@ -329,7 +329,8 @@ def w4a16_gemv(x: torch.Tensor, w, bias: torch.Tensor | None, block_n: int, spli
     splits, per = split_plan(K, w.pack_k, split_k)
     n_tiles = triton.cdiv(N, block_n)
     one_launch = one_launch and splits > 1
-    out, ws, counters = split_buffers(x, M, N, splits, one_launch, M * n_tiles)
+    fused = silu_mul and splits > 1 and not one_launch             # the reduce pass applies silu(gate) * up
+    out, ws, counters = split_buffers(x, M, N, splits, one_launch, M * n_tiles, N // 2 if fused else 0)
     zeros = w.qzeros if w.qzeros is not None else w.qweight
     fast = fast_dequant_ok(x, w)
     # fast path: int32 words [Kp/2, N/4] and fp16 scale pairs as int32 [G, N/2]
@@ -343,11 +344,6 @@ def w4a16_gemv(x: torch.Tensor, w, bias: torch.Tensor | None, block_n: int, spli
         PERMUTED=N % 4 == 0, BLOCK_N=block_n, ROWS=rows, STAGES=num_stages if pipeline else 0, PACK_K=w.pack_k,
         num_warps=num_warps, num_stages=num_stages)
     if splits > 1 and not one_launch:
-        if silu_mul:
-            act = torch.empty((M, N // 2), dtype=x.dtype, device=x.device)
-            launch_splitk_reduce(ws, bias, act, splits, silu_mul=True)
-            return act
-        launch_splitk_reduce(ws, bias, out, splits)
-    if silu_mul:
-        return silu_and_mul(out)
-    return out
+        launch_splitk_reduce(ws, bias, out, splits, silu_mul=fused)   # [M, N/2] when fused
+        return out
+    return silu_and_mul(out) if silu_mul else out

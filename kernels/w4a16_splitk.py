@@ -112,9 +112,9 @@ def launch_splitk_reduce(ws: torch.Tensor, bias, out: torch.Tensor, split_k: int
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, BLOCK=block, num_warps=4)
 
 
-def split_buffers(x: torch.Tensor, M: int, N: int, splits: int, one_launch: bool, tiles: int):
-    """-> (out [M, N] in x's dtype, workspace fp32 [S, M, N] or out when S == 1, counters or out)."""
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+def split_buffers(x: torch.Tensor, M: int, N: int, splits: int, one_launch: bool, tiles: int, out_cols: int = 0):
+    """-> (out [M, out_cols or N] in x's dtype, workspace fp32 [S, M, N] or out when S == 1, counters or out)."""
+    out = torch.empty((M, out_cols or N), dtype=x.dtype, device=x.device)
     if splits == 1:
         return out, out, out
     ws = torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
