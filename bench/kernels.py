@@ -35,10 +35,10 @@ import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from kernels.paged_attention import DecodeConfig, paged_decode  # noqa: E402
-from kernels.w4a16 import prepare_w4a16, w4a16_forward  # noqa: E402
-from kernels.w4a16_gemm import w4a16_dequantize  # noqa: E402
-from kernels.w4a16_tuning import (W4A16Config, candidate_configs, gpu_family, refinements,  # noqa: E402
-                                  select_config, table_row)
+from kernels.w4a16 import FragWeights, prepare_kernel_weights, prepare_w4a16, w4a16_forward  # noqa: E402
+from kernels.w4a16_ref import dequantize_w4  # noqa: E402
+from kernels.w4a16_tuning import (MMA_MAX_M, W4A16Config, candidate_configs, gpu_family, refinements,  # noqa: E402
+                                  select_config, select_mma_config, table_row)
 
 SHAPES = {"qkv": (3584, 4608), "o": (3584, 3584), "gate_up": (3584, 37888), "down": (18944, 3584)}
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
@@ -113,6 +113,15 @@ def load_awq(sdist: str):
     return module
 
 
+def ours_config(w, m, k, n) -> dict:
+    """The dispatcher's choice for this call, as recorded in the JSON."""
+    if isinstance(w, FragWeights):
+        if m <= MMA_MAX_M:
+            return dict(path="mma", **dataclasses.asdict(select_mma_config(m, k, n)))
+        return {"path": "frag_dequant"}
+    return dataclasses.asdict(select_config(m, k, n, torch.device(DEV)))
+
+
 def nbytes(m, k, n, int4=True):
     """Bytes a layer call must move: weights (+ g128 scales and packed zeros for INT4), x and y."""
     return (k * n // 2 + (k // GS) * n * 5 // 2 if int4 else k * n * 2) + m * k * 2 + m * n * 2
@@ -173,10 +182,15 @@ def bench_linear(name, k, n, awq, tune, deadline, log):
 
     qweight, qzeros = ints(k // 8, n), ints(g, n // 8)
     scales = (torch.rand(g, n, device=DEV) * 0.01 + 0.001).half()
-    w = prepare_w4a16(qweight, scales, qzeros, GS)
+    w = prepare_kernel_weights(qweight, scales, qzeros, GS)          # what the engine loads (fragment layout)
     rot = copies(nbytes(0, k, n))
-    ws = [w] + [dataclasses.replace(w, qweight=w.qweight.clone(), scales=w.scales.clone(), qzeros=w.qzeros.clone())
-                for _ in range(rot - 1)]
+
+    def clone(w):
+        words = {"words": w.words.clone()} if isinstance(w, FragWeights) else {"qweight": w.qweight.clone()}
+        return dataclasses.replace(w, scales=w.scales.clone(), qzeros=w.qzeros.clone(), **words)
+    ws = [w] + [clone(w) for _ in range(rot - 1)]
+    tune_ws = [prepare_w4a16(qweight, scales, qzeros, GS)] if tune else []   # --tune sweeps the row-layout kernels
+    tune_ws += [clone(tune_ws[0]) for _ in range(rot - 1)] if tune else []
     dense = [torch.randn(k, n, dtype=torch.float16, device=DEV) * 0.02 for _ in range(copies(k * n * 2))]
     tiny = tiny_err = None
     try:
@@ -186,7 +200,7 @@ def bench_linear(name, k, n, awq, tune, deadline, log):
     except Exception as e:
         tiny_err = repr(e)[:300]
     awq_ws = [(ints(k, n // 8), scales.clone(), ints(g, n // 8)) for _ in range(rot)] if awq is not None else []
-    dense_ref = w4a16_dequantize(w, torch.float32)                 # exact (tested), for a correctness check
+    dense_ref = dequantize_w4(qweight, scales, qzeros, GS, torch.float32)   # the twin, for a correctness check
     rows = []
     for m in MS:
         x = torch.randn(m, k, dtype=torch.float16, device=DEV)
@@ -195,7 +209,7 @@ def bench_linear(name, k, n, awq, tune, deadline, log):
         row = {"m": m, "ours_rel_err": err, "fp16_us": graph_us([lambda d=d: torch.mm(x, d) for d in dense]),
                "fp16_dobench_us": us(lambda: torch.mm(x, dense[0])),
                "ours_us": graph_us([lambda w=w: w4a16_forward(x, w) for w in ws]),
-               "ours_config": dataclasses.asdict(select_config(m, k, n, x.device))}
+               "ours_config": ours_config(w, m, k, n)}
         if tiny is not None:
             xb = x.bfloat16()
             timed(row, "tinygemm", [lambda t=t: torch.ops.aten._weight_int4pack_mm(xb, t[0], GS, t[1]) for t in tiny])
@@ -208,7 +222,7 @@ def bench_linear(name, k, n, awq, tune, deadline, log):
                 fns = [lambda a=a: awq.awq_gemm_triton(x, *a, split_k_iters=8) for a in awq_ws]
             timed(row, "awq", fns)
         if tune and m in TUNE_MS:
-            row["tune"], best = tune_point(x, ws, m, k, n, deadline, ref)
+            row["tune"], best = tune_point(x, tune_ws, m, k, n, deadline, ref)
             if best is not None:
                 row["tuned_us"], row["tuned_config"], row["tuned_pack_k"] = best["us"], best["config"], best["pack_k"]
         for key in ("fp16", "ours", "tinygemm", "awq", "tuned"):

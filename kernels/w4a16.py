@@ -1,22 +1,27 @@
-"""W4A16 entry points: the kernel layout (`prepare_w4a16`) and the dispatcher `w4a16_matmul`.
+"""W4A16 entry points: the kernel layouts (`prepare_kernel_weights`) and the dispatcher `w4a16_matmul`.
 
 On CPU tensors everything runs the torch twin (kernels/w4a16_ref.py) on the standard internal layout. On CUDA the
-weights should be prepared once at load: the Triton kernels read a byte repack of qweight (see W4A16Weights and
-kernels/w4a16_gemv.py); passing standard tensors on CUDA repacks on every call (correct, slow).
-Paths, picked per (M, K, N) from the measured table in kernels/w4a16_tuning.py:
+weights are prepared once at load into one of two layouts; passing standard tensors on CUDA repacks on every call
+(correct, slow).
+Fragment layout (kernels/w4a16_frag.py; fp16 layers with N % 16 == 0, the common case): the Gluon tensor-core
+kernel (kernels/w4a16_mma.py) up to M = 64, then a dequantize pass + cuBLAS.
+Row layout (W4A16Weights; bf16 and other layers): the Triton kernels read a byte repack of qweight
+(kernels/w4a16_gemv.py), paths picked per (M, K, N) from the measured table in kernels/w4a16_tuning.py:
   gemv     one row per program, CUDA-core FMAs, split-K                      (M = 1..few)
            (split-K partials: summed by a second kernel, or, with one_launch, by the last split to arrive)
   gemm     tensor-core tiles, split-K when the tiles alone cannot fill the GPU (M = 2..mid); "gemmt" computes
            y^T = W^T x^T (the weight tile is the MMA's M side)
   dequant  Triton dequantize to a dense W, then cuBLAS                          (large M)
 """
+import os
 from dataclasses import dataclass
 
 import torch
 
 from kernels.norm_act import silu_and_mul, silu_and_mul_ref
+from kernels.w4a16_frag import FragWeights, frag_standard, prepare_frag
 from kernels.w4a16_ref import pack_int4_rows, unpack_int4_rows, w4a16_matmul_ref
-from kernels.w4a16_tuning import W4A16Config, select_config
+from kernels.w4a16_tuning import MMA_MAX_M, MMAConfig, W4A16Config, select_config, select_mma_config
 
 DEFAULT_PACK_K = 128
 
@@ -99,13 +104,34 @@ def prepare_w4a16(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Ten
                         None if perm is None else perm.to(torch.long))
 
 
-def standard_layout(w: W4A16Weights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
-    """W4A16Weights -> (qweight [K/8, N], scales, qzeros, group_size) in the standard layout (the twin's input)."""
+def frag_applies(k: int, n: int, group_size: int, scales_dtype: torch.dtype, device: torch.device) -> bool:
+    """The fragment layout and its tensor-core kernels serve this layer: fp16, N % 16 == 0, groups of a multiple
+    of 16 rows (or one group), an sm80+ GPU; QUANT_SERVE_W4A16_LAYOUT=rows keeps the row layout everywhere."""
+    gs = k if group_size <= 0 else group_size
+    return (device.type == "cuda" and os.environ.get("QUANT_SERVE_W4A16_LAYOUT", "auto") != "rows"
+            and scales_dtype == torch.float16 and n % 16 == 0 and (gs >= k or gs % 16 == 0)
+            and torch.cuda.get_device_capability(device)[0] >= 8)
+
+
+def prepare_kernel_weights(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
+                           group_size: int, perm: torch.Tensor | None = None) -> "W4A16Weights | FragWeights":
+    """Standard internal layout -> the layout the GPU kernels read: the fragment layout where it applies (tensor
+    cores from M = 1), else the row layout. Run once at load, on the weights' device."""
+    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    if frag_applies(k, n, group_size, scales.dtype, qweight.device):
+        return prepare_frag(qweight, scales, qzeros, group_size, perm)
+    return prepare_w4a16(qweight, scales, qzeros, group_size, perm)
+
+
+def standard_layout(w: "W4A16Weights | FragWeights") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+    """Kernel layout -> (qweight [K/8, N], scales, qzeros, group_size) in the standard layout (the twin's input)."""
+    if isinstance(w, FragWeights):
+        return frag_standard(w)
     codes = _from_bytes(weight_bytes(w), w.pack_k)[: w.in_features]
     return pack_int4_rows(codes), w.scales, w.qzeros, w.group_size
 
 
-def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor | W4A16Weights, scales: torch.Tensor | None = None,
+def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor | W4A16Weights | FragWeights, scales: torch.Tensor | None = None,
                  qzeros: torch.Tensor | None = None, group_size: int = -1, perm: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None, config: W4A16Config | None = None,
                  silu_mul: bool = False) -> torch.Tensor:
@@ -115,21 +141,24 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor | W4A16Weights, scales: 
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])                                                  # [M, K]
     if not x.is_cuda:
-        if isinstance(qweight, W4A16Weights):
+        if isinstance(qweight, (W4A16Weights, FragWeights)):
             perm = qweight.perm
             qweight, scales, qzeros, group_size = standard_layout(qweight)
         y = w4a16_matmul_ref(x2, qweight, scales, qzeros, group_size, perm, bias)
         y = silu_and_mul_ref(y) if silu_mul else y
         return y.reshape(*lead, y.shape[-1])
-    w = qweight if isinstance(qweight, W4A16Weights) else prepare_w4a16(qweight, scales, qzeros, group_size, perm)
+    w = qweight if isinstance(qweight, (W4A16Weights, FragWeights)) else \
+        prepare_kernel_weights(qweight, scales, qzeros, group_size, perm)
     y = w4a16_forward(x2, w, bias, config, silu_mul)
     return y.reshape(*lead, y.shape[-1])
 
 
-def w4a16_forward(x: torch.Tensor, w: W4A16Weights, bias: torch.Tensor | None = None,
-                  config: W4A16Config | None = None, silu_mul: bool = False) -> torch.Tensor:
-    """CUDA path. x: [M, K] -> [M, N], or [M, N/2] = silu(gate) * up with silu_mul (fused into the GEMV's split-K
-    reduce where it has one, else the silu_and_mul kernel after the matmul)."""
+def w4a16_forward(x: torch.Tensor, w: W4A16Weights | FragWeights, bias: torch.Tensor | None = None,
+                  config: W4A16Config | MMAConfig | None = None, silu_mul: bool = False) -> torch.Tensor:
+    """CUDA path. x: [M, K] -> [M, N], or [M, N/2] = silu(gate) * up with silu_mul (fused into the split-K
+    reduce where the kernel has one, else the silu_and_mul kernel after the matmul)."""
+    if isinstance(w, FragWeights):
+        return _frag_forward(x, w, bias, config, silu_mul)
     from kernels.w4a16_gemm import w4a16_dequant_matmul, w4a16_gemm
     from kernels.w4a16_gemv import w4a16_gemv
     if w.perm is not None:
@@ -146,4 +175,17 @@ def w4a16_forward(x: torch.Tensor, w: W4A16Weights, bias: torch.Tensor | None = 
                        swap=cfg.path == "gemmt", one_launch=cfg.one_launch)
     else:
         y = w4a16_dequant_matmul(x, w, bias)
+    return silu_and_mul(y) if silu_mul else y
+
+
+def _frag_forward(x: torch.Tensor, w: FragWeights, bias: torch.Tensor | None, config: MMAConfig | None,
+                  silu_mul: bool) -> torch.Tensor:
+    """Fragment layout: the tensor-core kernel up to M = 64 (fp16 activations), else dequantize + cuBLAS."""
+    from kernels.w4a16_mma import frag_dequantize, w4a16_mma
+    x = x[:, w.perm] if w.perm is not None else x.contiguous()
+    m, k = x.shape
+    if m <= MMA_MAX_M and x.dtype == torch.float16:
+        cfg = config or select_mma_config(m, k, w.out_features)
+        return w4a16_mma(x, w, bias, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps, cfg.one_launch, silu_mul)
+    y = torch.nn.functional.linear(x, frag_dequantize(w).to(x.dtype), bias)
     return silu_and_mul(y) if silu_mul else y

@@ -92,6 +92,37 @@ def select_config(m: int, k: int, n: int, device: torch.device) -> W4A16Config:
     return heuristic_config(m, k, n, table, sms)
 
 
+@dataclass(frozen=True)
+class MMAConfig:
+    """Tile of the fragment-layout tensor-core kernel (kernels/w4a16_mma.py), M <= 64."""
+    block_n: int = 64
+    block_k: int = 128
+    split_k: int = 1
+    num_warps: int = 4
+    one_launch: bool = True
+
+
+MMA_MAX_M = 64          # above: dequantize the fragment layout once, then cuBLAS
+_MMA_PROGRAMS = 640     # split-K until tiles x splits would pass this (about 5 per SM on 132 SMs)
+
+
+def select_mma_config(m: int, k: int, n: int) -> MMAConfig:
+    """Rule fitted to the H200 sweep of bench/exp_mma.py (bench/results/exp-mma-h200.json; Qwen2.5-7B shapes,
+    M = 1..64, 42-70 candidates per point): 64-column tiles of 4 warps except very wide layers at M <= 8 (128),
+    128 at M > 32; 256-row steps for long K at M <= 8; split-K to ~600 programs; two launches at M > 32."""
+    if m <= 8:
+        bn, bk = (128 if n >= 16384 else 64), (256 if k >= 8192 else 128)
+    elif m <= 32:
+        bn, bk = 64, 128
+    else:
+        bn, bk = 128, 128
+    tiles = -(-n // bn)
+    split = 1
+    while split < 8 and tiles * split * 2 <= _MMA_PROGRAMS:
+        split *= 2
+    return MMAConfig(bn, bk, split, 4, m <= 32)
+
+
 def candidate_configs(m: int, k: int, n: int, pack_k: int = 128) -> list[W4A16Config]:
     """The search space bench/kernels.py --tune times for one (M, K, N); the winners fill TABLES."""
     chunks = -(-k // pack_k)

@@ -5,7 +5,7 @@ from torch import nn
 
 from kernels.w4a16_ref import dequantize_w4, pack_int4_cols, w4a16_matmul_ref
 from kernels.norm_act import silu_and_mul
-from kernels.w4a16 import W4A16Weights, prepare_w4a16, standard_layout, w4a16_matmul
+from kernels.w4a16 import FragWeights, W4A16Weights, prepare_kernel_weights, standard_layout, w4a16_matmul
 
 
 class DenseLinear(nn.Module):
@@ -74,7 +74,7 @@ class QuantLinear(nn.Module):
         self._shards: list = [None] * len(output_sizes)
         for name in ("qweight", "scales", "qzeros", "perm", "bias"):
             self.register_buffer(name, None)
-        self.packed: W4A16Weights | None = None   # the kernels' layout on CUDA (repacked once at load)
+        self.packed: W4A16Weights | FragWeights | None = None   # the kernels' layout on CUDA (repacked at load)
 
     def load_shard(self, shard_id: int, tensors: dict[str, torch.Tensor], prefix: str) -> None:
         if not 0 <= shard_id < len(self.output_sizes):
@@ -136,9 +136,10 @@ class QuantLinear(nn.Module):
         """On CUDA keep only the kernels' layout (one copy of the weights on the GPU)."""
         if self.device.type != "cuda":
             return
-        self.packed = prepare_w4a16(self.qweight, self.scales, self.qzeros, self.group_size, self.perm)
+        self.packed = prepare_kernel_weights(self.qweight, self.scales, self.qzeros, self.group_size, self.perm)
         self.qweight = self.scales = self.qzeros = self.perm = None
-        self.register_buffer("packed_qweight", self.packed.qweight)     # counted as a weight (memory, bench)
+        words = self.packed.words if isinstance(self.packed, FragWeights) else self.packed.qweight
+        self.register_buffer("packed_qweight", words)                    # counted as a weight (memory, bench)
         self.register_buffer("packed_scales", self.packed.scales)
         self.register_buffer("packed_qzeros", self.packed.qzeros)
 

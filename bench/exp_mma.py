@@ -1,0 +1,109 @@
+"""Experiment: the Gluon fragment-layout W4A16 MMA kernel (kernels/w4a16_mma.py) against FP16 cuBLAS and the
+current dispatcher, Qwen2.5-7B shapes, M = 1..64, CUDA-graph timing over rotated weight copies (as bench/kernels.py).
+Every configuration is checked against the exact dequantized reference before it is timed.
+Run: PYTHONPATH=. python bench/exp_mma.py --out bench/results/exp-mma-h200.json"""
+import argparse
+import dataclasses
+import itertools
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]  # not bench/kernels.py
+
+import torch  # noqa: E402
+
+from bench.kernels import SHAPES, GS, copies, graph_us, nbytes  # noqa: E402
+from kernels.w4a16 import prepare_w4a16, w4a16_forward  # noqa: E402
+from kernels.w4a16_frag import prepare_frag  # noqa: E402
+from kernels.w4a16_mma import w4a16_mma  # noqa: E402
+from kernels.w4a16_ref import dequantize_w4  # noqa: E402
+
+DEV = "cuda"
+
+
+def configs(m):
+    shapes = [(64, 4), (128, 4), (128, 8)] + ([(256, 4), (256, 8)] if m > 1 else [])
+    for (bn, nw), bk, split, one in itertools.product(shapes, (128, 256), (1, 2, 4, 8), (True, False)):
+        if split > 1 or one:
+            yield dict(block_n=bn, block_k=bk, num_warps=nw, split_k=split, one_launch=one)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/results/exp-mma-h200.json")
+    ap.add_argument("--ms", default="1,2,4,8,16,32,64")
+    ap.add_argument("--sweep-ms", default="1,16,64")
+    ap.add_argument("--budget-s", type=float, default=400)
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    args = ap.parse_args()
+    t0 = time.time()
+    ms = [int(v) for v in args.ms.split(",")]
+    sweep_ms = {int(v) for v in args.sweep_ms.split(",")}
+    out = {"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
+           "shapes": {}}
+    for name in args.shapes.split(","):
+        k, n = SHAPES[name]
+        g = k // GS
+        qweight = torch.randint(-2 ** 31, 2 ** 31, (k // 8, n), dtype=torch.int32, device=DEV)
+        qzeros = torch.randint(-2 ** 31, 2 ** 31, (g, n // 8), dtype=torch.int32, device=DEV)
+        scales = (torch.rand(g, n, device=DEV) * 0.01 + 0.001).half()
+        ref_w = dequantize_w4(qweight, scales, qzeros, GS, torch.float32)
+        fw = prepare_frag(qweight, scales, qzeros, GS)
+        w = prepare_w4a16(qweight, scales, qzeros, GS)
+        rot = copies(nbytes(0, k, n))
+        fws = [fw] + [dataclasses.replace(fw, words=fw.words.clone(), scales=fw.scales.clone(),
+                                          qzeros=fw.qzeros.clone()) for _ in range(rot - 1)]
+        wss = [w] + [dataclasses.replace(w, qweight=w.qweight.clone(), scales=w.scales.clone(),
+                                         qzeros=w.qzeros.clone()) for _ in range(rot - 1)]
+        dense = [torch.randn(k, n, dtype=torch.float16, device=DEV) * 0.02 for _ in range(copies(k * n * 2))]
+        rows = []
+        best_cfg = None
+        for m in ms:
+            x = torch.randn(m, k, dtype=torch.float16, device=DEV)
+            ref = x.float() @ ref_w
+            row = {"m": m, "fp16_us": graph_us([lambda d=d: torch.mm(x, d) for d in dense]),
+                   "ours_us": graph_us([lambda w=w: w4a16_forward(x, w) for w in wss]), "mma": []}
+            cands = list(configs(m)) if (m in sweep_ms or best_cfg is None) and time.time() - t0 < args.budget_s \
+                else [best_cfg]
+            for cfg in cands:
+                try:
+                    y = w4a16_mma(x, fw, **cfg)
+                    err = ((y.float() - ref).norm() / ref.norm()).item()
+                    entry = {"config": cfg, "rel_err": err}
+                    if err < 2e-3:
+                        entry["us"] = graph_us([lambda f=f: w4a16_mma(x, f, **cfg) for f in fws])
+                except Exception as e:
+                    entry = {"config": cfg, "error": repr(e)[:400]}
+                row["mma"].append(entry)
+            ok = [e for e in row["mma"] if "us" in e]
+            if ok:
+                best = min(ok, key=lambda e: e["us"])
+                row["mma_best_us"], row["mma_best_config"] = best["us"], best["config"]
+                if m in sweep_ms:
+                    best_cfg = best["config"]
+                row["mma_TBps"] = nbytes(m, k, n) / best["us"] / 1e6
+            errs = [e for e in row["mma"] if "us" not in e]
+            print(f"{name:8s} M={m:3d} fp16 {row['fp16_us']:7.1f} ours {row['ours_us']:7.1f} "
+                  f"mma {row.get('mma_best_us', float('nan')):7.1f} {row.get('mma_best_config')} "
+                  f"bad/err {len(errs)} {errs[0] if errs else ''}"[:400], flush=True)
+            rows.append(row)
+        out["shapes"][name] = rows
+    summ = {}
+    for m in ms:
+        f = sum(r["fp16_us"] for rs in out["shapes"].values() for r in rs if r["m"] == m)
+        o = sum(r["ours_us"] for rs in out["shapes"].values() for r in rs if r["m"] == m)
+        b = sum(r.get("mma_best_us", float("inf")) for rs in out["shapes"].values() for r in rs if r["m"] == m)
+        summ[f"m{m}"] = {"fp16_over_ours": f / o, "fp16_over_mma": f / b}
+    out["summary"] = summ
+    print(json.dumps(summ, indent=1))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Fragment-layout W4A16 MMA kernel (kernels/w4a16_mma.py): the layout on CPU (exact round trip, the word's
+nibble map), the Gluon kernel on the GPU against the torch twin. Gluon kernels do not run in the Triton
+interpreter, so the kernel tests need the GPU machine."""
+import pytest
+import torch
+
+from kernels.w4a16_frag import frag_codes, frag_standard, frag_words, pick_block_k, prepare_frag
+from kernels.w4a16_ref import dequantize_w4, unpack_int4_rows
+from tests.test_kernels_w4a16 import make_weights, reference, rel_err
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def test_frag_words_nibble_map_and_roundtrip():
+    codes = torch.randint(0, 16, (192, 48), dtype=torch.int32)
+    words = frag_words(codes)
+    assert words.shape == (3, 3 * 128) and torch.equal(frag_codes(words), codes)
+    # word (nt, kb, lane 4g+t, kt), nibble j = 4 b0 + 2 b2 + b1: row 64kb + 16kt + 2t + b0 + 8b2, column 16nt + g + 8b1
+    for nt, kb, g, t, kt in [(0, 0, 0, 0, 0), (2, 1, 7, 3, 3), (1, 2, 4, 1, 2)]:
+        word = words[nt, kb * 128 + (4 * g + t) * 4 + kt].item() & 0xFFFFFFFF
+        for j in range(8):
+            b0, b2, b1 = j >> 2, (j >> 1) & 1, j & 1
+            assert (word >> 4 * j) & 0xF == codes[64 * kb + 16 * kt + 2 * t + b0 + 8 * b2, 16 * nt + g + 8 * b1]
+
+
+def test_prepare_frag_pads_k_and_round_trips():
+    qweight, scales, qzeros, gs, _ = make_weights(200, 32, -1, True, False, torch.float16, device="cpu")
+    fw = prepare_frag(qweight, scales, qzeros, gs)
+    assert fw.words.shape == (2, 256 // 64 * 128)        # K padded to 256 with code 0
+    back = frag_standard(fw)
+    assert torch.equal(back[0], qweight) and back[3] == 200
+    assert torch.equal(unpack_int4_rows(pack := back[0]), unpack_int4_rows(qweight)) and pack.dtype == torch.int32
+
+
+def test_prepare_frag_rejects_n_not_multiple_of_16():
+    qweight, scales, qzeros, gs, _ = make_weights(128, 40, 64, True, False, torch.float16, device="cpu")
+    with pytest.raises(ValueError, match="out_features % 16"):
+        prepare_frag(qweight, scales, qzeros, gs)
+
+
+def test_pick_block_k_lines_up_with_groups():
+    assert pick_block_k(3584, 128, 256) == 256       # 3584 = 14 x 256; two groups per step
+    assert pick_block_k(18944, 128, 256) == 256
+    assert pick_block_k(192, 64, 256) == 64          # 192 has no 128 divisor
+    assert pick_block_k(384, 0, 256) == 128          # one group: any divisor of Kp
+    assert pick_block_k(384, 32, 256) == 128         # four groups per step
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,n,group_size,zeros", [(512, 256, 128, True), (384, 160, 64, False), (320, 96, 32, True),
+                                                  (200, 48, -1, True), (3584, 4608, 128, True)])
+@pytest.mark.parametrize("m", [1, 3, 8, 13, 16, 40, 64])
+def test_gpu_mma_matches_twin(k, n, group_size, zeros, m):
+    from kernels.w4a16_mma import w4a16_mma
+    qweight, scales, qzeros, gs, _ = make_weights(k, n, group_size, zeros, False, torch.float16)
+    fw = prepare_frag(qweight, scales, qzeros, gs)
+    x = torch.randn(m, k, dtype=torch.float16, device=DEV)
+    bias = torch.randn(n, dtype=torch.float16, device=DEV)
+    ref = reference(x, qweight, scales, qzeros, gs, None, bias)
+    for cfg in (dict(), dict(block_n=64, block_k=128, split_k=3), dict(block_n=256, num_warps=8, split_k=8),
+                dict(split_k=2, one_launch=False)):
+        assert rel_err(w4a16_mma(x, fw, bias, **cfg), ref) < 2e-3, cfg
+
+
+@pytest.mark.gpu
+def test_gpu_mma_silu_mul_equals_unfused():
+    from kernels.norm_act import silu_and_mul
+    from kernels.w4a16_mma import w4a16_mma
+    qweight, scales, qzeros, gs, _ = make_weights(512, 512, 128, True, False, torch.float16)
+    fw = prepare_frag(qweight, scales, qzeros, gs)
+    x = torch.randn(2, 512, dtype=torch.float16, device=DEV)
+    assert torch.equal(w4a16_mma(x, fw, split_k=2, silu_mul=True), silu_and_mul(w4a16_mma(x, fw, split_k=2)))
+
+
+def test_cpu_keeps_row_layout_and_twin_reads_fragment_layout():
+    from kernels.w4a16 import W4A16Weights, prepare_kernel_weights, w4a16_matmul
+    qweight, scales, qzeros, gs, perm = make_weights(256, 64, 64, True, True, torch.float16, device="cpu")
+    assert isinstance(prepare_kernel_weights(qweight, scales, qzeros, gs, perm), W4A16Weights)   # no GPU: rows
+    fw = prepare_frag(qweight, scales, qzeros, gs, perm)
+    x = torch.randn(3, 256, dtype=torch.float16)
+    ref = reference(x, qweight, scales, qzeros, gs, perm, None)
+    assert torch.equal(w4a16_matmul(x, fw), ref.to(torch.float16))
+
+
+def test_mma_config_rule_reproduces_the_sweep_winners():
+    from kernels.w4a16_tuning import select_mma_config
+    # (K, N, M) -> (block_n, block_k, split_k, one_launch): bench/results/exp-mma-h200.json winners
+    cfg = lambda m, k, n: (lambda c: (c.block_n, c.block_k, c.split_k, c.one_launch))(select_mma_config(m, k, n))  # noqa: E731
+    assert cfg(1, 3584, 4608) == (64, 128, 8, True)
+    assert cfg(1, 3584, 37888) == (128, 128, 2, True)
+    assert cfg(1, 18944, 3584) == (64, 256, 8, True)
+    assert cfg(16, 3584, 37888) == (64, 128, 1, True)
+    assert cfg(16, 18944, 3584) == (64, 128, 8, True)
+    assert cfg(64, 3584, 4608) == (128, 128, 8, False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16, 64, 65, 200])
+def test_gpu_dispatcher_on_fragment_layout(m):
+    """QuantLinear's path on CUDA: the fragment layout, mma up to M = 64, dequantize + cuBLAS above; act-order,
+    bias and the fused SwiGLU included."""
+    from kernels.norm_act import silu_and_mul
+    from kernels.w4a16 import FragWeights, prepare_kernel_weights, w4a16_matmul
+    qweight, scales, qzeros, gs, perm = make_weights(512, 384, 128, True, True, torch.float16)
+    w = prepare_kernel_weights(qweight, scales, qzeros, gs, perm)
+    assert isinstance(w, FragWeights)
+    x = torch.randn(m, 512, dtype=torch.float16, device=DEV)
+    bias = torch.randn(384, dtype=torch.float16, device=DEV)
+    ref = reference(x, qweight, scales, qzeros, gs, perm, bias)
+    y = w4a16_matmul(x, w, bias=bias)
+    assert rel_err(y, ref) < 2e-3
+    fused = w4a16_matmul(x, w, bias=bias, silu_mul=True)
+    assert rel_err(fused, silu_and_mul(ref.to(torch.float16).to(DEV)).float().cpu()) < 5e-3
+
+
+@pytest.mark.gpu
+def test_gpu_frag_dequantize_exact():
+    from kernels.w4a16_mma import frag_dequantize
+    for k, n, group_size, zeros in [(512, 256, 128, True), (200, 48, -1, False), (320, 96, 32, True)]:
+        qweight, scales, qzeros, gs, _ = make_weights(k, n, group_size, zeros, False, torch.float16)
+        exact = dequantize_w4(qweight, scales, qzeros, gs, torch.float32).to(torch.float16)   # [K, N]
+        assert torch.equal(frag_dequantize(prepare_frag(qweight, scales, qzeros, gs)), exact.t())
