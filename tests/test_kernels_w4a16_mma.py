@@ -120,3 +120,61 @@ def test_gpu_frag_dequantize_exact():
         qweight, scales, qzeros, gs, _ = make_weights(k, n, group_size, zeros, False, torch.float16)
         exact = dequantize_w4(qweight, scales, qzeros, gs, torch.float32).to(torch.float16)   # [K, N]
         assert torch.equal(frag_dequantize(prepare_frag(qweight, scales, qzeros, gs)), exact.t())
+
+
+def _compile_sm90(kernel, signature: dict, constexprs: dict, num_warps: int):
+    """Compile a Gluon kernel for sm90 without a GPU (the wheel's ptxas) -> (registers, spill bytes, SASS text)."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    sig = dict(signature, **{k: "constexpr" for k in constexprs})
+    names = list(sig)
+    # pointers and sizes divisible by 16, as Triton specializes them at launch for the Qwen2.5-7B shapes
+    aligned = {(names.index(a),): [["tt.divisibility", 16]] for a in signature
+               if a not in ("M", "iters_per_split", "n_splits")}
+    src = GluonASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=aligned)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    regs, stack = map(int, re.search(r"REG:(\d+) STACK:(\d+)", usage).groups())
+    return regs, stack, sass
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 3584, 37888), (1, 18944, 3584), (16, 3584, 4608), (64, 3584, 3584)])
+def test_mma_kernel_compiles_for_sm90_without_spills(m, k, n):
+    """The dispatcher's configurations for the Qwen2.5-7B shapes compile for the H100/H200 on any machine: the
+    dequantized words are the MMA's A operand in registers (the trivial-layout assertion holds), tensor-core MMAs
+    in the loop, no register spills, no shared-memory round trip of the weights (only x's tile at M > 1)."""
+    from kernels.w4a16_mma import _w4a16_mma_kernel
+    from kernels.w4a16_tuning import select_mma_config
+    cfg = select_mma_config(m, k, n)
+    ptrs = dict(x_ptr="*fp16", w_ptr="*i32", s_ptr="*fp16", z_ptr="*i32", out_ptr="*fp16", ws_ptr="*fp32",
+                cnt_ptr="*i32", bias_ptr="*fp16")
+    ints = {a: "i32" for a in ("M", "N", "K", "KP", "stride_xm", "stride_om", "stride_sg", "stride_zg",
+                               "iters_per_split", "n_splits")}
+    block_m = 8 if m <= 8 else 16 if m <= 16 else 64
+    regs, stack, sass = _compile_sm90(_w4a16_mma_kernel, dict(ptrs, **ints), dict(
+        HAS_BIAS=False, SPLIT=cfg.split_k > 1, ONE_LAUNCH=cfg.one_launch, GROUP=128, HAS_ZEROS=True, EVEN_N=True,
+        EVEN_K=True, X_SMEM=m > 1, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps), cfg.num_warps)
+    assert "HMMA.16816.F32" in sass
+    assert stack == 0 and regs <= 255
+    assert ("LDSM" in sass) == (m > 1)               # ldmatrix only for x's tile, never for the weights
+
+
+def test_frag_dequantize_kernel_compiles_for_sm90():
+    from kernels.w4a16_mma import _frag_dequant_kernel
+    sig = dict(w_ptr="*i32", s_ptr="*fp16", z_ptr="*i32", out_ptr="*fp16", N="i32", K="i32", KP="i32",
+               stride_sg="i32", stride_zg="i32")
+    regs, stack, sass = _compile_sm90(_frag_dequant_kernel, sig, dict(GROUP=32, HAS_ZEROS=True, BLOCK_N=64,
+                                                                       BLOCK_K=128, num_warps=4), 4)
+    assert stack == 0 and "STG.E.128" in sass        # 16-byte stores of the dense W^T rows
