@@ -13,8 +13,10 @@ Row layout (W4A16Weights; bf16 and other layers): the Triton kernels read a byte
            y^T = W^T x^T (the weight tile is the MMA's M side)
   dequant  Triton dequantize to a dense W, then cuBLAS                          (large M)
 """
+import logging
 import os
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -110,7 +112,29 @@ def frag_applies(k: int, n: int, group_size: int, scales_dtype: torch.dtype, dev
     gs = k if group_size <= 0 else group_size
     return (device.type == "cuda" and os.environ.get("QUANT_SERVE_W4A16_LAYOUT", "auto") != "rows"
             and scales_dtype == torch.float16 and n % 16 == 0 and (gs >= k or gs % 16 == 0)
-            and torch.cuda.get_device_capability(device)[0] >= 8)
+            and torch.cuda.get_device_capability(device)[0] >= 8
+            and _mma_kernels_work(device.index if device.index is not None else torch.cuda.current_device()))
+
+
+@lru_cache(maxsize=None)
+def _mma_kernels_work(device_index: int) -> bool:
+    """One tiny call of the Gluon kernel per device before any layer is packed for it. Gluon is Triton's
+    experimental layer: a Triton release that changed its API must cost speed (the row layout serves, with a
+    warning), not the first forward pass."""
+    try:
+        from kernels.w4a16_mma import w4a16_mma
+        dev = torch.device("cuda", device_index)
+        fw = prepare_frag(torch.zeros(8, 16, dtype=torch.int32, device=dev),        # codes 0, symmetric (z = 8)
+                          torch.ones(1, 16, dtype=torch.float16, device=dev), None, -1)
+        y = w4a16_mma(torch.ones(1, 64, dtype=torch.float16, device=dev), fw)
+        if bool((y == -512).all()):                                                 # 64 x (0 - 8) x 1
+            return True
+        reason = f"wrong result {y.flatten()[:4].tolist()}"
+    except Exception as e:  # noqa: BLE001 - any compile or launch failure means: use the row layout
+        reason = repr(e)[:300]
+    logging.getLogger("quant_serve").warning("W4A16 tensor-core kernel unavailable on cuda:%d (%s); using the "
+                                             "row-layout kernels", device_index, reason)
+    return False
 
 
 def prepare_kernel_weights(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,

@@ -18,6 +18,9 @@ from kernels.norm_act import silu_and_mul
 from kernels.w4a16_frag import FragWeights, pick_block_k
 from kernels.w4a16_splitk import launch_splitk_reduce, split_buffers
 
+# the CTA barrier's name across Triton releases (Gluon is experimental: 3.6 thread_barrier, 3.9 barrier)
+_cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+
 # inputs: word $8, scale pair of row g $9, of row g+8 $10, 1024+z pair of row g $11, -(64+z) pair of row g+8 $12
 # outputs (.b16), value index b0 + 2 b1 + 4 b2 = (k + b0 + 8 b2, n + 8 b1) of the thread's fragment
 _FRAG_DQ_ASM = gl.constexpr("""
@@ -201,9 +204,9 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
             xt = gl.load(x_ptrs + k0, mask=m_mask & (k_row + k0 < K), other=0.0)
         a = _dequant_step(words, s_lo, s_hi, z_lo, z_hi, n_lo, n_hi, HAS_ZEROS, BLOCK_N, BLOCK_K, A_L)
         if X_SMEM:
-            gl.thread_barrier()                        # every warp is done reading the previous tile
+            _cta_barrier()                        # every warp is done reading the previous tile
             x_smem.store(xt)
-            gl.thread_barrier()
+            _cta_barrier()
             xb = x_smem.permute((1, 0)).load(B_L)
         else:
             xb = xt
@@ -218,7 +221,7 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
         gl.store(ws_ptr + pid_k * M * N + offs_out, acc, mask=mask)
         if ONE_LAUNCH:
             # every thread's partial is stored before the ticket's release; the last split sums in split order
-            gl.thread_barrier()
+            _cta_barrier()
             ticket = gl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
             if ticket == n_splits - 1:
                 total = gl.load(ws_ptr + offs_out, mask=mask, other=0.0, cache_modifier=".cg")

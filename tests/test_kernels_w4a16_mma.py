@@ -146,35 +146,62 @@ def _compile_sm90(kernel, signature: dict, constexprs: dict, num_warps: int):
         usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
         sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
     regs, stack = map(int, re.search(r"REG:(\d+) STACK:(\d+)", usage).groups())
-    return regs, stack, sass
+    return {"regs": regs, "stack": stack, "hmma": "HMMA.16816.F32" in sass, "ldsm": "LDSM" in sass,
+            "stg128": "STG.E.128" in sass}
 
 
-@pytest.mark.parametrize("m,k,n", [(1, 3584, 37888), (1, 18944, 3584), (16, 3584, 4608), (64, 3584, 3584)])
-def test_mma_kernel_compiles_for_sm90_without_spills(m, k, n):
-    """The dispatcher's configurations for the Qwen2.5-7B shapes compile for the H100/H200 on any machine: the
-    dequantized words are the MMA's A operand in registers (the trivial-layout assertion holds), tensor-core MMAs
-    in the loop, no register spills, no shared-memory round trip of the weights (only x's tile at M > 1)."""
-    from kernels.w4a16_mma import _w4a16_mma_kernel
+COMPILE_CASES = [(1, 3584, 37888), (1, 18944, 3584), (16, 3584, 4608), (64, 3584, 3584)]
+
+
+def compile_cases() -> dict:
+    """The dispatcher's mma configurations for the Qwen2.5-7B shapes and the dequantize kernel, compiled for sm90."""
+    from kernels.w4a16_mma import _frag_dequant_kernel, _w4a16_mma_kernel
     from kernels.w4a16_tuning import select_mma_config
-    cfg = select_mma_config(m, k, n)
     ptrs = dict(x_ptr="*fp16", w_ptr="*i32", s_ptr="*fp16", z_ptr="*i32", out_ptr="*fp16", ws_ptr="*fp32",
                 cnt_ptr="*i32", bias_ptr="*fp16")
     ints = {a: "i32" for a in ("M", "N", "K", "KP", "stride_xm", "stride_om", "stride_sg", "stride_zg",
                                "iters_per_split", "n_splits")}
-    block_m = 8 if m <= 8 else 16 if m <= 16 else 64
-    regs, stack, sass = _compile_sm90(_w4a16_mma_kernel, dict(ptrs, **ints), dict(
-        HAS_BIAS=False, SPLIT=cfg.split_k > 1, ONE_LAUNCH=cfg.one_launch, GROUP=128, HAS_ZEROS=True, EVEN_N=True,
-        EVEN_K=True, X_SMEM=m > 1, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps), cfg.num_warps)
-    assert "HMMA.16816.F32" in sass
-    assert stack == 0 and regs <= 255
-    assert ("LDSM" in sass) == (m > 1)               # ldmatrix only for x's tile, never for the weights
-
-
-def test_frag_dequantize_kernel_compiles_for_sm90():
-    from kernels.w4a16_mma import _frag_dequant_kernel
+    out = {}
+    for m, k, n in COMPILE_CASES:
+        cfg = select_mma_config(m, k, n)
+        out[f"{m}-{k}-{n}"] = _compile_sm90(_w4a16_mma_kernel, dict(ptrs, **ints), dict(
+            HAS_BIAS=False, SPLIT=cfg.split_k > 1, ONE_LAUNCH=cfg.one_launch, GROUP=128, HAS_ZEROS=True,
+            EVEN_N=True, EVEN_K=True, X_SMEM=m > 1, BLOCK_M=8 if m <= 8 else 16 if m <= 16 else 64,
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps), cfg.num_warps)
     sig = dict(w_ptr="*i32", s_ptr="*fp16", z_ptr="*i32", out_ptr="*fp16", N="i32", K="i32", KP="i32",
                stride_sg="i32", stride_zg="i32")
-    regs, stack, sass = _compile_sm90(_frag_dequant_kernel, sig, dict(GROUP=32, HAS_ZEROS=True, BLOCK_N=64,
-                                                                       BLOCK_K=128, num_warps=4), 4)
-    assert stack == 0 and "STG.E.128" in sass        # 16-byte stores of the dense W^T rows
+    out["dequant"] = _compile_sm90(_frag_dequant_kernel, sig, dict(GROUP=32, HAS_ZEROS=True, BLOCK_N=64,
+                                                                    BLOCK_K=128, num_warps=4), 4)
+    return out
+
+
+def test_gluon_kernels_compile_for_sm90_without_spills():
+    """The dispatcher's configurations compile for the H100/H200 on any machine (a fresh process: the CPU tests'
+    interpreter mode patches Triton's builder): the dequantized words are the MMA's A operand in registers (the
+    trivial-layout assertion holds), tensor-core MMAs, no spills, no ldmatrix of weights (only x's tile at M > 1),
+    16-byte stores of the dense rows in the dequantize kernel."""
+    import json
+    import os
+    import subprocess
+    import sys
+    code = "import json; from tests.test_kernels_w4a16_mma import compile_cases; print(json.dumps(compile_cases()))"
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    res = json.loads(run.stdout.strip().splitlines()[-1])
+    for m, k, n in COMPILE_CASES:
+        r = res[f"{m}-{k}-{n}"]
+        assert r["hmma"] and r["stack"] == 0 and r["ldsm"] == (m > 1), (m, k, n, r)
+    assert res["dequant"]["stack"] == 0 and res["dequant"]["stg128"]
+
+
+def test_layout_probe_failure_falls_back_to_rows_with_a_warning(caplog):
+    """A Triton whose Gluon cannot build or run the kernel (here: no GPU at all) must cost speed, not the load."""
+    from kernels.w4a16 import _mma_kernels_work
+    if torch.cuda.is_available():
+        assert _mma_kernels_work(torch.cuda.current_device())
+        return
+    with caplog.at_level("WARNING", logger="quant_serve"):
+        assert _mma_kernels_work.__wrapped__(0) is False
+    assert "row-layout kernels" in caplog.text
