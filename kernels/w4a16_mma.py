@@ -217,6 +217,8 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
     om = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
     mask = (om < M)[None, :] & (on < N)[:, None]
     offs_out = om[None, :] * N + on[:, None]                                      # [BLOCK_N, BLOCK_M]: y^T
+    # the split-K protocol of kernels/w4a16_splitk.py (_store_result, the Triton kernels' side): same workspace,
+    # counters and split order, so both kinds of kernel share the reduce pass and the counter buffer
     if SPLIT:
         gl.store(ws_ptr + pid_k * M * N + offs_out, acc, mask=mask)
         if ONE_LAUNCH:
