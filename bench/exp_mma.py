@@ -25,18 +25,21 @@ from kernels.w4a16_ref import dequantize_w4  # noqa: E402
 DEV = "cuda"
 
 
-def configs(m):
-    shapes = [(64, 4), (128, 4), (128, 8)] + ([(256, 4), (256, 8)] if m > 1 else [])
-    for (bn, nw), bk, split, one in itertools.product(shapes, (128, 256), (1, 2, 4, 8), (True, False)):
+def configs(m, wgmma):
+    if wgmma:                 # 64 rows per warpgroup; x^T's tile grows with M: shorter K steps above M = 64
+        shapes, bks = ([(64, 4), (128, 4), (128, 8), (256, 8)], (64, 128) if m <= 64 else (64,))
+    else:
+        shapes, bks = [(64, 4), (128, 4), (128, 8)] + ([(256, 4), (256, 8)] if m > 1 else []), (128, 256)
+    for (bn, nw), bk, split, one in itertools.product(shapes, bks, (1, 2, 4, 8), (True, False)):
         if split > 1 or one:
-            yield dict(block_n=bn, block_k=bk, num_warps=nw, split_k=split, one_launch=one)
+            yield dict(block_n=bn, block_k=bk, num_warps=nw, split_k=split, one_launch=one, wgmma=wgmma)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/exp-mma-h200.json")
-    ap.add_argument("--ms", default="1,2,4,8,16,32,64")
-    ap.add_argument("--sweep-ms", default="1,16,64")
+    ap.add_argument("--ms", default="1,2,4,8,16,32,64,128,256")
+    ap.add_argument("--sweep-ms", default="1,16,64,128,256")
     ap.add_argument("--budget-s", type=float, default=400)
     ap.add_argument("--shapes", default=",".join(SHAPES))
     args = ap.parse_args()
@@ -68,8 +71,8 @@ def main():
             ref = x.float() @ ref_w
             row = {"m": m, "fp16_us": graph_us([lambda d=d: torch.mm(x, d) for d in dense]),
                    "ours_us": graph_us([lambda w=w: w4a16_forward(x, w) for w in wss]), "mma": []}
-            cands = list(configs(m)) if (m in sweep_ms or best_cfg is None) and time.time() - t0 < args.budget_s \
-                else [best_cfg]
+            sweep = (m in sweep_ms or best_cfg is None) and time.time() - t0 < args.budget_s
+            cands = (list(configs(m, False)) if m <= 64 else []) + list(configs(m, True)) if sweep else [best_cfg]
             for cfg in cands:
                 try:
                     y = w4a16_mma(x, fw, **cfg)

@@ -210,6 +210,7 @@ def _frag_forward(x: torch.Tensor, w: FragWeights, bias: torch.Tensor | None, co
     m, k = x.shape
     if m <= MMA_MAX_M and x.dtype == torch.float16:
         cfg = config or select_mma_config(m, k, w.out_features)
-        return w4a16_mma(x, w, bias, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps, cfg.one_launch, silu_mul)
+        return w4a16_mma(x, w, bias, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps, cfg.one_launch, silu_mul,
+                         cfg.wgmma)
     y = torch.nn.functional.linear(x, frag_dequantize(w).to(x.dtype), bias)
     return silu_and_mul(y) if silu_mul else y

@@ -12,14 +12,17 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from kernels.norm_act import silu_and_mul
 from kernels.w4a16_frag import FragWeights, pick_block_k
 from kernels.w4a16_splitk import launch_splitk_reduce, split_buffers
 
-# the CTA barrier's name across Triton releases (Gluon is experimental: 3.6 thread_barrier, 3.9 barrier)
+# names across Triton releases (Gluon is experimental): 3.6 thread_barrier / async_copy_global_to_shared,
+# 3.9 barrier / async_load
 _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+_cp_async = async_copy.async_load if hasattr(async_copy, "async_load") else async_copy.async_copy_global_to_shared
 
 # inputs: word $8, scale pair of row g $9, of row g+8 $10, 1024+z pair of row g $11, -(64+z) pair of row g+8 $12
 # outputs (.b16), value index b0 + 2 b1 + 4 b2 = (k + b0 + 8 b2, n + 8 b1) of the thread's fragment
@@ -58,6 +61,15 @@ def word_layout(num_warps, rn, rk):
     lane = [[0, 0, 1, 0], [0, 0, 2, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]]
     warp = [[8 << i, 0, 0, 0] for i in range(num_warps.bit_length() - 1)]
     return gl.DistributedLinearLayout(reg, lane, warp, [], [ng, rk, 4, 4])
+
+
+@gluon.constexpr_function
+def mma_layout(wgmma, num_warps, block_m):
+    """The accumulator layout: mma.sync m16n8k16 (one warp per 16 rows of W^T), or Hopper's wgmma (a warpgroup per
+    64 rows, x^T's BLOCK_M columns per instruction). Their A operand layouts are the same for 4 warps per 64 rows."""
+    if wgmma:
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_m, 16])
+    return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8])
 
 
 @gluon.jit
@@ -157,11 +169,13 @@ def _dequant_step(words, s_lo, s_hi, z_lo, z_hi, n_lo, n_hi, HAS_ZEROS: gl.const
 def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias_ptr, M, N, K, KP, stride_xm,
                       stride_om, stride_sg, stride_zg, iters_per_split, n_splits, HAS_BIAS: gl.constexpr,
                       SPLIT: gl.constexpr, ONE_LAUNCH: gl.constexpr, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr,
-                      EVEN_N: gl.constexpr, EVEN_K: gl.constexpr, X_SMEM: gl.constexpr,
+                      EVEN_N: gl.constexpr, EVEN_K: gl.constexpr, X_SMEM: gl.constexpr, WGMMA: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, num_warps: gl.constexpr):
     """y = x @ W (+ bias) for one [BLOCK_M, BLOCK_N] output tile; with SPLIT, this split's fp32 partial goes to
-    ws[pid_k] and is summed by the reduce pass or (ONE_LAUNCH) by the split that draws the last ticket."""
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8])
+    ws[pid_k] and is summed by the reduce pass or (ONE_LAUNCH) by the split that draws the last ticket.
+    WGMMA (Hopper; BLOCK_N a multiple of 64, x through shared memory): async wgmma with A from registers and x^T
+    from a double-buffered shared tile, one wgmma in flight while the next step is dequantized."""
+    MMA: gl.constexpr = mma_layout(WGMMA, num_warps, BLOCK_M)
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
     pid_n = gl.program_id(0)
@@ -173,7 +187,11 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
         # back as the B fragments (ldmatrix); the direct fragment loads would touch BLOCK_M lines per instruction
         XL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, num_warps], [1, 0])
         X_SL: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
-        x_smem = gl.allocate_shared_memory(gl.float16, [BLOCK_M, BLOCK_K], X_SL)
+        if WGMMA:
+            x_smem = gl.allocate_shared_memory(gl.float16, [2, BLOCK_M, BLOCK_K],
+                                               gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float16))
+        else:
+            x_smem = gl.allocate_shared_memory(gl.float16, [BLOCK_M, BLOCK_K], X_SL)
         offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, XL))
         offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, XL))
         x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
@@ -199,19 +217,37 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
         nxt = _load_step(gl.minimum(it + 1, it1 - 1) * BLOCK_K, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi,
                          k_in, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N)
         if EVEN_K:
-            xt = gl.load(x_ptrs + k0, mask=m_mask, other=0.0)
+            x_mask = m_mask
         else:
-            xt = gl.load(x_ptrs + k0, mask=m_mask & (k_row + k0 < K), other=0.0)
-        a = _dequant_step(words, s_lo, s_hi, z_lo, z_hi, n_lo, n_hi, HAS_ZEROS, BLOCK_N, BLOCK_K, A_L)
-        if X_SMEM:
-            _cta_barrier()                        # every warp is done reading the previous tile
-            x_smem.store(xt)
+            x_mask = m_mask & (k_row + k0 < K)
+        if WGMMA:
+            # x's tile goes global -> shared by cp.async (no registers held across the dequant); the buffer was
+            # last read by the wgmma of two steps back, which the previous step's wait retired
+            xs = x_smem.index(it % 2)
             _cta_barrier()
-            xb = x_smem.permute((1, 0)).load(B_L)
+            _cp_async(xs, x_ptrs + k0, mask=x_mask)
+            async_copy.commit_group()
         else:
-            xb = xt
-        acc = mma_v2(a, xb, acc)
+            xt = gl.load(x_ptrs + k0, mask=x_mask, other=0.0)
+        a = _dequant_step(words, s_lo, s_hi, z_lo, z_hi, n_lo, n_hi, HAS_ZEROS, BLOCK_N, BLOCK_K, A_L)
+        if WGMMA:
+            async_copy.wait_group(0)
+            _cta_barrier()
+            fence_async_shared()
+            acc = warpgroup_mma(a, xs.permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
+        else:
+            if X_SMEM:
+                _cta_barrier()                    # every warp is done reading the previous tile
+                x_smem.store(xt)
+                _cta_barrier()
+                xb = x_smem.permute((1, 0)).load(B_L)
+            else:
+                xb = xt
+            acc = mma_v2(a, xb, acc)
         words, s_lo, s_hi, z_lo, z_hi = nxt
+    if WGMMA:
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
 
     on = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
     om = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
@@ -279,8 +315,9 @@ def frag_dequantize(fw: FragWeights, block_n: int = 64, block_k: int = 128) -> t
 
 def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None, block_n: int = 128,
               block_k: int = 256, split_k: int = 1, num_warps: int = 4, one_launch: bool = True,
-              silu_mul: bool = False) -> torch.Tensor:
-    """x fp16 [M, K] (M <= 64, already permuted for act-order) -> [M, N], or [M, N/2] = silu(gate) * up."""
+              silu_mul: bool = False, wgmma: bool = False) -> torch.Tensor:
+    """x fp16 [M, K] (already permuted for act-order; M <= 64, or <= 256 with wgmma) -> [M, N], or [M, N/2] =
+    silu(gate) * up. wgmma needs block_n % (16 * num_warps) == 0 with 4 or 8 warps (64 rows per warpgroup)."""
     m, k = x.shape
     n = fw.out_features
     kp = fw.words.shape[1] // 2
@@ -289,7 +326,9 @@ def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None
     iters = kp // bk
     per = triton.cdiv(iters, max(1, min(split_k, iters)))
     splits = triton.cdiv(iters, per)
-    block_m = 8 if m <= 8 else 16 if m <= 16 else 32 if m <= 32 else 64
+    block_m = max(8, triton.next_power_of_2(m))
+    if block_m > (256 if wgmma else 64):
+        raise ValueError(f"M = {m} is above the mma kernel's {256 if wgmma else 64} rows")
     one_launch = one_launch and splits > 1 and not silu_mul
     tiles = triton.cdiv(n, block_n)
     out, ws, cnt = split_buffers(x, m, n, splits, one_launch, tiles, n // 2 if silu_mul and splits > 1 else 0)
@@ -299,7 +338,7 @@ def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None
         fw.scales.stride(0), fw.qzeros.stride(0) if fw.qzeros is not None else 0, per, splits,
         HAS_BIAS=bias is not None, SPLIT=splits > 1, ONE_LAUNCH=one_launch,
         GROUP=group or (1 << 30), HAS_ZEROS=fw.qzeros is not None, EVEN_N=n % block_n == 0, EVEN_K=k == kp,
-        X_SMEM=m > 1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, num_warps=num_warps)
+        X_SMEM=m > 1 or wgmma, WGMMA=wgmma, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, num_warps=num_warps)
     if splits > 1 and not one_launch:
         launch_splitk_reduce(ws, bias, out, splits, silu_mul)
     elif silu_mul:

@@ -58,8 +58,21 @@ def test_gpu_mma_matches_twin(k, n, group_size, zeros, m):
     bias = torch.randn(n, dtype=torch.float16, device=DEV)
     ref = reference(x, qweight, scales, qzeros, gs, None, bias)
     for cfg in (dict(), dict(block_n=64, block_k=128, split_k=3), dict(block_n=256, num_warps=8, split_k=8),
-                dict(split_k=2, one_launch=False)):
+                dict(split_k=2, one_launch=False), dict(block_n=64, block_k=128, split_k=2, wgmma=True),
+                dict(block_n=128, block_k=64, num_warps=8, split_k=3, one_launch=False, wgmma=True)):
         assert rel_err(w4a16_mma(x, fw, bias, **cfg), ref) < 2e-3, cfg
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [65, 128, 200, 256])
+def test_gpu_wgmma_large_m_matches_twin(m):
+    from kernels.w4a16_mma import w4a16_mma
+    qweight, scales, qzeros, gs, _ = make_weights(512, 384, 128, True, False, torch.float16)
+    fw = prepare_frag(qweight, scales, qzeros, gs)
+    x = torch.randn(m, 512, dtype=torch.float16, device=DEV)
+    ref = reference(x, qweight, scales, qzeros, gs, None, None)
+    for cfg in (dict(block_n=64, block_k=64, split_k=2), dict(block_n=128, block_k=64, num_warps=8)):
+        assert rel_err(w4a16_mma(x, fw, wgmma=True, **cfg), ref) < 2e-3, cfg
 
 
 @pytest.mark.gpu
@@ -147,10 +160,12 @@ def _compile_sm90(kernel, signature: dict, constexprs: dict, num_warps: int):
         sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
     regs, stack = map(int, re.search(r"REG:(\d+) STACK:(\d+)", usage).groups())
     return {"regs": regs, "stack": stack, "hmma": "HMMA.16816.F32" in sass, "ldsm": "LDSM" in sass,
+            "hgmma": "HGMMA.64x" in sass,
             "stg128": "STG.E.128" in sass}
 
 
 COMPILE_CASES = [(1, 3584, 37888), (1, 18944, 3584), (16, 3584, 4608), (64, 3584, 3584)]
+WGMMA_CASES = [(16, 64, 128, 4), (64, 64, 128, 4), (128, 128, 64, 8)]       # BLOCK_M, BLOCK_N, BLOCK_K, warps
 
 
 def compile_cases() -> dict:
@@ -166,8 +181,12 @@ def compile_cases() -> dict:
         cfg = select_mma_config(m, k, n)
         out[f"{m}-{k}-{n}"] = _compile_sm90(_w4a16_mma_kernel, dict(ptrs, **ints), dict(
             HAS_BIAS=False, SPLIT=cfg.split_k > 1, ONE_LAUNCH=cfg.one_launch, GROUP=128, HAS_ZEROS=True,
-            EVEN_N=True, EVEN_K=True, X_SMEM=m > 1, BLOCK_M=8 if m <= 8 else 16 if m <= 16 else 64,
+            EVEN_N=True, EVEN_K=True, X_SMEM=m > 1, WGMMA=False, BLOCK_M=8 if m <= 8 else 16 if m <= 16 else 64,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps), cfg.num_warps)
+    for m, bn, bk, nw in WGMMA_CASES:                 # opt-in Hopper variant (MMAConfig.wgmma)
+        out[f"wgmma-{m}-{bn}-{bk}-{nw}"] = _compile_sm90(_w4a16_mma_kernel, dict(ptrs, **ints), dict(
+            HAS_BIAS=True, SPLIT=True, ONE_LAUNCH=False, GROUP=128, HAS_ZEROS=True, EVEN_N=True, EVEN_K=True,
+            X_SMEM=True, WGMMA=True, BLOCK_M=m, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw), nw)
     sig = dict(w_ptr="*i32", s_ptr="*fp16", z_ptr="*i32", out_ptr="*fp16", N="i32", K="i32", KP="i32",
                stride_sg="i32", stride_zg="i32")
     out["dequant"] = _compile_sm90(_frag_dequant_kernel, sig, dict(GROUP=32, HAS_ZEROS=True, BLOCK_N=64,
@@ -193,6 +212,9 @@ def test_gluon_kernels_compile_for_sm90_without_spills():
     for m, k, n in COMPILE_CASES:
         r = res[f"{m}-{k}-{n}"]
         assert r["hmma"] and r["stack"] == 0 and r["ldsm"] == (m > 1), (m, k, n, r)
+    for m, bn, bk, nw in WGMMA_CASES:
+        r = res[f"wgmma-{m}-{bn}-{bk}-{nw}"]
+        assert r["hgmma"] and r["stack"] == 0 and not r["ldsm"], (m, bn, bk, nw, r)
     assert res["dequant"]["stack"] == 0 and res["dequant"]["stg128"]
 
 
