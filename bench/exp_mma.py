@@ -1,6 +1,7 @@
-"""Experiment: the Gluon fragment-layout W4A16 MMA kernel (kernels/w4a16_mma.py) against FP16 cuBLAS and the
-current dispatcher, Qwen2.5-7B shapes, M = 1..64, CUDA-graph timing over rotated weight copies (as bench/kernels.py).
-Every configuration is checked against the exact dequantized reference before it is timed.
+"""Experiment: the Gluon fragment-layout W4A16 kernel (kernels/w4a16_mma.py; mma.sync up to M = 64, the opt-in
+wgmma variant at every M) against FP16 cuBLAS, the row-layout dispatcher ("rows") and the fragment-layout dispatcher
+("frag"), Qwen2.5-7B shapes, CUDA-graph timing over rotated weight copies (as bench/kernels.py). Every configuration
+is checked against the exact dequantized reference before it is timed.
 Run: PYTHONPATH=. python bench/exp_mma.py --out bench/results/exp-mma-h200.json"""
 import argparse
 import dataclasses
@@ -38,7 +39,7 @@ def configs(m, wgmma):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/exp-mma-h200.json")
-    ap.add_argument("--ms", default="1,2,4,8,16,32,64,128,256")
+    ap.add_argument("--ms", default="1,2,4,8,16,32,64,128,256,1024")
     ap.add_argument("--sweep-ms", default="1,16,64,128,256")
     ap.add_argument("--budget-s", type=float, default=400)
     ap.add_argument("--shapes", default=",".join(SHAPES))
@@ -70,7 +71,9 @@ def main():
             x = torch.randn(m, k, dtype=torch.float16, device=DEV)
             ref = x.float() @ ref_w
             row = {"m": m, "fp16_us": graph_us([lambda d=d: torch.mm(x, d) for d in dense]),
-                   "ours_us": graph_us([lambda w=w: w4a16_forward(x, w) for w in wss]), "mma": []}
+                   "ours_us": graph_us([lambda w=w: w4a16_forward(x, w) for w in wss]),      # row layout
+                   "frag_us": graph_us([lambda f=f: w4a16_forward(x, f) for f in fws]),      # dispatcher, fragments
+                   "mma": []}
             sweep = (m in sweep_ms or best_cfg is None) and time.time() - t0 < args.budget_s
             cands = (list(configs(m, False)) if m <= 64 else []) + list(configs(m, True)) if sweep else [best_cfg]
             for cfg in cands:
@@ -91,7 +94,8 @@ def main():
                     best_cfg = best["config"]
                 row["mma_TBps"] = nbytes(m, k, n) / best["us"] / 1e6
             errs = [e for e in row["mma"] if "us" not in e]
-            print(f"{name:8s} M={m:3d} fp16 {row['fp16_us']:7.1f} ours {row['ours_us']:7.1f} "
+            print(f"{name:8s} M={m:4d} fp16 {row['fp16_us']:7.1f} rows {row['ours_us']:7.1f} "
+                  f"frag {row['frag_us']:7.1f} "
                   f"mma {row.get('mma_best_us', float('nan')):7.1f} {row.get('mma_best_config')} "
                   f"bad/err {len(errs)} {errs[0] if errs else ''}"[:400], flush=True)
             rows.append(row)

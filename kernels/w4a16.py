@@ -155,7 +155,8 @@ def standard_layout(w: "W4A16Weights | FragWeights") -> tuple[torch.Tensor, torc
     return pack_int4_rows(codes), w.scales, w.qzeros, w.group_size
 
 
-def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor | W4A16Weights | FragWeights, scales: torch.Tensor | None = None,
+def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor | W4A16Weights | FragWeights,
+                 scales: torch.Tensor | None = None,
                  qzeros: torch.Tensor | None = None, group_size: int = -1, perm: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None, config: W4A16Config | None = None,
                  silu_mul: bool = False) -> torch.Tensor:

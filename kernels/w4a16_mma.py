@@ -180,6 +180,7 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
     B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
     pid_n = gl.program_id(0)
     pid_k = gl.program_id(1)
+    m0 = gl.program_id(2) * BLOCK_M                   # row tiles of x (more than one only above BLOCK_M rows)
     offs, w_mask, n_lo, n_hi, k_in = _tile_words(pid_n, N, KP, GROUP, EVEN_N, BLOCK_N, BLOCK_K, num_warps)
 
     if X_SMEM:
@@ -193,13 +194,13 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
         else:
             x_smem = gl.allocate_shared_memory(gl.float16, [BLOCK_M, BLOCK_K], X_SL)
         offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, XL))
-        offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, XL))
+        offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, XL))
         x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
         m_mask = (offs_m < M)[:, None]
         k_row = offs_k[None, :]
     else:
         offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, B_L))
-        offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, B_L))
+        offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, B_L))
         x_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]
         m_mask = (offs_m < M)[None, :]
         k_row = offs_k[:, None]
@@ -250,7 +251,8 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
 
     on = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
-    om = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
+    om = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
+    tile = pid_n + gl.num_programs(0) * gl.program_id(2)
     mask = (om < M)[None, :] & (on < N)[:, None]
     offs_out = om[None, :] * N + on[:, None]                                      # [BLOCK_N, BLOCK_M]: y^T
     # the split-K protocol of kernels/w4a16_splitk.py (_store_result, the Triton kernels' side): same workspace,
@@ -260,13 +262,13 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
         if ONE_LAUNCH:
             # every thread's partial is stored before the ticket's release; the last split sums in split order
             _cta_barrier()
-            ticket = gl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            ticket = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
             if ticket == n_splits - 1:
                 total = gl.load(ws_ptr + offs_out, mask=mask, other=0.0, cache_modifier=".cg")
                 for sp in range(1, n_splits):
                     total += gl.load(ws_ptr + sp * M * N + offs_out, mask=mask, other=0.0, cache_modifier=".cg")
                 _write_out(total, out_ptr, bias_ptr, on, om, N, mask, stride_om, HAS_BIAS)
-                gl.store(cnt_ptr + pid_n, 0)
+                gl.store(cnt_ptr + tile, 0)
     else:
         _write_out(acc, out_ptr, bias_ptr, on, om, N, mask, stride_om, HAS_BIAS)
 
@@ -316,8 +318,9 @@ def frag_dequantize(fw: FragWeights, block_n: int = 64, block_k: int = 128) -> t
 def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None, block_n: int = 128,
               block_k: int = 256, split_k: int = 1, num_warps: int = 4, one_launch: bool = True,
               silu_mul: bool = False, wgmma: bool = False) -> torch.Tensor:
-    """x fp16 [M, K] (already permuted for act-order; M <= 64, or <= 256 with wgmma) -> [M, N], or [M, N/2] =
-    silu(gate) * up. wgmma needs block_n % (16 * num_warps) == 0 with 4 or 8 warps (64 rows per warpgroup)."""
+    """x fp16 [M, K] (already permuted for act-order; M <= 64, any M with wgmma: 128-row tiles) -> [M, N], or
+    [M, N/2] = silu(gate) * up. wgmma needs block_n % (16 * num_warps) == 0 with 4 or 8 warps (64 rows per
+    warpgroup)."""
     m, k = x.shape
     n = fw.out_features
     kp = fw.words.shape[1] // 2
@@ -326,13 +329,15 @@ def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None
     iters = kp // bk
     per = triton.cdiv(iters, max(1, min(split_k, iters)))
     splits = triton.cdiv(iters, per)
-    block_m = max(8, triton.next_power_of_2(m))
-    if block_m > (256 if wgmma else 64):
-        raise ValueError(f"M = {m} is above the mma kernel's {256 if wgmma else 64} rows")
+    block_m = min(max(8, triton.next_power_of_2(m)), 128 if wgmma else 64)
+    if m > block_m and not wgmma:
+        raise ValueError(f"M = {m} is above the mma.sync kernel's 64 rows (wgmma tiles any M by 128 rows)")
+    m_tiles = triton.cdiv(m, block_m)
     one_launch = one_launch and splits > 1 and not silu_mul
     tiles = triton.cdiv(n, block_n)
-    out, ws, cnt = split_buffers(x, m, n, splits, one_launch, tiles, n // 2 if silu_mul and splits > 1 else 0)
-    _w4a16_mma_kernel[(tiles, splits)](
+    out, ws, cnt = split_buffers(x, m, n, splits, one_launch, tiles * m_tiles,
+                                 n // 2 if silu_mul and splits > 1 else 0)
+    _w4a16_mma_kernel[(tiles, splits, m_tiles)](
         x, fw.words, fw.scales, fw.qzeros if fw.qzeros is not None else fw.words, out, ws, cnt,
         bias if bias is not None else out, m, n, k, kp, x.stride(0), out.stride(0),
         fw.scales.stride(0), fw.qzeros.stride(0) if fw.qzeros is not None else 0, per, splits,

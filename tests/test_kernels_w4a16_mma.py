@@ -64,14 +64,16 @@ def test_gpu_mma_matches_twin(k, n, group_size, zeros, m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [65, 128, 200, 256])
+@pytest.mark.parametrize("m", [65, 128, 200, 256, 300])
 def test_gpu_wgmma_large_m_matches_twin(m):
+    """wgmma tiles M by 128 rows (several row tiles above 128; one-launch counters per (column, row) tile)."""
     from kernels.w4a16_mma import w4a16_mma
     qweight, scales, qzeros, gs, _ = make_weights(512, 384, 128, True, False, torch.float16)
     fw = prepare_frag(qweight, scales, qzeros, gs)
     x = torch.randn(m, 512, dtype=torch.float16, device=DEV)
     ref = reference(x, qweight, scales, qzeros, gs, None, None)
-    for cfg in (dict(block_n=64, block_k=64, split_k=2), dict(block_n=128, block_k=64, num_warps=8)):
+    for cfg in (dict(block_n=64, block_k=64, split_k=2), dict(block_n=128, block_k=64, num_warps=8),
+                dict(block_n=64, block_k=64, split_k=2, one_launch=False)):
         assert rel_err(w4a16_mma(x, fw, wgmma=True, **cfg), ref) < 2e-3, cfg
 
 
@@ -98,7 +100,9 @@ def test_cpu_keeps_row_layout_and_twin_reads_fragment_layout():
 def test_mma_config_rule_reproduces_the_sweep_winners():
     from kernels.w4a16_tuning import select_mma_config
     # (K, N, M) -> (block_n, block_k, split_k, one_launch): bench/results/exp-mma-h200.json winners
-    cfg = lambda m, k, n: (lambda c: (c.block_n, c.block_k, c.split_k, c.one_launch))(select_mma_config(m, k, n))  # noqa: E731
+    def cfg(m, k, n):
+        c = select_mma_config(m, k, n)
+        return c.block_n, c.block_k, c.split_k, c.one_launch
     assert cfg(1, 3584, 4608) == (64, 128, 8, True)
     assert cfg(1, 3584, 37888) == (128, 128, 2, True)
     assert cfg(1, 18944, 3584) == (64, 256, 8, True)
