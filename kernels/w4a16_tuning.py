@@ -94,7 +94,8 @@ def select_config(m: int, k: int, n: int, device: torch.device) -> W4A16Config:
 
 @dataclass(frozen=True)
 class MMAConfig:
-    """Tile of the fragment-layout tensor-core kernel (kernels/w4a16_mma.py), M <= 64."""
+    """Tile of the fragment-layout tensor-core kernel (kernels/w4a16_mma.py): mma.sync up to M = 64, any M with
+    wgmma (128-row tiles)."""
     block_n: int = 64
     block_k: int = 128
     split_k: int = 1
