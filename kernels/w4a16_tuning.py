@@ -101,7 +101,7 @@ class MMAConfig:
     split_k: int = 1
     num_warps: int = 4
     one_launch: bool = True
-    wgmma: bool = False       # Hopper wgmma (x^T from shared memory, async): compiled and GPU-tested, not yet timed
+    wgmma: bool = False       # Hopper wgmma (x^T via shared memory, async): compiles for sm90; not yet run on a GPU
 
 
 MMA_MAX_M = 64          # above: dequantize the fragment layout once, then cuBLAS
