@@ -41,18 +41,20 @@ def _attend_tile(q, k, v, s_mask, m_i, l_i, acc, qk_scale):
 
 @triton.jit(do_not_specialize=["stride_tb"], do_not_specialize_on_alignment=["tables_ptr", "seq_lens_ptr", "qsl_ptr"])
 def _decode_kernel(q_ptr, k_cache, v_cache, tables_ptr, seq_lens_ptr, qsl_ptr, out_ptr, part_o, part_ml,
-                   k_scale_ptr, v_scale_ptr, k_scale_val, v_scale_val, qk_scale, tokens_per_split, D,
+                   k_scale_ptr, v_scale_ptr, k_scale_val, v_scale_val, qk_scale, D,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_tb, stride_cb, stride_cs, stride_ch,
                    G: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, IS_FP8: tl.constexpr,
                    SCALE_PTR: tl.constexpr):
-    """Grid (B, Hkv, splits): one query token per sequence; split s covers context tokens
-    [s * tokens_per_split, (s + 1) * tokens_per_split)."""
+    """Grid (B, Hkv, splits): one query token per sequence. The split length follows this sequence's own length
+    (whole BLOCK_N tiles), not the table width the grid was sized for, so a short context in a CUDA graph captured
+    for long ones still spreads over programs; splits past the end store an empty partial."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
     q_idx = tl.load(qsl_ptr + b)
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
     start = sp * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
     rows = tl.arange(0, GP)

@@ -67,30 +67,34 @@ def _rope_store_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, k_cache, v_
                           BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, HALF: tl.constexpr,
                           BLOCK_HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, FMAX: tl.constexpr,
                           IS_FP8: tl.constexpr, SCALE_PTR: tl.constexpr):
+    """Grid (T, 2): program (t, 0) rotates token t's q heads in place, (t, 1) rotates its k heads and stores k
+    and v by slot (two short dependent chains side by side instead of one long one)."""
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     offs_i = tl.arange(0, BLOCK_HALF)
     i_mask = offs_i < HALF
     cos = tl.load(cos_sin_ptr + pos * stride_pos + offs_i, mask=i_mask, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(cos_sin_ptr + pos * stride_pos + HALF + offs_i, mask=i_mask, other=0.0).to(tl.float32)[None, :]
-
-    offs_hq = tl.arange(0, BLOCK_HQ)
-    q_rows = q_ptr + t * stride_qt + offs_hq[:, None] * stride_qh
-    _rotate(q_rows, offs_i, (offs_hq < HQ)[:, None] & i_mask[None, :], cos, sin, HALF)
-
-    offs_hk = tl.arange(0, BLOCK_HKV)
-    k_mask = (offs_hk < HKV)[:, None] & i_mask[None, :]
-    k1, k2 = _rotate(k_ptr + t * stride_kt + offs_hk[:, None] * stride_kh, offs_i, k_mask, cos, sin, HALF)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    if slot >= 0:
-        v_rows = v_ptr + t * stride_vt + offs_hk[:, None] * stride_vh
-        v1 = tl.load(v_rows + offs_i[None, :], mask=k_mask).to(tl.float32)
-        v2 = tl.load(v_rows + HALF + offs_i[None, :], mask=k_mask).to(tl.float32)
-        k1 = _quantize(k1, k_scale_ptr, k_scale_val, FMAX, IS_FP8, SCALE_PTR)
-        k2 = _quantize(k2, k_scale_ptr, k_scale_val, FMAX, IS_FP8, SCALE_PTR)
-        v1 = _quantize(v1, v_scale_ptr, v_scale_val, FMAX, IS_FP8, SCALE_PTR)
-        v2 = _quantize(v2, v_scale_ptr, v_scale_val, FMAX, IS_FP8, SCALE_PTR)
-        _store_token(k_cache, slot, k1, offs_hk, offs_i, k_mask, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
-        _store_token(k_cache + HALF, slot, k2, offs_hk, offs_i, k_mask, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
-        _store_token(v_cache, slot, v1, offs_hk, offs_i, k_mask, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
-        _store_token(v_cache + HALF, slot, v2, offs_hk, offs_i, k_mask, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
+    if tl.program_id(1) == 0:
+        offs_hq = tl.arange(0, BLOCK_HQ)
+        q_rows = q_ptr + t * stride_qt + offs_hq[:, None] * stride_qh
+        _rotate(q_rows, offs_i, (offs_hq < HQ)[:, None] & i_mask[None, :], cos, sin, HALF)
+    else:
+        offs_hk = tl.arange(0, BLOCK_HKV)
+        k_mask = (offs_hk < HKV)[:, None] & i_mask[None, :]
+        k1, k2 = _rotate(k_ptr + t * stride_kt + offs_hk[:, None] * stride_kh, offs_i, k_mask, cos, sin, HALF)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if slot >= 0:
+            v_rows = v_ptr + t * stride_vt + offs_hk[:, None] * stride_vh
+            v1 = tl.load(v_rows + offs_i[None, :], mask=k_mask).to(tl.float32)
+            v2 = tl.load(v_rows + HALF + offs_i[None, :], mask=k_mask).to(tl.float32)
+            k1 = _quantize(k1, k_scale_ptr, k_scale_val, FMAX, IS_FP8, SCALE_PTR)
+            k2 = _quantize(k2, k_scale_ptr, k_scale_val, FMAX, IS_FP8, SCALE_PTR)
+            v1 = _quantize(v1, v_scale_ptr, v_scale_val, FMAX, IS_FP8, SCALE_PTR)
+            v2 = _quantize(v2, v_scale_ptr, v_scale_val, FMAX, IS_FP8, SCALE_PTR)
+            _store_token(k_cache, slot, k1, offs_hk, offs_i, k_mask, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
+            _store_token(k_cache + HALF, slot, k2, offs_hk, offs_i, k_mask, stride_cb, stride_cs, stride_ch,
+                         BLOCK_SIZE)
+            _store_token(v_cache, slot, v1, offs_hk, offs_i, k_mask, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
+            _store_token(v_cache + HALF, slot, v2, offs_hk, offs_i, k_mask, stride_cb, stride_cs, stride_ch,
+                         BLOCK_SIZE)

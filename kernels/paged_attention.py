@@ -81,9 +81,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, s
     group = num_q_heads // num_kv_heads
     block_d = _next_pow2(head_dim)
     max_ctx = block_tables.shape[1] * block_size
-    splits = decode_splits(batch * num_kv_heads, max_ctx, q.device, cfg)
-    per_split = -(-max_ctx // (splits * cfg.block_n)) * cfg.block_n
-    splits = max(1, -(-max_ctx // per_split))
+    splits = max(1, min(decode_splits(batch * num_kv_heads, max_ctx, q.device, cfg), -(-max_ctx // cfg.block_n)))
     out = torch.empty_like(q)
     ks_ptr, ks_val, from_ptr = _scale_args(k_scale, q)
     vs_ptr, vs_val, _ = _scale_args(v_scale, q)
@@ -93,7 +91,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, s
         part_ml = torch.empty((batch, num_q_heads, splits, 2), dtype=torch.float32, device=q.device)
     _decode_kernel[(batch, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_o, part_ml,
-        ks_ptr, vs_ptr, ks_val, vs_val, softmax_scale * LOG2E, per_split, head_dim,
+        ks_ptr, vs_ptr, ks_val, vs_val, softmax_scale * LOG2E, head_dim,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         G=group, GP=max(16, _next_pow2(group)), BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_SIZE=block_size,
@@ -175,7 +173,7 @@ def rope_store_kv_triton(q, k, v, positions, cos_sin_cache, k_cache, v_cache, sl
     ks_ptr, ks_val, from_ptr = _scale_args(k_scale, k)
     vs_ptr, vs_val, _ = _scale_args(v_scale, k)
     half = head_dim // 2
-    _rope_store_kv_kernel[(num_tokens,)](
+    _rope_store_kv_kernel[(num_tokens, 2)](
         q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, ks_ptr, vs_ptr, ks_val, vs_val,
         num_q_heads, num_kv_heads, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos_sin_cache.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -92,6 +92,7 @@ def test_rope_store_kv_matches_twin(dtype, cache_dtype):
     (4, 2, torch.float16, E4M3, 3),
     (3, 3, torch.bfloat16, E5M2, 2),
     (7, 1, torch.bfloat16, torch.bfloat16, 4),
+    (4, 2, torch.float16, torch.float16, 8),      # more splits than 16-token tiles: empty splits
 ])
 def test_decode_matches_twin(hq, hkv, dtype, cache_dtype, splits):
     gen = torch.Generator().manual_seed(hq * 10 + splits)
