@@ -26,13 +26,18 @@ from kernels.w4a16_ref import dequantize_w4  # noqa: E402
 DEV = "cuda"
 
 
-def configs(m, wgmma):
-    if wgmma:                 # 64 rows per warpgroup; x^T's tile grows with M: shorter K steps above M = 64
-        shapes, bks = ([(64, 4), (128, 4), (128, 8), (256, 8)], (64, 128) if m <= 64 else (64,))
+def configs(m, wgmma, focus=False):
+    """Candidates; focus: mma.sync only around the fitted rule (64/128 columns, 4 warps, split 1-16, one launch)."""
+    if wgmma:                 # tiles that compile without spills (the one-launch epilogue spills at 128 rows)
+        shapes = [(64, 4), (128, 4)] if m <= 32 else [(64, 4), (128, 8)] if m <= 64 else [(128, 8)]
+        bks, ones, splits = (128,), ((True, False) if m <= 64 else (False,)), (1, 2, 4, 8)
+    elif focus:
+        shapes, bks, ones, splits = [(64, 4), (128, 4)], (128, 256), (True,), (1, 2, 4, 8, 16)
     else:
-        shapes, bks = [(64, 4), (128, 4), (128, 8)] + ([(256, 4), (256, 8)] if m > 1 else []), (128, 256)
-    for (bn, nw), bk, split, one in itertools.product(shapes, bks, (1, 2, 4, 8), (True, False)):
-        if split > 1 or one:
+        shapes = [(64, 4), (128, 4), (128, 8)] + ([(256, 4), (256, 8)] if m > 1 else [])
+        bks, ones, splits = (128, 256), (True, False), (1, 2, 4, 8)
+    for (bn, nw), bk, split, one in itertools.product(shapes, bks, splits, ones):
+        if split > 1 or one or len(ones) == 1:
             yield dict(block_n=bn, block_k=bk, num_warps=nw, split_k=split, one_launch=one, wgmma=wgmma)
 
 
@@ -43,6 +48,8 @@ def main():
     ap.add_argument("--sweep-ms", default="1,16,64,128,256")
     ap.add_argument("--budget-s", type=float, default=400)
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--wgmma-only", action="store_true", help="sweep only the wgmma variant above M = 16")
+    ap.add_argument("--focus", action="store_true", help="mma.sync candidates only around the fitted rule")
     args = ap.parse_args()
     t0 = time.time()
     ms = [int(v) for v in args.ms.split(",")]
@@ -75,7 +82,8 @@ def main():
                    "frag_us": graph_us([lambda f=f: w4a16_forward(x, f) for f in fws]),      # dispatcher, fragments
                    "mma": []}
             sweep = (m in sweep_ms or best_cfg is None) and time.time() - t0 < args.budget_s
-            cands = (list(configs(m, False)) if m <= 64 else []) + list(configs(m, True)) if sweep else [best_cfg]
+            cands = ((list(configs(m, False, args.focus)) if m <= 64 and not (args.wgmma_only and m > 16)
+                      else []) + (list(configs(m, True)) if m > 1 else []) if sweep else [best_cfg])
             for cfg in cands:
                 try:
                     y = w4a16_mma(x, fw, **cfg)

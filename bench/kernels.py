@@ -35,9 +35,10 @@ import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from kernels.paged_attention import DecodeConfig, paged_decode  # noqa: E402
-from kernels.w4a16 import FragWeights, prepare_kernel_weights, prepare_w4a16, w4a16_forward  # noqa: E402
+from kernels.w4a16 import (FragWeights, prepare_kernel_weights, prepare_w4a16, w4a16_forward,  # noqa: E402
+                            wgmma_works)
 from kernels.w4a16_ref import dequantize_w4  # noqa: E402
-from kernels.w4a16_tuning import (MMA_MAX_M, W4A16Config, candidate_configs, gpu_family, refinements,  # noqa: E402
+from kernels.w4a16_tuning import (W4A16Config, candidate_configs, gpu_family, refinements,  # noqa: E402
                                   select_config, select_mma_config, table_row)
 
 SHAPES = {"qkv": (3584, 4608), "o": (3584, 3584), "gate_up": (3584, 37888), "down": (18944, 3584)}
@@ -116,9 +117,8 @@ def load_awq(sdist: str):
 def ours_config(w, m, k, n) -> dict:
     """The dispatcher's choice for this call, as recorded in the JSON."""
     if isinstance(w, FragWeights):
-        if m <= MMA_MAX_M:
-            return dict(path="mma", **dataclasses.asdict(select_mma_config(m, k, n)))
-        return {"path": "frag_dequant"}
+        cfg = select_mma_config(m, k, n, wgmma_works(torch.device(DEV).index or 0))
+        return dict(path="mma", **dataclasses.asdict(cfg)) if cfg else {"path": "frag_dequant"}
     return dataclasses.asdict(select_config(m, k, n, torch.device(DEV)))
 
 

@@ -23,7 +23,7 @@ import torch
 from kernels.norm_act import silu_and_mul, silu_and_mul_ref
 from kernels.w4a16_frag import FragWeights, frag_standard, prepare_frag
 from kernels.w4a16_ref import pack_int4_rows, unpack_int4_rows, w4a16_matmul_ref
-from kernels.w4a16_tuning import MMA_MAX_M, MMAConfig, W4A16Config, select_config, select_mma_config
+from kernels.w4a16_tuning import MMAConfig, W4A16Config, select_config, select_mma_config
 
 DEFAULT_PACK_K = 128
 
@@ -137,12 +137,35 @@ def _mma_kernels_work(device_index: int) -> bool:
     return False
 
 
+@lru_cache(maxsize=None)
+def wgmma_works(device_index: int) -> bool:
+    """The wgmma variant serves M = 17..128 on an sm90 GPU where one tiny call of it is exact (a probe like
+    _mma_kernels_work's: a failure costs speed, with a warning, not a forward pass). Probed at load."""
+    try:
+        if torch.cuda.get_device_capability(device_index) != (9, 0):
+            return False
+        from kernels.w4a16_mma import w4a16_mma
+        dev = torch.device("cuda", device_index)
+        fw = prepare_frag(torch.zeros(8, 64, dtype=torch.int32, device=dev),        # codes 0, symmetric (z = 8)
+                          torch.ones(1, 64, dtype=torch.float16, device=dev), None, -1)
+        y = w4a16_mma(torch.ones(17, 64, dtype=torch.float16, device=dev), fw, block_n=64, wgmma=True)
+        if bool((y == -512).all()):
+            return True
+        reason = f"wrong result {y.flatten()[:4].tolist()}"
+    except Exception as e:  # noqa: BLE001 - any compile or launch failure means: mma.sync and cuBLAS serve
+        reason = repr(e)[:300]
+    logging.getLogger("quant_serve").warning("W4A16 wgmma kernel unavailable on cuda:%d (%s); M > 16 uses mma.sync "
+                                             "up to 64 rows, then dequantize + cuBLAS", device_index, reason)
+    return False
+
+
 def prepare_kernel_weights(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
                            group_size: int, perm: torch.Tensor | None = None) -> "W4A16Weights | FragWeights":
     """Standard internal layout -> the layout the GPU kernels read: the fragment layout where it applies (tensor
     cores from M = 1), else the row layout. Run once at load, on the weights' device."""
     k, n = qweight.shape[0] * 8, qweight.shape[1]
     if frag_applies(k, n, group_size, scales.dtype, qweight.device):
+        wgmma_works(qweight.device.index if qweight.device.index is not None else torch.cuda.current_device())
         return prepare_frag(qweight, scales, qzeros, group_size, perm)
     return prepare_w4a16(qweight, scales, qzeros, group_size, perm)
 
@@ -205,12 +228,14 @@ def w4a16_forward(x: torch.Tensor, w: W4A16Weights | FragWeights, bias: torch.Te
 
 def _frag_forward(x: torch.Tensor, w: FragWeights, bias: torch.Tensor | None, config: MMAConfig | None,
                   silu_mul: bool) -> torch.Tensor:
-    """Fragment layout: the tensor-core kernel up to M = 64 (fp16 activations), else dequantize + cuBLAS."""
-    from kernels.w4a16_mma import frag_dequantize, w4a16_mma
+    """Fragment layout: the tensor-core kernel where select_mma_config has a tile (fp16 activations), else
+    dequantize + cuBLAS."""
+    from kernels.w4a16_mma import w4a16_mma
+    from kernels.w4a16_tiles import frag_dequantize
     x = x[:, w.perm] if w.perm is not None else x.contiguous()
     m, k = x.shape
-    if m <= MMA_MAX_M and x.dtype == torch.float16:
-        cfg = config or select_mma_config(m, k, w.out_features)
+    cfg = config or select_mma_config(m, k, w.out_features, wgmma_works(x.device.index))
+    if cfg is not None and x.dtype == torch.float16:
         return w4a16_mma(x, w, bias, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps, cfg.one_launch, silu_mul,
                          cfg.wgmma)
     y = torch.nn.functional.linear(x, frag_dequantize(w).to(x.dtype), bias)

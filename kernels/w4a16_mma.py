@@ -1,12 +1,10 @@
-"""Gluon W4A16 kernels over the fragment layout (kernels/w4a16_frag.py): tensor-core matmul for M = 1..64 and
-the dequantize pass of the large-M path.
+"""Gluon W4A16 tensor-core matmul over the fragment layout (tiles: kernels/w4a16_tiles.py).
 
-y^T = W^T x^T: the weight tile [BLOCK_N, BLOCK_K] is the A operand of mma.sync m16n8k16, x^T [BLOCK_K, BLOCK_M]
-the B operand (M padded to 8 or 16). The fragment layout puts in each int32 word the 8 codes one thread holds in
-one A fragment, so the words are loaded straight into registers in a layout whose dequantized values ARE the A
-operand layout: no shared memory, no shuffles (`convert_layout(..., assert_trivial=True)` checks it at compile
-time). Dequant is Marlin's LOP3 trick on the word (13 instructions per 8 weights, exact), the MMA accumulates fp32.
-Split-K partials go through the workspace and the shared reduce pass (kernels/w4a16_splitk.py).
+y^T = W^T x^T: the dequantized weight tile [BLOCK_N, BLOCK_K] is the A operand in registers, x^T [BLOCK_K,
+BLOCK_M] the B operand. mma.sync m16n8k16 serves M = 1..64 (x straight into registers at M = 1, through shared
+memory and ldmatrix above); Hopper's wgmma (sm90) serves any M by 128-row tiles, x^T by cp.async into a shared
+double buffer (_wgmma_steps). Split-K partials go through the workspace: the reduce pass of
+kernels/w4a16_splitk.py (SwiGLU fused there), or the one-launch ticket whose last split sums them.
 """
 import torch
 import triton
@@ -18,151 +16,54 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from kernels.norm_act import silu_and_mul
 from kernels.w4a16_frag import FragWeights, pick_block_k
 from kernels.w4a16_splitk import launch_splitk_reduce, split_buffers
+from kernels.w4a16_tiles import _dequant_step, _load_step, _tile_words, mma_layout
 
 # names across Triton releases (Gluon is experimental): 3.6 thread_barrier / async_copy_global_to_shared,
 # 3.9 barrier / async_load
 _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 _cp_async = async_copy.async_load if hasattr(async_copy, "async_load") else async_copy.async_copy_global_to_shared
 
-# inputs: word $8, scale pair of row g $9, of row g+8 $10, 1024+z pair of row g $11, -(64+z) pair of row g+8 $12
-# outputs (.b16), value index b0 + 2 b1 + 4 b2 = (k + b0 + 8 b2, n + 8 b1) of the thread's fragment
-_FRAG_DQ_ASM = gl.constexpr("""
-{
-.reg .b32 w1, a0, a1, a2, a3, k16;
-mov.b32 k16, 0x2C002C00;
-lop3.b32 a0, $8, 0x000F000F, 0x64006400, 0xEA;
-lop3.b32 a1, $8, 0x00F000F0, 0x64006400, 0xEA;
-shr.u32 w1, $8, 8;
-lop3.b32 a2, w1, 0x000F000F, 0x64006400, 0xEA;
-lop3.b32 a3, w1, 0x00F000F0, 0x64006400, 0xEA;
-sub.rn.f16x2 a0, a0, $11;
-sub.rn.f16x2 a2, a2, $11;
-fma.rn.f16x2 a1, a1, k16, $12;
-fma.rn.f16x2 a3, a3, k16, $12;
-mul.rn.f16x2 a0, a0, $9;
-mul.rn.f16x2 a2, a2, $9;
-mul.rn.f16x2 a1, a1, $10;
-mul.rn.f16x2 a3, a3, $10;
-mov.b32 {$0, $1}, a0;
-mov.b32 {$2, $3}, a1;
-mov.b32 {$4, $5}, a2;
-mov.b32 {$6, $7}, a3;
-}
-""")
 
-
-@gluon.constexpr_function
-def word_layout(num_warps, rn, rk):
-    """Layout of the word tile [NG = 8 * num_warps * rn, RK, 4 (t), 4 (kt)]: lane = 4 g + t, warps and register
-    repeats along the 16-row tiles, the 4 words of a 16-byte run (kt) in consecutive registers."""
-    ng = 8 * num_warps * rn
-    reg = [[0, 0, 0, 1], [0, 0, 0, 2]] + [[0, 1 << i, 0, 0] for i in range(rk.bit_length() - 1)] + \
-          [[8 * num_warps << i, 0, 0, 0] for i in range(rn.bit_length() - 1)]
-    lane = [[0, 0, 1, 0], [0, 0, 2, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]]
-    warp = [[8 << i, 0, 0, 0] for i in range(num_warps.bit_length() - 1)]
-    return gl.DistributedLinearLayout(reg, lane, warp, [], [ng, rk, 4, 4])
-
-
-@gluon.constexpr_function
-def mma_layout(wgmma, num_warps, block_m):
-    """The accumulator layout: mma.sync m16n8k16 (one warp per 16 rows of W^T), or Hopper's wgmma (a warpgroup per
-    64 rows, x^T's BLOCK_M columns per instruction). Their A operand layouts are the same for 4 warps per 64 rows."""
-    if wgmma:
-        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_m, 16])
-    return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8])
+@gluon.jit
+def _wgmma_steps(acc, x_ptrs, m_mask, k_row, K, it0, it1, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
+                 stride_sg, stride_zg, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, EVEN_N: gl.constexpr,
+                 EVEN_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                 A_L: gl.constexpr):
+    """The Hopper main loop: wgmma(step i) runs while step i + 1 is dequantized and its x tile copied.
+    A wgmma reads its A registers until a wait retires it, and the A tile is packed into those registers at the
+    issue, so each step waits for its own wgmma before the next issue repacks them (async with one in flight, the
+    next step's packing could overwrite registers the MMA still reads). x^T goes global -> shared by cp.async into
+    a double buffer: the copy of step i + 1 targets the buffer of step i - 1, whose wgmma that step's wait retired."""
+    x_smem = gl.allocate_shared_memory(gl.float16, [2, BLOCK_M, BLOCK_K],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float16))
+    a = _dequant_step(*_load_step(it0 * BLOCK_K, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, stride_sg,
+                                  stride_zg, GROUP, HAS_ZEROS, EVEN_N), n_lo, n_hi, HAS_ZEROS, BLOCK_N, BLOCK_K, A_L)
+    p1 = _load_step(gl.minimum(it0 + 1, it1 - 1) * BLOCK_K, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
+                    stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N)     # step i + 1's raw loads fly during step i
+    _x_copy(x_smem.index(it0 % 2), x_ptrs, m_mask, k_row, it0 * BLOCK_K, K, EVEN_K)
+    for it in range(it0, it1):
+        async_copy.wait_group(0)
+        _cta_barrier()                        # every thread's part of x(it) landed; every wgmma(it - 1) retired
+        fence_async_shared()
+        acc = warpgroup_mma(a, x_smem.index(it % 2).permute((1, 0)), acc, is_async=True)
+        nxt = gl.minimum(it + 1, it1 - 1)     # the last step repeats itself (no read past this split)
+        _x_copy(x_smem.index((it + 1) % 2), x_ptrs, m_mask, k_row, nxt * BLOCK_K, K, EVEN_K)
+        a = _dequant_step(*p1, n_lo, n_hi, HAS_ZEROS, BLOCK_N, BLOCK_K, A_L)
+        p1 = _load_step(gl.minimum(it + 2, it1 - 1) * BLOCK_K, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
+                        stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+    async_copy.wait_group(0)
+    return acc
 
 
 @gluon.jit
-def _frag_dequant(words, s_lo, s_hi, z_lo, z_hi, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                  A_LAYOUT: gl.constexpr):
-    """words int32 [NG, RK, 4, 4] -> the dequantized A tile fp16 [BLOCK_N, BLOCK_K] in the mma A layout."""
-    v0, v1, v2, v3, v4, v5, v6, v7 = gl.inline_asm_elementwise(
-        _FRAG_DQ_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r", [words, s_lo, s_hi, z_lo, z_hi],
-        dtype=[gl.float16] * 8, is_pure=True, pack=1)
-    # join appends its new dim last: values (b0, b1, b2) -> dims [..., b0, b1, b2]
-    t = gl.join(gl.join(gl.join(v0, v1), gl.join(v2, v3)), gl.join(gl.join(v4, v5), gl.join(v6, v7)))
-    NG: gl.constexpr = BLOCK_N // 2
-    RK: gl.constexpr = BLOCK_K // 64
-    t = gl.reshape(t, [NG // 8, 8, RK, 4, 4, 2, 2, 2])            # nt, g, kh, t, kt, b0, b1, b2
-    t = gl.permute(t, [0, 6, 1, 2, 4, 7, 3, 5])                    # nt, b1, g, kh, kt, b2, t, b0
-    t = gl.reshape(t, [BLOCK_N, BLOCK_K])
-    return gl.convert_layout(t, A_LAYOUT, assert_trivial=True)
-
-
-@gluon.jit
-def _load_step(k0, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, stride_sg, stride_zg, GROUP: gl.constexpr,
-               HAS_ZEROS: gl.constexpr, EVEN_N: gl.constexpr):
-    """The weight loads of the step starting at row k0: words, the scales and packed zero words of rows g and
-    g + 8 (raw: converted at use, so nothing waits for them here)."""
-    if EVEN_N:
-        words = gl.load(w_ptr + offs + k0 * 2)
+def _x_copy(dst, x_ptrs, m_mask, k_row, k0, K, EVEN_K: gl.constexpr):
+    """cp.async of x's [BLOCK_M, BLOCK_K] tile at column k0 into shared memory (0 outside M and K)."""
+    if EVEN_K:
+        _cp_async(dst, x_ptrs + k0, mask=m_mask)
     else:
-        words = gl.load(w_ptr + offs + k0 * 2, mask=w_mask, other=0)
-    grp = (k0 + k_in) // GROUP
-    s_lo = gl.load(s_ptr + grp * stride_sg + n_lo)
-    s_hi = gl.load(s_ptr + grp * stride_sg + n_hi)
-    if HAS_ZEROS:
-        z_lo = gl.load(z_ptr + grp * stride_zg + n_lo // 8)
-        z_hi = gl.load(z_ptr + grp * stride_zg + n_hi // 8)
-    else:
-        z_lo = 0
-        z_hi = 0
-    return words, s_lo, s_hi, z_lo, z_hi
-
-
-@gluon.jit
-def _scale_pair(s):
-    """fp16 scale -> the int32 bits of the fp16 pair (s, s)."""
-    return (s.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF) * 0x10001
-
-
-@gluon.jit
-def _zero(zw, rows, HAS_ZEROS: gl.constexpr):
-    """Zero point of columns `rows` from their packed word (symmetric: 8)."""
-    if HAS_ZEROS:
-        z = (zw >> ((rows % 8) * 4)) & 0xF
-    else:
-        z = rows * 0 + 8
-    return z
-
-
-@gluon.jit
-def _tile_words(pid_n, N, KP, GROUP: gl.constexpr, EVEN_N: gl.constexpr, BLOCK_N: gl.constexpr,
-                BLOCK_K: gl.constexpr, num_warps: gl.constexpr):
-    """Offsets of a [BLOCK_N, BLOCK_K] tile's words (step 0 of pid_n's columns), their mask, the columns of rows
-    g and g + 8 (clamped into N) and each word's row offset inside a step where the scale group can change there."""
-    WL: gl.constexpr = word_layout(num_warps, BLOCK_N // (16 * num_warps), BLOCK_K // 64)
-    L3: gl.constexpr = gl.SliceLayout(3, WL)
-    L2: gl.constexpr = gl.SliceLayout(2, L3)
-    ng = gl.arange(0, BLOCK_N // 2, layout=gl.SliceLayout(1, L2))                # 8 nt + g
-    nt = pid_n * (BLOCK_N // 16) + ng // 8
-    kh = gl.arange(0, BLOCK_K // 64, layout=gl.SliceLayout(0, L2))
-    tt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
-    kt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, WL))))
-    nt4 = nt[:, None, None, None]
-    # word offsets: ((nt * KP/64 + kb) * 32 + 4 g + t) * 4 + kt
-    offs = (nt4 * (KP * 2) + ((ng % 8) * 16)[:, None, None, None] + (kh * 128)[None, :, None, None]
-            + (tt * 4)[None, None, :, None] + kt[None, None, None, :])
-    n_lo = (nt * 16 + ng % 8)[:, None, None, None]
-    # the scale group changes per step (GROUP >= BLOCK_K), per 64-row block, or per 16-row word
-    k_in = kh[None, :, None, None] * 64 if GROUP < BLOCK_K else 0
-    k_in = k_in + kt[None, None, None, :] * 16 if GROUP < 64 else k_in
-    if EVEN_N:
-        n_hi = n_lo + 8
-    else:
-        n_hi = gl.minimum(n_lo + 8, N - 1)
-        n_lo = gl.minimum(n_lo, N - 1)
-    return offs, nt4 < N // 16, n_lo, n_hi, k_in
-
-
-@gluon.jit
-def _dequant_step(words, s_lo, s_hi, z_lo, z_hi, n_lo, n_hi, HAS_ZEROS: gl.constexpr, BLOCK_N: gl.constexpr,
-                  BLOCK_K: gl.constexpr, A_LAYOUT: gl.constexpr):
-    """A step's raw loads (_load_step) -> its dequantized A tile fp16 [BLOCK_N, BLOCK_K]."""
-    return _frag_dequant(words, _scale_pair(s_lo), _scale_pair(s_hi),
-                         0x64006400 + _zero(z_lo, n_lo, HAS_ZEROS) * 0x10001,               # (1024 + z) pairs
-                         (0xD400D400 - (1 << 32)) + _zero(z_hi, n_hi, HAS_ZEROS) * 0x100010,  # -(64 + z) pairs
-                         BLOCK_N, BLOCK_K, A_LAYOUT)
+        _cp_async(dst, x_ptrs + k0, mask=m_mask & (k_row + k0 < K))
+    async_copy.commit_group()
 
 
 @gluon.jit
@@ -173,8 +74,7 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, num_warps: gl.constexpr):
     """y = x @ W (+ bias) for one [BLOCK_M, BLOCK_N] output tile; with SPLIT, this split's fp32 partial goes to
     ws[pid_k] and is summed by the reduce pass or (ONE_LAUNCH) by the split that draws the last ticket.
-    WGMMA (Hopper; BLOCK_N a multiple of 64, x through shared memory): async wgmma with A from registers and x^T
-    from a double-buffered shared tile, one wgmma in flight while the next step is dequantized."""
+    WGMMA (Hopper; BLOCK_N a multiple of 16 * num_warps, x through shared memory): _wgmma_steps."""
     MMA: gl.constexpr = mma_layout(WGMMA, num_warps, BLOCK_M)
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
@@ -186,13 +86,9 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
     if X_SMEM:
         # several rows: each thread loads 16 contiguous bytes of x, the tile goes through shared memory and comes
         # back as the B fragments (ldmatrix); the direct fragment loads would touch BLOCK_M lines per instruction
-        XL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, num_warps], [1, 0])
-        X_SL: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
-        if WGMMA:
-            x_smem = gl.allocate_shared_memory(gl.float16, [2, BLOCK_M, BLOCK_K],
-                                               gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float16))
-        else:
-            x_smem = gl.allocate_shared_memory(gl.float16, [BLOCK_M, BLOCK_K], X_SL)
+        # warps along M where the tile has the rows: no thread copies what another does
+        XL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1] if BLOCK_M >= 4 * num_warps else
+                                            [1, num_warps], [1, 0])
         offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, XL))
         offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, XL))
         x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
@@ -208,36 +104,29 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
     it0 = pid_k * iters_per_split
     it1 = gl.minimum(it0 + iters_per_split, KP // BLOCK_K)
-    # the weight loads of a step (words, scales, zero points; DRAM) are issued one step ahead of their use, so the
-    # dequant and MMA of step i overlap the memory latency of step i + 1 (the last step loads itself again);
-    # x (small, cache-resident) is loaded at the top of its own step, ahead of the dequant
-    words, s_lo, s_hi, z_lo, z_hi = _load_step(it0 * BLOCK_K, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
-                                               stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N)
-    for it in range(it0, it1):
-        k0 = it * BLOCK_K
-        nxt = _load_step(gl.minimum(it + 1, it1 - 1) * BLOCK_K, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi,
-                         k_in, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N)
-        if EVEN_K:
-            x_mask = m_mask
-        else:
-            x_mask = m_mask & (k_row + k0 < K)
-        if WGMMA:
-            # x's tile goes global -> shared by cp.async (no registers held across the dequant); the buffer was
-            # last read by the wgmma of two steps back, which the previous step's wait retired
-            xs = x_smem.index(it % 2)
-            _cta_barrier()
-            _cp_async(xs, x_ptrs + k0, mask=x_mask)
-            async_copy.commit_group()
-        else:
-            xt = gl.load(x_ptrs + k0, mask=x_mask, other=0.0)
-        a = _dequant_step(words, s_lo, s_hi, z_lo, z_hi, n_lo, n_hi, HAS_ZEROS, BLOCK_N, BLOCK_K, A_L)
-        if WGMMA:
-            async_copy.wait_group(0)
-            _cta_barrier()
-            fence_async_shared()
-            acc = warpgroup_mma(a, xs.permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
-        else:
+    if WGMMA:
+        acc = _wgmma_steps(acc, x_ptrs, m_mask, k_row, K, it0, it1, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi,
+                           k_in, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
+                           A_L)
+    else:
+        if X_SMEM:
+            x_smem = gl.allocate_shared_memory(gl.float16, [BLOCK_M, BLOCK_K], gl.SwizzledSharedLayout(
+                vec=8, per_phase=1, max_phase=8, order=[1, 0]))
+        # the weight loads of a step (words, scales, zero points; DRAM) are issued one step ahead of their use, so
+        # the dequant and MMA of step i overlap the memory latency of step i + 1 (the last step loads itself again;
+        # two steps ahead measured no faster: bench/NOTES-kernels.md entry 12); x (small, cache-resident) is loaded
+        # at the top of its own step, ahead of the dequant
+        cur = _load_step(it0 * BLOCK_K, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, stride_sg, stride_zg,
+                         GROUP, HAS_ZEROS, EVEN_N)
+        for it in range(it0, it1):
+            k0 = it * BLOCK_K
+            nxt = _load_step(gl.minimum(it + 1, it1 - 1) * BLOCK_K, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi,
+                             k_in, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N)
+            if EVEN_K:
+                xt = gl.load(x_ptrs + k0, mask=m_mask, other=0.0)
+            else:
+                xt = gl.load(x_ptrs + k0, mask=m_mask & (k_row + k0 < K), other=0.0)
+            a = _dequant_step(*cur, n_lo, n_hi, HAS_ZEROS, BLOCK_N, BLOCK_K, A_L)
             if X_SMEM:
                 _cta_barrier()                    # every warp is done reading the previous tile
                 x_smem.store(xt)
@@ -246,9 +135,7 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
             else:
                 xb = xt
             acc = mma_v2(a, xb, acc)
-        words, s_lo, s_hi, z_lo, z_hi = nxt
-    if WGMMA:
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+            cur = nxt
 
     on = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
     om = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
@@ -264,13 +151,20 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
             _cta_barrier()
             ticket = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
             if ticket == n_splits - 1:
-                total = gl.load(ws_ptr + offs_out, mask=mask, other=0.0, cache_modifier=".cg")
-                for sp in range(1, n_splits):
-                    total += gl.load(ws_ptr + sp * M * N + offs_out, mask=mask, other=0.0, cache_modifier=".cg")
+                total = _sum_splits(ws_ptr, offs_out, mask, M * N, n_splits)
                 _write_out(total, out_ptr, bias_ptr, on, om, N, mask, stride_om, HAS_BIAS)
                 gl.store(cnt_ptr + tile, 0)
     else:
         _write_out(acc, out_ptr, bias_ptr, on, om, N, mask, stride_om, HAS_BIAS)
+
+
+@gluon.jit
+def _sum_splits(ws_ptr, offs, mask, split_stride, n_splits):
+    """Sum of the splits' fp32 partials at offs, in split order (from L2: other programs wrote them)."""
+    total = gl.load(ws_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+    for sp in range(1, n_splits):
+        total += gl.load(ws_ptr + sp * split_stride + offs, mask=mask, other=0.0, cache_modifier=".cg")
+    return total
 
 
 @gluon.jit
@@ -279,40 +173,6 @@ def _write_out(acc, out_ptr, bias_ptr, on, om, N, mask, stride_om, HAS_BIAS: gl.
     if HAS_BIAS:
         acc += gl.load(bias_ptr + on, mask=on < N, other=0.0).to(gl.float32)[:, None]
     gl.store(out_ptr + om[None, :] * stride_om + on[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@gluon.jit
-def _frag_dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, KP, stride_sg, stride_zg, GROUP: gl.constexpr,
-                         HAS_ZEROS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                         num_warps: gl.constexpr):
-    """out = W^T [N, K] fp16 (the dense weight, rows = output columns) for the large-M path (then cuBLAS)."""
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8])
-    A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    OUT_L: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
-    pid_n = gl.program_id(0)
-    k0 = gl.program_id(1) * BLOCK_K
-    offs, w_mask, n_lo, n_hi, k_in = _tile_words(pid_n, N, KP, GROUP, False, BLOCK_N, BLOCK_K, num_warps)
-    words, s_lo, s_hi, z_lo, z_hi = _load_step(k0, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, stride_sg,
-                                               stride_zg, GROUP, HAS_ZEROS, False)
-    a = _dequant_step(words, s_lo, s_hi, z_lo, z_hi, n_lo, n_hi, HAS_ZEROS, BLOCK_N, BLOCK_K, A_L)
-    a = gl.convert_layout(a, OUT_L)                              # coalesced 16-byte stores along K
-    on = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, OUT_L))
-    ok = k0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, OUT_L))
-    gl.store(out_ptr + on[:, None] * K + ok[None, :], a, mask=(on < N)[:, None] & (ok < K)[None, :])
-
-
-def frag_dequantize(fw: FragWeights, block_n: int = 64, block_k: int = 128) -> torch.Tensor:
-    """FragWeights -> W^T fp16 [N, K] (one rounding of (q - z) * s, as every W4A16 path)."""
-    n, k = fw.out_features, fw.in_features
-    kp = fw.words.shape[1] // 2
-    group = fw.group_size if fw.scales.shape[0] > 1 else 0
-    bk = pick_block_k(kp, group, block_k)
-    out = torch.empty((n, k), dtype=torch.float16, device=fw.words.device)
-    _frag_dequant_kernel[(triton.cdiv(n, block_n), kp // bk)](
-        fw.words, fw.scales, fw.qzeros if fw.qzeros is not None else fw.words, out, n, k, kp, fw.scales.stride(0),
-        fw.qzeros.stride(0) if fw.qzeros is not None else 0, GROUP=group or (1 << 30),
-        HAS_ZEROS=fw.qzeros is not None, BLOCK_N=block_n, BLOCK_K=bk, num_warps=4)
-    return out
 
 
 def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None, block_n: int = 128,
@@ -324,6 +184,10 @@ def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None
     m, k = x.shape
     n = fw.out_features
     kp = fw.words.shape[1] // 2
+    if wgmma and (k != kp or x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16):
+        # cp.async copies 16 aligned bytes per thread: pad K to the packed length (zeros meet the pad rows' codes)
+        x = torch.nn.functional.pad(x, (0, kp - k))
+        k = kp
     group = fw.group_size if fw.scales.shape[0] > 1 else 0           # 0: one group for all of K
     bk = pick_block_k(kp, group, block_k)
     iters = kp // bk

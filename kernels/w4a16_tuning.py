@@ -101,28 +101,44 @@ class MMAConfig:
     split_k: int = 1
     num_warps: int = 4
     one_launch: bool = True
-    wgmma: bool = False       # Hopper wgmma (x^T via shared memory, async): compiles for sm90; not yet run on a GPU
+    wgmma: bool = False       # Hopper wgmma (x^T via shared memory): M = 17..128 on sm90 by the rule below
 
 
-MMA_MAX_M = 64          # above: dequantize the fragment layout once, then cuBLAS
+MMA_MAX_M = 64          # mma.sync up to here
+WGMMA_MAX_M = 128       # sm90: wgmma from M = 17 to here; above both, dequantize the fragment layout once + cuBLAS
 _MMA_PROGRAMS = 640     # split-K until tiles x splits would pass this (about 5 per SM on 132 SMs)
 
 
-def select_mma_config(m: int, k: int, n: int) -> MMAConfig:
-    """Rule fitted to the H200 sweep of bench/exp_mma.py (bench/results/exp-mma-h200.json; Qwen2.5-7B shapes,
-    M = 1..64, 42-70 candidates per point): 64-column tiles of 4 warps except very wide layers at M <= 8 (128),
-    128 at M > 32; 256-row steps for long K at M <= 8; split-K to ~600 programs; two launches at M > 32."""
+def select_mma_config(m: int, k: int, n: int, wgmma: bool = False) -> MMAConfig | None:
+    """Rule fitted to the H200 sweeps of bench/exp_mma.py (bench/results/exp-mma-h200.json, mma.sync at
+    M = 1..64, 42-70 candidates per point; exp-mma-split16-h200.json, M = 1 with up to 16 splits;
+    exp-mma-wgmma-h200.json, wgmma at M = 32..4096; Qwen2.5-7B shapes). mma.sync: 64-column tiles of 4 warps except
+    very wide layers at M <= 8 (128), 128 at M > 32; 16 splits for long K at M <= 8; two launches at M > 32.
+    wgmma (wgmma=True: an sm90 GPU whose load probe passed) above M = 16: 64 columns x 4 warps up to M = 32, then
+    128 x 8 warps, two launches. Otherwise K splits to ~600 programs. None: M is past both kernels (dequantize +
+    cuBLAS)."""
+    if wgmma and 16 < m <= WGMMA_MAX_M:
+        bn, nw = (64, 4) if m <= 32 else (128, 8)
+        return MMAConfig(bn, 128, _mma_split(n, bn), nw, False, wgmma=True)
+    if m > MMA_MAX_M:
+        return None
     if m <= 8:
-        bn, bk = (128 if n >= 16384 else 64), (256 if k >= 8192 else 128)
+        if k >= 8192:                     # long K, few columns (down): 16 splits of 128-row steps
+            return MMAConfig(64, 128, 16, 4, True)
+        bn, bk = (128 if n >= 16384 else 64), 128
     elif m <= 32:
         bn, bk = 64, 128
     else:
         bn, bk = 128, 128
+    return MMAConfig(bn, bk, _mma_split(n, bn), 4, m <= 32)
+
+
+def _mma_split(n: int, bn: int) -> int:
     tiles = -(-n // bn)
     split = 1
     while split < 8 and tiles * split * 2 <= _MMA_PROGRAMS:
         split *= 2
-    return MMAConfig(bn, bk, split, 4, m <= 32)
+    return split
 
 
 def candidate_configs(m: int, k: int, n: int, pack_k: int = 128) -> list[W4A16Config]:

@@ -59,7 +59,8 @@ def test_gpu_mma_matches_twin(k, n, group_size, zeros, m):
     ref = reference(x, qweight, scales, qzeros, gs, None, bias)
     for cfg in (dict(), dict(block_n=64, block_k=128, split_k=3), dict(block_n=256, num_warps=8, split_k=8),
                 dict(split_k=2, one_launch=False), dict(block_n=64, block_k=128, split_k=2, wgmma=True),
-                dict(block_n=128, block_k=64, num_warps=8, split_k=3, one_launch=False, wgmma=True)):
+                dict(block_n=128, block_k=64, num_warps=8, split_k=3, one_launch=False, wgmma=True),
+                dict(block_n=128, block_k=128, num_warps=8, split_k=2, one_launch=False, wgmma=True)):
         assert rel_err(w4a16_mma(x, fw, bias, **cfg), ref) < 2e-3, cfg
 
 
@@ -72,8 +73,9 @@ def test_gpu_wgmma_large_m_matches_twin(m):
     fw = prepare_frag(qweight, scales, qzeros, gs)
     x = torch.randn(m, 512, dtype=torch.float16, device=DEV)
     ref = reference(x, qweight, scales, qzeros, gs, None, None)
-    for cfg in (dict(block_n=64, block_k=64, split_k=2), dict(block_n=128, block_k=64, num_warps=8),
-                dict(block_n=64, block_k=64, split_k=2, one_launch=False)):
+    for cfg in (dict(block_n=64, block_k=64, split_k=2), dict(block_n=128, block_k=128, num_warps=8),
+                dict(block_n=128, block_k=128, num_warps=8, split_k=2, one_launch=False),
+                dict(block_n=64, block_k=128, split_k=2, one_launch=False)):
         assert rel_err(w4a16_mma(x, fw, wgmma=True, **cfg), ref) < 2e-3, cfg
 
 
@@ -83,8 +85,12 @@ def test_gpu_mma_silu_mul_equals_unfused():
     from kernels.w4a16_mma import w4a16_mma
     qweight, scales, qzeros, gs, _ = make_weights(512, 512, 128, True, False, torch.float16)
     fw = prepare_frag(qweight, scales, qzeros, gs)
-    x = torch.randn(2, 512, dtype=torch.float16, device=DEV)
-    assert torch.equal(w4a16_mma(x, fw, split_k=2, silu_mul=True), silu_and_mul(w4a16_mma(x, fw, split_k=2)))
+    for m, cfg in ((2, dict(split_k=2)), (2, dict(split_k=2, one_launch=False)), (16, dict(block_n=64, split_k=1)),
+                   (5, dict(block_n=128, split_k=3)), (40, dict(block_n=64, split_k=2, wgmma=True, one_launch=False))):
+        x = torch.randn(m, 512, dtype=torch.float16, device=DEV)
+        # split-K reduces with SwiGLU fused, one split calls silu_and_mul after the matmul: both round like the
+        # unfused pair
+        assert torch.equal(w4a16_mma(x, fw, silu_mul=True, **cfg), silu_and_mul(w4a16_mma(x, fw, **cfg))), (m, cfg)
 
 
 def test_cpu_keeps_row_layout_and_twin_reads_fragment_layout():
@@ -105,10 +111,22 @@ def test_mma_config_rule_reproduces_the_sweep_winners():
         return c.block_n, c.block_k, c.split_k, c.one_launch
     assert cfg(1, 3584, 4608) == (64, 128, 8, True)
     assert cfg(1, 3584, 37888) == (128, 128, 2, True)
-    assert cfg(1, 18944, 3584) == (64, 256, 8, True)
+    assert cfg(1, 18944, 3584) == (64, 128, 16, True)                      # exp-mma-split16-h200.json
     assert cfg(16, 3584, 37888) == (64, 128, 1, True)
     assert cfg(16, 18944, 3584) == (64, 128, 8, True)
     assert cfg(64, 3584, 4608) == (128, 128, 8, False)
+    assert select_mma_config(65, 3584, 4608) is None                       # dequantize + cuBLAS
+    # wgmma (sm90) above M = 16: bench/results/exp-mma-wgmma-h200.json winners
+    def wg(m, k, n):
+        c = select_mma_config(m, k, n, wgmma=True)
+        return c.block_n, c.num_warps, c.split_k, c.one_launch, c.wgmma
+    assert select_mma_config(16, 3584, 4608, wgmma=True).wgmma is False
+    assert wg(32, 3584, 4608) == (64, 4, 8, False, True)
+    assert wg(32, 18944, 3584) == (64, 4, 8, False, True)
+    assert wg(64, 3584, 4608) == (128, 8, 8, False, True)
+    assert wg(64, 18944, 3584) == (128, 8, 8, False, True)
+    assert wg(128, 3584, 37888) == (128, 8, 2, False, True)
+    assert select_mma_config(129, 3584, 37888, wgmma=True) is None
 
 
 @pytest.mark.gpu
@@ -132,7 +150,7 @@ def test_gpu_dispatcher_on_fragment_layout(m):
 
 @pytest.mark.gpu
 def test_gpu_frag_dequantize_exact():
-    from kernels.w4a16_mma import frag_dequantize
+    from kernels.w4a16_tiles import frag_dequantize
     for k, n, group_size, zeros in [(512, 256, 128, True), (200, 48, -1, False), (320, 96, 32, True)]:
         qweight, scales, qzeros, gs, _ = make_weights(k, n, group_size, zeros, False, torch.float16)
         exact = dequantize_w4(qweight, scales, qzeros, gs, torch.float32).to(torch.float16)   # [K, N]
@@ -169,12 +187,13 @@ def _compile_sm90(kernel, signature: dict, constexprs: dict, num_warps: int):
 
 
 COMPILE_CASES = [(1, 3584, 37888), (1, 18944, 3584), (16, 3584, 4608), (64, 3584, 3584)]
-WGMMA_CASES = [(16, 64, 128, 4), (64, 64, 128, 4), (128, 128, 64, 8)]       # BLOCK_M, BLOCK_N, BLOCK_K, warps
+WGMMA_CASES = [(16, 64, 128, 4), (64, 64, 128, 4), (128, 128, 128, 8)]       # BLOCK_M, BLOCK_N, BLOCK_K, warps
 
 
 def compile_cases() -> dict:
     """The dispatcher's mma configurations for the Qwen2.5-7B shapes and the dequantize kernel, compiled for sm90."""
-    from kernels.w4a16_mma import _frag_dequant_kernel, _w4a16_mma_kernel
+    from kernels.w4a16_mma import _w4a16_mma_kernel
+    from kernels.w4a16_tiles import _frag_dequant_kernel
     from kernels.w4a16_tuning import select_mma_config
     ptrs = dict(x_ptr="*fp16", w_ptr="*i32", s_ptr="*fp16", z_ptr="*i32", out_ptr="*fp16", ws_ptr="*fp32",
                 cnt_ptr="*i32", bias_ptr="*fp16")
@@ -185,7 +204,8 @@ def compile_cases() -> dict:
         cfg = select_mma_config(m, k, n)
         out[f"{m}-{k}-{n}"] = _compile_sm90(_w4a16_mma_kernel, dict(ptrs, **ints), dict(
             HAS_BIAS=False, SPLIT=cfg.split_k > 1, ONE_LAUNCH=cfg.one_launch, GROUP=128, HAS_ZEROS=True,
-            EVEN_N=True, EVEN_K=True, X_SMEM=m > 1, WGMMA=False, BLOCK_M=8 if m <= 8 else 16 if m <= 16 else 64,
+            EVEN_N=True, EVEN_K=True, X_SMEM=m > 1, WGMMA=False,
+            BLOCK_M=8 if m <= 8 else 16 if m <= 16 else 64,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps), cfg.num_warps)
     for m, bn, bk, nw in WGMMA_CASES:                 # opt-in Hopper variant (MMAConfig.wgmma)
         out[f"wgmma-{m}-{bn}-{bk}-{nw}"] = _compile_sm90(_w4a16_mma_kernel, dict(ptrs, **ints), dict(
@@ -231,3 +251,15 @@ def test_layout_probe_failure_falls_back_to_rows_with_a_warning(caplog):
     with caplog.at_level("WARNING", logger="quant_serve"):
         assert _mma_kernels_work.__wrapped__(0) is False
     assert "row-layout kernels" in caplog.text
+
+
+def test_wgmma_probe_failure_falls_back_with_a_warning(caplog):
+    """The wgmma variant serves only where its probe passes: an sm90 GPU (H100/H200); elsewhere mma.sync and the
+    dequantize path serve, and a failed probe says so."""
+    from kernels.w4a16 import wgmma_works
+    if torch.cuda.is_available():
+        assert wgmma_works(torch.cuda.current_device()) == (torch.cuda.get_device_capability() == (9, 0))
+        return
+    with caplog.at_level("WARNING", logger="quant_serve"):
+        assert wgmma_works.__wrapped__(0) is False
+    assert "wgmma kernel unavailable" in caplog.text

@@ -1,0 +1,188 @@
+"""Gluon building blocks of the fragment layout (kernels/w4a16_frag.py) and its dequantize pass.
+
+A program's weight tile [BLOCK_N, BLOCK_K] of W^T is loaded as int32 words in `word_layout`: each word holds the
+8 codes one thread holds in one mma.sync m16n8k16 A fragment, so the dequantized values ARE the MMA's A operand
+(`convert_layout(..., assert_trivial=True)` checks it at compile time): no shared memory, no shuffles. Dequant is
+Marlin's LOP3 trick on the word (13 instructions per 8 weights, exact). The matmul kernels are in
+kernels/w4a16_mma.py; the dequantize pass here writes the dense W^T for cuBLAS above their M.
+"""
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from kernels.w4a16_frag import FragWeights, pick_block_k
+
+# inputs: word $8, scale pair of row g $9, of row g+8 $10, 1024+z pair of row g $11, -(64+z) pair of row g+8 $12
+# outputs (.b16), value index b0 + 2 b1 + 4 b2 = (k + b0 + 8 b2, n + 8 b1) of the thread's fragment
+_FRAG_DQ_ASM = gl.constexpr("""
+{
+.reg .b32 w1, a0, a1, a2, a3, k16;
+mov.b32 k16, 0x2C002C00;
+lop3.b32 a0, $8, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 a1, $8, 0x00F000F0, 0x64006400, 0xEA;
+shr.u32 w1, $8, 8;
+lop3.b32 a2, w1, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 a3, w1, 0x00F000F0, 0x64006400, 0xEA;
+sub.rn.f16x2 a0, a0, $11;
+sub.rn.f16x2 a2, a2, $11;
+fma.rn.f16x2 a1, a1, k16, $12;
+fma.rn.f16x2 a3, a3, k16, $12;
+mul.rn.f16x2 a0, a0, $9;
+mul.rn.f16x2 a2, a2, $9;
+mul.rn.f16x2 a1, a1, $10;
+mul.rn.f16x2 a3, a3, $10;
+mov.b32 {$0, $1}, a0;
+mov.b32 {$2, $3}, a1;
+mov.b32 {$4, $5}, a2;
+mov.b32 {$6, $7}, a3;
+}
+""")
+
+
+@gluon.constexpr_function
+def word_layout(num_warps, rn, rk):
+    """Layout of the word tile [NG = 8 * num_warps * rn, RK, 4 (t), 4 (kt)]: lane = 4 g + t, warps and register
+    repeats along the 16-row tiles, the 4 words of a 16-byte run (kt) in consecutive registers."""
+    ng = 8 * num_warps * rn
+    reg = [[0, 0, 0, 1], [0, 0, 0, 2]] + [[0, 1 << i, 0, 0] for i in range(rk.bit_length() - 1)] + \
+          [[8 * num_warps << i, 0, 0, 0] for i in range(rn.bit_length() - 1)]
+    lane = [[0, 0, 1, 0], [0, 0, 2, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]]
+    warp = [[8 << i, 0, 0, 0] for i in range(num_warps.bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg, lane, warp, [], [ng, rk, 4, 4])
+
+
+@gluon.constexpr_function
+def mma_layout(wgmma, num_warps, block_m):
+    """The accumulator layout: mma.sync m16n8k16 (one warp per 16 rows of W^T), or Hopper's wgmma (a warpgroup per
+    64 rows, x^T's BLOCK_M columns per instruction). Their A operand layouts are the same for 4 warps per 64 rows."""
+    if wgmma:
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_m, 16])
+    return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8])
+
+
+@gluon.jit
+def _frag_dequant(words, s_lo, s_hi, z_lo, z_hi, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                  A_LAYOUT: gl.constexpr):
+    """words int32 [NG, RK, 4, 4] -> the dequantized A tile fp16 [BLOCK_N, BLOCK_K] in the mma A layout."""
+    v0, v1, v2, v3, v4, v5, v6, v7 = gl.inline_asm_elementwise(
+        _FRAG_DQ_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r", [words, s_lo, s_hi, z_lo, z_hi],
+        dtype=[gl.float16] * 8, is_pure=True, pack=1)
+    # join appends its new dim last: values (b0, b1, b2) -> dims [..., b0, b1, b2]
+    t = gl.join(gl.join(gl.join(v0, v1), gl.join(v2, v3)), gl.join(gl.join(v4, v5), gl.join(v6, v7)))
+    NG: gl.constexpr = BLOCK_N // 2
+    RK: gl.constexpr = BLOCK_K // 64
+    t = gl.reshape(t, [NG // 8, 8, RK, 4, 4, 2, 2, 2])            # nt, g, kh, t, kt, b0, b1, b2
+    t = gl.permute(t, [0, 6, 1, 2, 4, 7, 3, 5])                    # nt, b1, g, kh, kt, b2, t, b0
+    t = gl.reshape(t, [BLOCK_N, BLOCK_K])
+    return gl.convert_layout(t, A_LAYOUT, assert_trivial=True)
+
+
+@gluon.jit
+def _load_step(k0, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, stride_sg, stride_zg, GROUP: gl.constexpr,
+               HAS_ZEROS: gl.constexpr, EVEN_N: gl.constexpr):
+    """The weight loads of the step starting at row k0: words, the scales and packed zero words of rows g and
+    g + 8 (raw: converted at use, so nothing waits for them here)."""
+    if EVEN_N:
+        words = gl.load(w_ptr + offs + k0 * 2)
+    else:
+        words = gl.load(w_ptr + offs + k0 * 2, mask=w_mask, other=0)
+    grp = (k0 + k_in) // GROUP
+    s_lo = gl.load(s_ptr + grp * stride_sg + n_lo)
+    s_hi = gl.load(s_ptr + grp * stride_sg + n_hi)
+    if HAS_ZEROS:
+        z_lo = gl.load(z_ptr + grp * stride_zg + n_lo // 8)
+        z_hi = gl.load(z_ptr + grp * stride_zg + n_hi // 8)
+    else:
+        z_lo = 0
+        z_hi = 0
+    return words, s_lo, s_hi, z_lo, z_hi
+
+
+@gluon.jit
+def _scale_pair(s):
+    """fp16 scale -> the int32 bits of the fp16 pair (s, s)."""
+    return (s.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF) * 0x10001
+
+
+@gluon.jit
+def _zero(zw, rows, HAS_ZEROS: gl.constexpr):
+    """Zero point of columns `rows` from their packed word (symmetric: 8)."""
+    if HAS_ZEROS:
+        z = (zw >> ((rows % 8) * 4)) & 0xF
+    else:
+        z = rows * 0 + 8
+    return z
+
+
+@gluon.jit
+def _tile_words(pid_n, N, KP, GROUP: gl.constexpr, EVEN_N: gl.constexpr, BLOCK_N: gl.constexpr,
+                BLOCK_K: gl.constexpr, num_warps: gl.constexpr):
+    """Offsets of a [BLOCK_N, BLOCK_K] tile's words (step 0 of pid_n's columns), their mask, the columns of rows
+    g and g + 8 (clamped into N) and each word's row offset inside a step where the scale group can change there."""
+    WL: gl.constexpr = word_layout(num_warps, BLOCK_N // (16 * num_warps), BLOCK_K // 64)
+    L3: gl.constexpr = gl.SliceLayout(3, WL)
+    L2: gl.constexpr = gl.SliceLayout(2, L3)
+    ng = gl.arange(0, BLOCK_N // 2, layout=gl.SliceLayout(1, L2))                # 8 nt + g
+    nt = pid_n * (BLOCK_N // 16) + ng // 8
+    kh = gl.arange(0, BLOCK_K // 64, layout=gl.SliceLayout(0, L2))
+    tt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+    kt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, WL))))
+    nt4 = nt[:, None, None, None]
+    # word offsets: ((nt * KP/64 + kb) * 32 + 4 g + t) * 4 + kt
+    offs = (nt4 * (KP * 2) + ((ng % 8) * 16)[:, None, None, None] + (kh * 128)[None, :, None, None]
+            + (tt * 4)[None, None, :, None] + kt[None, None, None, :])
+    n_lo = (nt * 16 + ng % 8)[:, None, None, None]
+    # the scale group changes per step (GROUP >= BLOCK_K), per 64-row block, or per 16-row word
+    k_in = kh[None, :, None, None] * 64 if GROUP < BLOCK_K else 0
+    k_in = k_in + kt[None, None, None, :] * 16 if GROUP < 64 else k_in
+    if EVEN_N:
+        n_hi = n_lo + 8
+    else:
+        n_hi = gl.minimum(n_lo + 8, N - 1)
+        n_lo = gl.minimum(n_lo, N - 1)
+    return offs, nt4 < N // 16, n_lo, n_hi, k_in
+
+
+@gluon.jit
+def _dequant_step(words, s_lo, s_hi, z_lo, z_hi, n_lo, n_hi, HAS_ZEROS: gl.constexpr, BLOCK_N: gl.constexpr,
+                  BLOCK_K: gl.constexpr, A_LAYOUT: gl.constexpr):
+    """A step's raw loads (_load_step) -> its dequantized A tile fp16 [BLOCK_N, BLOCK_K]."""
+    return _frag_dequant(words, _scale_pair(s_lo), _scale_pair(s_hi),
+                         0x64006400 + _zero(z_lo, n_lo, HAS_ZEROS) * 0x10001,               # (1024 + z) pairs
+                         (0xD400D400 - (1 << 32)) + _zero(z_hi, n_hi, HAS_ZEROS) * 0x100010,  # -(64 + z) pairs
+                         BLOCK_N, BLOCK_K, A_LAYOUT)
+
+
+@gluon.jit
+def _frag_dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, KP, stride_sg, stride_zg, GROUP: gl.constexpr,
+                         HAS_ZEROS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                         num_warps: gl.constexpr):
+    """out = W^T [N, K] fp16 (the dense weight, rows = output columns) for the large-M path (then cuBLAS)."""
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8])
+    A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    OUT_L: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+    pid_n = gl.program_id(0)
+    k0 = gl.program_id(1) * BLOCK_K
+    offs, w_mask, n_lo, n_hi, k_in = _tile_words(pid_n, N, KP, GROUP, False, BLOCK_N, BLOCK_K, num_warps)
+    words, s_lo, s_hi, z_lo, z_hi = _load_step(k0, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, stride_sg,
+                                               stride_zg, GROUP, HAS_ZEROS, False)
+    a = _dequant_step(words, s_lo, s_hi, z_lo, z_hi, n_lo, n_hi, HAS_ZEROS, BLOCK_N, BLOCK_K, A_L)
+    a = gl.convert_layout(a, OUT_L)                              # coalesced 16-byte stores along K
+    on = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, OUT_L))
+    ok = k0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, OUT_L))
+    gl.store(out_ptr + on[:, None] * K + ok[None, :], a, mask=(on < N)[:, None] & (ok < K)[None, :])
+
+
+def frag_dequantize(fw: FragWeights, block_n: int = 64, block_k: int = 128) -> torch.Tensor:
+    """FragWeights -> W^T fp16 [N, K] (one rounding of (q - z) * s, as every W4A16 path)."""
+    n, k = fw.out_features, fw.in_features
+    kp = fw.words.shape[1] // 2
+    group = fw.group_size if fw.scales.shape[0] > 1 else 0
+    bk = pick_block_k(kp, group, block_k)
+    out = torch.empty((n, k), dtype=torch.float16, device=fw.words.device)
+    _frag_dequant_kernel[(triton.cdiv(n, block_n), kp // bk)](
+        fw.words, fw.scales, fw.qzeros if fw.qzeros is not None else fw.words, out, n, k, kp, fw.scales.stride(0),
+        fw.qzeros.stride(0) if fw.qzeros is not None else 0, GROUP=group or (1 << 30),
+        HAS_ZEROS=fw.qzeros is not None, BLOCK_N=block_n, BLOCK_K=bk, num_warps=4)
+    return out
