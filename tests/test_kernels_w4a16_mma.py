@@ -130,10 +130,10 @@ def test_mma_config_rule_reproduces_the_sweep_winners():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 16, 64, 65, 200])
+@pytest.mark.parametrize("m", [1, 16, 17, 64, 65, 128, 129, 200])
 def test_gpu_dispatcher_on_fragment_layout(m):
-    """QuantLinear's path on CUDA: the fragment layout, mma up to M = 64, dequantize + cuBLAS above; act-order,
-    bias and the fused SwiGLU included."""
+    """QuantLinear's path on CUDA: the fragment layout, mma.sync up to M = 16 (64 off sm90), wgmma to 128,
+    dequantize + cuBLAS above; act-order, bias and the fused SwiGLU included."""
     from kernels.norm_act import silu_and_mul
     from kernels.w4a16 import FragWeights, prepare_kernel_weights, w4a16_matmul
     qweight, scales, qzeros, gs, perm = make_weights(512, 384, 128, True, True, torch.float16)
@@ -187,7 +187,8 @@ def _compile_sm90(kernel, signature: dict, constexprs: dict, num_warps: int):
 
 
 COMPILE_CASES = [(1, 3584, 37888), (1, 18944, 3584), (16, 3584, 4608), (64, 3584, 3584)]
-WGMMA_CASES = [(16, 64, 128, 4), (64, 64, 128, 4), (128, 128, 128, 8)]       # BLOCK_M, BLOCK_N, BLOCK_K, warps
+# the dispatcher's wgmma tiles: BLOCK_M, BLOCK_N, BLOCK_K, warps
+WGMMA_CASES = [(32, 64, 128, 4), (64, 128, 128, 8), (128, 128, 128, 8)]
 
 
 def compile_cases() -> dict:
@@ -207,7 +208,7 @@ def compile_cases() -> dict:
             EVEN_N=True, EVEN_K=True, X_SMEM=m > 1, WGMMA=False,
             BLOCK_M=8 if m <= 8 else 16 if m <= 16 else 64,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps), cfg.num_warps)
-    for m, bn, bk, nw in WGMMA_CASES:                 # opt-in Hopper variant (MMAConfig.wgmma)
+    for m, bn, bk, nw in WGMMA_CASES:                 # sm90, M = 17..128
         out[f"wgmma-{m}-{bn}-{bk}-{nw}"] = _compile_sm90(_w4a16_mma_kernel, dict(ptrs, **ints), dict(
             HAS_BIAS=True, SPLIT=True, ONE_LAUNCH=False, GROUP=128, HAS_ZEROS=True, EVEN_N=True, EVEN_K=True,
             X_SMEM=True, WGMMA=True, BLOCK_M=m, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw), nw)
