@@ -56,7 +56,6 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     Returns [T, Hq, D] in q's dtype. Math in fp32.
     """
     out = torch.empty_like(q)
-    lens = seq_lens.tolist()
     starts = query_start_loc.tolist()
     q_lens = [b - a for a, b in zip(starts, starts[1:])]
     decodes = [b for b, n in enumerate(q_lens) if n == 1]
