@@ -29,8 +29,14 @@ DEV = "cuda"
 def configs(m, wgmma, focus=False):
     """Candidates; focus: mma.sync only around the fitted rule (64/128 columns, 4 warps, split 1-16, one launch)."""
     if wgmma:                 # tiles that compile without spills (the one-launch epilogue spills at 128 rows)
-        shapes = [(64, 4), (128, 4)] if m <= 32 else [(64, 4), (128, 8)] if m <= 64 else [(128, 8)]
-        bks, ones, splits = (128,), ((True, False) if m <= 64 else (False,)), (1, 2, 4, 8)
+        tiles = ([(64, 4, 128), (128, 4, 128)] if m <= 32 else [(64, 4, 128), (128, 8, 128)] if m <= 64 else
+                 [(128, 8, 128)])
+        tiles += [(256, 8, 128), (256, 8, 64)] if 32 < m <= 64 else [(256, 8, 64)] if m > 64 else []
+        ones, splits = ((True, False) if m <= 64 else (False,)), (1, 2, 4, 8)
+        for (bn, nw, bk), split, one in itertools.product(tiles, splits, ones):
+            if split > 1 or one or len(ones) == 1:
+                yield dict(block_n=bn, block_k=bk, num_warps=nw, split_k=split, one_launch=one, wgmma=True)
+        return
     elif focus:
         shapes, bks, ones, splits = [(64, 4), (128, 4)], (128, 256), (True,), (1, 2, 4, 8, 16)
     else:
