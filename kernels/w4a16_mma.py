@@ -25,29 +25,29 @@ _cp_async = async_copy.async_load if hasattr(async_copy, "async_load") else asyn
 
 
 @gluon.jit
-def _wgmma_steps(acc, x_ptrs, m_mask, k_row, K, it0, it1, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
-                 stride_sg, stride_zg, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, EVEN_N: gl.constexpr,
-                 EVEN_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                 A_L: gl.constexpr):
+def _wgmma_steps(acc, x_ptrs, m_mask, it0, it1, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, stride_sg,
+                 stride_zg, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, EVEN_N: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, A_L: gl.constexpr):
     """The Hopper main loop: wgmma(step i) runs while step i + 1 is dequantized and its x tile copied.
     A wgmma reads its A registers until a wait retires it, and the A tile is packed into those registers at the
     issue, so each step waits for its own wgmma before the next issue repacks them (async with one in flight, the
     next step's packing could overwrite registers the MMA still reads). x^T goes global -> shared by cp.async into
-    a double buffer: the copy of step i + 1 targets the buffer of step i - 1, whose wgmma that step's wait retired."""
+    a double buffer: the copy of step i + 1 targets the buffer of step i - 1, whose wgmma that step's wait retired.
+    x's rows are 16-byte aligned and K is the packed length (w4a16_mma pads x otherwise)."""
     x_smem = gl.allocate_shared_memory(gl.float16, [2, BLOCK_M, BLOCK_K],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float16))
     a = _dequant_step(*_load_step(it0 * BLOCK_K, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, stride_sg,
                                   stride_zg, GROUP, HAS_ZEROS, EVEN_N), n_lo, n_hi, HAS_ZEROS, BLOCK_N, BLOCK_K, A_L)
     p1 = _load_step(gl.minimum(it0 + 1, it1 - 1) * BLOCK_K, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
                     stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N)     # step i + 1's raw loads fly during step i
-    _x_copy(x_smem.index(it0 % 2), x_ptrs, m_mask, k_row, it0 * BLOCK_K, K, EVEN_K)
+    _x_copy(x_smem.index(it0 % 2), x_ptrs + it0 * BLOCK_K, m_mask)
     for it in range(it0, it1):
         async_copy.wait_group(0)
         _cta_barrier()                        # every thread's part of x(it) landed; every wgmma(it - 1) retired
         fence_async_shared()
         acc = warpgroup_mma(a, x_smem.index(it % 2).permute((1, 0)), acc, is_async=True)
         nxt = gl.minimum(it + 1, it1 - 1)     # the last step repeats itself (no read past this split)
-        _x_copy(x_smem.index((it + 1) % 2), x_ptrs, m_mask, k_row, nxt * BLOCK_K, K, EVEN_K)
+        _x_copy(x_smem.index((it + 1) % 2), x_ptrs + nxt * BLOCK_K, m_mask)
         a = _dequant_step(*p1, n_lo, n_hi, HAS_ZEROS, BLOCK_N, BLOCK_K, A_L)
         p1 = _load_step(gl.minimum(it + 2, it1 - 1) * BLOCK_K, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
                         stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N)
@@ -57,12 +57,9 @@ def _wgmma_steps(acc, x_ptrs, m_mask, k_row, K, it0, it1, w_ptr, s_ptr, z_ptr, o
 
 
 @gluon.jit
-def _x_copy(dst, x_ptrs, m_mask, k_row, k0, K, EVEN_K: gl.constexpr):
-    """cp.async of x's [BLOCK_M, BLOCK_K] tile at column k0 into shared memory (0 outside M and K)."""
-    if EVEN_K:
-        _cp_async(dst, x_ptrs + k0, mask=m_mask)
-    else:
-        _cp_async(dst, x_ptrs + k0, mask=m_mask & (k_row + k0 < K))
+def _x_copy(dst, x_ptrs, m_mask):
+    """cp.async of x's [BLOCK_M, BLOCK_K] tile at x_ptrs into shared memory (rows past M: 0)."""
+    _cp_async(dst, x_ptrs, mask=m_mask)
     async_copy.commit_group()
 
 
@@ -84,9 +81,9 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
     offs, w_mask, n_lo, n_hi, k_in = _tile_words(pid_n, N, KP, GROUP, EVEN_N, BLOCK_N, BLOCK_K, num_warps)
 
     if X_SMEM:
-        # several rows: each thread loads 16 contiguous bytes of x, the tile goes through shared memory and comes
-        # back as the B fragments (ldmatrix); the direct fragment loads would touch BLOCK_M lines per instruction
-        # warps along M where the tile has the rows: no thread copies what another does
+        # several rows: each thread loads 16 contiguous bytes of x (warps along M where the tile has the rows, so
+        # no thread copies what another does), the tile goes through shared memory and comes back as the B
+        # fragments (ldmatrix); the direct fragment loads would touch BLOCK_M lines per instruction
         XL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1] if BLOCK_M >= 4 * num_warps else
                                             [1, num_warps], [1, 0])
         offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, XL))
@@ -105,9 +102,8 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
     it0 = pid_k * iters_per_split
     it1 = gl.minimum(it0 + iters_per_split, KP // BLOCK_K)
     if WGMMA:
-        acc = _wgmma_steps(acc, x_ptrs, m_mask, k_row, K, it0, it1, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi,
-                           k_in, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
-                           A_L)
+        acc = _wgmma_steps(acc, x_ptrs, m_mask, it0, it1, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
+                           stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K, A_L)
     else:
         if X_SMEM:
             x_smem = gl.allocate_shared_memory(gl.float16, [BLOCK_M, BLOCK_K], gl.SwizzledSharedLayout(
@@ -151,20 +147,13 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
             _cta_barrier()
             ticket = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
             if ticket == n_splits - 1:
-                total = _sum_splits(ws_ptr, offs_out, mask, M * N, n_splits)
+                total = gl.load(ws_ptr + offs_out, mask=mask, other=0.0, cache_modifier=".cg")
+                for sp in range(1, n_splits):
+                    total += gl.load(ws_ptr + sp * M * N + offs_out, mask=mask, other=0.0, cache_modifier=".cg")
                 _write_out(total, out_ptr, bias_ptr, on, om, N, mask, stride_om, HAS_BIAS)
                 gl.store(cnt_ptr + tile, 0)
     else:
         _write_out(acc, out_ptr, bias_ptr, on, om, N, mask, stride_om, HAS_BIAS)
-
-
-@gluon.jit
-def _sum_splits(ws_ptr, offs, mask, split_stride, n_splits):
-    """Sum of the splits' fp32 partials at offs, in split order (from L2: other programs wrote them)."""
-    total = gl.load(ws_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
-    for sp in range(1, n_splits):
-        total += gl.load(ws_ptr + sp * split_stride + offs, mask=mask, other=0.0, cache_modifier=".cg")
-    return total
 
 
 @gluon.jit
