@@ -35,6 +35,7 @@ import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from kernels.paged_attention import DecodeConfig, paged_decode  # noqa: E402
+from kernels.pdl import pdl_enabled, set_pdl  # noqa: E402
 from kernels.w4a16 import (FragWeights, prepare_kernel_weights, prepare_w4a16, w4a16_forward,  # noqa: E402
                             wgmma_works)
 from kernels.w4a16_ref import dequantize_w4  # noqa: E402
@@ -210,6 +211,10 @@ def bench_linear(name, k, n, awq, tune, deadline, log):
                "fp16_dobench_us": us(lambda: torch.mm(x, dense[0])),
                "ours_us": graph_us([lambda w=w: w4a16_forward(x, w) for w in ws]),
                "ours_config": ours_config(w, m, k, n)}
+        if m <= 128 and pdl_enabled(x):      # the same calls launched without PDL (kernels/pdl.py), for the record
+            set_pdl(False)
+            row["ours_no_pdl_us"] = graph_us([lambda w=w: w4a16_forward(x, w) for w in ws])
+            set_pdl(True)
         if tiny is not None:
             xb = x.bfloat16()
             timed(row, "tinygemm", [lambda t=t: torch.ops.aten._weight_int4pack_mm(xb, t[0], GS, t[1]) for t in tiny])
@@ -286,7 +291,7 @@ def summarize(linear, decode):
         return None if None in vals else sum(vals)
 
     out = {}
-    for key in ("ours", "tuned", "tinygemm", "awq"):
+    for key in ("ours", "ours_no_pdl", "tuned", "tinygemm", "awq"):
         s = {}
         for m in (1, 16, 64):
             t = total(key, m)

@@ -7,6 +7,8 @@ group. fp8 values are widened to the query dtype exactly; the per-layer scales a
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_start, pdl_wait
+
 NEG = tl.constexpr(-1.0e30)   # finite "minus infinity": fully masked rows stay NaN-free
 
 
@@ -45,10 +47,12 @@ def _decode_kernel(q_ptr, k_cache, v_cache, tables_ptr, seq_lens_ptr, qsl_ptr, o
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_tb, stride_cb, stride_cs, stride_ch,
                    G: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, IS_FP8: tl.constexpr,
-                   SCALE_PTR: tl.constexpr):
+                   SCALE_PTR: tl.constexpr, PDL: tl.constexpr):
     """Grid (B, Hkv, splits): one query token per sequence. The split length follows this sequence's own length
     (whole BLOCK_N tiles), not the table width the grid was sized for, so a short context in a CUDA graph captured
     for long ones still spreads over programs; splits past the end store an empty partial."""
+    pdl_start(PDL)
+    pdl_wait(PDL)                     # q is the previous kernel's output (kernels/pdl.py)
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -95,8 +99,11 @@ def _decode_kernel(q_ptr, k_cache, v_cache, tables_ptr, seq_lens_ptr, qsl_ptr, o
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(part_o, part_ml, qsl_ptr, out_ptr, v_scale_ptr, v_scale_val, Hq, D, num_splits,
                           stride_ot, stride_oh, SPLITS_P2: tl.constexpr,
-                          BLOCK_D: tl.constexpr, IS_FP8: tl.constexpr, SCALE_PTR: tl.constexpr):
+                          BLOCK_D: tl.constexpr, IS_FP8: tl.constexpr, SCALE_PTR: tl.constexpr,
+                          PDL: tl.constexpr):
     """Grid (B, Hq): merge the split partials of one query head."""
+    pdl_start(PDL)
+    pdl_wait(PDL)
     b = tl.program_id(0)
     hq = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_P2)

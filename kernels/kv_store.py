@@ -6,6 +6,8 @@ even, like the torch twin (kernels/attention_ref.py). The cos_sin_cache layout i
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_start, pdl_wait
+
 from kernels.attention_triton import _scale
 
 
@@ -66,9 +68,11 @@ def _rope_store_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, k_cache, v_
                           stride_cb, stride_cs, stride_ch,
                           BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, HALF: tl.constexpr,
                           BLOCK_HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, FMAX: tl.constexpr,
-                          IS_FP8: tl.constexpr, SCALE_PTR: tl.constexpr):
+                          IS_FP8: tl.constexpr, SCALE_PTR: tl.constexpr, PDL: tl.constexpr):
     """Grid (T, 2): program (t, 0) rotates token t's q heads in place, (t, 1) rotates its k heads and stores k
     and v by slot (two short dependent chains side by side instead of one long one)."""
+    pdl_start(PDL)
+    pdl_wait(PDL)                     # q, k, v are the previous kernel's output (kernels/pdl.py)
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     offs_i = tl.arange(0, BLOCK_HALF)

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_options, pdl_enabled, pdl_start, pdl_wait
+
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None):
@@ -39,10 +41,12 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual:
     num_tokens, hidden = x.shape
     out = torch.empty_like(x)
     new_residual = torch.empty_like(x) if residual is not None else out
+    pdl = pdl_enabled(x)
     _rms_norm_kernel[(num_tokens,)](
         x, residual if residual is not None else x, weight, out, new_residual, hidden, eps,
         x.stride(0), (residual if residual is not None else x).stride(0), out.stride(0),
-        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(hidden), num_warps=_warps(hidden))
+        HAS_RESIDUAL=residual is not None, PDL=pdl, BLOCK=triton.next_power_of_2(hidden), num_warps=_warps(hidden),
+        **launch_options(pdl))
     return out if residual is None else (out, new_residual)
 
 
@@ -68,10 +72,13 @@ def _warps(hidden: int) -> int:
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, new_r_ptr, H, eps, stride_x, stride_r, stride_o,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr, BLOCK: tl.constexpr):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)               # a weight: read before the wait
+    pdl_wait(PDL)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0)
@@ -80,7 +87,6 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, new_r_ptr, H, eps, stride_x, 
     xf = x.to(tl.float32)
     variance = tl.sum(xf * xf, axis=0) / H
     normed = (xf * tl.math.rsqrt(variance + eps)).to(x_ptr.dtype.element_ty)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
     tl.store(out_ptr + row * stride_o + offs, (normed.to(tl.float32) * w.to(tl.float32)).to(x_ptr.dtype.element_ty),
              mask=mask)
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.attention_ref import paged_attention_ref, rope_store_kv_ref, store_kv_ref
+from kernels.pdl import launch_options, pdl_enabled
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 LOG2E = 1.4426950408889634
@@ -86,6 +87,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, s
     ks_ptr, ks_val, from_ptr = _scale_args(k_scale, q)
     vs_ptr, vs_val, _ = _scale_args(v_scale, q)
     part_o = part_ml = out
+    pdl = pdl_enabled(q)
     if splits > 1:
         part_o = torch.empty((batch, num_q_heads, splits, block_d), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((batch, num_q_heads, splits, 2), dtype=torch.float32, device=q.device)
@@ -95,12 +97,13 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, s
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         G=group, GP=max(16, _next_pow2(group)), BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_SIZE=block_size,
-        SPLIT=splits > 1, IS_FP8=is_fp8, SCALE_PTR=from_ptr, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        SPLIT=splits > 1, IS_FP8=is_fp8, SCALE_PTR=from_ptr, PDL=pdl, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **launch_options(pdl))
     if splits > 1:
         _decode_reduce_kernel[(batch, num_q_heads)](
             part_o, part_ml, query_start_loc, out, vs_ptr, vs_val, num_q_heads, head_dim, splits,
             out.stride(0), out.stride(1), SPLITS_P2=_next_pow2(splits), BLOCK_D=block_d,
-            IS_FP8=is_fp8, SCALE_PTR=from_ptr, num_warps=4)
+            IS_FP8=is_fp8, SCALE_PTR=from_ptr, PDL=pdl, num_warps=4, **launch_options(pdl))
     return out
 
 
@@ -173,10 +176,11 @@ def rope_store_kv_triton(q, k, v, positions, cos_sin_cache, k_cache, v_cache, sl
     ks_ptr, ks_val, from_ptr = _scale_args(k_scale, k)
     vs_ptr, vs_val, _ = _scale_args(v_scale, k)
     half = head_dim // 2
+    pdl = pdl_enabled(q)
     _rope_store_kv_kernel[(num_tokens, 2)](
         q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, ks_ptr, vs_ptr, ks_val, vs_val,
         num_q_heads, num_kv_heads, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos_sin_cache.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         BLOCK_HQ=_next_pow2(num_q_heads), BLOCK_HKV=_next_pow2(num_kv_heads), HALF=half,
         BLOCK_HALF=_next_pow2(half), BLOCK_SIZE=k_cache.shape[1], FMAX=_fmax(k_cache.dtype),
-        IS_FP8=k_cache.dtype in FP8, SCALE_PTR=from_ptr, num_warps=4)
+        IS_FP8=k_cache.dtype in FP8, SCALE_PTR=from_ptr, PDL=pdl, num_warps=4, **launch_options(pdl))

@@ -14,6 +14,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from kernels.norm_act import silu_and_mul
+from kernels.pdl import gl_pdl_start, gl_pdl_wait, launch_options, pdl_enabled
 from kernels.w4a16_frag import FragWeights, pick_block_k
 from kernels.w4a16_splitk import launch_splitk_reduce, split_buffers
 from kernels.w4a16_tiles import _dequant_step, _load_step, _tile_words, mma_layout
@@ -26,8 +27,9 @@ _cp_async = async_copy.async_load if hasattr(async_copy, "async_load") else asyn
 
 @gluon.jit
 def _wgmma_steps(acc, x_ptrs, m_mask, it0, it1, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, stride_sg,
-                 stride_zg, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, EVEN_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                 BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, A_L: gl.constexpr):
+                 stride_zg, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, EVEN_N: gl.constexpr,
+                 PDL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                 A_L: gl.constexpr):
     """The Hopper main loop: wgmma(step i) runs while step i + 1 is dequantized and its x tile copied.
     A wgmma reads its A registers until a wait retires it, and the A tile is packed into those registers at the
     issue, so each step waits for its own wgmma before the next issue repacks them (async with one in flight, the
@@ -36,11 +38,13 @@ def _wgmma_steps(acc, x_ptrs, m_mask, it0, it1, w_ptr, s_ptr, z_ptr, offs, w_mas
     x's rows are 16-byte aligned and K is the packed length (w4a16_mma pads x otherwise)."""
     x_smem = gl.allocate_shared_memory(gl.float16, [2, BLOCK_M, BLOCK_K],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float16))
-    a = _dequant_step(*_load_step(it0 * BLOCK_K, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, stride_sg,
-                                  stride_zg, GROUP, HAS_ZEROS, EVEN_N), n_lo, n_hi, HAS_ZEROS, BLOCK_N, BLOCK_K, A_L)
+    p0 = _load_step(it0 * BLOCK_K, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, stride_sg, stride_zg, GROUP,
+                    HAS_ZEROS, EVEN_N)
     p1 = _load_step(gl.minimum(it0 + 1, it1 - 1) * BLOCK_K, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
                     stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N)     # step i + 1's raw loads fly during step i
+    gl_pdl_wait(PDL)                          # x is the previous kernel's output
     _x_copy(x_smem.index(it0 % 2), x_ptrs + it0 * BLOCK_K, m_mask)
+    a = _dequant_step(*p0, n_lo, n_hi, HAS_ZEROS, BLOCK_N, BLOCK_K, A_L)
     for it in range(it0, it1):
         async_copy.wait_group(0)
         _cta_barrier()                        # every thread's part of x(it) landed; every wgmma(it - 1) retired
@@ -68,10 +72,15 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
                       stride_om, stride_sg, stride_zg, iters_per_split, n_splits, HAS_BIAS: gl.constexpr,
                       SPLIT: gl.constexpr, ONE_LAUNCH: gl.constexpr, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr,
                       EVEN_N: gl.constexpr, EVEN_K: gl.constexpr, X_SMEM: gl.constexpr, WGMMA: gl.constexpr,
-                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, num_warps: gl.constexpr):
+                      PDL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                      num_warps: gl.constexpr):
     """y = x @ W (+ bias) for one [BLOCK_M, BLOCK_N] output tile; with SPLIT, this split's fp32 partial goes to
     ws[pid_k] and is summed by the reduce pass or (ONE_LAUNCH) by the split that draws the last ticket.
-    WGMMA (Hopper; BLOCK_N a multiple of 16 * num_warps, x through shared memory): _wgmma_steps."""
+    WGMMA (Hopper; BLOCK_N a multiple of 16 * num_warps, x through shared memory): _wgmma_steps.
+    PDL (kernels/pdl.py): the first step's weights (two steps with wgmma) are requested before the previous kernel
+    has finished; x, the workspace and the counters only after the wait. The next kernel is let in after the main
+    loop: let in at the top, a matmul's successors launched ahead and competed with it for DRAM (entry 13 of
+    bench/NOTES-kernels.md, as did prefetching more steps into the L2)."""
     MMA: gl.constexpr = mma_layout(WGMMA, num_warps, BLOCK_M)
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
@@ -103,7 +112,8 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
     it1 = gl.minimum(it0 + iters_per_split, KP // BLOCK_K)
     if WGMMA:
         acc = _wgmma_steps(acc, x_ptrs, m_mask, it0, it1, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
-                           stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K, A_L)
+                           stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, PDL, BLOCK_M, BLOCK_N, BLOCK_K,
+                           A_L)
     else:
         if X_SMEM:
             x_smem = gl.allocate_shared_memory(gl.float16, [BLOCK_M, BLOCK_K], gl.SwizzledSharedLayout(
@@ -114,6 +124,7 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
         # at the top of its own step, ahead of the dequant
         cur = _load_step(it0 * BLOCK_K, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, stride_sg, stride_zg,
                          GROUP, HAS_ZEROS, EVEN_N)
+        gl_pdl_wait(PDL)                      # x is the previous kernel's output
         for it in range(it0, it1):
             k0 = it * BLOCK_K
             nxt = _load_step(gl.minimum(it + 1, it1 - 1) * BLOCK_K, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi,
@@ -133,6 +144,7 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
             acc = mma_v2(a, xb, acc)
             cur = nxt
 
+    gl_pdl_start(PDL)
     on = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
     om = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
     tile = pid_n + gl.num_programs(0) * gl.program_id(2)
@@ -190,13 +202,15 @@ def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None
     tiles = triton.cdiv(n, block_n)
     out, ws, cnt = split_buffers(x, m, n, splits, one_launch, tiles * m_tiles,
                                  n // 2 if silu_mul and splits > 1 else 0)
+    pdl = pdl_enabled(x)
     _w4a16_mma_kernel[(tiles, splits, m_tiles)](
         x, fw.words, fw.scales, fw.qzeros if fw.qzeros is not None else fw.words, out, ws, cnt,
         bias if bias is not None else out, m, n, k, kp, x.stride(0), out.stride(0),
         fw.scales.stride(0), fw.qzeros.stride(0) if fw.qzeros is not None else 0, per, splits,
         HAS_BIAS=bias is not None, SPLIT=splits > 1, ONE_LAUNCH=one_launch,
         GROUP=group or (1 << 30), HAS_ZEROS=fw.qzeros is not None, EVEN_N=n % block_n == 0, EVEN_K=k == kp,
-        X_SMEM=m > 1 or wgmma, WGMMA=wgmma, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, num_warps=num_warps)
+        X_SMEM=m > 1 or wgmma, WGMMA=wgmma, PDL=pdl, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk,
+        num_warps=num_warps, **launch_options(pdl))
     if splits > 1 and not one_launch:
         launch_splitk_reduce(ws, bias, out, splits, silu_mul)
     elif silu_mul:

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_options, pdl_enabled, pdl_start, pdl_wait
+
 _COUNTER_MIN = 1 << 16                       # int32s: 256 KB covers every tile grid the dispatcher launches
 _COUNTERS: dict[tuple[str, int], list[torch.Tensor]] = {}
 
@@ -74,10 +76,12 @@ def _write_out(acc, out_ptr, bias_ptr, offs_m, offs_n, N, mask, stride_om, HAS_B
 
 @triton.jit(do_not_specialize=["M", "split_k"])
 def _splitk_reduce_kernel(ws_ptr, bias_ptr, out_ptr, M, N, stride_om, split_k,
-                          HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK: tl.constexpr):
+                          HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr, BLOCK: tl.constexpr):
     """out[m, n] = sum_s ws[s, m, n] (+ bias): a second pass keeps split-K deterministic and needs no memset.
     SILU_MUL (N = 2I, gate | up): out [M, I] = silu(gate) * up, each half first rounded to out's dtype, as the
     unfused GEMV + silu_and_mul kernel computes it (bit-identical), one launch and one [M, 2I] round trip fewer."""
+    pdl_start(PDL)
+    pdl_wait(PDL)                     # the partials are the previous kernel's output (kernels/pdl.py)
     W: tl.constexpr = 2 if SILU_MUL else 1
     cols = N // W
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -107,9 +111,10 @@ def launch_splitk_reduce(ws: torch.Tensor, bias, out: torch.Tensor, split_k: int
     """ws fp32 [S, M, N] -> out [M, N], or [M, N/2] = silu(gate) * up with silu_mul."""
     M, cols = out.shape
     block = 1024
+    pdl = pdl_enabled(ws)
     _splitk_reduce_kernel[(triton.cdiv(M * cols, block),)](
         ws, bias if bias is not None else ws, out, M, ws.shape[2], out.stride(0), split_k,
-        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, BLOCK=block, num_warps=4)
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, PDL=pdl, BLOCK=block, num_warps=4, **launch_options(pdl))
 
 
 def split_buffers(x: torch.Tensor, M: int, N: int, splits: int, one_launch: bool, tiles: int, out_cols: int = 0):

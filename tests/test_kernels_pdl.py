@@ -1,0 +1,73 @@
+"""Programmatic dependent launch (kernels/pdl.py): off where it cannot run, and on the GPU a decode-like chain of
+PDL kernels replayed from a CUDA graph gives the bits of the same chain launched plainly."""
+import pytest
+import torch
+
+from kernels.pdl import launch_options, pdl_enabled, set_pdl
+from tests.test_kernels_w4a16 import make_weights
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def test_pdl_is_off_on_cpu_and_switchable():
+    assert not pdl_enabled(torch.zeros(1))
+    assert launch_options(False) == {} and launch_options(True) == {"launch_pdl": True}
+    set_pdl(False)
+    try:
+        assert not pdl_enabled(torch.zeros(1))
+    finally:
+        set_pdl(True)
+
+
+def _decode_chain(x, layers, norm_w):
+    """rms_norm -> qkv-like matmul (one-launch split-K) -> norm -> gate_up + SwiGLU (reduce pass) -> down, per
+    layer: the kernel kinds of a decode step, each reading the previous one's output."""
+    from kernels.norm_act import rms_norm
+    from kernels.w4a16 import w4a16_matmul
+    residual = x
+    h = x
+    for qkv, o, gate_up, down in layers:
+        h, residual = rms_norm(h, norm_w, 1e-6, residual)
+        h = w4a16_matmul(w4a16_matmul(h, qkv)[:, :h.shape[1]].contiguous(), o)
+        h, residual = rms_norm(h, norm_w, 1e-6, residual)
+        h = w4a16_matmul(w4a16_matmul(h, gate_up, silu_mul=True), down)
+    return h + residual
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="PDL needs sm90 (runs on the GPU machine)")
+@pytest.mark.parametrize("m", [1, 16, 48])
+def test_gpu_pdl_chain_in_a_cuda_graph_matches_plain_launches(m):
+    from kernels.w4a16 import prepare_kernel_weights
+    torch.manual_seed(0)
+    hidden, inter = 1024, 2816
+
+    def linear(k, n):
+        qweight, scales, qzeros, gs, _ = make_weights(k, n, 128, True, False, torch.float16)
+        return prepare_kernel_weights(qweight, scales, qzeros, gs)
+    layers = [(linear(hidden, 3 * hidden), linear(hidden, hidden), linear(hidden, 2 * inter), linear(inter, hidden))
+              for _ in range(3)]
+    norm_w = torch.rand(hidden, dtype=torch.float16, device=DEV) + 0.5
+    x = torch.randn(m, hidden, dtype=torch.float16, device=DEV)
+    set_pdl(False)
+    try:
+        plain = _decode_chain(x, layers, norm_w)
+        plain_flipped = _decode_chain(x.flip(0), layers, norm_w)
+    finally:
+        set_pdl(True)
+    assert pdl_enabled(x)
+    assert torch.equal(_decode_chain(x, layers, norm_w), plain)          # eager PDL launches
+    static_x = x.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        _decode_chain(static_x, layers, norm_w)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _decode_chain(static_x, layers, norm_w)
+    for i in range(20):
+        static_x.copy_(x if i % 2 == 0 else x.flip(0))
+        graph.replay()
+        assert torch.equal(out, plain if i % 2 == 0 else plain_flipped), i
