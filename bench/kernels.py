@@ -5,7 +5,8 @@ AutoAWQ 0.2.9's Triton GEMM (imported by file path from the sdist given with --a
 fp16 vs fp8 e4m3 KV, and torch SDPA on an unpaged fp16 cache. Times (us) are GPU times per call: the calls are
 captured in a CUDA graph (as the engine's decode steps are) over enough rotated weight copies (>= 256 MB) that no
 weight is served from L2; median of 5 replays. fp16_dobench_us is triton.testing.do_bench (eager, L2 flushed) for
-comparison with the anchors in targets.md. --tune also times kernels/w4a16_tuning.py's search space.
+comparison with the anchors in targets.md. Where kernels/pdl.py launches with PDL (sm90), ours_no_pdl_us times the
+same calls launched plainly (M <= 128; summary "ours_no_pdl"). --tune also times kernels/w4a16_tuning.py's search space.
 
   PYTHONPATH=. python bench/kernels.py --out bench/results/kernels-h200.json [--tune] [--awq-sdist F.tar.gz]
 
