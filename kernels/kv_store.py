@@ -6,9 +6,8 @@ even, like the torch twin (kernels/attention_ref.py). The cos_sin_cache layout i
 import triton
 import triton.language as tl
 
-from kernels.pdl import pdl_start, pdl_wait
-
 from kernels.attention_triton import _scale
+from kernels.pdl import pdl_start, pdl_wait
 
 
 @triton.jit

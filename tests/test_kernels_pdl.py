@@ -1,5 +1,7 @@
 """Programmatic dependent launch (kernels/pdl.py): off where it cannot run, and on the GPU a decode-like chain of
 PDL kernels replayed from a CUDA graph gives the bits of the same chain launched plainly."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -9,14 +11,24 @@ from tests.test_kernels_w4a16 import make_weights
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def test_pdl_is_off_on_cpu_and_switchable():
-    assert not pdl_enabled(torch.zeros(1))
-    assert launch_options(False) == {} and launch_options(True) == {"launch_pdl": True}
+def test_pdl_is_on_only_for_cuda_sm90_outside_the_interpreter(monkeypatch):
+    import kernels.pdl as pdl
+    assert not pdl_enabled(torch.zeros(1))                             # CPU tensors: never
+    cuda_like = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
+    monkeypatch.setattr(pdl, "_device_supports", lambda index: True)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert pdl_enabled(cuda_like)
     set_pdl(False)
     try:
-        assert not pdl_enabled(torch.zeros(1))
+        assert not pdl_enabled(cuda_like)                              # QUANT_SERVE_PDL=0 / set_pdl(False)
     finally:
         set_pdl(True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not pdl_enabled(cuda_like)                                  # the interpreter has no griddepcontrol
+    monkeypatch.setattr(pdl, "_device_supports", lambda index: False)  # below sm90, or a Triton without the option
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert not pdl_enabled(cuda_like)
+    assert launch_options(False) == {} and launch_options(True) == {"launch_pdl": True}
 
 
 def _decode_chain(x, layers, norm_w):
