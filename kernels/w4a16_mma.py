@@ -61,6 +61,53 @@ def _wgmma_steps(acc, x_ptrs, m_mask, it0, it1, w_ptr, s_ptr, z_ptr, offs, w_mas
 
 
 @gluon.jit
+def _mma_load(it, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, s_rows, stride_sg, stride_zg,
+              GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, EVEN_N: gl.constexpr, SCALE_AFTER: gl.constexpr,
+              COMPUTE_ONLY: gl.constexpr, BLOCK_K: gl.constexpr):
+    """Step it's weight loads for the mma.sync loop; SCALE_AFTER: the step's scales in the accumulator's rows."""
+    k0 = it * BLOCK_K
+    kw = 0 if COMPUTE_ONLY else k0
+    if SCALE_AFTER:
+        words, s_lo, s_hi, z_lo, z_hi = _load_step(kw, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
+                                                   stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, False)
+        s_lo = gl.load(s_ptr + (k0 // GROUP) * stride_sg + s_rows)
+    else:
+        words, s_lo, s_hi, z_lo, z_hi = _load_step(kw, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
+                                                   stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N)
+    return words, s_lo, s_hi, z_lo, z_hi
+
+
+@gluon.jit
+def _mma_one(acc, p, x_ptrs, m_mask, k_row, x_smem, k0, K, n_lo, n_hi, HAS_ZEROS: gl.constexpr, EVEN_K: gl.constexpr,
+             X_SMEM: gl.constexpr, SCALE_AFTER: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+             A_L: gl.constexpr, B_L: gl.constexpr):
+    """One mma.sync step: x's tile at k0 (cache-resident), the dequantized weights of p, acc += W^T x^T.
+    SCALE_AFTER (the step inside one scale group): the MMA sums (q - z) x, exact products, and the step's
+    partial is scaled per row in fp32: 4 fewer instructions per 8 weights than scaling each weight."""
+    words, s_lo, s_hi, z_lo, z_hi = p
+    if EVEN_K:
+        xt = gl.load(x_ptrs + k0, mask=m_mask, other=0.0)
+    else:
+        xt = gl.load(x_ptrs + k0, mask=m_mask & (k_row + k0 < K), other=0.0)
+    if SCALE_AFTER:
+        a = _dequant_step(words, s_lo, s_hi, z_lo, z_hi, n_lo, n_hi, HAS_ZEROS, BLOCK_N, BLOCK_K, A_L, False)
+    else:
+        a = _dequant_step(words, s_lo, s_hi, z_lo, z_hi, n_lo, n_hi, HAS_ZEROS, BLOCK_N, BLOCK_K, A_L)
+    if X_SMEM:
+        _cta_barrier()                    # every warp is done reading the previous tile
+        x_smem.store(xt)
+        _cta_barrier()
+        xb = x_smem.permute((1, 0)).load(B_L)
+    else:
+        xb = xt
+    if SCALE_AFTER:
+        acc += mma_v2(a, xb, gl.zeros_like(acc)) * s_lo.to(gl.float32)[:, None]
+    else:
+        acc = mma_v2(a, xb, acc)
+    return acc
+
+
+@gluon.jit
 def _x_copy(dst, x_ptrs, m_mask):
     """cp.async of x's [BLOCK_M, BLOCK_K] tile at x_ptrs into shared memory (rows past M: 0)."""
     _cp_async(dst, x_ptrs, mask=m_mask)
@@ -73,7 +120,8 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
                       SPLIT: gl.constexpr, ONE_LAUNCH: gl.constexpr, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr,
                       EVEN_N: gl.constexpr, EVEN_K: gl.constexpr, X_SMEM: gl.constexpr, WGMMA: gl.constexpr,
                       PDL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                      num_warps: gl.constexpr):
+                      num_warps: gl.constexpr, FENCE: gl.constexpr = False, SCALE_AFTER: gl.constexpr = False,
+                      COMPUTE_ONLY: gl.constexpr = False):
     """y = x @ W (+ bias) for one [BLOCK_M, BLOCK_N] output tile; with SPLIT, this split's fp32 partial goes to
     ws[pid_k] and is summed by the reduce pass or (ONE_LAUNCH) by the split that draws the last ticket.
     WGMMA (Hopper; BLOCK_N a multiple of 16 * num_warps, x through shared memory): _wgmma_steps.
@@ -122,26 +170,20 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
         # the dequant and MMA of step i overlap the memory latency of step i + 1 (the last step loads itself again;
         # two steps ahead measured no faster: bench/NOTES-kernels.md entry 12); x (small, cache-resident) is loaded
         # at the top of its own step, ahead of the dequant
-        cur = _load_step(it0 * BLOCK_K, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, stride_sg, stride_zg,
-                         GROUP, HAS_ZEROS, EVEN_N)
+        s_rows = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
+        if not EVEN_N:
+            s_rows = gl.minimum(s_rows, N - 1)
+        cur = _mma_load(it0, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, s_rows, stride_sg, stride_zg,
+                        GROUP, HAS_ZEROS, EVEN_N, SCALE_AFTER, COMPUTE_ONLY, BLOCK_K)
         gl_pdl_wait(PDL)                      # x is the previous kernel's output
         for it in range(it0, it1):
-            k0 = it * BLOCK_K
-            nxt = _load_step(gl.minimum(it + 1, it1 - 1) * BLOCK_K, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi,
-                             k_in, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N)
-            if EVEN_K:
-                xt = gl.load(x_ptrs + k0, mask=m_mask, other=0.0)
-            else:
-                xt = gl.load(x_ptrs + k0, mask=m_mask & (k_row + k0 < K), other=0.0)
-            a = _dequant_step(*cur, n_lo, n_hi, HAS_ZEROS, BLOCK_N, BLOCK_K, A_L)
-            if X_SMEM:
-                _cta_barrier()                    # every warp is done reading the previous tile
-                x_smem.store(xt)
-                _cta_barrier()
-                xb = x_smem.permute((1, 0)).load(B_L)
-            else:
-                xb = xt
-            acc = mma_v2(a, xb, acc)
+            nxt = _mma_load(gl.minimum(it + 1, it1 - 1), w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
+                            s_rows, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, SCALE_AFTER, COMPUTE_ONLY,
+                            BLOCK_K)
+            if FENCE:
+                gl.store(cnt_ptr, 0, mask=M < 0)
+            acc = _mma_one(acc, cur, x_ptrs, m_mask, k_row, x_smem if X_SMEM else 0, it * BLOCK_K, K, n_lo, n_hi,
+                           HAS_ZEROS, EVEN_K, X_SMEM, SCALE_AFTER, BLOCK_N, BLOCK_K, A_L, B_L)
             cur = nxt
 
     gl_pdl_start(PDL)
@@ -178,7 +220,8 @@ def _write_out(acc, out_ptr, bias_ptr, on, om, N, mask, stride_om, HAS_BIAS: gl.
 
 def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None, block_n: int = 128,
               block_k: int = 256, split_k: int = 1, num_warps: int = 4, one_launch: bool = True,
-              silu_mul: bool = False, wgmma: bool = False) -> torch.Tensor:
+              silu_mul: bool = False, wgmma: bool = False, fence: bool = False, scale_after: bool = False,
+              compute_only: bool = False) -> torch.Tensor:
     """x fp16 [M, K] (already permuted for act-order; M <= 64, any M with wgmma: 128-row tiles) -> [M, N], or
     [M, N/2] = silu(gate) * up. wgmma needs block_n % (16 * num_warps) == 0 with 4 or 8 warps (64 rows per
     warpgroup)."""
@@ -210,7 +253,8 @@ def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None
         HAS_BIAS=bias is not None, SPLIT=splits > 1, ONE_LAUNCH=one_launch,
         GROUP=group or (1 << 30), HAS_ZEROS=fw.qzeros is not None, EVEN_N=n % block_n == 0, EVEN_K=k == kp,
         X_SMEM=m > 1 or wgmma, WGMMA=wgmma, PDL=pdl, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk,
-        num_warps=num_warps, **launch_options(pdl))
+        num_warps=num_warps, FENCE=fence, SCALE_AFTER=scale_after and not wgmma and (not group or group % bk == 0),
+        COMPUTE_ONLY=compute_only, **launch_options(pdl))
     if splits > 1 and not one_launch:
         launch_splitk_reduce(ws, bias, out, splits, silu_mul)
     elif silu_mul:

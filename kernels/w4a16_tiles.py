@@ -40,6 +40,29 @@ mov.b32 {$6, $7}, a3;
 """)
 
 
+# the same without the scales (inputs: word $8, 1024+z pair of row g $9, -(64+z) pair of row g+8 $10): q - z, exact,
+# for steps inside one scale group, whose scales multiply the MMA's partial sums instead (kernels/w4a16_mma.py)
+_FRAG_DQ_UNSCALED_ASM = gl.constexpr("""
+{
+.reg .b32 w1, a0, a1, a2, a3, k16;
+mov.b32 k16, 0x2C002C00;
+lop3.b32 a0, $8, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 a1, $8, 0x00F000F0, 0x64006400, 0xEA;
+shr.u32 w1, $8, 8;
+lop3.b32 a2, w1, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 a3, w1, 0x00F000F0, 0x64006400, 0xEA;
+sub.rn.f16x2 a0, a0, $9;
+sub.rn.f16x2 a2, a2, $9;
+fma.rn.f16x2 a1, a1, k16, $10;
+fma.rn.f16x2 a3, a3, k16, $10;
+mov.b32 {$0, $1}, a0;
+mov.b32 {$2, $3}, a1;
+mov.b32 {$4, $5}, a2;
+mov.b32 {$6, $7}, a3;
+}
+""")
+
+
 @gluon.constexpr_function
 def word_layout(num_warps, rn, rk):
     """Layout of the word tile [NG = 8 * num_warps * rn, RK, 4 (t), 4 (kt)]: lane = 4 g + t, warps and register
@@ -63,11 +86,17 @@ def mma_layout(wgmma, num_warps, block_m):
 
 @gluon.jit
 def _frag_dequant(words, s_lo, s_hi, z_lo, z_hi, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                  A_LAYOUT: gl.constexpr):
-    """words int32 [NG, RK, 4, 4] -> the dequantized A tile fp16 [BLOCK_N, BLOCK_K] in the mma A layout."""
-    v0, v1, v2, v3, v4, v5, v6, v7 = gl.inline_asm_elementwise(
-        _FRAG_DQ_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r", [words, s_lo, s_hi, z_lo, z_hi],
-        dtype=[gl.float16] * 8, is_pure=True, pack=1)
+                  A_LAYOUT: gl.constexpr, SCALED: gl.constexpr = True):
+    """words int32 [NG, RK, 4, 4] -> the dequantized A tile fp16 [BLOCK_N, BLOCK_K] in the mma A layout
+    (SCALED False: q - z, the scales ignored)."""
+    if SCALED:
+        v0, v1, v2, v3, v4, v5, v6, v7 = gl.inline_asm_elementwise(
+            _FRAG_DQ_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r", [words, s_lo, s_hi, z_lo, z_hi],
+            dtype=[gl.float16] * 8, is_pure=True, pack=1)
+    else:
+        v0, v1, v2, v3, v4, v5, v6, v7 = gl.inline_asm_elementwise(
+            _FRAG_DQ_UNSCALED_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [words, z_lo, z_hi],
+            dtype=[gl.float16] * 8, is_pure=True, pack=1)
     # join appends its new dim last: values (b0, b1, b2) -> dims [..., b0, b1, b2]
     t = gl.join(gl.join(gl.join(v0, v1), gl.join(v2, v3)), gl.join(gl.join(v4, v5), gl.join(v6, v7)))
     NG: gl.constexpr = BLOCK_N // 2
@@ -80,16 +109,20 @@ def _frag_dequant(words, s_lo, s_hi, z_lo, z_hi, BLOCK_N: gl.constexpr, BLOCK_K:
 
 @gluon.jit
 def _load_step(k0, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, stride_sg, stride_zg, GROUP: gl.constexpr,
-               HAS_ZEROS: gl.constexpr, EVEN_N: gl.constexpr):
-    """The weight loads of the step starting at row k0: words, the scales and packed zero words of rows g and
-    g + 8 (raw: converted at use, so nothing waits for them here)."""
+               HAS_ZEROS: gl.constexpr, EVEN_N: gl.constexpr, SCALES: gl.constexpr = True):
+    """The weight loads of the step starting at row k0: words, the scales (SCALES) and packed zero words of rows
+    g and g + 8 (raw: converted at use, so nothing waits for them here)."""
     if EVEN_N:
         words = gl.load(w_ptr + offs + k0 * 2)
     else:
         words = gl.load(w_ptr + offs + k0 * 2, mask=w_mask, other=0)
     grp = (k0 + k_in) // GROUP
-    s_lo = gl.load(s_ptr + grp * stride_sg + n_lo)
-    s_hi = gl.load(s_ptr + grp * stride_sg + n_hi)
+    if SCALES:
+        s_lo = gl.load(s_ptr + grp * stride_sg + n_lo)
+        s_hi = gl.load(s_ptr + grp * stride_sg + n_hi)
+    else:
+        s_lo = 0
+        s_hi = 0
     if HAS_ZEROS:
         z_lo = gl.load(z_ptr + grp * stride_zg + n_lo // 8)
         z_hi = gl.load(z_ptr + grp * stride_zg + n_hi // 8)
@@ -146,12 +179,14 @@ def _tile_words(pid_n, N, KP, GROUP: gl.constexpr, EVEN_N: gl.constexpr, BLOCK_N
 
 @gluon.jit
 def _dequant_step(words, s_lo, s_hi, z_lo, z_hi, n_lo, n_hi, HAS_ZEROS: gl.constexpr, BLOCK_N: gl.constexpr,
-                  BLOCK_K: gl.constexpr, A_LAYOUT: gl.constexpr):
-    """A step's raw loads (_load_step) -> its dequantized A tile fp16 [BLOCK_N, BLOCK_K]."""
-    return _frag_dequant(words, _scale_pair(s_lo), _scale_pair(s_hi),
-                         0x64006400 + _zero(z_lo, n_lo, HAS_ZEROS) * 0x10001,               # (1024 + z) pairs
-                         (0xD400D400 - (1 << 32)) + _zero(z_hi, n_hi, HAS_ZEROS) * 0x100010,  # -(64 + z) pairs
-                         BLOCK_N, BLOCK_K, A_LAYOUT)
+                  BLOCK_K: gl.constexpr, A_LAYOUT: gl.constexpr, SCALED: gl.constexpr = True):
+    """A step's raw loads (_load_step) -> its dequantized A tile fp16 [BLOCK_N, BLOCK_K] (SCALED False: q - z)."""
+    z_lo_pair = 0x64006400 + _zero(z_lo, n_lo, HAS_ZEROS) * 0x10001                # (1024 + z) pairs
+    z_hi_pair = (0xD400D400 - (1 << 32)) + _zero(z_hi, n_hi, HAS_ZEROS) * 0x100010  # -(64 + z) pairs
+    if SCALED:
+        return _frag_dequant(words, _scale_pair(s_lo), _scale_pair(s_hi), z_lo_pair, z_hi_pair, BLOCK_N, BLOCK_K,
+                             A_LAYOUT)
+    return _frag_dequant(words, 0, 0, z_lo_pair, z_hi_pair, BLOCK_N, BLOCK_K, A_LAYOUT, False)
 
 
 @gluon.jit
