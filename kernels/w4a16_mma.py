@@ -63,16 +63,15 @@ def _wgmma_steps(acc, x_ptrs, m_mask, it0, it1, w_ptr, s_ptr, z_ptr, offs, w_mas
 @gluon.jit
 def _mma_load(it, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, s_rows, stride_sg, stride_zg,
               GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, EVEN_N: gl.constexpr, SCALE_AFTER: gl.constexpr,
-              COMPUTE_ONLY: gl.constexpr, BLOCK_K: gl.constexpr):
+              BLOCK_K: gl.constexpr):
     """Step it's weight loads for the mma.sync loop; SCALE_AFTER: the step's scales in the accumulator's rows."""
     k0 = it * BLOCK_K
-    kw = 0 if COMPUTE_ONLY else k0
     if SCALE_AFTER:
-        words, s_lo, s_hi, z_lo, z_hi = _load_step(kw, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
+        words, s_lo, s_hi, z_lo, z_hi = _load_step(k0, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
                                                    stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, False)
         s_lo = gl.load(s_ptr + (k0 // GROUP) * stride_sg + s_rows)
     else:
-        words, s_lo, s_hi, z_lo, z_hi = _load_step(kw, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
+        words, s_lo, s_hi, z_lo, z_hi = _load_step(k0, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
                                                    stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N)
     return words, s_lo, s_hi, z_lo, z_hi
 
@@ -120,8 +119,7 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
                       SPLIT: gl.constexpr, ONE_LAUNCH: gl.constexpr, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr,
                       EVEN_N: gl.constexpr, EVEN_K: gl.constexpr, X_SMEM: gl.constexpr, WGMMA: gl.constexpr,
                       PDL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                      num_warps: gl.constexpr, FENCE: gl.constexpr = False, SCALE_AFTER: gl.constexpr = False,
-                      COMPUTE_ONLY: gl.constexpr = False):
+                      num_warps: gl.constexpr, SCALE_AFTER: gl.constexpr):
     """y = x @ W (+ bias) for one [BLOCK_M, BLOCK_N] output tile; with SPLIT, this split's fp32 partial goes to
     ws[pid_k] and is summed by the reduce pass or (ONE_LAUNCH) by the split that draws the last ticket.
     WGMMA (Hopper; BLOCK_N a multiple of 16 * num_warps, x through shared memory): _wgmma_steps.
@@ -174,14 +172,11 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
         if not EVEN_N:
             s_rows = gl.minimum(s_rows, N - 1)
         cur = _mma_load(it0, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, s_rows, stride_sg, stride_zg,
-                        GROUP, HAS_ZEROS, EVEN_N, SCALE_AFTER, COMPUTE_ONLY, BLOCK_K)
+                        GROUP, HAS_ZEROS, EVEN_N, SCALE_AFTER, BLOCK_K)
         gl_pdl_wait(PDL)                      # x is the previous kernel's output
         for it in range(it0, it1):
             nxt = _mma_load(gl.minimum(it + 1, it1 - 1), w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
-                            s_rows, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, SCALE_AFTER, COMPUTE_ONLY,
-                            BLOCK_K)
-            if FENCE:
-                gl.store(cnt_ptr, 0, mask=M < 0)
+                            s_rows, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, SCALE_AFTER, BLOCK_K)
             acc = _mma_one(acc, cur, x_ptrs, m_mask, k_row, x_smem if X_SMEM else 0, it * BLOCK_K, K, n_lo, n_hi,
                            HAS_ZEROS, EVEN_K, X_SMEM, SCALE_AFTER, BLOCK_N, BLOCK_K, A_L, B_L)
             cur = nxt
@@ -220,11 +215,11 @@ def _write_out(acc, out_ptr, bias_ptr, on, om, N, mask, stride_om, HAS_BIAS: gl.
 
 def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None, block_n: int = 128,
               block_k: int = 256, split_k: int = 1, num_warps: int = 4, one_launch: bool = True,
-              silu_mul: bool = False, wgmma: bool = False, fence: bool = False, scale_after: bool = False,
-              compute_only: bool = False) -> torch.Tensor:
+              silu_mul: bool = False, wgmma: bool = False, scale_after: bool = True) -> torch.Tensor:
     """x fp16 [M, K] (already permuted for act-order; M <= 64, any M with wgmma: 128-row tiles) -> [M, N], or
     [M, N/2] = silu(gate) * up. wgmma needs block_n % (16 * num_warps) == 0 with 4 or 8 warps (64 rows per
-    warpgroup)."""
+    warpgroup). scale_after (mma.sync, where a step lies inside one scale group): scales multiply each step's fp32
+    partial, not each weight (M=1 gate_up 25.2 -> 23.0 us, bench/results/exp-mma-variants-h200.json)."""
     m, k = x.shape
     n = fw.out_features
     kp = fw.words.shape[1] // 2
@@ -253,8 +248,8 @@ def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None
         HAS_BIAS=bias is not None, SPLIT=splits > 1, ONE_LAUNCH=one_launch,
         GROUP=group or (1 << 30), HAS_ZEROS=fw.qzeros is not None, EVEN_N=n % block_n == 0, EVEN_K=k == kp,
         X_SMEM=m > 1 or wgmma, WGMMA=wgmma, PDL=pdl, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk,
-        num_warps=num_warps, FENCE=fence, SCALE_AFTER=scale_after and not wgmma and (not group or group % bk == 0),
-        COMPUTE_ONLY=compute_only, **launch_options(pdl))
+        num_warps=num_warps, SCALE_AFTER=scale_after and not wgmma and (not group or group % bk == 0),
+        **launch_options(pdl))
     if splits > 1 and not one_launch:
         launch_splitk_reduce(ws, bias, out, splits, silu_mul)
     elif silu_mul:

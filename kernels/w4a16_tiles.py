@@ -184,9 +184,11 @@ def _dequant_step(words, s_lo, s_hi, z_lo, z_hi, n_lo, n_hi, HAS_ZEROS: gl.const
     z_lo_pair = 0x64006400 + _zero(z_lo, n_lo, HAS_ZEROS) * 0x10001                # (1024 + z) pairs
     z_hi_pair = (0xD400D400 - (1 << 32)) + _zero(z_hi, n_hi, HAS_ZEROS) * 0x100010  # -(64 + z) pairs
     if SCALED:
-        return _frag_dequant(words, _scale_pair(s_lo), _scale_pair(s_hi), z_lo_pair, z_hi_pair, BLOCK_N, BLOCK_K,
-                             A_LAYOUT)
-    return _frag_dequant(words, 0, 0, z_lo_pair, z_hi_pair, BLOCK_N, BLOCK_K, A_LAYOUT, False)
+        a = _frag_dequant(words, _scale_pair(s_lo), _scale_pair(s_hi), z_lo_pair, z_hi_pair, BLOCK_N, BLOCK_K,
+                          A_LAYOUT)
+    else:
+        a = _frag_dequant(words, 0, 0, z_lo_pair, z_hi_pair, BLOCK_N, BLOCK_K, A_LAYOUT, False)
+    return a
 
 
 @gluon.jit

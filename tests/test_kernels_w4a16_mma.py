@@ -205,13 +205,14 @@ def compile_cases() -> dict:
         cfg = select_mma_config(m, k, n)
         out[f"{m}-{k}-{n}"] = _compile_sm90(_w4a16_mma_kernel, dict(ptrs, **ints), dict(
             HAS_BIAS=False, SPLIT=cfg.split_k > 1, ONE_LAUNCH=cfg.one_launch, GROUP=128, HAS_ZEROS=True,
-            EVEN_N=True, EVEN_K=True, X_SMEM=m > 1, WGMMA=False, PDL=True,
+            EVEN_N=True, EVEN_K=True, X_SMEM=m > 1, WGMMA=False, PDL=True, SCALE_AFTER=True,
             BLOCK_M=8 if m <= 8 else 16 if m <= 16 else 64,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps), cfg.num_warps)
     for m, bn, bk, nw in WGMMA_CASES:                 # sm90, M = 17..128
         out[f"wgmma-{m}-{bn}-{bk}-{nw}"] = _compile_sm90(_w4a16_mma_kernel, dict(ptrs, **ints), dict(
             HAS_BIAS=True, SPLIT=True, ONE_LAUNCH=False, GROUP=128, HAS_ZEROS=True, EVEN_N=True, EVEN_K=True,
-            X_SMEM=True, WGMMA=True, PDL=True, BLOCK_M=m, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw), nw)
+            X_SMEM=True, WGMMA=True, PDL=True, SCALE_AFTER=False, BLOCK_M=m, BLOCK_N=bn, BLOCK_K=bk,
+            num_warps=nw), nw)
     sig = dict(w_ptr="*i32", s_ptr="*fp16", z_ptr="*i32", out_ptr="*fp16", N="i32", K="i32", KP="i32",
                stride_sg="i32", stride_zg="i32")
     out["dequant"] = _compile_sm90(_frag_dequant_kernel, sig, dict(GROUP=32, HAS_ZEROS=True, BLOCK_N=64,
