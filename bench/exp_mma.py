@@ -28,14 +28,15 @@ DEV = "cuda"
 
 def configs(m, wgmma, focus=False, fence_sweep=False):
     """Candidates; focus: mma.sync only around the fitted rule (64/128 columns, 4 warps, split 1-16, one launch);
-    fence_sweep: the same around the rule with and without the scales after the MMA (the run of
-    bench/results/exp-mma-variants-h200.json, at its commit, also had a load-order fence and a compute-only knob)."""
+    fence_sweep: the same around the rule with and without x staged in shared memory at M = 1 (the run of
+    bench/results/exp-mma-variants-h200.json, at its commit, had a load-order fence, scales after the MMA and a
+    compute-only knob instead)."""
     if fence_sweep:
         if wgmma:
             return
-        variants = [{"scale_after": False}, {"scale_after": True}]
-        for bn, split, var in itertools.product((64, 128), (1, 2, 4, 8, 16), variants):
-            yield dict(block_n=bn, block_k=128, num_warps=4, split_k=split, one_launch=True, **var)
+        for (bn, bk), split, staged in itertools.product(((64, 128), (128, 128), (64, 256)), (1, 2, 4, 8, 16),
+                                                         (False, True)):
+            yield dict(block_n=bn, block_k=bk, num_warps=4, split_k=split, one_launch=True, x_staged=staged)
         return
     if wgmma:                 # tiles that compile without spills (the one-launch epilogue spills at 128 rows)
         tiles = ([(64, 4, 128), (128, 4, 128)] if m <= 32 else [(64, 4, 128), (128, 8, 128)] if m <= 64 else
@@ -66,7 +67,7 @@ def main():
     ap.add_argument("--wgmma-only", action="store_true", help="sweep only the wgmma variant above M = 16")
     ap.add_argument("--focus", action="store_true", help="mma.sync candidates only around the fitted rule")
     ap.add_argument("--fence-sweep", action="store_true",
-                    help="the rule's neighbourhood with and without the scales after the MMA")
+                    help="the rule's neighbourhood with and without x staged in shared memory")
     args = ap.parse_args()
     t0 = time.time()
     ms = [int(v) for v in args.ms.split(",")]
@@ -121,7 +122,7 @@ def main():
                 row["mma_TBps"] = nbytes(m, k, n) / best["us"] / 1e6
             variants = {}
             for e in ok:
-                key = "scale_after" if e["config"].get("scale_after", True) else "base"
+                key = "x_staged" if e["config"].get("x_staged", True) else "base"
                 if key not in variants or e["us"] < variants[key]["us"]:
                     variants[key] = {"us": e["us"], "config": e["config"]}
             row["variant_best"] = variants

@@ -23,6 +23,18 @@ from kernels.w4a16_tiles import _dequant_step, _load_step, _tile_words, mma_layo
 # 3.9 barrier / async_load
 _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 _cp_async = async_copy.async_load if hasattr(async_copy, "async_load") else async_copy.async_copy_global_to_shared
+_ROW1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+
+if hasattr(gl.shared_memory_descriptor, "reinterpret"):          # 3.9
+    @gluon.jit
+    def _x_rows(flat, X_STEPS: gl.constexpr, BLOCK_K: gl.constexpr):
+        """The flat staged x [X_STEPS * BLOCK_K] as rows [X_STEPS, BLOCK_K] that index() takes one step from."""
+        return flat.reinterpret(gl.float16, [X_STEPS, BLOCK_K], _ROW1)
+else:                                                           # 3.6
+    @gluon.jit
+    def _x_rows(flat, X_STEPS: gl.constexpr, BLOCK_K: gl.constexpr):
+        """The flat staged x [X_STEPS * BLOCK_K] as rows [X_STEPS, BLOCK_K] that index() takes one step from."""
+        return flat._reinterpret(gl.float16, [X_STEPS, BLOCK_K], _ROW1)
 
 
 @gluon.jit
@@ -77,22 +89,28 @@ def _mma_load(it, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, s_rows, s
 
 
 @gluon.jit
-def _mma_one(acc, p, x_ptrs, m_mask, k_row, x_smem, k0, K, n_lo, n_hi, HAS_ZEROS: gl.constexpr, EVEN_K: gl.constexpr,
-             X_SMEM: gl.constexpr, SCALE_AFTER: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-             A_L: gl.constexpr, B_L: gl.constexpr):
-    """One mma.sync step: x's tile at k0 (cache-resident), the dequantized weights of p, acc += W^T x^T.
+def _mma_one(acc, p, x_ptrs, m_mask, k_row, x_smem, xi, k0, K, n_lo, n_hi, HAS_ZEROS: gl.constexpr,
+             EVEN_K: gl.constexpr, X_SMEM: gl.constexpr, X_STEPS: gl.constexpr, SCALE_AFTER: gl.constexpr,
+             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, A_L: gl.constexpr,
+             B_L: gl.constexpr):
+    """One mma.sync step: x's tile at k0 (cache-resident; X_STEPS: row xi of the split's x in shared memory), the
+    dequantized weights of p, acc += W^T x^T.
     SCALE_AFTER (the step inside one scale group): the MMA sums (q - z) x, exact products, and the step's
     partial is scaled per row in fp32: 4 fewer instructions per 8 weights than scaling each weight."""
     words, s_lo, s_hi, z_lo, z_hi = p
-    if EVEN_K:
-        xt = gl.load(x_ptrs + k0, mask=m_mask, other=0.0)
-    else:
-        xt = gl.load(x_ptrs + k0, mask=m_mask & (k_row + k0 < K), other=0.0)
+    if X_STEPS == 0:
+        if EVEN_K:
+            xt = gl.load(x_ptrs + k0, mask=m_mask, other=0.0)
+        else:
+            xt = gl.load(x_ptrs + k0, mask=m_mask & (k_row + k0 < K), other=0.0)
     if SCALE_AFTER:
         a = _dequant_step(words, s_lo, s_hi, z_lo, z_hi, n_lo, n_hi, HAS_ZEROS, BLOCK_N, BLOCK_K, A_L, False)
     else:
         a = _dequant_step(words, s_lo, s_hi, z_lo, z_hi, n_lo, n_hi, HAS_ZEROS, BLOCK_N, BLOCK_K, A_L)
-    if X_SMEM:
+    if X_STEPS > 0:
+        # one row of x: every column of the B fragment holds it (the extra output columns are never stored)
+        xb = x_smem.index(xi).load(gl.SliceLayout(1, B_L))[:, None].broadcast_to([BLOCK_K, BLOCK_M])
+    elif X_SMEM:
         _cta_barrier()                    # every warp is done reading the previous tile
         x_smem.store(xt)
         _cta_barrier()
@@ -119,7 +137,7 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
                       SPLIT: gl.constexpr, ONE_LAUNCH: gl.constexpr, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr,
                       EVEN_N: gl.constexpr, EVEN_K: gl.constexpr, X_SMEM: gl.constexpr, WGMMA: gl.constexpr,
                       PDL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                      num_warps: gl.constexpr, SCALE_AFTER: gl.constexpr):
+                      num_warps: gl.constexpr, SCALE_AFTER: gl.constexpr, X_STEPS: gl.constexpr):
     """y = x @ W (+ bias) for one [BLOCK_M, BLOCK_N] output tile; with SPLIT, this split's fp32 partial goes to
     ws[pid_k] and is summed by the reduce pass or (ONE_LAUNCH) by the split that draws the last ticket.
     WGMMA (Hopper; BLOCK_N a multiple of 16 * num_warps, x through shared memory): _wgmma_steps.
@@ -164,6 +182,8 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
         if X_SMEM:
             x_smem = gl.allocate_shared_memory(gl.float16, [BLOCK_M, BLOCK_K], gl.SwizzledSharedLayout(
                 vec=8, per_phase=1, max_phase=8, order=[1, 0]))
+        if X_STEPS > 0:
+            x_flat = gl.allocate_shared_memory(gl.float16, [X_STEPS * BLOCK_K], _ROW1)
         # the weight loads of a step (words, scales, zero points; DRAM) are issued one step ahead of their use, so
         # the dequant and MMA of step i overlap the memory latency of step i + 1 (the last step loads itself again;
         # two steps ahead measured no faster: bench/NOTES-kernels.md entry 12); x (small, cache-resident) is loaded
@@ -174,11 +194,19 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
         cur = _mma_load(it0, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, s_rows, stride_sg, stride_zg,
                         GROUP, HAS_ZEROS, EVEN_N, SCALE_AFTER, BLOCK_K)
         gl_pdl_wait(PDL)                      # x is the previous kernel's output
+        if X_STEPS > 0:
+            # M = 1: the split's x is staged once in shared memory (16-byte loads), so the steps read it there
+            # instead of issuing their fragment loads behind the DRAM misses of the weight words
+            xk = gl.arange(0, X_STEPS * BLOCK_K, layout=gl.BlockedLayout([8], [32], [num_warps], [0]))
+            x_flat.store(gl.load(x_ptr + it0 * BLOCK_K + xk, mask=(xk < (it1 - it0) * BLOCK_K) &
+                                 (it0 * BLOCK_K + xk < K), other=0.0))
+            x_smem = _x_rows(x_flat, X_STEPS, BLOCK_K)
         for it in range(it0, it1):
             nxt = _mma_load(gl.minimum(it + 1, it1 - 1), w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
                             s_rows, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, SCALE_AFTER, BLOCK_K)
-            acc = _mma_one(acc, cur, x_ptrs, m_mask, k_row, x_smem if X_SMEM else 0, it * BLOCK_K, K, n_lo, n_hi,
-                           HAS_ZEROS, EVEN_K, X_SMEM, SCALE_AFTER, BLOCK_N, BLOCK_K, A_L, B_L)
+            acc = _mma_one(acc, cur, x_ptrs, m_mask, k_row, x_smem if X_SMEM or X_STEPS > 0 else 0, it - it0,
+                           it * BLOCK_K, K, n_lo, n_hi, HAS_ZEROS, EVEN_K, X_SMEM, X_STEPS, SCALE_AFTER, BLOCK_M,
+                           BLOCK_N, BLOCK_K, A_L, B_L)
             cur = nxt
 
     gl_pdl_start(PDL)
@@ -215,7 +243,8 @@ def _write_out(acc, out_ptr, bias_ptr, on, om, N, mask, stride_om, HAS_BIAS: gl.
 
 def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None, block_n: int = 128,
               block_k: int = 256, split_k: int = 1, num_warps: int = 4, one_launch: bool = True,
-              silu_mul: bool = False, wgmma: bool = False, scale_after: bool = True) -> torch.Tensor:
+              silu_mul: bool = False, wgmma: bool = False, scale_after: bool = True,
+              x_staged: bool = True) -> torch.Tensor:
     """x fp16 [M, K] (already permuted for act-order; M <= 64, any M with wgmma: 128-row tiles) -> [M, N], or
     [M, N/2] = silu(gate) * up. wgmma needs block_n % (16 * num_warps) == 0 with 4 or 8 warps (64 rows per
     warpgroup). scale_after (mma.sync, where a step lies inside one scale group): scales multiply each step's fp32
@@ -241,6 +270,8 @@ def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None
     out, ws, cnt = split_buffers(x, m, n, splits, one_launch, tiles * m_tiles,
                                  n // 2 if silu_mul and splits > 1 else 0)
     pdl = pdl_enabled(x)
+    # M = 1: the split's x rows staged in shared memory where they take at most 16 KB
+    x_steps = triton.next_power_of_2(per) if x_staged and m == 1 and not wgmma and per * bk <= 8192 else 0
     _w4a16_mma_kernel[(tiles, splits, m_tiles)](
         x, fw.words, fw.scales, fw.qzeros if fw.qzeros is not None else fw.words, out, ws, cnt,
         bias if bias is not None else out, m, n, k, kp, x.stride(0), out.stride(0),
@@ -249,7 +280,7 @@ def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None
         GROUP=group or (1 << 30), HAS_ZEROS=fw.qzeros is not None, EVEN_N=n % block_n == 0, EVEN_K=k == kp,
         X_SMEM=m > 1 or wgmma, WGMMA=wgmma, PDL=pdl, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk,
         num_warps=num_warps, SCALE_AFTER=scale_after and not wgmma and (not group or group % bk == 0),
-        **launch_options(pdl))
+        X_STEPS=x_steps, **launch_options(pdl))
     if splits > 1 and not one_launch:
         launch_splitk_reduce(ws, bias, out, splits, silu_mul)
     elif silu_mul:
