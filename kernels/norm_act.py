@@ -61,8 +61,10 @@ def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     inter = width // 2
     out = torch.empty((num_tokens, inter), dtype=gate_up.dtype, device=gate_up.device)
     block = min(2048, triton.next_power_of_2(inter))
+    pdl = pdl_enabled(gate_up)
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
-        gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+        gate_up, out, inter, gate_up.stride(0), out.stride(0), PDL=pdl, BLOCK=block, num_warps=4,
+        **launch_options(pdl))
     return out
 
 
@@ -92,7 +94,9 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, new_r_ptr, H, eps, stride_x, 
 
 
 @triton.jit
-def _silu_and_mul_kernel(in_ptr, out_ptr, inter, stride_in, stride_out, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(in_ptr, out_ptr, inter, stride_in, stride_out, PDL: tl.constexpr, BLOCK: tl.constexpr):
+    pdl_start(PDL)                                                # kernels/pdl.py: a short kernel lets the next in
+    pdl_wait(PDL)                                                 # at once and reads nothing before the wait
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter

@@ -32,17 +32,19 @@ def test_pdl_is_on_only_for_cuda_sm90_outside_the_interpreter(monkeypatch):
 
 
 def _decode_chain(x, layers, norm_w):
-    """rms_norm -> qkv-like matmul (one-launch split-K) -> norm -> gate_up + SwiGLU (reduce pass) -> down, per
-    layer: the kernel kinds of a decode step, each reading the previous one's output."""
-    from kernels.norm_act import rms_norm
+    """rms_norm -> qkv-like matmul (one-launch split-K) -> norm -> gate_up + SwiGLU (the reduce pass, or the
+    SwiGLU kernel in layer 0, as wide layers at M = 1 run it) -> down, per layer: the kernel kinds of a decode step,
+    each reading the previous one's output."""
+    from kernels.norm_act import rms_norm, silu_and_mul
     from kernels.w4a16 import w4a16_matmul
     residual = x
     h = x
-    for qkv, o, gate_up, down in layers:
+    for i, (qkv, o, gate_up, down) in enumerate(layers):
         h, residual = rms_norm(h, norm_w, 1e-6, residual)
         h = w4a16_matmul(w4a16_matmul(h, qkv)[:, :h.shape[1]].contiguous(), o)
         h, residual = rms_norm(h, norm_w, 1e-6, residual)
-        h = w4a16_matmul(w4a16_matmul(h, gate_up, silu_mul=True), down)
+        mid = silu_and_mul(w4a16_matmul(h, gate_up)) if i == 0 else w4a16_matmul(h, gate_up, silu_mul=True)
+        h = w4a16_matmul(mid, down)
     return h + residual
 
 
