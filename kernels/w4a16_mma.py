@@ -270,8 +270,10 @@ def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None
     out, ws, cnt = split_buffers(x, m, n, splits, one_launch, tiles * m_tiles,
                                  n // 2 if silu_mul and splits > 1 else 0)
     pdl = pdl_enabled(x)
-    # M = 1: the split's x rows staged in shared memory where they take at most 16 KB
-    x_steps = triton.next_power_of_2(per) if x_staged and m == 1 and not wgmma and per * bk <= 8192 else 0
+    # M = 1: the split's x rows staged in shared memory where they take at most 16 KB, with 64-column tiles (the
+    # 128-column tile takes 120 registers with it, 4 programs an SM: slower, bench/results/exp-mma-xstaged-h200.json)
+    x_steps = (triton.next_power_of_2(per) if x_staged and m == 1 and not wgmma and block_n == 64 and
+               per * bk <= 8192 else 0)
     _w4a16_mma_kernel[(tiles, splits, m_tiles)](
         x, fw.words, fw.scales, fw.qzeros if fw.qzeros is not None else fw.words, out, ws, cnt,
         bias if bias is not None else out, m, n, k, kp, x.stride(0), out.stride(0),
