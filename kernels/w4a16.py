@@ -235,7 +235,7 @@ def _frag_forward(x: torch.Tensor, w: FragWeights, bias: torch.Tensor | None, co
     from kernels.w4a16_tiles import frag_dequantize
     x = x[:, w.perm] if w.perm is not None else x.contiguous()
     m, k = x.shape
-    cfg = config or select_mma_config(m, k, w.out_features, wgmma_works(x.device.index))
+    cfg = config or select_mma_config(m, k, w.out_features, wgmma_works(x.device.index), silu_mul)
     if cfg is not None and x.dtype == torch.float16:
         return w4a16_mma(x, w, bias, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps, cfg.one_launch, silu_mul,
                          cfg.wgmma)

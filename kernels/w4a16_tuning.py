@@ -109,11 +109,11 @@ WGMMA_MAX_M = 128       # sm90: wgmma from M = 17 to here; above both, dequantiz
 _MMA_PROGRAMS = 640     # split-K until tiles x splits would pass this (about 5 per SM on 132 SMs)
 
 
-def select_mma_config(m: int, k: int, n: int, wgmma: bool = False) -> MMAConfig | None:
+def select_mma_config(m: int, k: int, n: int, wgmma: bool = False, silu_mul: bool = False) -> MMAConfig | None:
     """Rule fitted to the H200 sweeps of bench/exp_mma.py (bench/results/exp-mma-h200.json, mma.sync at
     M = 1..64, 42-70 candidates per point; exp-mma-split16-h200.json, M = 1 with up to 16 splits;
-    exp-mma-xstaged-h200.json, M = 1 with x staged in shared memory (64-column tiles; e2e batch-1 preferred
-    gate_up's 128 x 2 splits with the SwiGLU reduce pass to 64 x 1 with the SwiGLU kernel: 536 vs 503 tok/s);
+    exp-mma-xstaged-h200.json, M = 1 with x staged in shared memory (64-column tiles, so also on wide layers
+    unless the SwiGLU epilogue follows: bench/results/exp-swiglu-ab-h200.json);
     exp-mma-wgmma-h200.json, wgmma at M = 32..4096; Qwen2.5-7B shapes). mma.sync: 64-column tiles of 4 warps except
     very wide layers at M <= 8 (128), 128 at M > 32; 16 splits for long K at M <= 8; two launches at M > 32.
     wgmma (wgmma=True: an sm90 GPU whose load probe passed) above M = 16: 64 columns x 4 warps up to M = 32, then
@@ -127,6 +127,11 @@ def select_mma_config(m: int, k: int, n: int, wgmma: bool = False) -> MMAConfig 
     if m <= 8:
         if k >= 8192:                     # long K, few columns (down): 16 splits of 128-row steps
             return MMAConfig(64, 128, 16, 4, True)
+        if m == 1 and n >= 16384 and not silu_mul:
+            # alone, 64 x 1 with x staged is fastest (22.3 us against 23.7 for 128 x 2 on gate_up); with the
+            # SwiGLU epilogue of the decode step, 128 x 2 and the fused reduce pass win (batch-1 step 1.994 against
+            # 2.113 ms, the SwiGLU kernel on the critical path)
+            return MMAConfig(64, 128, 1, 4, True)
         bn, bk = (128 if n >= 16384 else 64), 128
     elif m <= 32:
         bn, bk = 64, 128
