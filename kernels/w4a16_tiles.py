@@ -13,10 +13,16 @@ from triton.experimental.gluon import language as gl
 
 from kernels.w4a16_frag import FragWeights, pick_block_k
 
-# inputs: word $8, scale pair of row g $9, of row g+8 $10, 1024+z pair of row g $11, -(64+z) pair of row g+8 $12
-# outputs (.b16), value index b0 + 2 b1 + 4 b2 = (k + b0 + 8 b2, n + 8 b1) of the thread's fragment
-_FRAG_DQ_ASM = gl.constexpr("""
-{
+def _frag_dq_asm(scaled: bool) -> str:
+    """Marlin's LOP3 dequant of one fragment word. Inputs: word $8, then (scaled) the scale pairs of rows g ($9) and
+    g + 8 ($10), then the (1024 + z) pair of row g and the -(64 + z) pair of row g + 8. Outputs (.b16): value index
+    b0 + 2 b1 + 4 b2 = (k + b0 + 8 b2, n + 8 b1) of the thread's fragment. Unscaled: q - z, exact, for steps inside
+    one scale group, whose scales multiply the MMA's partial sums instead (kernels/w4a16_mma.py)."""
+    zl, zh = ("$11", "$12") if scaled else ("$9", "$10")
+    scale = ("mul.rn.f16x2 a0, a0, $9;\nmul.rn.f16x2 a2, a2, $9;\n"
+             "mul.rn.f16x2 a1, a1, $10;\nmul.rn.f16x2 a3, a3, $10;\n") if scaled else ""
+    return f"""
+{{
 .reg .b32 w1, a0, a1, a2, a3, k16;
 mov.b32 k16, 0x2C002C00;
 lop3.b32 a0, $8, 0x000F000F, 0x64006400, 0xEA;
@@ -24,43 +30,20 @@ lop3.b32 a1, $8, 0x00F000F0, 0x64006400, 0xEA;
 shr.u32 w1, $8, 8;
 lop3.b32 a2, w1, 0x000F000F, 0x64006400, 0xEA;
 lop3.b32 a3, w1, 0x00F000F0, 0x64006400, 0xEA;
-sub.rn.f16x2 a0, a0, $11;
-sub.rn.f16x2 a2, a2, $11;
-fma.rn.f16x2 a1, a1, k16, $12;
-fma.rn.f16x2 a3, a3, k16, $12;
-mul.rn.f16x2 a0, a0, $9;
-mul.rn.f16x2 a2, a2, $9;
-mul.rn.f16x2 a1, a1, $10;
-mul.rn.f16x2 a3, a3, $10;
-mov.b32 {$0, $1}, a0;
-mov.b32 {$2, $3}, a1;
-mov.b32 {$4, $5}, a2;
-mov.b32 {$6, $7}, a3;
-}
-""")
+sub.rn.f16x2 a0, a0, {zl};
+sub.rn.f16x2 a2, a2, {zl};
+fma.rn.f16x2 a1, a1, k16, {zh};
+fma.rn.f16x2 a3, a3, k16, {zh};
+{scale}mov.b32 {{$0, $1}}, a0;
+mov.b32 {{$2, $3}}, a1;
+mov.b32 {{$4, $5}}, a2;
+mov.b32 {{$6, $7}}, a3;
+}}
+"""
 
 
-# the same without the scales (inputs: word $8, 1024+z pair of row g $9, -(64+z) pair of row g+8 $10): q - z, exact,
-# for steps inside one scale group, whose scales multiply the MMA's partial sums instead (kernels/w4a16_mma.py)
-_FRAG_DQ_UNSCALED_ASM = gl.constexpr("""
-{
-.reg .b32 w1, a0, a1, a2, a3, k16;
-mov.b32 k16, 0x2C002C00;
-lop3.b32 a0, $8, 0x000F000F, 0x64006400, 0xEA;
-lop3.b32 a1, $8, 0x00F000F0, 0x64006400, 0xEA;
-shr.u32 w1, $8, 8;
-lop3.b32 a2, w1, 0x000F000F, 0x64006400, 0xEA;
-lop3.b32 a3, w1, 0x00F000F0, 0x64006400, 0xEA;
-sub.rn.f16x2 a0, a0, $9;
-sub.rn.f16x2 a2, a2, $9;
-fma.rn.f16x2 a1, a1, k16, $10;
-fma.rn.f16x2 a3, a3, k16, $10;
-mov.b32 {$0, $1}, a0;
-mov.b32 {$2, $3}, a1;
-mov.b32 {$4, $5}, a2;
-mov.b32 {$6, $7}, a3;
-}
-""")
+_FRAG_DQ_ASM = gl.constexpr(_frag_dq_asm(True))
+_FRAG_DQ_UNSCALED_ASM = gl.constexpr(_frag_dq_asm(False))
 
 
 @gluon.constexpr_function
