@@ -26,12 +26,12 @@ from kernels.w4a16_ref import dequantize_w4  # noqa: E402
 DEV = "cuda"
 
 
-def configs(m, wgmma, focus=False, fence_sweep=False):
+def configs(m, wgmma, focus=False, variant_sweep=False):
     """Candidates; focus: mma.sync only around the fitted rule (64/128 columns, 4 warps, split 1-16, one launch);
-    fence_sweep: the same around the rule with and without x staged in shared memory at M = 1 (the run of
-    bench/results/exp-mma-variants-h200.json, at its commit, had a load-order fence, scales after the MMA and a
-    compute-only knob instead)."""
-    if fence_sweep:
+    variant_sweep: the same around the rule with and without x staged in shared memory at M = 1 (the flag was
+    --fence-sweep in the commands of exp-mma-variants-h200.json, whose commit swept a load-order fence, scales after
+    the MMA and a compute-only knob instead, and of exp-mma-xstaged-h200.json)."""
+    if variant_sweep:
         if wgmma:
             return
         for (bn, bk), split, staged in itertools.product(((64, 128), (128, 128), (64, 256)), (1, 2, 4, 8, 16),
@@ -66,7 +66,7 @@ def main():
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--wgmma-only", action="store_true", help="sweep only the wgmma variant above M = 16")
     ap.add_argument("--focus", action="store_true", help="mma.sync candidates only around the fitted rule")
-    ap.add_argument("--fence-sweep", action="store_true",
+    ap.add_argument("--variant-sweep", action="store_true",
                     help="the rule's neighbourhood with and without x staged in shared memory")
     args = ap.parse_args()
     t0 = time.time()
@@ -101,8 +101,9 @@ def main():
                    "mma": []}
             sweep = (m in sweep_ms or best_cfg is None) and time.time() - t0 < args.budget_s
             mma_sync = m <= 64 and not (args.wgmma_only and m > 16)
-            cands = ((list(configs(m, False, args.focus, args.fence_sweep)) if mma_sync else []) +
-                     (list(configs(m, True, fence_sweep=args.fence_sweep)) if m > 1 else []) if sweep else [best_cfg])
+            sync_cands = list(configs(m, False, args.focus, args.variant_sweep)) if mma_sync else []
+            wg_cands = list(configs(m, True, variant_sweep=args.variant_sweep)) if m > 1 else []
+            cands = sync_cands + wg_cands if sweep else [best_cfg]
             for cfg in cands:
                 try:
                     y = w4a16_mma(x, fw, **cfg)

@@ -6,6 +6,8 @@ memory and ldmatrix above); Hopper's wgmma (sm90) serves any M by 128-row tiles,
 double buffer (_wgmma_steps). Split-K partials go through the workspace: the reduce pass of
 kernels/w4a16_splitk.py (SwiGLU fused there), or the one-launch ticket whose last split sums them.
 """
+from dataclasses import dataclass
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -241,6 +243,30 @@ def _write_out(acc, out_ptr, bias_ptr, on, om, N, mask, stride_om, HAS_BIAS: gl.
     gl.store(out_ptr + om[None, :] * stride_om + on[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@dataclass
+class MMAVariant:
+    """How one w4a16_mma call runs: step rows, steps per split, splits, scales after the MMA, staged x rows."""
+    block_k: int
+    per_split: int
+    splits: int
+    scale_after: bool
+    x_steps: int
+
+
+def mma_variant(m: int, kp: int, group: int, block_n: int, block_k: int, split_k: int, wgmma: bool,
+                scale_after: bool = True, x_staged: bool = True) -> MMAVariant:
+    """group 0: one group for all of K. Scales after the MMA: mma.sync, where each step lies inside one group
+    (bench/results/exp-mma-variants-h200.json). x staged (M = 1): the split's rows in shared memory where they take at
+    most 16 KB, with 64-column tiles only (the 128-column tile takes 120 registers with it, 4 programs an SM:
+    slower, bench/results/exp-mma-xstaged-h200.json)."""
+    bk = pick_block_k(kp, group, block_k)
+    iters = kp // bk
+    per = triton.cdiv(iters, max(1, min(split_k, iters)))
+    staged = x_staged and m == 1 and not wgmma and block_n == 64 and per * bk <= 8192
+    return MMAVariant(bk, per, triton.cdiv(iters, per), scale_after and not wgmma and (not group or group % bk == 0),
+                      triton.next_power_of_2(per) if staged else 0)
+
+
 def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None, block_n: int = 128,
               block_k: int = 256, split_k: int = 1, num_warps: int = 4, one_launch: bool = True,
               silu_mul: bool = False, wgmma: bool = False, scale_after: bool = True,
@@ -257,10 +283,8 @@ def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None
         x = torch.nn.functional.pad(x, (0, kp - k))
         k = kp
     group = fw.group_size if fw.scales.shape[0] > 1 else 0           # 0: one group for all of K
-    bk = pick_block_k(kp, group, block_k)
-    iters = kp // bk
-    per = triton.cdiv(iters, max(1, min(split_k, iters)))
-    splits = triton.cdiv(iters, per)
+    v = mma_variant(m, kp, group, block_n, block_k, split_k, wgmma, scale_after, x_staged)
+    bk, per, splits = v.block_k, v.per_split, v.splits
     block_m = min(max(8, triton.next_power_of_2(m)), 128 if wgmma else 64)
     if m > block_m and not wgmma:
         raise ValueError(f"M = {m} is above the mma.sync kernel's 64 rows (wgmma tiles any M by 128 rows)")
@@ -270,10 +294,6 @@ def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None
     out, ws, cnt = split_buffers(x, m, n, splits, one_launch, tiles * m_tiles,
                                  n // 2 if silu_mul and splits > 1 else 0)
     pdl = pdl_enabled(x)
-    # M = 1: the split's x rows staged in shared memory where they take at most 16 KB, with 64-column tiles (the
-    # 128-column tile takes 120 registers with it, 4 programs an SM: slower, bench/results/exp-mma-xstaged-h200.json)
-    x_steps = (triton.next_power_of_2(per) if x_staged and m == 1 and not wgmma and block_n == 64 and
-               per * bk <= 8192 else 0)
     _w4a16_mma_kernel[(tiles, splits, m_tiles)](
         x, fw.words, fw.scales, fw.qzeros if fw.qzeros is not None else fw.words, out, ws, cnt,
         bias if bias is not None else out, m, n, k, kp, x.stride(0), out.stride(0),
@@ -281,8 +301,7 @@ def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None
         HAS_BIAS=bias is not None, SPLIT=splits > 1, ONE_LAUNCH=one_launch,
         GROUP=group or (1 << 30), HAS_ZEROS=fw.qzeros is not None, EVEN_N=n % block_n == 0, EVEN_K=k == kp,
         X_SMEM=m > 1 or wgmma, WGMMA=wgmma, PDL=pdl, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk,
-        num_warps=num_warps, SCALE_AFTER=scale_after and not wgmma and (not group or group % bk == 0),
-        X_STEPS=x_steps, **launch_options(pdl))
+        num_warps=num_warps, SCALE_AFTER=v.scale_after, X_STEPS=v.x_steps, **launch_options(pdl))
     if splits > 1 and not one_launch:
         launch_splitk_reduce(ws, bias, out, splits, silu_mul)
     elif silu_mul:

@@ -103,6 +103,24 @@ def test_cpu_keeps_row_layout_and_twin_reads_fragment_layout():
     assert torch.equal(w4a16_matmul(x, fw), ref.to(torch.float16))
 
 
+def test_mma_variant_picks_scales_after_and_staged_x_where_they_apply():
+    from kernels.w4a16_mma import mma_variant
+    # (block_k, steps per split, splits, scales after the MMA, staged x rows)
+    def v(*args, **kw):
+        r = mma_variant(*args, **kw)
+        return r.block_k, r.per_split, r.splits, r.scale_after, r.x_steps
+    assert v(1, 18944, 128, 64, 128, 16, False) == (128, 10, 15, True, 16)         # down at M = 1
+    assert v(1, 3584, 128, 64, 128, 1, False) == (128, 28, 1, True, 32)            # plain gate_up at M = 1
+    assert v(1, 3584, 128, 128, 128, 2, False)[3:] == (True, 0)       # 128-column tile: x not staged
+    assert v(1, 18944, 128, 64, 128, 1, False)[3:] == (True, 0)       # 148 steps of x: over 16 KB
+    assert v(16, 3584, 128, 64, 128, 8, False)[3:] == (True, 0)       # x staged only at M = 1
+    assert v(1, 3584, 0, 64, 128, 8, False)[3] is True                # one group for all of K
+    assert v(1, 3584, 32, 64, 128, 8, False)[3] is False              # groups inside a step: scaled per weight
+    assert v(1, 3584, 64, 64, 128, 8, False)[3] is False
+    assert v(32, 3584, 128, 64, 128, 8, True)[3:] == (False, 0)       # wgmma: neither
+    assert v(1, 3584, 128, 64, 128, 8, False, scale_after=False, x_staged=False)[3:] == (False, 0)
+
+
 def test_mma_config_rule_reproduces_the_sweep_winners():
     from kernels.w4a16_tuning import select_mma_config
     # (K, N, M) -> (block_n, block_k, split_k, one_launch): bench/results/exp-mma-h200.json winners
@@ -196,8 +214,7 @@ WGMMA_CASES = [(32, 64, 128, 4), (64, 128, 128, 8), (128, 128, 128, 8)]
 
 def compile_cases() -> dict:
     """The dispatcher's mma configurations for the Qwen2.5-7B shapes and the dequantize kernel, compiled for sm90."""
-    import triton
-    from kernels.w4a16_mma import _w4a16_mma_kernel
+    from kernels.w4a16_mma import _w4a16_mma_kernel, mma_variant
     from kernels.w4a16_tiles import _frag_dequant_kernel
     from kernels.w4a16_tuning import select_mma_config
     ptrs = dict(x_ptr="*fp16", w_ptr="*i32", s_ptr="*fp16", z_ptr="*i32", out_ptr="*fp16", ws_ptr="*fp32",
@@ -207,11 +224,11 @@ def compile_cases() -> dict:
     out = {}
     for m, k, n in COMPILE_CASES:
         cfg = select_mma_config(m, k, n)
+        v = mma_variant(m, k, 128, cfg.block_n, cfg.block_k, cfg.split_k, False)
         out[f"{m}-{k}-{n}"] = _compile_sm90(_w4a16_mma_kernel, dict(ptrs, **ints), dict(
             HAS_BIAS=False, SPLIT=cfg.split_k > 1, ONE_LAUNCH=cfg.one_launch, GROUP=128, HAS_ZEROS=True,
-            EVEN_N=True, EVEN_K=True, X_SMEM=m > 1, WGMMA=False, PDL=True, SCALE_AFTER=True,
-            X_STEPS=triton.next_power_of_2(-(-k // cfg.block_k // cfg.split_k)) if m == 1 and cfg.block_n == 64
-            else 0,
+            EVEN_N=True, EVEN_K=True, X_SMEM=m > 1, WGMMA=False, PDL=True, SCALE_AFTER=v.scale_after,
+            X_STEPS=v.x_steps,
             BLOCK_M=8 if m <= 8 else 16 if m <= 16 else 64,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps), cfg.num_warps)
     for m, bn, bk, nw in WGMMA_CASES:                 # sm90, M = 17..128
