@@ -38,11 +38,11 @@ def configs(m, wgmma, focus=False, variant_sweep=False):
                                                          (False, True)):
             yield dict(block_n=bn, block_k=bk, num_warps=4, split_k=split, one_launch=True, x_staged=staged)
         return
-    if wgmma:                 # tiles that compile without spills (the one-launch epilogue spills at 128 rows)
-        tiles = ([(64, 4, 128), (128, 4, 128)] if m <= 32 else [(64, 4, 128), (128, 8, 128)] if m <= 64 else
-                 [(128, 8, 128)])
+    if wgmma:                 # tiles that compile without spills; the one-launch epilogue never won (exp-mma-wgmma)
+        tiles = ([(64, 4, 128), (128, 4, 128), (64, 4, 64), (128, 8, 64)] if m <= 32 else
+                 [(64, 4, 128), (128, 8, 128), (128, 8, 64)] if m <= 64 else [(128, 8, 128), (128, 8, 64)])
         tiles += [(256, 8, 128), (256, 8, 64)] if 32 < m <= 64 else [(256, 8, 64)] if m > 64 else []
-        ones, splits = ((True, False) if m <= 64 else (False,)), (1, 2, 4, 8)
+        ones, splits = (False,), (1, 2, 4, 8)
         for (bn, nw, bk), split, one in itertools.product(tiles, splits, ones):
             if split > 1 or one or len(ones) == 1:
                 yield dict(block_n=bn, block_k=bk, num_warps=nw, split_k=split, one_launch=one, wgmma=True)
@@ -62,7 +62,7 @@ def main():
     ap.add_argument("--out", default="bench/results/exp-mma-h200.json")
     ap.add_argument("--ms", default="1,2,4,8,16,32,64,128,256,1024")
     ap.add_argument("--sweep-ms", default="1,16,64,128,256")
-    ap.add_argument("--budget-s", type=float, default=400)
+    ap.add_argument("--budget-s", type=float, default=100, help="sweep time per shape")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--wgmma-only", action="store_true", help="sweep only the wgmma variant above M = 16")
     ap.add_argument("--focus", action="store_true", help="mma.sync candidates only around the fitted rule")
@@ -92,6 +92,7 @@ def main():
         dense = [torch.randn(k, n, dtype=torch.float16, device=DEV) * 0.02 for _ in range(copies(k * n * 2))]
         rows = []
         best_cfg = None
+        t0 = time.time()
         for m in ms:
             x = torch.randn(m, k, dtype=torch.float16, device=DEV)
             ref = x.float() @ ref_w
@@ -135,6 +136,8 @@ def main():
                   f"bad/err {len(errs)} {errs[0] if errs else ''}"[:400], flush=True)
             rows.append(row)
         out["shapes"][name] = rows
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=1))          # each shape as it lands (a run may be cut)
     summ = {}
     for m in ms:
         f = sum(r["fp16_us"] for rs in out["shapes"].values() for r in rs if r["m"] == m)

@@ -1,9 +1,9 @@
 """Gluon W4A16 tensor-core matmul over the fragment layout (tiles: kernels/w4a16_tiles.py).
 
 y^T = W^T x^T: the dequantized weight tile [BLOCK_N, BLOCK_K] is the A operand in registers, x^T [BLOCK_K,
-BLOCK_M] the B operand. mma.sync m16n8k16 serves M = 1..64 (x straight into registers at M = 1, through shared
-memory and ldmatrix above); Hopper's wgmma (sm90) serves any M by 128-row tiles, x^T by cp.async into a shared
-double buffer (_wgmma_steps). Split-K partials go through the workspace: the reduce pass of
+BLOCK_M] the B operand. mma.sync m16n8k16 serves M = 1..64 (x staged in shared memory or straight into registers at
+M = 1, above by cp.async into a ring of shared tiles and ldmatrix); Hopper's wgmma (sm90) serves any M by 128-row
+tiles (kernels/w4a16_wgmma.py). Split-K partials go through the workspace: the reduce pass of
 kernels/w4a16_splitk.py (SwiGLU fused there), or the one-launch ticket whose last split sums them.
 """
 from dataclasses import dataclass
@@ -13,18 +13,13 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from kernels.norm_act import silu_and_mul
 from kernels.pdl import gl_pdl_start, gl_pdl_wait, launch_options, pdl_enabled
 from kernels.w4a16_frag import FragWeights, pick_block_k
 from kernels.w4a16_splitk import launch_splitk_reduce, split_buffers
-from kernels.w4a16_tiles import _dequant_step, _load_step, _tile_words, mma_layout
-
-# names across Triton releases (Gluon is experimental): 3.6 thread_barrier / async_copy_global_to_shared,
-# 3.9 barrier / async_load
-_cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
-_cp_async = async_copy.async_load if hasattr(async_copy, "async_load") else async_copy.async_copy_global_to_shared
+from kernels.w4a16_tiles import _dequant_step, _load_step, _tile_words, mma_layout, swiglu_tile
+from kernels.w4a16_wgmma import _cta_barrier, _wgmma_steps, _x_copy
 _ROW1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
 
 if hasattr(gl.shared_memory_descriptor, "reinterpret"):          # 3.9
@@ -37,41 +32,6 @@ else:                                                           # 3.6
     def _x_rows(flat, X_STEPS: gl.constexpr, BLOCK_K: gl.constexpr):
         """The flat staged x [X_STEPS * BLOCK_K] as rows [X_STEPS, BLOCK_K] that index() takes one step from."""
         return flat._reinterpret(gl.float16, [X_STEPS, BLOCK_K], _ROW1)
-
-
-@gluon.jit
-def _wgmma_steps(acc, x_ptrs, m_mask, it0, it1, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, stride_sg,
-                 stride_zg, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, EVEN_N: gl.constexpr,
-                 PDL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                 A_L: gl.constexpr):
-    """The Hopper main loop: wgmma(step i) runs while step i + 1 is dequantized and its x tile copied.
-    A wgmma reads its A registers until a wait retires it, and the A tile is packed into those registers at the
-    issue, so each step waits for its own wgmma before the next issue repacks them (async with one in flight, the
-    next step's packing could overwrite registers the MMA still reads). x^T goes global -> shared by cp.async into
-    a double buffer: the copy of step i + 1 targets the buffer of step i - 1, whose wgmma that step's wait retired.
-    x's rows are 16-byte aligned and K is the packed length (w4a16_mma pads x otherwise)."""
-    x_smem = gl.allocate_shared_memory(gl.float16, [2, BLOCK_M, BLOCK_K],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float16))
-    p0 = _load_step(it0 * BLOCK_K, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, stride_sg, stride_zg, GROUP,
-                    HAS_ZEROS, EVEN_N)
-    p1 = _load_step(gl.minimum(it0 + 1, it1 - 1) * BLOCK_K, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
-                    stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N)     # step i + 1's raw loads fly during step i
-    gl_pdl_wait(PDL)                          # x is the previous kernel's output
-    _x_copy(x_smem.index(it0 % 2), x_ptrs + it0 * BLOCK_K, m_mask)
-    a = _dequant_step(*p0, n_lo, n_hi, HAS_ZEROS, BLOCK_N, BLOCK_K, A_L)
-    for it in range(it0, it1):
-        async_copy.wait_group(0)
-        _cta_barrier()                        # every thread's part of x(it) landed; every wgmma(it - 1) retired
-        fence_async_shared()
-        acc = warpgroup_mma(a, x_smem.index(it % 2).permute((1, 0)), acc, is_async=True)
-        nxt = gl.minimum(it + 1, it1 - 1)     # the last step repeats itself (no read past this split)
-        _x_copy(x_smem.index((it + 1) % 2), x_ptrs + nxt * BLOCK_K, m_mask)
-        a = _dequant_step(*p1, n_lo, n_hi, HAS_ZEROS, BLOCK_N, BLOCK_K, A_L)
-        p1 = _load_step(gl.minimum(it + 2, it1 - 1) * BLOCK_K, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
-                        stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-    async_copy.wait_group(0)
-    return acc
 
 
 @gluon.jit
@@ -95,12 +55,12 @@ def _mma_one(acc, p, x_ptrs, m_mask, k_row, x_smem, xi, k0, K, n_lo, n_hi, HAS_Z
              EVEN_K: gl.constexpr, X_SMEM: gl.constexpr, X_STEPS: gl.constexpr, SCALE_AFTER: gl.constexpr,
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, A_L: gl.constexpr,
              B_L: gl.constexpr):
-    """One mma.sync step: x's tile at k0 (cache-resident; X_STEPS: row xi of the split's x in shared memory), the
-    dequantized weights of p, acc += W^T x^T.
+    """One mma.sync step: x's tile at k0 (cache-resident; X_STEPS: row xi of the split's x in shared memory;
+    X_SMEM: x_smem holds the step's tile, copied ahead), the dequantized weights of p, acc += W^T x^T.
     SCALE_AFTER (the step inside one scale group): the MMA sums (q - z) x, exact products, and the step's
     partial is scaled per row in fp32: 4 fewer instructions per 8 weights than scaling each weight."""
     words, s_lo, s_hi, z_lo, z_hi = p
-    if X_STEPS == 0:
+    if X_STEPS == 0 and not X_SMEM:
         if EVEN_K:
             xt = gl.load(x_ptrs + k0, mask=m_mask, other=0.0)
         else:
@@ -113,9 +73,6 @@ def _mma_one(acc, p, x_ptrs, m_mask, k_row, x_smem, xi, k0, K, n_lo, n_hi, HAS_Z
         # one row of x: every column of the B fragment holds it (the extra output columns are never stored)
         xb = x_smem.index(xi).load(gl.SliceLayout(1, B_L))[:, None].broadcast_to([BLOCK_K, BLOCK_M])
     elif X_SMEM:
-        _cta_barrier()                    # every warp is done reading the previous tile
-        x_smem.store(xt)
-        _cta_barrier()
         xb = x_smem.permute((1, 0)).load(B_L)
     else:
         xb = xt
@@ -127,19 +84,13 @@ def _mma_one(acc, p, x_ptrs, m_mask, k_row, x_smem, xi, k0, K, n_lo, n_hi, HAS_Z
 
 
 @gluon.jit
-def _x_copy(dst, x_ptrs, m_mask):
-    """cp.async of x's [BLOCK_M, BLOCK_K] tile at x_ptrs into shared memory (rows past M: 0)."""
-    _cp_async(dst, x_ptrs, mask=m_mask)
-    async_copy.commit_group()
-
-
-@gluon.jit
 def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias_ptr, M, N, K, KP, stride_xm,
                       stride_om, stride_sg, stride_zg, iters_per_split, n_splits, HAS_BIAS: gl.constexpr,
                       SPLIT: gl.constexpr, ONE_LAUNCH: gl.constexpr, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr,
                       EVEN_N: gl.constexpr, EVEN_K: gl.constexpr, X_SMEM: gl.constexpr, WGMMA: gl.constexpr,
                       PDL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                      num_warps: gl.constexpr, SCALE_AFTER: gl.constexpr, X_STEPS: gl.constexpr):
+                      num_warps: gl.constexpr, SCALE_AFTER: gl.constexpr, X_STEPS: gl.constexpr,
+                      SWIGLU: gl.constexpr, A_SMEM: gl.constexpr):
     """y = x @ W (+ bias) for one [BLOCK_M, BLOCK_N] output tile; with SPLIT, this split's fp32 partial goes to
     ws[pid_k] and is summed by the reduce pass or (ONE_LAUNCH) by the split that draws the last ticket.
     WGMMA (Hopper; BLOCK_N a multiple of 16 * num_warps, x through shared memory): _wgmma_steps.
@@ -153,7 +104,7 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
     pid_n = gl.program_id(0)
     pid_k = gl.program_id(1)
     m0 = gl.program_id(2) * BLOCK_M                   # row tiles of x (more than one only above BLOCK_M rows)
-    offs, w_mask, n_lo, n_hi, k_in = _tile_words(pid_n, N, KP, GROUP, EVEN_N, BLOCK_N, BLOCK_K, num_warps)
+    offs, w_mask, n_lo, n_hi, k_in = _tile_words(pid_n, N, KP, GROUP, EVEN_N, BLOCK_N, BLOCK_K, num_warps, SWIGLU)
 
     if X_SMEM:
         # several rows: each thread loads 16 contiguous bytes of x (warps along M where the tile has the rows, so
@@ -179,10 +130,12 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
     if WGMMA:
         acc = _wgmma_steps(acc, x_ptrs, m_mask, it0, it1, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
                            stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, PDL, BLOCK_M, BLOCK_N, BLOCK_K,
-                           A_L)
+                           A_L, A_SMEM)
     else:
         if X_SMEM:
-            x_smem = gl.allocate_shared_memory(gl.float16, [BLOCK_M, BLOCK_K], gl.SwizzledSharedLayout(
+            # several rows: x tiles by cp.async into a ring of three, two steps ahead of their use, so no step waits
+            # for its x behind the weight misses (x's rows 16-byte aligned, K the packed length: w4a16_mma pads)
+            x_ring = gl.allocate_shared_memory(gl.float16, [3, BLOCK_M, BLOCK_K], gl.SwizzledSharedLayout(
                 vec=8, per_phase=1, max_phase=8, order=[1, 0]))
         if X_STEPS > 0:
             x_flat = gl.allocate_shared_memory(gl.float16, [X_STEPS * BLOCK_K], _ROW1)
@@ -190,7 +143,11 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
         # the dequant and MMA of step i overlap the memory latency of step i + 1 (the last step loads itself again;
         # two steps ahead measured no faster: bench/NOTES-kernels.md entry 12); x (small, cache-resident) is loaded
         # at the top of its own step, ahead of the dequant
-        s_rows = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
+        s_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
+        if SWIGLU:
+            s_rows = swiglu_tile(pid_n, s_rows // 16, N, BLOCK_N) * 16 + s_rows % 16
+        else:
+            s_rows = pid_n * BLOCK_N + s_rows
         if not EVEN_N:
             s_rows = gl.minimum(s_rows, N - 1)
         cur = _mma_load(it0, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, s_rows, stride_sg, stride_zg,
@@ -203,13 +160,23 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
             x_flat.store(gl.load(x_ptr + it0 * BLOCK_K + xk, mask=(xk < (it1 - it0) * BLOCK_K) &
                                  (it0 * BLOCK_K + xk < K), other=0.0))
             x_smem = _x_rows(x_flat, X_STEPS, BLOCK_K)
+        if X_SMEM:
+            _x_copy(x_ring.index(0), x_ptrs + it0 * BLOCK_K, m_mask)
+            _x_copy(x_ring.index(1), x_ptrs + gl.minimum(it0 + 1, it1 - 1) * BLOCK_K, m_mask)
         for it in range(it0, it1):
             nxt = _mma_load(gl.minimum(it + 1, it1 - 1), w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
                             s_rows, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, SCALE_AFTER, BLOCK_K)
+            if X_SMEM:
+                async_copy.wait_group(1)      # x(it) landed, x(it + 1) may still fly
+                _cta_barrier()                # every thread's part of x(it); every thread done reading x(it - 1)
+                _x_copy(x_ring.index((it - it0 + 2) % 3), x_ptrs + gl.minimum(it + 2, it1 - 1) * BLOCK_K, m_mask)
+                x_smem = x_ring.index((it - it0) % 3)
             acc = _mma_one(acc, cur, x_ptrs, m_mask, k_row, x_smem if X_SMEM or X_STEPS > 0 else 0, it - it0,
                            it * BLOCK_K, K, n_lo, n_hi, HAS_ZEROS, EVEN_K, X_SMEM, X_STEPS, SCALE_AFTER, BLOCK_M,
                            BLOCK_N, BLOCK_K, A_L, B_L)
             cur = nxt
+        if X_SMEM:
+            async_copy.wait_group(0)
 
     gl_pdl_start(PDL)
     on = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
@@ -231,8 +198,29 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
                     total += gl.load(ws_ptr + sp * M * N + offs_out, mask=mask, other=0.0, cache_modifier=".cg")
                 _write_out(total, out_ptr, bias_ptr, on, om, N, mask, stride_om, HAS_BIAS)
                 gl.store(cnt_ptr + tile, 0)
+    elif SWIGLU:
+        _swiglu_out(acc, out_ptr, pid_n, m0, M, stride_om, BLOCK_M, BLOCK_N, num_warps)
     else:
         _write_out(acc, out_ptr, bias_ptr, on, om, N, mask, stride_om, HAS_BIAS)
+
+
+@gluon.jit
+def _swiglu_out(acc, out_ptr, pid_n, m0, M, stride_om, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                num_warps: gl.constexpr):
+    """acc fp32 [BLOCK_N, BLOCK_M]: gate rows, then the same columns' up rows (SWIGLU tiles) -> out[m, c] =
+    silu(gate) * up for pid_n's BLOCK_N / 2 columns. The halves sit in different warps: through shared memory.
+    Rounds as the matmul's fp16 output followed by silu_and_mul does (a GPU test compares bit for bit)."""
+    H: gl.constexpr = BLOCK_N // 2
+    OL: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, num_warps], [0, 1])
+    both = gl.allocate_shared_memory(gl.float32, [BLOCK_N, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    both.store(acc)
+    gate = both.slice(0, H).load(OL).to(gl.float16).to(gl.float32)
+    up = both.slice(H, H).load(OL).to(gl.float16).to(gl.float32)
+    act = (gate / (1.0 + gl.exp(-gate))).to(gl.float16).to(gl.float32)
+    cols = pid_n * H + gl.arange(0, H, layout=gl.SliceLayout(1, OL))
+    rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, OL))
+    gl.store(out_ptr + rows[None, :] * stride_om + cols[:, None], (act * up).to(out_ptr.dtype.element_ty),
+             mask=(rows < M)[None, :])
 
 
 @gluon.jit
@@ -245,32 +233,35 @@ def _write_out(acc, out_ptr, bias_ptr, on, om, N, mask, stride_om, HAS_BIAS: gl.
 
 @dataclass
 class MMAVariant:
-    """How one w4a16_mma call runs: step rows, steps per split, splits, scales after the MMA, staged x rows."""
+    """How one w4a16_mma call runs: step rows, steps per split, splits, scales after the MMA, staged x rows, the
+    wgmma A tile through shared memory."""
     block_k: int
     per_split: int
     splits: int
     scale_after: bool
     x_steps: int
+    a_smem: bool
 
 
 def mma_variant(m: int, kp: int, group: int, block_n: int, block_k: int, split_k: int, wgmma: bool,
-                scale_after: bool = True, x_staged: bool = True) -> MMAVariant:
+                scale_after: bool = True, x_staged: bool = True, a_smem: bool | None = None) -> MMAVariant:
     """group 0: one group for all of K. Scales after the MMA: mma.sync, where each step lies inside one group
     (bench/results/exp-mma-variants-h200.json). x staged (M = 1): the split's rows in shared memory where they take at
     most 16 KB, with 64-column tiles only (the 128-column tile takes 120 registers with it, 4 programs an SM:
-    slower, bench/results/exp-mma-xstaged-h200.json)."""
+    slower, bench/results/exp-mma-xstaged-h200.json). wgmma's A tile through shared memory above 64 rows of x
+    (bench/results/exp-mma-ss-h200.json; a_smem None: by that rule)."""
     bk = pick_block_k(kp, group, block_k)
     iters = kp // bk
     per = triton.cdiv(iters, max(1, min(split_k, iters)))
     staged = x_staged and m == 1 and not wgmma and block_n == 64 and per * bk <= 8192
     return MMAVariant(bk, per, triton.cdiv(iters, per), scale_after and not wgmma and (not group or group % bk == 0),
-                      triton.next_power_of_2(per) if staged else 0)
+                      triton.next_power_of_2(per) if staged else 0, wgmma and (m > 64 if a_smem is None else a_smem))
 
 
 def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None, block_n: int = 128,
               block_k: int = 256, split_k: int = 1, num_warps: int = 4, one_launch: bool = True,
               silu_mul: bool = False, wgmma: bool = False, scale_after: bool = True,
-              x_staged: bool = True) -> torch.Tensor:
+              x_staged: bool = True, a_smem: bool | None = None) -> torch.Tensor:
     """x fp16 [M, K] (already permuted for act-order; M <= 64, any M with wgmma: 128-row tiles) -> [M, N], or
     [M, N/2] = silu(gate) * up. wgmma needs block_n % (16 * num_warps) == 0 with 4 or 8 warps (64 rows per
     warpgroup). scale_after (mma.sync, where a step lies inside one scale group): scales multiply each step's fp32
@@ -278,21 +269,24 @@ def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None
     m, k = x.shape
     n = fw.out_features
     kp = fw.words.shape[1] // 2
-    if wgmma and (k != kp or x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16):
+    if (wgmma or m > 1) and (k != kp or x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16):
         # cp.async copies 16 aligned bytes per thread: pad K to the packed length (zeros meet the pad rows' codes)
         x = torch.nn.functional.pad(x, (0, kp - k))
         k = kp
     group = fw.group_size if fw.scales.shape[0] > 1 else 0           # 0: one group for all of K
-    v = mma_variant(m, kp, group, block_n, block_k, split_k, wgmma, scale_after, x_staged)
+    v = mma_variant(m, kp, group, block_n, block_k, split_k, wgmma, scale_after, x_staged, a_smem)
     bk, per, splits = v.block_k, v.per_split, v.splits
     block_m = min(max(8, triton.next_power_of_2(m)), 128 if wgmma else 64)
     if m > block_m and not wgmma:
         raise ValueError(f"M = {m} is above the mma.sync kernel's 64 rows (wgmma tiles any M by 128 rows)")
     m_tiles = triton.cdiv(m, block_m)
     one_launch = one_launch and splits > 1 and not silu_mul
+    # one split: the SwiGLU in the epilogue, each program holding gate and up of the same columns
+    swiglu = (silu_mul and splits == 1 and not wgmma and bias is None and block_n % 32 == 0 and
+              (n // 2) % (block_n // 2) == 0)
     tiles = triton.cdiv(n, block_n)
     out, ws, cnt = split_buffers(x, m, n, splits, one_launch, tiles * m_tiles,
-                                 n // 2 if silu_mul and splits > 1 else 0)
+                                 n // 2 if silu_mul and (splits > 1 or swiglu) else 0)
     pdl = pdl_enabled(x)
     _w4a16_mma_kernel[(tiles, splits, m_tiles)](
         x, fw.words, fw.scales, fw.qzeros if fw.qzeros is not None else fw.words, out, ws, cnt,
@@ -301,9 +295,10 @@ def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None
         HAS_BIAS=bias is not None, SPLIT=splits > 1, ONE_LAUNCH=one_launch,
         GROUP=group or (1 << 30), HAS_ZEROS=fw.qzeros is not None, EVEN_N=n % block_n == 0, EVEN_K=k == kp,
         X_SMEM=m > 1 or wgmma, WGMMA=wgmma, PDL=pdl, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk,
-        num_warps=num_warps, SCALE_AFTER=v.scale_after, X_STEPS=v.x_steps, **launch_options(pdl))
+        num_warps=num_warps, SCALE_AFTER=v.scale_after, X_STEPS=v.x_steps, SWIGLU=swiglu,
+        A_SMEM=v.a_smem, **launch_options(pdl))
     if splits > 1 and not one_launch:
         launch_splitk_reduce(ws, bias, out, splits, silu_mul)
-    elif silu_mul:
+    elif silu_mul and not swiglu:
         out = silu_and_mul(out)
     return out

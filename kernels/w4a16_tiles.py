@@ -132,15 +132,25 @@ def _zero(zw, rows, HAS_ZEROS: gl.constexpr):
 
 
 @gluon.jit
+def swiglu_tile(pid_n, local, N, BLOCK_N: gl.constexpr):
+    """The 16-row weight tile of a SwiGLU program's local tile `local`: gate tiles of pid_n's BLOCK_N / 2 output
+    columns, then their up tiles N / 2 further on."""
+    HALF: gl.constexpr = BLOCK_N // 32
+    return pid_n * HALF + local % HALF + (local // HALF) * (N // 32)
+
+
+@gluon.jit
 def _tile_words(pid_n, N, KP, GROUP: gl.constexpr, EVEN_N: gl.constexpr, BLOCK_N: gl.constexpr,
-                BLOCK_K: gl.constexpr, num_warps: gl.constexpr):
+                BLOCK_K: gl.constexpr, num_warps: gl.constexpr, SWIGLU: gl.constexpr = False):
     """Offsets of a [BLOCK_N, BLOCK_K] tile's words (step 0 of pid_n's columns), their mask, the columns of rows
-    g and g + 8 (clamped into N) and each word's row offset inside a step where the scale group can change there."""
+    g and g + 8 (clamped into N) and each word's row offset inside a step where the scale group can change there.
+    SWIGLU: the tile's first half is gate columns, its second half the same columns' up (N / 2 further on):
+    16-row tiles nt = tile_n(r // 16) (`swiglu_tile`)."""
     WL: gl.constexpr = word_layout(num_warps, BLOCK_N // (16 * num_warps), BLOCK_K // 64)
     L3: gl.constexpr = gl.SliceLayout(3, WL)
     L2: gl.constexpr = gl.SliceLayout(2, L3)
     ng = gl.arange(0, BLOCK_N // 2, layout=gl.SliceLayout(1, L2))                # 8 nt + g
-    nt = pid_n * (BLOCK_N // 16) + ng // 8
+    nt = swiglu_tile(pid_n, ng // 8, N, BLOCK_N) if SWIGLU else pid_n * (BLOCK_N // 16) + ng // 8
     kh = gl.arange(0, BLOCK_K // 64, layout=gl.SliceLayout(0, L2))
     tt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
     kt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, WL))))

@@ -60,7 +60,8 @@ def test_gpu_mma_matches_twin(k, n, group_size, zeros, m):
     for cfg in (dict(), dict(block_n=64, block_k=128, split_k=3), dict(block_n=256, num_warps=8, split_k=8),
                 dict(split_k=2, one_launch=False), dict(block_n=64, block_k=128, split_k=2, wgmma=True),
                 dict(block_n=128, block_k=64, num_warps=8, split_k=3, one_launch=False, wgmma=True),
-                dict(block_n=128, block_k=128, num_warps=8, split_k=2, one_launch=False, wgmma=True)):
+                dict(block_n=128, block_k=128, num_warps=8, split_k=2, one_launch=False, wgmma=True),
+                dict(block_n=64, block_k=128, split_k=2, wgmma=True, a_smem=True)):
         assert rel_err(w4a16_mma(x, fw, bias, **cfg), ref) < 2e-3, cfg
 
 
@@ -75,7 +76,8 @@ def test_gpu_wgmma_large_m_matches_twin(m):
     ref = reference(x, qweight, scales, qzeros, gs, None, None)
     for cfg in (dict(block_n=64, block_k=64, split_k=2), dict(block_n=128, block_k=128, num_warps=8),
                 dict(block_n=128, block_k=128, num_warps=8, split_k=2, one_launch=False),
-                dict(block_n=64, block_k=128, split_k=2, one_launch=False)):
+                dict(block_n=64, block_k=128, split_k=2, one_launch=False),
+                dict(block_n=128, block_k=128, num_warps=8, a_smem=False)):      # A in registers, as M <= 64
         assert rel_err(w4a16_mma(x, fw, wgmma=True, **cfg), ref) < 2e-3, cfg
 
 
@@ -86,10 +88,11 @@ def test_gpu_mma_silu_mul_equals_unfused():
     qweight, scales, qzeros, gs, _ = make_weights(512, 512, 128, True, False, torch.float16)
     fw = prepare_frag(qweight, scales, qzeros, gs)
     for m, cfg in ((2, dict(split_k=2)), (2, dict(split_k=2, one_launch=False)), (16, dict(block_n=64, split_k=1)),
+                   (1, dict(block_n=64, split_k=1)), (3, dict(block_n=128, split_k=1)),
                    (5, dict(block_n=128, split_k=3)), (40, dict(block_n=64, split_k=2, wgmma=True, one_launch=False))):
         x = torch.randn(m, 512, dtype=torch.float16, device=DEV)
-        # split-K reduces with SwiGLU fused, one split calls silu_and_mul after the matmul: both round like the
-        # unfused pair
+        # split-K reduces with SwiGLU fused, one split applies it in the epilogue (gate and up tiles of the same
+        # columns in one program): both round like the unfused pair
         assert torch.equal(w4a16_mma(x, fw, silu_mul=True, **cfg), silu_and_mul(w4a16_mma(x, fw, **cfg))), (m, cfg)
 
 
@@ -119,6 +122,9 @@ def test_mma_variant_picks_scales_after_and_staged_x_where_they_apply():
     assert v(1, 3584, 64, 64, 128, 8, False)[3] is False
     assert v(32, 3584, 128, 64, 128, 8, True)[3:] == (False, 0)       # wgmma: neither
     assert v(1, 3584, 128, 64, 128, 8, False, scale_after=False, x_staged=False)[3:] == (False, 0)
+    # wgmma's A tile through shared memory above 64 rows only (exp-mma-ss-h200.json)
+    assert [mma_variant(m, 3584, 128, 128, 128, 2, True).a_smem for m in (17, 64, 65, 128)] == [False] * 2 + [True] * 2
+    assert mma_variant(128, 3584, 128, 128, 128, 2, False).a_smem is False
 
 
 def test_mma_config_rule_reproduces_the_sweep_winners():
@@ -228,14 +234,19 @@ def compile_cases() -> dict:
         out[f"{m}-{k}-{n}"] = _compile_sm90(_w4a16_mma_kernel, dict(ptrs, **ints), dict(
             HAS_BIAS=False, SPLIT=cfg.split_k > 1, ONE_LAUNCH=cfg.one_launch, GROUP=128, HAS_ZEROS=True,
             EVEN_N=True, EVEN_K=True, X_SMEM=m > 1, WGMMA=False, PDL=True, SCALE_AFTER=v.scale_after,
-            X_STEPS=v.x_steps,
+            X_STEPS=v.x_steps, SWIGLU=False, A_SMEM=False,
             BLOCK_M=8 if m <= 8 else 16 if m <= 16 else 64,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps), cfg.num_warps)
     for m, bn, bk, nw in WGMMA_CASES:                 # sm90, M = 17..128
         out[f"wgmma-{m}-{bn}-{bk}-{nw}"] = _compile_sm90(_w4a16_mma_kernel, dict(ptrs, **ints), dict(
             HAS_BIAS=True, SPLIT=True, ONE_LAUNCH=False, GROUP=128, HAS_ZEROS=True, EVEN_N=True, EVEN_K=True,
-            X_SMEM=True, WGMMA=True, PDL=True, SCALE_AFTER=False, X_STEPS=0, BLOCK_M=m, BLOCK_N=bn, BLOCK_K=bk,
-            num_warps=nw), nw)
+            X_SMEM=True, WGMMA=True, PDL=True, SCALE_AFTER=False, X_STEPS=0, SWIGLU=False, A_SMEM=m > 64, BLOCK_M=m,
+            BLOCK_N=bn, BLOCK_K=bk, num_warps=nw), nw)
+    # gate_up at M = 1 with the SwiGLU in the epilogue: 64 columns, one split, x staged
+    out["swiglu"] = _compile_sm90(_w4a16_mma_kernel, dict(ptrs, **ints), dict(
+        HAS_BIAS=False, SPLIT=False, ONE_LAUNCH=False, GROUP=128, HAS_ZEROS=True, EVEN_N=True, EVEN_K=True,
+        X_SMEM=False, WGMMA=False, PDL=True, SCALE_AFTER=True, X_STEPS=32, SWIGLU=True, A_SMEM=False, BLOCK_M=8, BLOCK_N=64,
+        BLOCK_K=128, num_warps=4), 4)
     sig = dict(w_ptr="*i32", s_ptr="*fp16", z_ptr="*i32", out_ptr="*fp16", N="i32", K="i32", KP="i32",
                stride_sg="i32", stride_zg="i32")
     out["dequant"] = _compile_sm90(_frag_dequant_kernel, sig, dict(GROUP=32, HAS_ZEROS=True, BLOCK_N=64,
@@ -266,6 +277,7 @@ def test_gluon_kernels_compile_for_sm90_without_spills():
         r = res[f"wgmma-{m}-{bn}-{bk}-{nw}"]
         assert r["hgmma"] and r["stack"] == 0 and not r["ldsm"], (m, bn, bk, nw, r)
     assert res["dequant"]["stack"] == 0 and res["dequant"]["stg128"]
+    assert res["swiglu"]["hmma"] and res["swiglu"]["stack"] == 0
 
 
 def test_layout_probe_failure_falls_back_to_rows_with_a_warning(caplog):
