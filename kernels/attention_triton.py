@@ -20,6 +20,15 @@ def _scale(ptr, value, FROM_PTR: tl.constexpr):
 
 
 @triton.jit
+def _quantize(x, scale_ptr, scale_val, FMAX: tl.constexpr, IS_FP8: tl.constexpr, SCALE_PTR: tl.constexpr):
+    """fp32 values -> what the cache stores, still fp32 (the caller casts)."""
+    if IS_FP8:
+        x = tl.math.div_rn(x, _scale(scale_ptr, scale_val, SCALE_PTR))
+        x = tl.minimum(tl.maximum(x, -FMAX), FMAX)
+    return x
+
+
+@triton.jit
 def _kv_tile(cache_ptr, table_row, toks, tok_mask, h, stride_cb, stride_cs, stride_ch, offs_d, d_mask,
              BLOCK_SIZE: tl.constexpr):
     """Gather tokens `toks` of one sequence, kv head h: [BLOCK_N, BLOCK_D] in the cache dtype (0 where masked)."""
@@ -41,16 +50,24 @@ def _attend_tile(q, k, v, s_mask, m_i, l_i, acc, qk_scale):
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["stride_tb"], do_not_specialize_on_alignment=["tables_ptr", "seq_lens_ptr", "qsl_ptr"])
+@triton.jit(do_not_specialize=["stride_tb"],
+            do_not_specialize_on_alignment=["tables_ptr", "seq_lens_ptr", "qsl_ptr", "pos_ptr", "slot_ptr"])
 def _decode_kernel(q_ptr, k_cache, v_cache, tables_ptr, seq_lens_ptr, qsl_ptr, out_ptr, part_o, part_ml,
                    k_scale_ptr, v_scale_ptr, k_scale_val, v_scale_val, qk_scale, D,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_tb, stride_cb, stride_cs, stride_ch,
-                   G: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                   k_new_ptr, v_new_ptr, pos_ptr, cos_sin_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+                   stride_pos, G: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, IS_FP8: tl.constexpr,
-                   SCALE_PTR: tl.constexpr, PDL: tl.constexpr):
+                   SCALE_PTR: tl.constexpr, PDL: tl.constexpr, ROPE: tl.constexpr, FMAX: tl.constexpr):
     """Grid (B, Hkv, splits): one query token per sequence. The split length follows this sequence's own length
     (whole BLOCK_N tiles), not the table width the grid was sized for, so a short context in a CUDA graph captured
-    for long ones still spreads over programs; splits past the end store an empty partial."""
+    for long ones still spreads over programs; splits past the end store an empty partial (merged by
+    _decode_reduce_kernel: a merge by the last split to finish, ticket as in the matmul, made the batch-1 step
+    slower, 1.973 -> 2.083 ms, bench/NOTES-kernels.md entry 15).
+    ROPE (the decode step's RoPE + KV store folded in, one launch less per layer): q, k and v are the new tokens
+    before RoPE; every program rotates q in registers, and the split holding the new token (position
+    seq_len - 1) rotates its k, stores k and v by slot (-1: not stored) and attends to them from registers, as
+    stored (fp8: quantized), instead of reading them back from the cache."""
     pdl_start(PDL)
     pdl_wait(PDL)                     # q is the previous kernel's output (kernels/pdl.py)
     b = tl.program_id(0)
@@ -66,13 +83,20 @@ def _decode_kernel(q_ptr, k_cache, v_cache, tables_ptr, seq_lens_ptr, qsl_ptr, o
     heads = h * G + rows
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < D
-    q = tl.load(q_ptr + q_idx * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=row_mask[:, None] & d_mask[None, :], other=0.0)                          # [GP, BLOCK_D]
+    q_rows = q_ptr + q_idx * stride_qt + heads[:, None] * stride_qh
+    q = tl.load(q_rows + offs_d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # [GP, BLOCK_D]
     if IS_FP8:
         qk_scale = qk_scale * _scale(k_scale_ptr, k_scale_val, SCALE_PTR)
     m_i = tl.full([GP], NEG, tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, BLOCK_D], tl.float32)
+    if ROPE:
+        q, m_i, l_i, acc = _new_token(q, q_rows, m_i, l_i, acc, q_idx, h, seq_len, start, start + tokens_per_split,
+                                      k_new_ptr, v_new_ptr, pos_ptr, cos_sin_ptr, slot_ptr, k_cache, v_cache,
+                                      k_scale_ptr, v_scale_ptr, k_scale_val, v_scale_val, qk_scale, stride_kt,
+                                      stride_kh, stride_vt, stride_vh, stride_pos, stride_cb, stride_cs, stride_ch,
+                                      offs_d, d_mask, row_mask, BLOCK_D, BLOCK_SIZE, FMAX, IS_FP8, SCALE_PTR)
+        end = tl.minimum(end, seq_len - 1)        # the new token is attended from registers
     table_row = tables_ptr + b * stride_tb
     for n0 in range(start, end, BLOCK_N):
         toks = n0 + tl.arange(0, BLOCK_N)
@@ -94,6 +118,45 @@ def _decode_kernel(q_ptr, k_cache, v_cache, tables_ptr, seq_lens_ptr, qsl_ptr, o
         tl.store(part_o + base[:, None] * BLOCK_D + offs_d[None, :], acc, mask=row_mask[:, None])
         tl.store(part_ml + base * 2, m_i, mask=row_mask)
         tl.store(part_ml + base * 2 + 1, l_i, mask=row_mask)
+
+
+@triton.jit
+def _new_token(q, q_rows, m_i, l_i, acc, t, h, seq_len, start, stop, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr,
+               k_cache, v_cache, k_scale_ptr, v_scale_ptr, k_scale_val, v_scale_val, qk_scale, stride_kt, stride_kh,
+               stride_vt, stride_vh, stride_pos, stride_cb, stride_cs, stride_ch, offs_d, d_mask, row_mask,
+               BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, FMAX: tl.constexpr, IS_FP8: tl.constexpr,
+               SCALE_PTR: tl.constexpr):
+    """Token t of the decode step (kv head h): q [GP, BLOCK_D] rotated (neox, rounded to q's dtype as the stored
+    twin is); where this program's tokens [start, stop) hold position seq_len - 1, k rotated, k and v stored by
+    slot and folded into the softmax state (m = its score, l = 1, acc = v), else the state unchanged."""
+    HALF: tl.constexpr = BLOCK_D // 2             # head_dim is a power of two on this path
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    i = offs_d % HALF
+    partner = (offs_d + HALF) % BLOCK_D
+    cos = tl.load(cos_sin_ptr + pos * stride_pos + i).to(tl.float32)
+    sin = tl.load(cos_sin_ptr + pos * stride_pos + HALF + i).to(tl.float32)
+    sin = tl.where(offs_d < HALF, -sin, sin)      # y1 = x1 cos - x2 sin, y2 = x2 cos + x1 sin
+    q2 = tl.load(q_rows + partner[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
+    q = (q.to(tl.float32) * cos[None, :] + q2 * sin[None, :]).to(q.dtype)
+    k_row = k_ptr + t * stride_kt + h * stride_kh
+    k = tl.load(k_row + offs_d).to(tl.float32) * cos + tl.load(k_row + partner).to(tl.float32) * sin
+    k = _quantize(k.to(k_ptr.dtype.element_ty).to(tl.float32), k_scale_ptr, k_scale_val, FMAX, IS_FP8, SCALE_PTR)
+    v = _quantize(tl.load(v_ptr + t * stride_vt + h * stride_vh + offs_d).to(tl.float32), v_scale_ptr, v_scale_val,
+                  FMAX, IS_FP8, SCALE_PTR)
+    k = k.to(k_cache.dtype.element_ty)
+    v = v.to(v_cache.dtype.element_ty)
+    last = seq_len - 1
+    own = (last >= start) & (last < stop)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + h * stride_ch + offs_d
+    keep = d_mask & own & (slot >= 0)
+    tl.store(k_cache + dst, k, mask=keep)
+    tl.store(v_cache + dst, v, mask=keep)
+    s = tl.sum(q.to(tl.float32) * k.to(q.dtype).to(tl.float32)[None, :], axis=1) * qk_scale       # [GP]
+    m_i = tl.where(own, s, m_i)
+    l_i = tl.where(own, 1.0, l_i)
+    acc = tl.where(own, v.to(q.dtype).to(tl.float32)[None, :] + acc * 0.0, acc)
+    return q, m_i, l_i, acc
 
 
 @triton.jit(do_not_specialize=["num_splits"])

@@ -6,17 +6,8 @@ even, like the torch twin (kernels/attention_ref.py). The cos_sin_cache layout i
 import triton
 import triton.language as tl
 
-from kernels.attention_triton import _scale
+from kernels.attention_triton import _quantize, _scale
 from kernels.pdl import pdl_start, pdl_wait
-
-
-@triton.jit
-def _quantize(x, scale_ptr, scale_val, FMAX: tl.constexpr, IS_FP8: tl.constexpr, SCALE_PTR: tl.constexpr):
-    """fp32 values -> what the cache stores, still fp32 (the caller casts)."""
-    if IS_FP8:
-        x = tl.math.div_rn(x, _scale(scale_ptr, scale_val, SCALE_PTR))
-        x = tl.minimum(tl.maximum(x, -FMAX), FMAX)
-    return x
 
 
 @triton.jit

@@ -32,6 +32,18 @@ DECODE = DecodeConfig()
 DECODE_FP8 = DecodeConfig(block_n=128)   # measured on the H200: fp8 tiles want more tokens per step
 
 
+@dataclass
+class NewTokens:
+    """The decode step's new tokens for paged_decode to rotate and store itself (the RoPE/KV-store launch folded
+    into the decode kernel): k, v [B, Hkv, D] before RoPE, positions [B], cos_sin_cache [max_pos, D], slot_mapping
+    [B] (-1 = not stored)."""
+    k: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
@@ -72,7 +84,9 @@ def decode_splits(programs: int, max_ctx: int, device: torch.device, cfg: Decode
 
 
 def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, softmax_scale, k_scale=1.0,
-                 v_scale=1.0, cfg: DecodeConfig | None = None) -> torch.Tensor:
+                 v_scale=1.0, cfg: DecodeConfig | None = None, new: NewTokens | None = None) -> torch.Tensor:
+    """One query token per sequence. new: q and new.k are before RoPE; the kernel rotates them and stores
+    new.k / new.v by slot before attending (needs head_dim a power of two), as rope_store_kv + paged_decode."""
     from kernels.attention_triton import _decode_kernel, _decode_reduce_kernel
     is_fp8 = k_cache.dtype in FP8
     cfg = cfg or (DECODE_FP8 if is_fp8 else DECODE)
@@ -88,6 +102,11 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, s
     vs_ptr, vs_val, _ = _scale_args(v_scale, q)
     part_o = part_ml = out
     pdl = pdl_enabled(q)
+    if new is not None and (block_d != head_dim or new.cos_sin_cache.shape[1] != head_dim or
+                            min(q.stride(2), new.k.stride(2), new.v.stride(2), new.cos_sin_cache.stride(1)) != 1):
+        raise ValueError("paged_decode with new tokens needs head_dim a power of two, cos_sin_cache [max_pos, "
+                         "head_dim] and unit stride along head_dim")
+    nk = new or NewTokens(q, q, seq_lens, q, seq_lens)                     # placeholders: ROPE off
     if splits > 1:
         part_o = torch.empty((batch, num_q_heads, splits, block_d), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((batch, num_q_heads, splits, 2), dtype=torch.float32, device=q.device)
@@ -96,9 +115,11 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, s
         ks_ptr, vs_ptr, ks_val, vs_val, softmax_scale * LOG2E, head_dim,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        nk.k, nk.v, nk.positions, nk.cos_sin_cache, nk.slot_mapping, nk.k.stride(0), nk.k.stride(1), nk.v.stride(0),
+        nk.v.stride(1), nk.cos_sin_cache.stride(0),
         G=group, GP=max(16, _next_pow2(group)), BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_SIZE=block_size,
-        SPLIT=splits > 1, IS_FP8=is_fp8, SCALE_PTR=from_ptr, PDL=pdl, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **launch_options(pdl))
+        SPLIT=splits > 1, IS_FP8=is_fp8, SCALE_PTR=from_ptr, PDL=pdl, ROPE=new is not None,
+        FMAX=_fmax(k_cache.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl))
     if splits > 1:
         _decode_reduce_kernel[(batch, num_q_heads)](
             part_o, part_ml, query_start_loc, out, vs_ptr, vs_val, num_q_heads, head_dim, splits,

@@ -44,9 +44,10 @@ def _wgmma_steps_rs(acc, x_ptrs, m_mask, it0, it1, w_ptr, s_ptr, z_ptr, offs, w_
                  stride_zg, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, EVEN_N: gl.constexpr,
                  PDL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                  A_L: gl.constexpr):
-    """A in registers: wgmma(step i) is issued, step i + 1 is dequantized and its x tile copied. A wgmma reads its A registers until a wait retires it, and the A tile is packed into those registers at the
-    issue, so each step waits for its own wgmma before the next issue repacks them (async with one in flight, the
-    next step's packing could overwrite registers the MMA still reads). x^T goes global -> shared by cp.async into
+    """A in registers: wgmma(step i) is issued, step i + 1 is dequantized and its x tile copied. A wgmma reads
+    its A registers until a wait retires it, and the A tile is packed into those registers at the issue, so each
+    step waits for its own wgmma before the next issue repacks them (async with one in flight, the next step's
+    packing could overwrite registers the MMA still reads). x^T goes global -> shared by cp.async into
     a double buffer: the copy of step i + 1 targets the buffer of step i - 1, whose wgmma that step's wait retired.
     x's rows are 16-byte aligned and K is the packed length (w4a16_mma pads x otherwise)."""
     x_smem = gl.allocate_shared_memory(gl.float16, [2, BLOCK_M, BLOCK_K],

@@ -14,8 +14,8 @@ if not torch.cuda.is_available():
 from kernels.attention_ref import (build_cos_sin_cache, paged_attention_ref, rope_store_kv_ref,  # noqa: E402
                                    store_kv_ref)
 from kernels.interpret import patch_triton_interpreter  # noqa: E402
-from kernels.paged_attention import (DecodeConfig, paged_attention, paged_decode, paged_prefill,  # noqa: E402
-                                     rope_store_kv_triton, store_kv_triton)
+from kernels.paged_attention import (DecodeConfig, NewTokens, paged_attention, paged_decode,  # noqa: E402
+                                     paged_prefill, rope_store_kv_triton, store_kv_triton)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 patch_triton_interpreter()
@@ -106,6 +106,36 @@ def test_decode_matches_twin(hq, hkv, dtype, cache_dtype, splits):
                        DecodeConfig(block_n=16, num_splits=splits))
     ref = paged_attention_ref(q.float(), k_cache, v_cache, tables, lens, qsl, d ** -0.5, s, s)
     assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype,cache_dtype,splits", [
+    (torch.float16, torch.float16, 1), (torch.float16, E4M3, 3), (torch.bfloat16, E5M2, 8)])
+def test_decode_with_new_tokens_matches_rope_store_then_decode(dtype, cache_dtype, splits):
+    """The decode kernel rotating q/k and storing the new k/v itself (one launch instead of two) gives what
+    rope_store_kv + the decode kernel give: same output, same cache bytes (up to an ulp of fused multiply-add);
+    a padding row (slot -1) stores nothing."""
+    gen = torch.Generator().manual_seed(splits)
+    hq, hkv, d, seq_lens = 4, 2, 32, [1, 17, 40, 5]
+    scale = 0.3 if cache_dtype in (E4M3, E5M2) else 1.0
+    caches = make_cache(12, hkv, d, cache_dtype, scale, gen)
+    tables, lens, qsl = make_batch(seq_lens, [1, 1, 1, 1], 12, gen)
+    positions = (lens - 1).long()
+    slots = tables.long().gather(1, (positions // BS)[:, None])[:, 0] * BS + positions % BS
+    slots[3] = -1                                                                   # padding row
+    cos_sin = build_cos_sin_cache(64, d, base=10000.0, device=DEV)
+    q, k, v = (torch.randn(4, h, d, generator=gen).to(dtype).to(DEV) for h in (hq, hkv, hkv))
+    s = as_scale(scale, splits % 2 == 1)
+    ref_caches = tuple(c.clone() for c in caches)
+    q_ref, k_ref, v_ref = q.clone(), k.clone(), v.clone()
+    rope_store_kv_ref(q_ref, k_ref, v_ref, positions, cos_sin, *ref_caches, slots, s, s)
+    ref = paged_attention_ref(q_ref.float(), *ref_caches, tables, lens, qsl, d ** -0.5, s, s)
+    out = paged_decode(q, *caches, tables, lens, qsl, d ** -0.5, s, s, DecodeConfig(block_n=16, num_splits=splits),
+                       new=NewTokens(k, v, positions, cos_sin, slots))
+    assert rel_err(out[:3], ref[:3]) < TOL[dtype]
+    for a, b in zip(caches, ref_caches):
+        torch.testing.assert_close(a.float(), b.float(), rtol=0.13, atol=0.02)
+    with pytest.raises(ValueError, match="power of two"):
+        paged_decode(q[:, :, :24], *caches, tables, lens, qsl, 1.0, new=NewTokens(k, v, positions, cos_sin, slots))
 
 
 @pytest.mark.parametrize("hq,hkv,dtype,cache_dtype", [

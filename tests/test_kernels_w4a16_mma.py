@@ -245,8 +245,8 @@ def compile_cases() -> dict:
     # gate_up at M = 1 with the SwiGLU in the epilogue: 64 columns, one split, x staged
     out["swiglu"] = _compile_sm90(_w4a16_mma_kernel, dict(ptrs, **ints), dict(
         HAS_BIAS=False, SPLIT=False, ONE_LAUNCH=False, GROUP=128, HAS_ZEROS=True, EVEN_N=True, EVEN_K=True,
-        X_SMEM=False, WGMMA=False, PDL=True, SCALE_AFTER=True, X_STEPS=32, SWIGLU=True, A_SMEM=False, BLOCK_M=8, BLOCK_N=64,
-        BLOCK_K=128, num_warps=4), 4)
+        X_SMEM=False, WGMMA=False, PDL=True, SCALE_AFTER=True, X_STEPS=32, SWIGLU=True, A_SMEM=False, BLOCK_M=8,
+        BLOCK_N=64, BLOCK_K=128, num_warps=4), 4)
     sig = dict(w_ptr="*i32", s_ptr="*fp16", z_ptr="*i32", out_ptr="*fp16", N="i32", K="i32", KP="i32",
                stride_sg="i32", stride_zg="i32")
     out["dequant"] = _compile_sm90(_frag_dequant_kernel, sig, dict(GROUP=32, HAS_ZEROS=True, BLOCK_N=64,
