@@ -146,10 +146,10 @@ def _new_token(q, q_rows, m_i, l_i, acc, t, h, seq_len, start, stop, k_ptr, v_pt
     k = k.to(k_cache.dtype.element_ty)
     v = v.to(v_cache.dtype.element_ty)
     last = seq_len - 1
-    own = (last >= start) & (last < stop)
+    own = ((last >= start) & (last < stop)) != 0  # != 0: a boolean under every interpreter (3.9's & gives int32)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + h * stride_ch + offs_d
-    keep = d_mask & own & (slot >= 0)
+    keep = (d_mask & own & (slot >= 0)) != 0
     tl.store(k_cache + dst, k, mask=keep)
     tl.store(v_cache + dst, v, mask=keep)
     s = tl.sum(q.to(tl.float32) * k.to(q.dtype).to(tl.float32)[None, :], axis=1) * qk_scale       # [GP]
