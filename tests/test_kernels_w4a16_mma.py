@@ -66,6 +66,21 @@ def test_gpu_mma_matches_twin(k, n, group_size, zeros, m):
 
 
 @pytest.mark.gpu
+def test_gpu_mma_takes_strided_and_misaligned_x():
+    """x through cp.async (M > 1, wgmma) needs unit-stride, 16-byte aligned rows: other inputs are copied first."""
+    from kernels.w4a16_mma import w4a16_mma
+    qweight, scales, qzeros, gs, _ = make_weights(512, 256, 128, True, False, torch.float16)
+    fw = prepare_frag(qweight, scales, qzeros, gs)
+    def randn(*shape):
+        return torch.randn(*shape, dtype=torch.float16, device=DEV)
+    # transposed; rows starting 6 bytes past 16-byte alignment; a row stride of 515 elements
+    for x in (randn(512, 24).t(), randn(5, 520)[:, 3:515], randn(17, 515)[:, :512]):
+        ref = reference(x.contiguous(), qweight, scales, qzeros, gs, None, None)
+        for cfg in (dict(block_n=64, split_k=2), dict(block_n=64, split_k=2, wgmma=True)):
+            assert rel_err(w4a16_mma(x, fw, **cfg), ref) < 2e-3, (x.stride(), cfg)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("m", [65, 128, 200, 256, 300])
 def test_gpu_wgmma_large_m_matches_twin(m):
     """wgmma tiles M by 128 rows (several row tiles above 128; one-launch counters per (column, row) tile)."""
