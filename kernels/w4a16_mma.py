@@ -141,8 +141,8 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
             x_flat = gl.allocate_shared_memory(gl.float16, [X_STEPS * BLOCK_K], _ROW1)
         # the weight loads of a step (words, scales, zero points; DRAM) are issued one step ahead of their use, so
         # the dequant and MMA of step i overlap the memory latency of step i + 1 (the last step loads itself again;
-        # two steps ahead measured no faster: bench/NOTES-kernels.md entry 12); x (small, cache-resident) is loaded
-        # at the top of its own step, ahead of the dequant
+        # two steps ahead measured no faster: bench/NOTES-kernels.md entry 12); x (small, cache-resident) is staged
+        # once (M = 1, 64 columns), copied two steps ahead (M > 1) or loaded at the top of its own step
         s_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
         if SWIGLU:
             s_rows = swiglu_tile(pid_n, s_rows // 16, N, BLOCK_N) * 16 + s_rows % 16
