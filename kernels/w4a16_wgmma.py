@@ -27,87 +27,58 @@ def _wgmma_steps(acc, x_ptrs, m_mask, it0, it1, w_ptr, s_ptr, z_ptr, offs, w_mas
                  stride_zg, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, EVEN_N: gl.constexpr,
                  PDL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                  A_L: gl.constexpr, A_SMEM: gl.constexpr):
-    """The Hopper main loop over steps it0..it1 -> acc. A_SMEM (above 64 rows of x): the dequantized tile through
-    shared memory, which overlaps dequant and MMA but costs 64 KB of shared memory and the stores: faster at
-    M = 128 (gate_up 116 -> 109 us, down 59 -> 52), slower at M <= 64 (bench/results/exp-mma-ss-h200.json)."""
+    """The Hopper main loop over steps it0..it1 -> acc; x's rows are 16-byte aligned and K is the packed length
+    (w4a16_mma pads x otherwise). Step i + 1's raw weight loads fly during step i.
+    A in registers: wgmma(step i) is issued, step i + 1 is dequantized and its x tile copied, then the wait. ptxas
+    places the wait right after the issue (the next step's dequant defines registers a wgmma of the loop reads),
+    so dequant and MMA overlap only across programs. x^T by cp.async into a double buffer: the copy of step i + 1
+    targets the buffer of step i - 1, whose wgmma that step's wait retired.
+    A_SMEM (above 64 rows of x): the dequantized tile through a shared double buffer, so wgmma(i) runs during
+    step i + 1's dequant (each warpgroup writes and reads only its own 64 rows: its own wait(1) frees its half);
+    x^T in a triple buffer (x(i + 1) is copied while the other warpgroup's wgmma(i - 1) may still read x(i - 1)).
+    64 KB of shared memory and the stores: faster at M = 128 (gate_up 116 -> 109 us, down 59 -> 52), slower at
+    M <= 64 (gate_up 62.5 -> 67.5; bench/results/exp-mma-ss-h200.json)."""
+    p0 = _load_step(it0 * BLOCK_K, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, stride_sg, stride_zg, GROUP,
+                    HAS_ZEROS, EVEN_N)
+    p1 = _load_step(gl.minimum(it0 + 1, it1 - 1) * BLOCK_K, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
+                    stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N)
     if A_SMEM:
-        acc = _wgmma_steps_ss(acc, x_ptrs, m_mask, it0, it1, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
-                              stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, PDL, BLOCK_M, BLOCK_N, BLOCK_K, A_L)
-    else:
-        acc = _wgmma_steps_rs(acc, x_ptrs, m_mask, it0, it1, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
-                              stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, PDL, BLOCK_M, BLOCK_N, BLOCK_K, A_L)
-    return acc
-
-
-@gluon.jit
-def _wgmma_steps_rs(acc, x_ptrs, m_mask, it0, it1, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, stride_sg,
-                 stride_zg, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, EVEN_N: gl.constexpr,
-                 PDL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                 A_L: gl.constexpr):
-    """A in registers: wgmma(step i) is issued, step i + 1 is dequantized and its x tile copied. A wgmma reads
-    its A registers until a wait retires it, and the A tile is packed into those registers at the issue, so each
-    step waits for its own wgmma before the next issue repacks them (async with one in flight, the next step's
-    packing could overwrite registers the MMA still reads). x^T goes global -> shared by cp.async into
-    a double buffer: the copy of step i + 1 targets the buffer of step i - 1, whose wgmma that step's wait retired.
-    x's rows are 16-byte aligned and K is the packed length (w4a16_mma pads x otherwise)."""
-    x_smem = gl.allocate_shared_memory(gl.float16, [2, BLOCK_M, BLOCK_K],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float16))
-    p0 = _load_step(it0 * BLOCK_K, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, stride_sg, stride_zg, GROUP,
-                    HAS_ZEROS, EVEN_N)
-    p1 = _load_step(gl.minimum(it0 + 1, it1 - 1) * BLOCK_K, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
-                    stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N)     # step i + 1's raw loads fly during step i
-    gl_pdl_wait(PDL)                          # x is the previous kernel's output
-    _x_copy(x_smem.index(it0 % 2), x_ptrs + it0 * BLOCK_K, m_mask)
-    a = _dequant_step(*p0, n_lo, n_hi, HAS_ZEROS, BLOCK_N, BLOCK_K, A_L)
-    for it in range(it0, it1):
-        async_copy.wait_group(0)
-        _cta_barrier()                        # every thread's part of x(it) landed; every wgmma(it - 1) retired
-        fence_async_shared()
-        acc = warpgroup_mma(a, x_smem.index(it % 2).permute((1, 0)), acc, is_async=True)
-        nxt = gl.minimum(it + 1, it1 - 1)     # the last step repeats itself (no read past this split)
-        _x_copy(x_smem.index((it + 1) % 2), x_ptrs + nxt * BLOCK_K, m_mask)
-        a = _dequant_step(*p1, n_lo, n_hi, HAS_ZEROS, BLOCK_N, BLOCK_K, A_L)
-        p1 = _load_step(gl.minimum(it + 2, it1 - 1) * BLOCK_K, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
-                        stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N)
+        x_smem = gl.allocate_shared_memory(gl.float16, [3, BLOCK_M, BLOCK_K],
+                                           gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float16))
+        a_smem = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, BLOCK_K],
+                                           gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.float16))
+        a_smem.index(0).store(_dequant_step(*p0, n_lo, n_hi, HAS_ZEROS, BLOCK_N, BLOCK_K, A_L))
+        gl_pdl_wait(PDL)                      # x is the previous kernel's output
+        _x_copy(x_smem.index(0), x_ptrs + it0 * BLOCK_K, m_mask)
+        for it in range(it0, it1):
+            i = it - it0
+            async_copy.wait_group(0)
+            fence_async_shared()              # this thread's A(i) stores, before the async proxy reads them
+            _cta_barrier()                    # every thread's x(i) and A(i) landed; every wgmma(i - 2) retired
+            acc = warpgroup_mma(a_smem.index(i % 2), x_smem.index(i % 3).permute((1, 0)), acc, is_async=True)
+            _x_copy(x_smem.index((i + 1) % 3), x_ptrs + gl.minimum(it + 1, it1 - 1) * BLOCK_K, m_mask)
+            a = _dequant_step(*p1, n_lo, n_hi, HAS_ZEROS, BLOCK_N, BLOCK_K, A_L)
+            p1 = _load_step(gl.minimum(it + 2, it1 - 1) * BLOCK_K, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi,
+                            k_in, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])  # wgmma(i - 1) retired: A buffer (i + 1) % 2
+            a_smem.index((i + 1) % 2).store(a)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-    async_copy.wait_group(0)
-    return acc
-
-
-@gluon.jit
-def _wgmma_steps_ss(acc, x_ptrs, m_mask, it0, it1, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, stride_sg,
-                 stride_zg, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, EVEN_N: gl.constexpr,
-                 PDL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                 A_L: gl.constexpr):
-    """A in shared memory: wgmma(step i) runs while step i + 1 is dequantized and its x tile copied (with A in
-    registers, ptxas waits for each wgmma right after its issue: the next step's dequant defines registers a wgmma
-    of the loop reads).
-    The dequantized A tile goes to a double buffer (each warpgroup writes and reads only its own 64 rows, so its
-    own wait frees its half), x^T by cp.async to a triple buffer (x(i + 1) is copied while wgmma(i - 1) of the
-    other warpgroup may still read x(i - 1)). x's rows are 16-byte aligned and K is the packed length."""
-    x_smem = gl.allocate_shared_memory(gl.float16, [3, BLOCK_M, BLOCK_K],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float16))
-    a_smem = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, BLOCK_K],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.float16))
-    p0 = _load_step(it0 * BLOCK_K, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, stride_sg, stride_zg, GROUP,
-                    HAS_ZEROS, EVEN_N)
-    p1 = _load_step(gl.minimum(it0 + 1, it1 - 1) * BLOCK_K, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
-                    stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N)     # step i + 1's raw loads fly during step i
-    a_smem.index(0).store(_dequant_step(*p0, n_lo, n_hi, HAS_ZEROS, BLOCK_N, BLOCK_K, A_L))
-    gl_pdl_wait(PDL)                          # x is the previous kernel's output
-    _x_copy(x_smem.index(0), x_ptrs + it0 * BLOCK_K, m_mask)
-    for it in range(it0, it1):
-        i = it - it0
-        async_copy.wait_group(0)
-        fence_async_shared()                  # this thread's A(i) stores, before the async proxy reads them
-        _cta_barrier()                        # every thread's x(i) and A(i) landed; every wgmma(i - 2) retired
-        acc = warpgroup_mma(a_smem.index(i % 2), x_smem.index(i % 3).permute((1, 0)), acc, is_async=True)
-        _x_copy(x_smem.index((i + 1) % 3), x_ptrs + gl.minimum(it + 1, it1 - 1) * BLOCK_K, m_mask)
-        a = _dequant_step(*p1, n_lo, n_hi, HAS_ZEROS, BLOCK_N, BLOCK_K, A_L)
-        p1 = _load_step(gl.minimum(it + 2, it1 - 1) * BLOCK_K, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
-                        stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])      # wgmma(i - 1) retired: A buffer (i + 1) % 2
-        a_smem.index((i + 1) % 2).store(a)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+    else:
+        x_smem = gl.allocate_shared_memory(gl.float16, [2, BLOCK_M, BLOCK_K],
+                                           gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float16))
+        gl_pdl_wait(PDL)
+        _x_copy(x_smem.index(it0 % 2), x_ptrs + it0 * BLOCK_K, m_mask)
+        a = _dequant_step(*p0, n_lo, n_hi, HAS_ZEROS, BLOCK_N, BLOCK_K, A_L)
+        for it in range(it0, it1):
+            async_copy.wait_group(0)
+            _cta_barrier()                    # every thread's part of x(it) landed; every wgmma(it - 1) retired
+            fence_async_shared()
+            acc = warpgroup_mma(a, x_smem.index(it % 2).permute((1, 0)), acc, is_async=True)
+            nxt = gl.minimum(it + 1, it1 - 1)  # the last step repeats itself (no read past this split)
+            _x_copy(x_smem.index((it + 1) % 2), x_ptrs + nxt * BLOCK_K, m_mask)
+            a = _dequant_step(*p1, n_lo, n_hi, HAS_ZEROS, BLOCK_N, BLOCK_K, A_L)
+            p1 = _load_step(gl.minimum(it + 2, it1 - 1) * BLOCK_K, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi,
+                            k_in, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
     async_copy.wait_group(0)
     return acc
