@@ -155,7 +155,7 @@ def _new_token(q, q_rows, m_i, l_i, acc, t, h, seq_len, start, stop, k_ptr, v_pt
     s = tl.sum(q.to(tl.float32) * k.to(q.dtype).to(tl.float32)[None, :], axis=1) * qk_scale       # [GP]
     m_i = tl.where(own, s, m_i)
     l_i = tl.where(own, 1.0, l_i)
-    acc = tl.where(own, v.to(q.dtype).to(tl.float32)[None, :] + acc * 0.0, acc)
+    acc = tl.where(own, v.to(q.dtype).to(tl.float32)[None, :], acc)                             # broadcast
     return q, m_i, l_i, acc
 
 
