@@ -291,7 +291,7 @@ class MMAVariant:
 
 def mma_variant(m: int, kp: int, group: int, block_n: int, block_k: int, split_k: int, wgmma: bool,
                 scale_after: bool = True, x_staged: bool | None = None, a_smem: bool | None = None,
-                zero_after: bool = False) -> MMAVariant:
+                zero_after: bool = True) -> MMAVariant:
     """group 0: one group for all of K. Scales after the MMA: mma.sync, where each step lies inside one group
     (bench/results/exp-mma-variants-h200.json). x staged (M = 1): the split's rows in shared memory where they take at
     most 16 KB, with 64-column tiles only (the 128-column tile takes 120 registers with it, 4 programs an SM:
@@ -312,7 +312,7 @@ def mma_variant(m: int, kp: int, group: int, block_n: int, block_k: int, split_k
 def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None, block_n: int = 128,
               block_k: int = 256, split_k: int = 1, num_warps: int = 4, one_launch: bool = True,
               silu_mul: bool = False, wgmma: bool = False, scale_after: bool = True,
-              x_staged: bool | None = None, a_smem: bool | None = None, zero_after: bool = False) -> torch.Tensor:
+              x_staged: bool | None = None, a_smem: bool | None = None, zero_after: bool = True) -> torch.Tensor:
     """x fp16 [M, K] (already permuted for act-order; M <= 64, any M with wgmma: 128-row tiles) -> [M, N], or
     [M, N/2] = silu(gate) * up. wgmma needs block_n % (16 * num_warps) == 0 with 4 or 8 warps (64 rows per
     warpgroup). scale_after (mma.sync, where a step lies inside one scale group): scales multiply each step's fp32

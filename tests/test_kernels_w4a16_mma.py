@@ -96,7 +96,7 @@ def test_gpu_zero_points_after_the_mma_keep_precision(k, n, group_size, zeros):
     for cfg in (dict(block_n=64, split_k=1), dict(block_n=128, split_k=2), dict(block_n=128, split_k=2,
                 x_staged=True), dict(block_n=64, split_k=8, one_launch=False)):
         exact = rel_err(w4a16_mma(x, fw, block_k=128, zero_after=False, **cfg), ref)
-        after = rel_err(w4a16_mma(x, fw, block_k=128, zero_after=True, **cfg), ref)
+        after = rel_err(w4a16_mma(x, fw, block_k=128, **cfg), ref)
         assert after < 1.5 * exact + 5e-4, (cfg, after, exact)
 
 
@@ -161,13 +161,12 @@ def test_mma_variant_picks_scales_after_and_staged_x_where_they_apply():
     assert [mma_variant(m, 3584, 128, 128, 128, 2, True).a_smem for m in (17, 64, 65, 128)] == [False] * 2 + [True] * 2
     assert mma_variant(128, 3584, 128, 128, 128, 2, False).a_smem is False
     # zero points after the MMA at M = 1 where the scales are: x's step sums from the staged x or their own pass
-    za = [(r.zero_after, r.sum_steps) for r in (mma_variant(1, 3584, 128, 64, 128, 1, False, zero_after=True),
-                                                mma_variant(1, 3584, 128, 128, 128, 2, False, zero_after=True),
-                                                mma_variant(1, 3584, 128, 128, 128, 2, False, x_staged=True,
-                                                            zero_after=True),
-                                                mma_variant(1, 3584, 32, 64, 128, 8, False, zero_after=True),
-                                                mma_variant(2, 3584, 128, 64, 128, 8, False, zero_after=True),
-                                                mma_variant(1, 3584, 128, 64, 128, 1, False))]
+    za = [(r.zero_after, r.sum_steps) for r in (mma_variant(1, 3584, 128, 64, 128, 1, False),
+                                                mma_variant(1, 3584, 128, 128, 128, 2, False),
+                                                mma_variant(1, 3584, 128, 128, 128, 2, False, x_staged=True),
+                                                mma_variant(1, 3584, 32, 64, 128, 8, False),
+                                                mma_variant(2, 3584, 128, 64, 128, 8, False),
+                                                mma_variant(1, 3584, 128, 64, 128, 1, False, zero_after=False))]
     assert za == [(True, 0), (True, 16), (True, 0), (False, 0), (False, 0), (False, 0)]
 
 
