@@ -18,40 +18,29 @@ from kernels.norm_act import silu_and_mul
 from kernels.pdl import gl_pdl_start, gl_pdl_wait, launch_options, pdl_enabled
 from kernels.w4a16_frag import FragWeights, pick_block_k
 from kernels.w4a16_splitk import launch_splitk_reduce, split_buffers
-from kernels.w4a16_tiles import _dequant_step, _load_step, _tile_words, _zero, mma_layout, swiglu_tile
+from kernels.w4a16_tiles import _dequant_step, _load_step, _tile_words, mma_layout, swiglu_tile
 from kernels.w4a16_wgmma import _cta_barrier, _wgmma_steps, _x_copy
 _ROW1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
 
-_ROW2: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-
 if hasattr(gl.shared_memory_descriptor, "reinterpret"):          # 3.9
     @gluon.jit
-    def _x_rows(flat, ROWS: gl.constexpr, COLS: gl.constexpr, STORE: gl.constexpr = False):
-        """A flat table (the staged x [X_STEPS * BLOCK_K]) as rows [ROWS, COLS] that index() takes one from, or
-        (STORE) that a 2-d tensor is stored to."""
-        return flat.reinterpret(flat.dtype, [ROWS, COLS], _ROW2 if STORE else _ROW1)
+    def _x_rows(flat, X_STEPS: gl.constexpr, BLOCK_K: gl.constexpr):
+        """The flat staged x [X_STEPS * BLOCK_K] as rows [X_STEPS, BLOCK_K] that index() takes one step from."""
+        return flat.reinterpret(gl.float16, [X_STEPS, BLOCK_K], _ROW1)
 else:                                                           # 3.6
     @gluon.jit
-    def _x_rows(flat, ROWS: gl.constexpr, COLS: gl.constexpr, STORE: gl.constexpr = False):
-        """A flat table (the staged x [X_STEPS * BLOCK_K]) as rows [ROWS, COLS] that index() takes one from, or
-        (STORE) that a 2-d tensor is stored to."""
-        return flat._reinterpret(flat.dtype, [ROWS, COLS], _ROW2 if STORE else _ROW1)
+    def _x_rows(flat, X_STEPS: gl.constexpr, BLOCK_K: gl.constexpr):
+        """The flat staged x [X_STEPS * BLOCK_K] as rows [X_STEPS, BLOCK_K] that index() takes one step from."""
+        return flat._reinterpret(gl.float16, [X_STEPS, BLOCK_K], _ROW1)
 
 
 @gluon.jit
 def _mma_load(it, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, s_rows, stride_sg, stride_zg,
               GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, EVEN_N: gl.constexpr, SCALE_AFTER: gl.constexpr,
-              BLOCK_K: gl.constexpr, ZERO_AFTER: gl.constexpr):
-    """Step it's weight loads for the mma.sync loop; SCALE_AFTER: the step's scales in the accumulator's rows,
-    ZERO_AFTER: their packed zero words too."""
+              BLOCK_K: gl.constexpr):
+    """Step it's weight loads for the mma.sync loop; SCALE_AFTER: the step's scales in the accumulator's rows."""
     k0 = it * BLOCK_K
-    if ZERO_AFTER:
-        words, s_lo, s_hi, z_lo, z_hi = _load_step(k0, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
-                                                   stride_sg, stride_zg, GROUP, False, EVEN_N, False)
-        s_lo = gl.load(s_ptr + (k0 // GROUP) * stride_sg + s_rows)
-        if HAS_ZEROS:
-            z_lo = gl.load(z_ptr + (k0 // GROUP) * stride_zg + s_rows // 8)
-    elif SCALE_AFTER:
+    if SCALE_AFTER:
         words, s_lo, s_hi, z_lo, z_hi = _load_step(k0, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
                                                    stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, False)
         s_lo = gl.load(s_ptr + (k0 // GROUP) * stride_sg + s_rows)
@@ -62,27 +51,21 @@ def _mma_load(it, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, s_rows, s
 
 
 @gluon.jit
-def _mma_one(acc, p, x_ptrs, m_mask, k_row, x_smem, xi, k0, K, n_lo, n_hi, s_rows, inv_f, off, sums,
-             HAS_ZEROS: gl.constexpr, EVEN_K: gl.constexpr, X_SMEM: gl.constexpr, X_STEPS: gl.constexpr,
-             SCALE_AFTER: gl.constexpr, ZERO_AFTER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-             BLOCK_K: gl.constexpr, A_L: gl.constexpr, B_L: gl.constexpr):
+def _mma_one(acc, p, x_ptrs, m_mask, k_row, x_smem, xi, k0, K, n_lo, n_hi, HAS_ZEROS: gl.constexpr,
+             EVEN_K: gl.constexpr, X_SMEM: gl.constexpr, X_STEPS: gl.constexpr, SCALE_AFTER: gl.constexpr,
+             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, A_L: gl.constexpr,
+             B_L: gl.constexpr):
     """One mma.sync step: x's tile at k0 (cache-resident; X_STEPS: row xi of the split's x in shared memory;
     X_SMEM: x_smem holds the step's tile, copied ahead), the dequantized weights of p, acc += W^T x^T.
     SCALE_AFTER (the step inside one scale group): the MMA sums (q - z) x, exact products, and the step's
-    partial is scaled per row in fp32: 4 fewer instructions per 8 weights than scaling each weight.
-    ZERO_AFTER (M = 1, x's step sums in `sums`): the MMA takes the codes' fp16 mantissas as they come out of the
-    LOP3s, c = 1024 + q (rows g) and 16 (64 + q) (rows g + 8), exact; since sum (q - z) x = sum c x / f - (o + z)
-    sum x with (f, o) = (1, 1024) resp. (16, 64), the partial is corrected per row
-    in fp32 (inv_f = 1 / f, off = o per row of s_rows): 4 more instructions per 8 weights fewer."""
+    partial is scaled per row in fp32: 4 fewer instructions per 8 weights than scaling each weight."""
     words, s_lo, s_hi, z_lo, z_hi = p
     if X_STEPS == 0 and not X_SMEM:
         if EVEN_K:
             xt = gl.load(x_ptrs + k0, mask=m_mask, other=0.0)
         else:
             xt = gl.load(x_ptrs + k0, mask=m_mask & (k_row + k0 < K), other=0.0)
-    if ZERO_AFTER:
-        a = _dequant_step(words, s_lo, s_hi, z_lo, z_hi, n_lo, n_hi, HAS_ZEROS, BLOCK_N, BLOCK_K, A_L, False, True)
-    elif SCALE_AFTER:
+    if SCALE_AFTER:
         a = _dequant_step(words, s_lo, s_hi, z_lo, z_hi, n_lo, n_hi, HAS_ZEROS, BLOCK_N, BLOCK_K, A_L, False)
     else:
         a = _dequant_step(words, s_lo, s_hi, z_lo, z_hi, n_lo, n_hi, HAS_ZEROS, BLOCK_N, BLOCK_K, A_L)
@@ -93,12 +76,7 @@ def _mma_one(acc, p, x_ptrs, m_mask, k_row, x_smem, xi, k0, K, n_lo, n_hi, s_row
         xb = x_smem.permute((1, 0)).load(B_L)
     else:
         xb = xt
-    if ZERO_AFTER:
-        s = s_lo.to(gl.float32)
-        z = _zero(z_lo, s_rows, HAS_ZEROS).to(gl.float32)
-        sx = sums.index(xi).load(gl.SliceLayout(0, acc.type.layout))                  # [BLOCK_M]
-        acc += mma_v2(a, xb, gl.zeros_like(acc)) * (s * inv_f)[:, None] - (s * (off + z))[:, None] * sx[None, :]
-    elif SCALE_AFTER:
+    if SCALE_AFTER:
         acc += mma_v2(a, xb, gl.zeros_like(acc)) * s_lo.to(gl.float32)[:, None]
     else:
         acc = mma_v2(a, xb, acc)
@@ -112,12 +90,10 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
                       EVEN_N: gl.constexpr, EVEN_K: gl.constexpr, X_SMEM: gl.constexpr, WGMMA: gl.constexpr,
                       PDL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                       num_warps: gl.constexpr, SCALE_AFTER: gl.constexpr, X_STEPS: gl.constexpr,
-                      SWIGLU: gl.constexpr, A_SMEM: gl.constexpr, ZERO_AFTER: gl.constexpr,
-                      SUM_STEPS: gl.constexpr):
+                      SWIGLU: gl.constexpr, A_SMEM: gl.constexpr):
     """y = x @ W (+ bias) for one [BLOCK_M, BLOCK_N] output tile; with SPLIT, this split's fp32 partial goes to
     ws[pid_k] and is summed by the reduce pass or (ONE_LAUNCH) by the split that draws the last ticket.
     WGMMA (Hopper; BLOCK_N a multiple of 16 * num_warps, x through shared memory): _wgmma_steps.
-    ZERO_AFTER (M = 1): each step's sum of x in shared memory (SUM_STEPS rows where x is not staged), see _mma_one.
     PDL (kernels/pdl.py): the first step's weights (two steps with wgmma) are requested before the previous kernel
     has finished; x, the workspace and the counters only after the wait. The next kernel is let in after the main
     loop: let in at the top, a matmul's successors launched ahead and competed with it for DRAM (entry 13 of
@@ -163,17 +139,6 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
                 vec=8, per_phase=1, max_phase=8, order=[1, 0]))
         if X_STEPS > 0:
             x_flat = gl.allocate_shared_memory(gl.float16, [X_STEPS * BLOCK_K], _ROW1)
-        NS: gl.constexpr = X_STEPS if X_STEPS > 0 else SUM_STEPS
-        if ZERO_AFTER:
-            sums_flat = gl.allocate_shared_memory(gl.float32, [NS * BLOCK_M], _ROW1)
-            sums = _x_rows(sums_flat, NS, BLOCK_M)
-            rows16 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA)) % 16
-            inv_f = gl.where(rows16 < 8, 1.0, 0.0625)
-            off = gl.where(rows16 < 8, 1024.0, 64.0)
-        else:
-            sums = 0
-            inv_f = 0
-            off = 0
         # the weight loads of a step (words, scales, zero points; DRAM) are issued one step ahead of their use, so
         # the dequant and MMA of step i overlap the memory latency of step i + 1 (the last step loads itself again;
         # two steps ahead measured no faster: bench/NOTES-kernels.md entry 12); x (small, cache-resident) is staged
@@ -186,38 +151,29 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
         if not EVEN_N:
             s_rows = gl.minimum(s_rows, N - 1)
         cur = _mma_load(it0, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, s_rows, stride_sg, stride_zg,
-                        GROUP, HAS_ZEROS, EVEN_N, SCALE_AFTER, BLOCK_K, ZERO_AFTER)
+                        GROUP, HAS_ZEROS, EVEN_N, SCALE_AFTER, BLOCK_K)
         gl_pdl_wait(PDL)                      # x is the previous kernel's output
-        if NS > 0:
+        if X_STEPS > 0:
             # M = 1: the split's x is staged once in shared memory (16-byte loads), so the steps read it there
-            # instead of issuing their fragment loads behind the DRAM misses of the weight words; its step sums
-            # for ZERO_AFTER. One barrier here: else Triton's membar puts one in every step of the loop
-            XL2: gl.constexpr = gl.BlockedLayout([1, 8], [256 // BLOCK_K, BLOCK_K // 8], [num_warps, 1], [1, 0])
-            st = gl.arange(0, NS, layout=gl.SliceLayout(1, XL2))
-            xk = (it0 + st)[:, None] * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, XL2))[None, :]
-            xv = gl.load(x_ptr + xk, mask=(st < it1 - it0)[:, None] & (xk < K), other=0.0)   # [NS, BLOCK_K]
-            if X_STEPS > 0:
-                _x_rows(x_flat, X_STEPS, BLOCK_K, True).store(xv)
-                x_smem = _x_rows(x_flat, X_STEPS, BLOCK_K)
-            if ZERO_AFTER:
-                _x_rows(sums_flat, NS, BLOCK_M, True).store(
-                    gl.sum(xv.to(gl.float32), axis=1)[:, None].broadcast_to([NS, BLOCK_M]))
-            _cta_barrier()
+            # instead of issuing their fragment loads behind the DRAM misses of the weight words
+            xk = gl.arange(0, X_STEPS * BLOCK_K, layout=gl.BlockedLayout([8], [32], [num_warps], [0]))
+            x_flat.store(gl.load(x_ptr + it0 * BLOCK_K + xk, mask=(xk < (it1 - it0) * BLOCK_K) &
+                                 (it0 * BLOCK_K + xk < K), other=0.0))
+            x_smem = _x_rows(x_flat, X_STEPS, BLOCK_K)
         if X_SMEM:
             _x_copy(x_ring.index(0), x_ptrs + it0 * BLOCK_K, m_mask)
             _x_copy(x_ring.index(1), x_ptrs + gl.minimum(it0 + 1, it1 - 1) * BLOCK_K, m_mask)
         for it in range(it0, it1):
             nxt = _mma_load(gl.minimum(it + 1, it1 - 1), w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
-                            s_rows, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, SCALE_AFTER, BLOCK_K, ZERO_AFTER)
+                            s_rows, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, SCALE_AFTER, BLOCK_K)
             if X_SMEM:
                 async_copy.wait_group(1)      # x(it) landed, x(it + 1) may still fly
                 _cta_barrier()                # every thread's part of x(it); every thread done reading x(it - 1)
                 _x_copy(x_ring.index((it - it0 + 2) % 3), x_ptrs + gl.minimum(it + 2, it1 - 1) * BLOCK_K, m_mask)
                 x_smem = x_ring.index((it - it0) % 3)
             acc = _mma_one(acc, cur, x_ptrs, m_mask, k_row, x_smem if X_SMEM or X_STEPS > 0 else 0, it - it0,
-                           it * BLOCK_K, K, n_lo, n_hi, s_rows, inv_f, off, sums,
-                           HAS_ZEROS, EVEN_K, X_SMEM, X_STEPS, SCALE_AFTER, ZERO_AFTER, BLOCK_M, BLOCK_N, BLOCK_K,
-                           A_L, B_L)
+                           it * BLOCK_K, K, n_lo, n_hi, HAS_ZEROS, EVEN_K, X_SMEM, X_STEPS, SCALE_AFTER, BLOCK_M,
+                           BLOCK_N, BLOCK_K, A_L, B_L)
             cur = nxt
         if X_SMEM:
             async_copy.wait_group(0)
@@ -285,39 +241,31 @@ class MMAVariant:
     scale_after: bool
     x_steps: int
     a_smem: bool
-    zero_after: bool
-    sum_steps: int
 
 
 def mma_variant(m: int, kp: int, group: int, block_n: int, block_k: int, split_k: int, wgmma: bool,
-                scale_after: bool = True, x_staged: bool | None = None, a_smem: bool | None = None,
-                zero_after: bool = True) -> MMAVariant:
+                scale_after: bool = True, x_staged: bool = True, a_smem: bool | None = None) -> MMAVariant:
     """group 0: one group for all of K. Scales after the MMA: mma.sync, where each step lies inside one group
     (bench/results/exp-mma-variants-h200.json). x staged (M = 1): the split's rows in shared memory where they take at
     most 16 KB, with 64-column tiles only (the 128-column tile takes 120 registers with it, 4 programs an SM:
-    slower, bench/results/exp-mma-xstaged-h200.json; x_staged None: that rule, True: any tile). wgmma's A tile
-    through shared memory above 64 rows of x (bench/results/exp-mma-ss-h200.json; a_smem None: by that rule). Zero points after the MMA: M = 1 where the
-    scales are after it; x's step sums from the staged x, else from a pass over the split's x (sum_steps rows)."""
+    slower, bench/results/exp-mma-xstaged-h200.json). wgmma's A tile through shared memory above 64 rows of x
+    (bench/results/exp-mma-ss-h200.json; a_smem None: by that rule)."""
     bk = pick_block_k(kp, group, block_k)
     iters = kp // bk
     per = triton.cdiv(iters, max(1, min(split_k, iters)))
-    staged = (block_n == 64 if x_staged is None else x_staged) and m == 1 and not wgmma and per * bk <= 8192
-    after = scale_after and not wgmma and (not group or group % bk == 0)
-    zeros_after = zero_after and after and m == 1
-    return MMAVariant(bk, per, triton.cdiv(iters, per), after, triton.next_power_of_2(per) if staged else 0,
-                      wgmma and (m > 64 if a_smem is None else a_smem), zeros_after,
-                      triton.next_power_of_2(per) if zeros_after and not staged else 0)
+    staged = x_staged and m == 1 and not wgmma and block_n == 64 and per * bk <= 8192
+    return MMAVariant(bk, per, triton.cdiv(iters, per), scale_after and not wgmma and (not group or group % bk == 0),
+                      triton.next_power_of_2(per) if staged else 0, wgmma and (m > 64 if a_smem is None else a_smem))
 
 
 def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None, block_n: int = 128,
               block_k: int = 256, split_k: int = 1, num_warps: int = 4, one_launch: bool = True,
               silu_mul: bool = False, wgmma: bool = False, scale_after: bool = True,
-              x_staged: bool | None = None, a_smem: bool | None = None, zero_after: bool = True) -> torch.Tensor:
+              x_staged: bool = True, a_smem: bool | None = None) -> torch.Tensor:
     """x fp16 [M, K] (already permuted for act-order; M <= 64, any M with wgmma: 128-row tiles) -> [M, N], or
     [M, N/2] = silu(gate) * up. wgmma needs block_n % (16 * num_warps) == 0 with 4 or 8 warps (64 rows per
     warpgroup). scale_after (mma.sync, where a step lies inside one scale group): scales multiply each step's fp32
-    partial, not each weight (M=1 gate_up 25.2 -> 23.0 us, bench/results/exp-mma-variants-h200.json); zero_after
-    (M = 1, with scale_after): zero points too (_mma_one)."""
+    partial, not each weight (M=1 gate_up 25.2 -> 23.0 us, bench/results/exp-mma-variants-h200.json)."""
     m, k = x.shape
     n = fw.out_features
     kp = fw.words.shape[1] // 2
@@ -326,7 +274,7 @@ def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None
         x = torch.nn.functional.pad(x, (0, kp - k)).contiguous()     # pad keeps a transposed input's strides
         k = kp
     group = fw.group_size if fw.scales.shape[0] > 1 else 0           # 0: one group for all of K
-    v = mma_variant(m, kp, group, block_n, block_k, split_k, wgmma, scale_after, x_staged, a_smem, zero_after)
+    v = mma_variant(m, kp, group, block_n, block_k, split_k, wgmma, scale_after, x_staged, a_smem)
     bk, per, splits = v.block_k, v.per_split, v.splits
     block_m = min(max(8, triton.next_power_of_2(m)), 128 if wgmma else 64)
     if m > block_m and not wgmma:
@@ -348,7 +296,7 @@ def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None
         GROUP=group or (1 << 30), HAS_ZEROS=fw.qzeros is not None, EVEN_N=n % block_n == 0, EVEN_K=k == kp,
         X_SMEM=m > 1 or wgmma, WGMMA=wgmma, PDL=pdl, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk,
         num_warps=num_warps, SCALE_AFTER=v.scale_after, X_STEPS=v.x_steps, SWIGLU=swiglu,
-        A_SMEM=v.a_smem, ZERO_AFTER=v.zero_after, SUM_STEPS=v.sum_steps, **launch_options(pdl))
+        A_SMEM=v.a_smem, **launch_options(pdl))
     if splits > 1 and not one_launch:
         launch_splitk_reduce(ws, bias, out, splits, silu_mul)
     elif silu_mul and not swiglu:

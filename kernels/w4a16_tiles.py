@@ -25,28 +25,21 @@ def _frag_dq_asm(scaled: bool) -> str:
 {{
 .reg .b32 w1, a0, a1, a2, a3, k16;
 mov.b32 k16, 0x2C002C00;
-{_LOP3_CORE}sub.rn.f16x2 a0, a0, {zl};
-sub.rn.f16x2 a2, a2, {zl};
-fma.rn.f16x2 a1, a1, k16, {zh};
-fma.rn.f16x2 a3, a3, k16, {zh};
-{scale}{_LOP3_OUT}}}
-"""
-
-
-# the four LOP3s put each code into an fp16 mantissa: 1024 + q (rows g), 1024 + 16 q (rows g + 8), exact
-_LOP3_CORE = """lop3.b32 a0, $8, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 a0, $8, 0x000F000F, 0x64006400, 0xEA;
 lop3.b32 a1, $8, 0x00F000F0, 0x64006400, 0xEA;
 shr.u32 w1, $8, 8;
 lop3.b32 a2, w1, 0x000F000F, 0x64006400, 0xEA;
 lop3.b32 a3, w1, 0x00F000F0, 0x64006400, 0xEA;
+sub.rn.f16x2 a0, a0, {zl};
+sub.rn.f16x2 a2, a2, {zl};
+fma.rn.f16x2 a1, a1, k16, {zh};
+fma.rn.f16x2 a3, a3, k16, {zh};
+{scale}mov.b32 {{$0, $1}}, a0;
+mov.b32 {{$2, $3}}, a1;
+mov.b32 {{$4, $5}}, a2;
+mov.b32 {{$6, $7}}, a3;
+}}
 """
-_LOP3_OUT = """mov.b32 {$0, $1}, a0;
-mov.b32 {$2, $3}, a1;
-mov.b32 {$4, $5}, a2;
-mov.b32 {$6, $7}, a3;
-"""
-# zero points after the MMA (kernels/w4a16_mma.py, ZERO_AFTER): the LOP3s alone
-_FRAG_DQ_RAW_ASM = gl.constexpr("{\n.reg .b32 w1, a0, a1, a2, a3;\n" + _LOP3_CORE + _LOP3_OUT + "}\n")
 
 
 _FRAG_DQ_ASM = gl.constexpr(_frag_dq_asm(True))
@@ -76,13 +69,10 @@ def mma_layout(wgmma, num_warps, block_m):
 
 @gluon.jit
 def _frag_dequant(words, s_lo, s_hi, z_lo, z_hi, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                  A_LAYOUT: gl.constexpr, SCALED: gl.constexpr = True, RAW: gl.constexpr = False):
+                  A_LAYOUT: gl.constexpr, SCALED: gl.constexpr = True):
     """words int32 [NG, RK, 4, 4] -> the dequantized A tile fp16 [BLOCK_N, BLOCK_K] in the mma A layout
-    (SCALED False: q - z, the scales ignored; RAW: 1024 + q in rows g, 1024 + 16 q in rows g + 8)."""
-    if RAW:
-        v0, v1, v2, v3, v4, v5, v6, v7 = gl.inline_asm_elementwise(
-            _FRAG_DQ_RAW_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words], dtype=[gl.float16] * 8, is_pure=True, pack=1)
-    elif SCALED:
+    (SCALED False: q - z, the scales ignored)."""
+    if SCALED:
         v0, v1, v2, v3, v4, v5, v6, v7 = gl.inline_asm_elementwise(
             _FRAG_DQ_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r", [words, s_lo, s_hi, z_lo, z_hi],
             dtype=[gl.float16] * 8, is_pure=True, pack=1)
@@ -182,20 +172,15 @@ def _tile_words(pid_n, N, KP, GROUP: gl.constexpr, EVEN_N: gl.constexpr, BLOCK_N
 
 @gluon.jit
 def _dequant_step(words, s_lo, s_hi, z_lo, z_hi, n_lo, n_hi, HAS_ZEROS: gl.constexpr, BLOCK_N: gl.constexpr,
-                  BLOCK_K: gl.constexpr, A_LAYOUT: gl.constexpr, SCALED: gl.constexpr = True,
-                  RAW: gl.constexpr = False):
-    """A step's raw loads (_load_step) -> its dequantized A tile fp16 [BLOCK_N, BLOCK_K] (SCALED False: q - z;
-    RAW: the codes' fp16 mantissas alone, see _frag_dequant)."""
-    if RAW:
-        a = _frag_dequant(words, 0, 0, 0, 0, BLOCK_N, BLOCK_K, A_LAYOUT, False, True)
+                  BLOCK_K: gl.constexpr, A_LAYOUT: gl.constexpr, SCALED: gl.constexpr = True):
+    """A step's raw loads (_load_step) -> its dequantized A tile fp16 [BLOCK_N, BLOCK_K] (SCALED False: q - z)."""
+    z_lo_pair = 0x64006400 + _zero(z_lo, n_lo, HAS_ZEROS) * 0x10001                # (1024 + z) pairs
+    z_hi_pair = (0xD400D400 - (1 << 32)) + _zero(z_hi, n_hi, HAS_ZEROS) * 0x100010  # -(64 + z) pairs
+    if SCALED:
+        a = _frag_dequant(words, _scale_pair(s_lo), _scale_pair(s_hi), z_lo_pair, z_hi_pair, BLOCK_N, BLOCK_K,
+                          A_LAYOUT)
     else:
-        z_lo_pair = 0x64006400 + _zero(z_lo, n_lo, HAS_ZEROS) * 0x10001                # (1024 + z) pairs
-        z_hi_pair = (0xD400D400 - (1 << 32)) + _zero(z_hi, n_hi, HAS_ZEROS) * 0x100010  # -(64 + z) pairs
-        if SCALED:
-            a = _frag_dequant(words, _scale_pair(s_lo), _scale_pair(s_hi), z_lo_pair, z_hi_pair, BLOCK_N, BLOCK_K,
-                              A_LAYOUT)
-        else:
-            a = _frag_dequant(words, 0, 0, z_lo_pair, z_hi_pair, BLOCK_N, BLOCK_K, A_LAYOUT, False)
+        a = _frag_dequant(words, 0, 0, z_lo_pair, z_hi_pair, BLOCK_N, BLOCK_K, A_LAYOUT, False)
     return a
 
 
