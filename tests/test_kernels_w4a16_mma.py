@@ -199,7 +199,7 @@ def test_gpu_frag_dequantize_exact():
         assert torch.equal(frag_dequantize(prepare_frag(qweight, scales, qzeros, gs)), exact.t())
 
 
-def _compile_sm90(kernel, signature: dict, constexprs: dict, num_warps: int):
+def _compile_sm90(kernel, signature: dict, constexprs: dict, num_warps: int, maxnreg: int | None = None):
     """Compile a Gluon kernel for sm90 without a GPU (the wheel's ptxas) -> (registers, spill bytes, SASS text)."""
     import os
     import re
@@ -215,7 +215,8 @@ def _compile_sm90(kernel, signature: dict, constexprs: dict, num_warps: int):
     aligned = {(names.index(a),): [["tt.divisibility", 16]] for a in signature
                if a not in ("M", "iters_per_split", "n_splits")}
     src = GluonASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=aligned)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    options = {"num_warps": num_warps} if maxnreg is None else {"num_warps": num_warps, "maxnreg": maxnreg}
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
@@ -225,7 +226,8 @@ def _compile_sm90(kernel, signature: dict, constexprs: dict, num_warps: int):
     regs, stack = map(int, re.search(r"REG:(\d+) STACK:(\d+)", usage).groups())
     return {"regs": regs, "stack": stack, "hmma": "HMMA.16816.F32" in sass, "ldsm": "LDSM" in sass,
             "hgmma": "HGMMA.64x" in sass,
-            "stg128": "STG.E.128" in sass}
+            "stg128": "STG.E.128" in sass, "stsm": "STSM" in sass, "setmaxnreg": "USETMAXREG" in sass,
+            "l2_prefetch": "CCTL.E.PF2" in sass}
 
 
 COMPILE_CASES = [(1, 3584, 37888), (1, 18944, 3584), (16, 3584, 4608), (64, 3584, 3584)]
