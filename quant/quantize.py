@@ -45,6 +45,7 @@ class QuantizeConfig:
     awq: AWQSettings = field(default_factory=AWQSettings)
     gptq: GPTQSettings = field(default_factory=GPTQSettings)
     max_shard_bytes: int = 4 * 2**30
+    lm_head: bool = False                 # also the output head (RTN, the format's own group size and zeros)
 
     def resolved(self) -> tuple[bool, str]:
         """-> (sym, format), or ValueError naming the flag to change."""
@@ -63,6 +64,9 @@ class QuantizeConfig:
         if act_order and fmt in ("awq", "compressed-tensors"):
             raise ValueError(f"--format {fmt} cannot store act-order groups (a permuted g_idx); use --format gptq "
                              "or gptq_v2, or --static-groups (act-order with groups fixed in the original order)")
+        if self.lm_head and fmt == "awq":
+            raise ValueError("--lm-head: AutoAWQ's format keeps lm_head in FP16 (readers would not expect it); use "
+                             "--format gptq, gptq_v2 or compressed-tensors")
         return sym, fmt
 
 
@@ -86,6 +90,9 @@ def quantize_model(source: SourceModel, calib: torch.Tensor | None, cfg: Quantiz
         raise ValueError("the source model is already quantized (config.json has a quantization_config)")
     if cfg.method != "rtn" and calib is None:
         raise ValueError(f"{cfg.method} needs calibration text")
+    if cfg.lm_head and "lm_head.weight" not in source.tensor_names:
+        raise ValueError("--lm-head: this model ties lm_head to the embedding table (no lm_head.weight); "
+                         "quantizing it would need an untied copy of the table")
     spec, device, start = source.spec, torch.device(cfg.device), time.time()
     model_dtype = source.read("model.embed_tokens.weight").dtype
     x, rope = None, None
@@ -112,7 +119,19 @@ def quantize_model(source: SourceModel, calib: torch.Tensor | None, cfg: Quantiz
                 if key.rsplit(".", 1)[0] not in results:        # norms, AWQ-folded ones included
                     writer.add(prefix + key, t.to("cpu", stored[key].dtype))
             del w, results
+        if cfg.lm_head:
+            # RTN whatever the method: AWQ / GPTQ would need the final hidden states of the calibration text
+            # (llama.cpp's k-quants quantize the head round-to-nearest too)
+            q, s, z = quantize_rtn(source.read("lm_head.weight").to(device, torch.float32), 4, cfg.group_size, sym,
+                                   scale_dtype=torch.float16)
+            res = QuantResult(q.cpu(), s.cpu(), z.cpu() if z is not None else None, None, None)
+            if results_sink is not None:
+                results_sink["lm_head"] = res
+            for suffix, t in write_module(res, fmt, cfg.group_size, model_dtype).items():
+                writer.add(f"lm_head.{suffix}", t)
         for name in source.tensor_names:
+            if name == "lm_head.weight" and cfg.lm_head:
+                continue
             if not name.startswith("model.layers.") and not name.endswith("rotary_emb.inv_freq"):
                 writer.add(name, source.read(name))
         writer.close()
@@ -153,14 +172,14 @@ def quantization_config(cfg: QuantizeConfig, sym: bool, fmt: str) -> dict:
     if fmt == "awq":
         return awq_quantization_config(cfg.group_size)
     if fmt == "compressed-tensors":
-        out = ct_quantization_config(cfg.group_size, sym)
+        out = ct_quantization_config(cfg.group_size, sym, ignore=[] if cfg.lm_head else None)
         if act_order:                          # static groups only (resolved() refuses the rest)
             out["config_groups"]["group_0"]["weights"]["actorder"] = "static"
         return out
     static = cfg.gptq.static_groups
     return gptq_quantization_config(cfg.group_size, sym, act_order and not static, fmt) | {
         "damp_percent": cfg.gptq.damp_percent, "static_groups": act_order and static,
-        "true_sequential": cfg.method == "gptq"}
+        "true_sequential": cfg.method == "gptq", "lm_head": cfg.lm_head}
 
 
 @contextlib.contextmanager

@@ -45,6 +45,9 @@ def register(subparsers) -> None:
     p.add_argument("--damp-percent", type=float, default=0.01, help="gptq: damping, fraction of mean diag(H)")
     p.add_argument("--device", default="auto", help="compute device: auto (cuda if available), cuda, cpu, cuda:1")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
+    p.add_argument("--lm-head", action="store_true",
+                   help="also quantize the output head (round-to-nearest; gptq, gptq_v2 and compressed-tensors "
+                        "formats; untied heads only): a quarter of the bytes a decode step reads for it")
     p.add_argument("--kv-scales", action="store_true",
                    help="also calibrate per-layer FP8 KV-cache scales on the calibration text and store them as "
                         "kv_scales.json next to the weights (read by --kv-cache-dtype fp8)")
@@ -54,7 +57,7 @@ def register(subparsers) -> None:
 def cmd_quantize(args) -> int:
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     cfg = QuantizeConfig(method=args.method, group_size=args.group_size, sym=args.sym, format=args.format,
-                         device=device, awq=AWQSettings(),
+                         device=device, awq=AWQSettings(), lm_head=args.lm_head,
                          gptq=GPTQSettings(damp_percent=args.damp_percent, act_order=args.act_order,
                                            static_groups=args.static_groups))
     sym, fmt = cfg.resolved()

@@ -195,6 +195,31 @@ def test_format_refusals():
 
 # ---- never worse than RTN on a model it was not tuned on ---------------------------------------------------
 
+@pytest.mark.parametrize("fmt,sym", [("gptq", True), ("compressed-tensors", False)])
+def test_quantized_lm_head_writes_loads_and_scores(fmt, sym, source, tmp_path):
+    """--lm-head: the head is written as INT4 (GPTQ `lm_head: true`; compressed-tensors with nothing ignored),
+    loads as a QuantLinear, and the engine's logits are those of the dequantized head: exactly the dense head's
+    logits computed with the round-to-nearest weights."""
+    from quant.linear import DenseLinear, QuantLinear
+    sink = {}
+    with_head = quantize(source, tmp_path / "head", sink, method="rtn", sym=sym, format=fmt, lm_head=True)
+    without = quantize(source, tmp_path / "dense", method="rtn", sym=sym, format=fmt)
+    config = json.loads((with_head / "config.json").read_text())["quantization_config"]
+    assert config.get("lm_head") is True if fmt == "gptq" else config["ignore"] == []
+    weights = dense_weights(with_head)
+    res = sink["lm_head"]
+    head = dequantize_codes(res.q, res.scales.half().float(), res.zeros, GS, None)
+    assert torch.equal(weights["lm_head.weight"], head)
+    quant_engine, dense_engine = (make_engine(d, tokenizer=str(TINY), num_blocks=64) for d in (with_head, without))
+    assert isinstance(quant_engine.model.lm_head, QuantLinear)
+    assert isinstance(dense_engine.model.lm_head, DenseLinear)
+    ids = tokens(5, n=1, length=48)[0].tolist()
+    dense_engine.model.lm_head.weight.data.copy_(head)          # the same head, dequantized
+    torch.testing.assert_close(quant_engine.score(ids), dense_engine.score(ids), atol=2e-4, rtol=2e-4)
+    with pytest.raises(ValueError, match="AutoAWQ's format keeps lm_head in FP16"):
+        QuantizeConfig(method="rtn", format="awq", lm_head=True).resolved()
+
+
 def test_awq_and_gptq_beat_rtn_on_random_llama(source, llama_dir, tmp_path):
     ids = tokens(99, 8, 128)
     ref = torch.log_softmax(model_logits(source.spec, dense_weights(llama_dir), ids), -1)
