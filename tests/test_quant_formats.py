@@ -201,3 +201,33 @@ def test_dummy_init_runs():
     layer.init_dummy(torch.Generator().manual_seed(0))
     y = layer(torch.randn(2, 128))
     assert y.shape == (2, 16) and torch.isfinite(y).all()
+
+
+@pytest.mark.parametrize("quant,int4_head", [
+    ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True, "lm_head": True}, True),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True}, False),
+    ("ct-no-ignore", True), ("ct-ignore-head", False)])
+def test_config_alone_decides_the_head_of_a_dummy_model(quant, int4_head, tmp_path):
+    """--load-format dummy has no header to read: GPTQ's `lm_head` flag and compressed-tensors' `ignore` decide
+    whether the head is INT4, as they do for the memory plan (engine/memory.py) of the same config."""
+    from engine.memory import plan_memory
+    from helpers import make_engine
+    from quant.formats import ct_quantization_config
+    from quant.linear import DenseLinear
+    from conftest import TINY
+    if isinstance(quant, str):
+        quant = ct_quantization_config(32, sym=False, ignore=[] if quant == "ct-no-ignore" else ["lm_head"])
+    cfg = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024,
+           "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 128, "tie_word_embeddings": False,
+           "torch_dtype": "float16", "quantization_config": quant}
+    (tmp_path / "config.json").write_text(__import__("json").dumps(cfg))
+    engine = make_engine(tmp_path, load_format="dummy", tokenizer=str(TINY), num_blocks=16)
+    assert isinstance(engine.model.lm_head, QuantLinear if int4_head else DenseLinear)
+    dense_head = dict(quant, lm_head=False) if "bits" in quant else dict(quant, ignore=["lm_head"])
+    saved = (plan_memory(dict(cfg, quantization_config=dense_head), max_model_len=128).weights_bytes
+             - plan_memory(cfg, max_model_len=128).weights_bytes)
+    # fp16 [1024, 64] against 4-bit codes, per-32 fp16 scales, packed zeros and GPTQ's g_idx [64] int32 or
+    # compressed-tensors' weight_shape [2] int64
+    int4 = 1024 * 64 // 2 + 2 * 1024 * 2 + 2 * 1024 // 2 + (64 * 4 if "bits" in quant else 16)
+    assert saved == (1024 * 64 * 2 - int4 if int4_head else 0)
