@@ -4,7 +4,6 @@ wgmma variant at every M) against FP16 cuBLAS, the row-layout dispatcher ("rows"
 is checked against the exact dequantized reference before it is timed.
 Run: PYTHONPATH=. python bench/exp_mma.py --out bench/results/exp-mma-h200.json"""
 import argparse
-import dataclasses
 import itertools
 import json
 import subprocess
@@ -17,7 +16,7 @@ sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resol
 
 import torch  # noqa: E402
 
-from bench.kernels import SHAPES, GS, copies, graph_us, nbytes  # noqa: E402
+from bench.kernels import SHAPES, GS, copies, graph_us, nbytes, random_int4, rotated  # noqa: E402
 from kernels.w4a16 import prepare_w4a16, w4a16_forward  # noqa: E402
 from kernels.w4a16_frag import prepare_frag  # noqa: E402
 from kernels.w4a16_mma import w4a16_mma  # noqa: E402
@@ -77,18 +76,11 @@ def main():
            "shapes": {}}
     for name in args.shapes.split(","):
         k, n = SHAPES[name]
-        g = k // GS
-        qweight = torch.randint(-2 ** 31, 2 ** 31, (k // 8, n), dtype=torch.int32, device=DEV)
-        qzeros = torch.randint(-2 ** 31, 2 ** 31, (g, n // 8), dtype=torch.int32, device=DEV)
-        scales = (torch.rand(g, n, device=DEV) * 0.01 + 0.001).half()
+        qweight, scales, qzeros = random_int4(k, n)
         ref_w = dequantize_w4(qweight, scales, qzeros, GS, torch.float32)
-        fw = prepare_frag(qweight, scales, qzeros, GS)
-        w = prepare_w4a16(qweight, scales, qzeros, GS)
-        rot = copies(nbytes(0, k, n))
-        fws = [fw] + [dataclasses.replace(fw, words=fw.words.clone(), scales=fw.scales.clone(),
-                                          qzeros=fw.qzeros.clone()) for _ in range(rot - 1)]
-        wss = [w] + [dataclasses.replace(w, qweight=w.qweight.clone(), scales=w.scales.clone(),
-                                         qzeros=w.qzeros.clone()) for _ in range(rot - 1)]
+        fws = rotated(prepare_frag(qweight, scales, qzeros, GS), k, n)
+        fw = fws[0]
+        wss = rotated(prepare_w4a16(qweight, scales, qzeros, GS), k, n)
         dense = [torch.randn(k, n, dtype=torch.float16, device=DEV) * 0.02 for _ in range(copies(k * n * 2))]
         rows = []
         best_cfg = None

@@ -4,7 +4,6 @@ tiles pairing gate and up columns, one split, x staged) against 128 x 2 splits w
 fused output bit for bit against the unfused pair first.
 Run: PYTHONPATH=. python bench/exp_swiglu.py --out bench/results/exp-swiglu-h200.json"""
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -14,7 +13,7 @@ sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resol
 
 import torch  # noqa: E402
 
-from bench.kernels import GS, copies, graph_us, nbytes  # noqa: E402
+from bench.kernels import GS, graph_us, random_int4, rotated  # noqa: E402
 from kernels.norm_act import silu_and_mul  # noqa: E402
 from kernels.w4a16_frag import prepare_frag  # noqa: E402
 from kernels.w4a16_mma import w4a16_mma  # noqa: E402
@@ -24,12 +23,7 @@ VARIANTS = {"epilogue_64x1": dict(block_n=64, block_k=128, split_k=1, num_warps=
 
 
 def weights(k, n):
-    qweight = torch.randint(-2 ** 31, 2 ** 31, (k // 8, n), dtype=torch.int32, device="cuda")
-    qzeros = torch.randint(-2 ** 31, 2 ** 31, (k // GS, n // 8), dtype=torch.int32, device="cuda")
-    scales = (torch.rand(k // GS, n, device="cuda") * 0.01 + 0.001).half()
-    fw = prepare_frag(qweight, scales, qzeros, GS)
-    return [fw] + [dataclasses.replace(fw, words=fw.words.clone(), scales=fw.scales.clone(),
-                                       qzeros=fw.qzeros.clone()) for _ in range(copies(nbytes(0, k, n)) - 1)]
+    return rotated(prepare_frag(*random_int4(k, n), GS), k, n)
 
 
 def main():

@@ -6,7 +6,6 @@ Run it under `timeout`: a pipeline that deadlocks hangs the process.
     PYTHONPATH=. timeout 500 python bench/exp_ws.py --out bench/results/exp-ws-h200.json
 """
 import argparse
-import dataclasses
 import itertools
 import json
 import subprocess
@@ -19,7 +18,7 @@ sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resol
 
 import torch  # noqa: E402
 
-from bench.kernels import GS, SHAPES, copies, graph_us, nbytes  # noqa: E402
+from bench.kernels import GS, SHAPES, copies, graph_us, random_int4, rotated  # noqa: E402
 from kernels.w4a16 import w4a16_forward  # noqa: E402
 from kernels.w4a16_frag import prepare_frag  # noqa: E402
 from kernels.w4a16_ref import dequantize_w4  # noqa: E402
@@ -51,14 +50,10 @@ def main():
     ms = [int(v) for v in args.ms.split(",")]
     for name in args.shapes.split(","):
         k, n = SHAPES[name]
-        g = k // GS
-        qweight = torch.randint(-2 ** 31, 2 ** 31, (k // 8, n), dtype=torch.int32, device=DEV)
-        qzeros = torch.randint(-2 ** 31, 2 ** 31, (g, n // 8), dtype=torch.int32, device=DEV)
-        scales = (torch.rand(g, n, device=DEV) * 0.01 + 0.001).half()
+        qweight, scales, qzeros = random_int4(k, n)
         ref_w = dequantize_w4(qweight, scales, qzeros, GS, torch.float32)
-        fw = prepare_frag(qweight, scales, qzeros, GS)
-        fws = [fw] + [dataclasses.replace(fw, words=fw.words.clone(), scales=fw.scales.clone(),
-                                          qzeros=fw.qzeros.clone()) for _ in range(copies(nbytes(0, k, n)) - 1)]
+        fws = rotated(prepare_frag(qweight, scales, qzeros, GS), k, n)
+        fw = fws[0]
         dense = [torch.randn(k, n, dtype=torch.float16, device=DEV) * 0.02 for _ in range(copies(k * n * 2))]
         rows, t0 = [], time.time()
         for m in ms:

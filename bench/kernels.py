@@ -176,23 +176,31 @@ def tune_point(x, ws, m, k, n, deadline, ref):
     return rows, min(timed, key=lambda r: r["us"])
 
 
-def bench_linear(name, k, n, awq, tune, deadline, log):
+def random_int4(k, n):
+    """Random g128 INT4 weights with zero points: qweight [K/8, N], scales [G, N] fp16, qzeros [G, N/8]."""
     g = k // GS
+    qweight = torch.randint(-2 ** 31, 2 ** 31, (k // 8, n), dtype=torch.int32, device=DEV)
+    qzeros = torch.randint(-2 ** 31, 2 ** 31, (g, n // 8), dtype=torch.int32, device=DEV)
+    return qweight, (torch.rand(g, n, device=DEV) * 0.01 + 0.001).half(), qzeros
 
-    def ints(*shape):
-        return torch.randint(-2 ** 31, 2 ** 31, shape, dtype=torch.int32, device=DEV)
 
-    qweight, qzeros = ints(k // 8, n), ints(g, n // 8)
-    scales = (torch.rand(g, n, device=DEV) * 0.01 + 0.001).half()
-    w = prepare_kernel_weights(qweight, scales, qzeros, GS)          # what the engine loads (fragment layout)
-    rot = copies(nbytes(0, k, n))
-
+def rotated(w, k, n):
+    """w and copies of it (words, scales and zeros cloned) that together exceed the L2: calls rotate through them,
+    so every call reads its weights from DRAM, as a model's layers do."""
     def clone(w):
         words = {"words": w.words.clone()} if isinstance(w, FragWeights) else {"qweight": w.qweight.clone()}
         return dataclasses.replace(w, scales=w.scales.clone(), qzeros=w.qzeros.clone(), **words)
-    ws = [w] + [clone(w) for _ in range(rot - 1)]
-    tune_ws = [prepare_w4a16(qweight, scales, qzeros, GS)] if tune else []   # --tune sweeps the row-layout kernels
-    tune_ws += [clone(tune_ws[0]) for _ in range(rot - 1)] if tune else []
+    return [w] + [clone(w) for _ in range(copies(nbytes(0, k, n)) - 1)]
+
+
+def bench_linear(name, k, n, awq, tune, deadline, log):
+    qweight, scales, qzeros = random_int4(k, n)
+    ws = rotated(prepare_kernel_weights(qweight, scales, qzeros, GS), k, n)   # what the engine loads
+    tune_ws = rotated(prepare_w4a16(qweight, scales, qzeros, GS), k, n) if tune else []   # row-layout kernels
+    w, g, rot = ws[0], k // GS, len(ws)
+
+    def ints(*shape):
+        return torch.randint(-2 ** 31, 2 ** 31, shape, dtype=torch.int32, device=DEV)
     dense = [torch.randn(k, n, dtype=torch.float16, device=DEV) * 0.02 for _ in range(copies(k * n * 2))]
     tiny = tiny_err = None
     try:
