@@ -63,6 +63,9 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
 
 
+HEAD_GROUP_SIZE = 128                     # inputs per scale of the --quantize-lm-head copy
+
+
 @dataclass
 class EngineConfig:
     model: str
@@ -71,6 +74,7 @@ class EngineConfig:
     device: str = "auto"                   # auto | cuda | cpu
     load_format: str = "auto"              # auto | safetensors | dummy
     quantization: str | None = None        # override auto-detection
+    quantize_lm_head: bool = False         # an INT4 copy of the head at load (round-to-nearest, HEAD_GROUP_SIZE)
     revision: str | None = None
     seed: int = 0
     enforce_eager: bool = False

@@ -37,7 +37,7 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.model, self.quant_config = load_model(self.model_dir, self.model_config, self.dtype, self.device,
                                                    config.load_format, config.quantization, show_progress,
-                                                   config.seed)
+                                                   config.seed, config.quantize_lm_head)
         num_blocks, self.memory_plan = kv_pool.num_gpu_blocks(config, self.model_config, self.model_dir,
                                                               self.device, self.dtype, self.max_model_len)
         num_cpu_blocks = kv_pool.num_cpu_blocks(config, self.model_config, self.dtype)

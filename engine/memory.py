@@ -13,6 +13,8 @@ import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from engine.config import HEAD_GROUP_SIZE
+
 MiB = 2**20
 GiB = 2**30
 
@@ -168,10 +170,24 @@ def _computed_weights_bytes(a: _Arch, float_b: int, weights_dtype: str) -> int:
     per_layer = sum(linear(k, n, b, q is not None) for k, n, b in shapes) + 2 * h * float_b  # + two RMSNorms
     total = a.layers * per_layer + a.vocab * h * float_b + h * float_b  # + embedding, final norm
     if not a.tied:
-        head_quantized = q is not None and (bool(q.get("lm_head", False)) if "config_groups" not in q
-                                            else not any("lm_head" in s for s in q.get("ignore") or []))
-        total += linear(h, a.vocab, False, head_quantized)
+        total += linear(h, a.vocab, False, _head_quantized(q))
     return total
+
+
+def _head_quantized(q: dict | None) -> bool:
+    """Whether the checkpoint's config quantizes lm_head (GPTQ `lm_head: true`, compressed-tensors not ignoring it)."""
+    return q is not None and (bool(q.get("lm_head", False)) if "config_groups" not in q
+                              else not any("lm_head" in s for s in q.get("ignore") or []))
+
+
+def _int4_head_change(a: _Arch, float_b: int) -> int:
+    """Bytes --quantize-lm-head adds: the INT4 g128 copy (codes, fp16 scales, packed zeros as loaded) minus the
+    float head it replaces (a tied head's embedding table stays for token lookups)."""
+    if _head_quantized(a.quant) and not a.tied:
+        return 0
+    groups = math.ceil(a.hidden / HEAD_GROUP_SIZE)
+    int4 = a.hidden * a.vocab // 2 + groups * a.vocab * 2 + groups * a.vocab // 2
+    return int4 - (0 if a.tied else a.hidden * a.vocab * float_b)
 
 
 def _header_weights_bytes(model_dir: Path, weights_dtype: str, tied: bool) -> int | None:
@@ -222,7 +238,9 @@ def _activation_bytes(a: _Arch, act_b: int, tokens: int, max_num_seqs: int) -> i
 def plan_memory(model_dir_or_config: str | Path | dict, gpu_mem_gb: float = 24.0,
                 gpu_memory_utilization: float = 0.90, kv_cache_dtype: str = "auto",
                 max_model_len: int | None = None, max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
-                block_size: int = 16, enforce_eager: bool = False, weights_dtype: str = "auto") -> MemoryPlan:
+                block_size: int = 16, enforce_eager: bool = False, weights_dtype: str = "auto",
+                int4_head: bool = False) -> MemoryPlan:
+    """int4_head: the engine's --quantize-lm-head (engine/loader.py quantize_head)."""
     cfg, model_dir = _load_config(model_dir_or_config)
     a = _arch(cfg)
     float_b = dtype_bytes(a.dtype if weights_dtype == "auto" else weights_dtype)
@@ -237,6 +255,8 @@ def plan_memory(model_dir_or_config: str | Path | dict, gpu_mem_gb: float = 24.0
         source = "safetensors" if weights is not None else "config"
     if weights is None:
         weights = _computed_weights_bytes(a, float_b, weights_dtype)
+    if int4_head:
+        weights += _int4_head_change(a, float_b)
 
     gpu_mem = int(gpu_mem_gb * GiB)
     usable = int(gpu_mem * gpu_memory_utilization)

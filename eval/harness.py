@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import HEAD_GROUP_SIZE, CacheConfig, EngineConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from eval.compare import ReferenceStore, TokenStats
 from eval.data import load_tokens, make_windows
@@ -37,6 +37,7 @@ class EvalConfig:
     device: str = "auto"
     dtype: str = "auto"
     work_dir: str | None = None              # where the reference log-probs are spilled (default: the temp dir)
+    quantize_lm_head: bool = False           # each --model also with the engine's --quantize-lm-head
 
 
 @dataclass
@@ -45,6 +46,7 @@ class Candidate:
     model_dir: str
     kv_cache_dtype: str = "auto"
     kv_only: bool = False                    # same weights as the reference, only the KV cache dtype differs
+    int4_head: bool = False                  # loaded with --quantize-lm-head
 
 
 @dataclass
@@ -86,7 +88,10 @@ def plan_candidates(cfg: EvalConfig) -> list[Candidate]:
     for model in cfg.models:
         base = Path(model).name or model
         names[base] = names.get(base, 0) + 1
-        out.append(Candidate(base if names[base] == 1 else f"{base}#{names[base]}", model))
+        name = base if names[base] == 1 else f"{base}#{names[base]}"
+        out.append(Candidate(name, model))
+        if cfg.quantize_lm_head:             # the head's own cost: the same weights with and without it
+            out.append(Candidate(f"{name} +int4 head", model, int4_head=True))
     if cfg.kv_cache_dtype and cfg.kv_cache_dtype != "auto":
         out.append(Candidate(f"{Path(cfg.reference).name} kv={kv_label(cfg.kv_cache_dtype)}", cfg.reference,
                              cfg.kv_cache_dtype, kv_only=True))
@@ -95,13 +100,13 @@ def plan_candidates(cfg: EvalConfig) -> list[Candidate]:
     return out
 
 
-def make_engine(model: str, cfg: EvalConfig, kv_cache_dtype: str = "auto") -> LLMEngine:
+def make_engine(model: str, cfg: EvalConfig, kv_cache_dtype: str = "auto", int4_head: bool = False) -> LLMEngine:
     max_len = max(cfg.context_len, MIN_MODEL_LEN)
     cache = CacheConfig(num_gpu_blocks=max(4 * math.ceil(max_len / 16), 512), kv_cache_dtype=kv_cache_dtype,
                         enable_prefix_caching=False)   # prefix hits would skip prompt logprobs
     if cfg.kv_scale_source is not None:
         cache.kv_scale_source = cfg.kv_scale_source
-    config = EngineConfig(model=model, dtype=cfg.dtype, device=cfg.device, cache=cache,
+    config = EngineConfig(model=model, dtype=cfg.dtype, device=cfg.device, cache=cache, quantize_lm_head=int4_head,
                           scheduler=SchedulerConfig(max_num_seqs=TASK_BATCH, max_model_len=max_len,
                                                     max_num_batched_tokens=max(2048, cfg.context_len)))
     engine = LLMEngine(config, show_progress=True)
@@ -112,7 +117,9 @@ def make_engine(model: str, cfg: EvalConfig, kv_cache_dtype: str = "auto") -> LL
 
 
 def describe(engine: LLMEngine) -> str:
-    return engine.quant_config.describe() if engine.quant_config else "unquantized"
+    body = engine.quant_config.describe() if engine.quant_config else "unquantized"
+    return body + (f" + INT4 g{HEAD_GROUP_SIZE} head (round-to-nearest at load)" if engine.config.quantize_lm_head
+                   else "")
 
 
 def dtype_name(engine: LLMEngine) -> str:
@@ -166,7 +173,7 @@ def run_eval(cfg: EvalConfig) -> EvalResult:
                                  store.fill(reference, ref_name), run_tasks(reference, tasks, ref_name))
         results = []
         for cand in candidates:
-            engine = make_engine(cand.model_dir, cfg, cand.kv_cache_dtype)
+            engine = make_engine(cand.model_dir, cfg, cand.kv_cache_dtype, cand.int4_head)
             check_same_tokenizer(reference, engine, cand.name)
             result = ModelResult(cand.name, cand.model_dir, KV_NAMES[engine.runner.kv_dtype], cand.kv_only,
                                  describe(engine), model_hash(engine.model_dir), dtype_name(engine),

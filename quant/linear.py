@@ -3,9 +3,10 @@ checkpoint's separate modules; `load_shard` receives one source module's raw ten
 import torch
 from torch import nn
 
-from kernels.w4a16_ref import dequantize_w4, pack_int4_cols, w4a16_matmul_ref
+from kernels.w4a16_ref import dequantize_w4, pack_int4_cols, pack_int4_rows, w4a16_matmul_ref
 from kernels.norm_act import silu_and_mul
 from kernels.w4a16 import FragWeights, W4A16Weights, prepare_kernel_weights, standard_layout, w4a16_matmul
+from quant.rtn import quantize_rtn
 
 
 class DenseLinear(nn.Module):
@@ -142,6 +143,28 @@ class QuantLinear(nn.Module):
         self.register_buffer("packed_qweight", words)                    # counted as a weight (memory, bench)
         self.register_buffer("packed_scales", self.packed.scales)
         self.register_buffer("packed_qzeros", self.packed.qzeros)
+
+    @classmethod
+    def round_to_nearest(cls, weight: torch.Tensor, group_size: int, dtype: torch.dtype, device,
+                         name: str = "lm_head", rows_per_chunk: int = 8192) -> "QuantLinear":
+        """An INT4 copy of a dense weight [N, K]: round-to-nearest, zero points, fp16 scales per group_size
+        inputs (--quantize-lm-head). Quantized on `device` a chunk of rows at a time (rows are independent), so
+        a 152k-row head needs ~0.5 GB of scratch, not four fp32 copies of itself."""
+        n, k = weight.shape
+        layer = cls(k, [n], False, dtype, device, None, group_size, [name])
+        codes, scales, zeros = [], [], []
+        for r in range(0, n, rows_per_chunk):
+            q, s, z = quantize_rtn(weight[r:r + rows_per_chunk].to(device, torch.float32), 4, group_size, False,
+                                   scale_dtype=torch.float16)
+            codes.append(pack_int4_rows(q.t().contiguous()))                     # [K/8, n_c] packed along K
+            scales.append(s.to(scale_dtype(torch.float16, dtype)))               # [G, n_c]
+            zeros.append(z)                                                      # [G, n_c]
+            del q
+        layer.qweight, layer.scales = torch.cat(codes, dim=1), torch.cat(scales, dim=1)
+        layer.qzeros = pack_int4_cols(torch.cat(zeros, dim=1))                  # [G, N/8]
+        layer.perm, layer.bias, layer._shards = None, None, None
+        layer._repack_for_kernels()
+        return layer
 
     def init_dummy(self, gen: torch.Generator) -> None:
         """Random codes and scales (weights about N(0, 0.02)) for --load-format dummy."""

@@ -24,6 +24,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     p.add_argument("--quantization", "-q", default=None,
                    help="override the detected quantization: awq, gptq, compressed-tensors, none")
+    p.add_argument("--quantize-lm-head", action="store_true",
+                   help="INT4 g128 copy of the output head at load (round-to-nearest): the largest matrix a decode "
+                        "step reads; quant-serve eval --quantize-lm-head measures what it costs")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -64,6 +67,7 @@ def engine_config_from_args(args) -> EngineConfig:
     return EngineConfig(
         model=model, tokenizer=args.tokenizer, revision=args.revision, dtype=args.dtype, device=args.device,
         load_format=args.load_format, quantization=args.quantization, seed=args.seed,
+        quantize_lm_head=args.quantize_lm_head,
         enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling, max_model_len=args.max_model_len,
         cache=CacheConfig(num_gpu_blocks=args.num_gpu_blocks_override, kv_cache_dtype=args.kv_cache_dtype,
                           gpu_memory_utilization=args.gpu_memory_utilization,

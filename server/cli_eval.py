@@ -41,6 +41,8 @@ def register(subparsers) -> None:
     p.add_argument("--stride", type=int, default=None, help="window start spacing (default: the context length)")
     p.add_argument("--layer-windows", type=int, default=4,
                    help="windows of activations for the per-layer error (0 skips it; default 4)")
+    p.add_argument("--quantize-lm-head", action="store_true",
+                   help="also evaluate each --model with serve's --quantize-lm-head (an INT4 g128 head at load)")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     p.add_argument("--dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"])
     p.add_argument("--out", default=None, metavar="DIR", help="write report.md, report.html and report.json here")
@@ -58,7 +60,7 @@ def config_from_args(args):
                       kv_cache_dtype=args.kv_cache_dtype, kv_scale_source=args.kv_scale_source, tasks=tasks,
                       task_limit=args.task_limit, max_tokens=args.max_tokens, context_len=args.context_len,
                       stride=args.stride or args.context_len, layer_windows=args.layer_windows, device=args.device,
-                      dtype=args.dtype, work_dir=args.work_dir)
+                      dtype=args.dtype, work_dir=args.work_dir, quantize_lm_head=args.quantize_lm_head)
 
 
 def command_args(cfg, args) -> list[str]:
@@ -72,6 +74,8 @@ def command_args(cfg, args) -> list[str]:
     out += ["--tasks", *(cfg.tasks or ["none"])]
     if cfg.task_limit:
         out += ["--task-limit", str(cfg.task_limit)]
+    if cfg.quantize_lm_head:
+        out += ["--quantize-lm-head"]
     out += ["--max-tokens", str(cfg.max_tokens), "--context-len", str(cfg.context_len), "--stride", str(cfg.stride),
             "--layer-windows", str(cfg.layer_windows), "--device", cfg.device, "--dtype", cfg.dtype]
     if args.gate:

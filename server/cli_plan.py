@@ -15,6 +15,8 @@ def register(sub) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--dtype", default="auto", help="weights dtype (default: as stored)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graph reserve")
+    p.add_argument("--quantize-lm-head", action="store_true",
+                   help="plan for serve --quantize-lm-head (an INT4 g128 head instead of the float one)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)
 
@@ -26,7 +28,7 @@ def run(args) -> int:
     plan = plan_memory(model_dir, gpu_mem_gb=args.gpu_mem_gb, gpu_memory_utilization=args.gpu_memory_utilization,
                        kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
                        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                       enforce_eager=args.enforce_eager, weights_dtype=args.dtype)
+                       enforce_eager=args.enforce_eager, weights_dtype=args.dtype, int4_head=args.quantize_lm_head)
     if args.json:
         json.dump(plan.to_dict(), sys.stdout, indent=2)
         sys.stdout.write("\n")
