@@ -7,7 +7,6 @@ import argparse
 import gc
 import json
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -28,23 +27,12 @@ TOKENIZER = SHARED / "models" / "tiny-qwen2"   # any tokenizer: prompts are rand
 
 
 def engine_for(config_dir: Path, kv: str, max_num_seqs: int, max_model_len: int, enforce_eager: bool,
-               batched_tokens: int = OFFLINE_BATCHED_TOKENS) -> LLMEngine:
+               batched_tokens: int = OFFLINE_BATCHED_TOKENS, int4_head: bool = False) -> LLMEngine:
     return LLMEngine(EngineConfig(
         model=str(config_dir), tokenizer=str(TOKENIZER), load_format="dummy", max_model_len=max_model_len,
-        enforce_eager=enforce_eager,
+        enforce_eager=enforce_eager, quantize_lm_head=int4_head,
         cache=CacheConfig(kv_cache_dtype=kv, gpu_memory_gb=24.0, gpu_memory_utilization=0.90),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=batched_tokens)), show_progress=False)
-
-
-def int4_head_config(out_dir: Path) -> Path:
-    """The Qwen2.5-7B config as a compressed-tensors W4A16 checkpoint (asym, g128: the AWQ body's arithmetic) whose
-    lm_head is INT4 too (`quant-serve quantize --lm-head`): the batch-1 step without 1.09 GB of FP16 head."""
-    from quant.formats import ct_quantization_config
-    cfg = json.loads((CONFIGS["qwen2.5-7b-awq"] / "config.json").read_text())
-    cfg["quantization_config"] = ct_quantization_config(128, sym=False, ignore=[])
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.json").write_text(json.dumps(cfg, indent=1))
-    return out_dir
 
 
 def hf_generate(config_dir: Path, batch: int, prompt_len: int = 128, new_tokens: int = 128) -> float:
@@ -73,10 +61,10 @@ def hf_generate(config_dir: Path, batch: int, prompt_len: int = 128, new_tokens:
 
 
 def measure(name: str, config_dir: Path, kv: str, n_conc: int, bandwidth: float, enforce_eager: bool,
-            batched_tokens: int = OFFLINE_BATCHED_TOKENS, batch1: bool = True) -> dict:
+            batched_tokens: int = OFFLINE_BATCHED_TOKENS, batch1: bool = True, int4_head: bool = False) -> dict:
     start = time.perf_counter()
     engine = engine_for(config_dir, kv, max_num_seqs=256, max_model_len=4096, enforce_eager=enforce_eager,
-                        batched_tokens=batched_tokens)
+                        batched_tokens=batched_tokens, int4_head=int4_head)
     torch.cuda.reset_peak_memory_stats()
     run = {"startup_s": time.perf_counter() - start,
            "kv_cache_tokens": engine.block_manager.num_blocks * engine.config.cache.block_size,
@@ -118,14 +106,15 @@ def main() -> int:
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     # (run key, model, kv, token budget, batch-1 too): throughput at the offline budget (vLLM's LLM class default on
     # cards under 70 GiB) and, for comparison, at the serving budget
-    plan = [(f"{name}/{kv}", name, kv, OFFLINE_BATCHED_TOKENS, True) for name in CONFIGS for kv in ("auto", "fp8")]
-    plan += [(f"{name}/fp8/serve-budget", name, "fp8", SERVE_BATCHED_TOKENS, False) for name in CONFIGS]
-    configs = dict(CONFIGS, **{"qwen2.5-7b-int4-head": int4_head_config(Path(tempfile.mkdtemp()) / "qwen-head")})
-    plan.append(("qwen2.5-7b-int4-head/auto", "qwen2.5-7b-int4-head", "auto", OFFLINE_BATCHED_TOKENS, True))
-    for key, name, kv, budget, batch1 in plan:
+    plan = [(f"{name}/{kv}", name, kv, OFFLINE_BATCHED_TOKENS, True, False) for name in CONFIGS
+            for kv in ("auto", "fp8")]
+    plan += [(f"{name}/fp8/serve-budget", name, "fp8", SERVE_BATCHED_TOKENS, False, False) for name in CONFIGS]
+    # batch-1 with --quantize-lm-head: the FP16 head (1.09 GB a step) as an INT4 g128 copy
+    plan.append(("qwen2.5-7b-awq/auto/int4-head", "qwen2.5-7b-awq", "auto", OFFLINE_BATCHED_TOKENS, True, True))
+    for key, name, kv, budget, batch1, int4_head in plan:
         try:
-            result["runs"][key] = measure(name, configs[name], kv, n_conc, bandwidth, args.enforce_eager, budget,
-                                          batch1)
+            result["runs"][key] = measure(name, CONFIGS[name], kv, n_conc, bandwidth, args.enforce_eager, budget,
+                                          batch1, int4_head)
         except Exception as e:  # keep what the other runs measured
             traceback.print_exc()
             result["runs"][key] = {"error": repr(e)}
@@ -151,7 +140,7 @@ def main() -> int:
         "ttft_p50_s": thr.get("ttft_p50_s"), "ttft_p99_s": thr.get("ttft_p99_s"),
         "tpot_p50_s": thr.get("tpot_p50_s"), "tpot_p99_s": thr.get("tpot_p99_s"),
         "llama_batch1_tok_s": runs["llama-3.1-8b-gptq/auto"].get("batch1_tok_s"),
-        "batch1_int4_head_tok_s": runs["qwen2.5-7b-int4-head/auto"].get("batch1_tok_s"),
+        "batch1_int4_head_tok_s": runs["qwen2.5-7b-awq/auto/int4-head"].get("batch1_tok_s"),
         "llama_throughput_tok_s": runs["llama-3.1-8b-gptq/fp8"].get("throughput", {}).get("output_tok_s"),
         "kv_cache_tokens_fp8_24gib": q8.get("kv_cache_tokens"), "max_num_batched_tokens": OFFLINE_BATCHED_TOKENS,
         "throughput_serve_budget_tok_s": runs["qwen2.5-7b-awq/fp8/serve-budget"].get("throughput", {}).get(

@@ -85,9 +85,9 @@ def kernel_table(prof, steps: int, top: int = 30) -> tuple[float, list[dict]]:
                                     for name, (t, n) in rows[:top]]
 
 
-def profile(batch: int, ctx: int, kv: str, eager: bool, steps: int = 24) -> dict:
+def profile(batch: int, ctx: int, kv: str, eager: bool, steps: int = 24, int4_head: bool = False) -> dict:
     engine = engine_for(CONFIGS["qwen2.5-7b-awq"], kv, max_num_seqs=max(batch, 1), max_model_len=4096,
-                        enforce_eager=eager)
+                        enforce_eager=eager, int4_head=int4_head)
     runner = engine.runner
     COMPILES.clear()
     # No request may finish before the measured steps end: the early ones decode while the late ones prefill.
@@ -224,15 +224,17 @@ def main() -> int:
     parser.add_argument("--kv", default="fp8")
     parser.add_argument("--eager", action="store_true", help="also profile without CUDA graphs")
     parser.add_argument("--prefill", action="store_true", help="also profile one 2048-token prefill step")
+    parser.add_argument("--quantize-lm-head", action="store_true", help="the engine's INT4 head (--quantize-lm-head)")
     args = parser.parse_args()
     track_compiles()
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     out = {"command": "PYTHONPATH=. python " + " ".join(sys.argv), "commit": commit or None,
            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "model": f"dummy Qwen2.5-7B AWQ g128, {args.kv} KV, {args.context}-token prompts", "runs": []}
+           "model": f"dummy Qwen2.5-7B AWQ g128{' + INT4 head' if args.quantize_lm_head else ''}, {args.kv} KV, "
+                    f"{args.context}-token prompts", "runs": []}
     for batch in [int(b) for b in args.batches.split(",")]:
         for eager in ([False, True] if args.eager else [False]):
-            out["runs"].append(profile(batch, args.context, args.kv, eager))
+            out["runs"].append(profile(batch, args.context, args.kv, eager, int4_head=args.quantize_lm_head))
             print(json.dumps(out["runs"][-1], indent=1), flush=True)
     if args.prefill:
         out["prefill"] = profile_prefill(args.context, args.kv)
