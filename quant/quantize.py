@@ -20,10 +20,10 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from quant.awq import AWQSettings, awq_block
-from quant.calib import ModelSpec, rope_tables
+from quant.calib import ModelSpec, gram, rms_norm, rope_tables
 from quant.formats import (awq_quantization_config, ct_quantization_config, gptq_quantization_config,
                            write_awq_gemm, write_gptq, write_pack_quantized)
-from quant.gptq import GPTQSettings, gptq_block
+from quant.gptq import GPTQSettings, gptq_block, gptq_quantize
 from quant.rtn import QuantResult, quantize_rtn
 
 logger = logging.getLogger("quant_serve")
@@ -45,7 +45,7 @@ class QuantizeConfig:
     awq: AWQSettings = field(default_factory=AWQSettings)
     gptq: GPTQSettings = field(default_factory=GPTQSettings)
     max_shard_bytes: int = 4 * 2**30
-    lm_head: bool = False                 # also the output head (RTN, the format's own group size and zeros)
+    lm_head: bool = False                 # also the output head (quantize_head: GPTQ with gptq, else RTN)
 
     def resolved(self) -> tuple[bool, str]:
         """-> (sym, format), or ValueError naming the flag to change."""
@@ -120,11 +120,7 @@ def quantize_model(source: SourceModel, calib: torch.Tensor | None, cfg: Quantiz
                     writer.add(prefix + key, t.to("cpu", stored[key].dtype))
             del w, results
         if cfg.lm_head:
-            # RTN whatever the method: AWQ / GPTQ would need the final hidden states of the calibration text
-            # (llama.cpp's k-quants quantize the head round-to-nearest too)
-            q, s, z = quantize_rtn(source.read("lm_head.weight").to(device, torch.float32), 4, cfg.group_size, sym,
-                                   scale_dtype=torch.float16)
-            res = QuantResult(q.cpu(), s.cpu(), z.cpu() if z is not None else None, None, None)
+            res = quantize_head(source, x, cfg, sym, device)
             if results_sink is not None:
                 results_sink["lm_head"] = res
             for suffix, t in write_module(res, fmt, cfg.group_size, model_dtype).items():
@@ -142,6 +138,21 @@ def quantize_model(source: SourceModel, calib: torch.Tensor | None, cfg: Quantiz
     logger.info("quantized %d blocks (%s, %s, g%d) in %.1f s -> %s", spec.num_layers, cfg.method,
                 "sym" if sym else "asym", cfg.group_size, time.time() - start, out_dir)
     return Path(out_dir)
+
+
+def quantize_head(source: SourceModel, x: torch.Tensor | None, cfg: QuantizeConfig, sym: bool, device
+                  ) -> QuantResult:
+    """lm_head -> its QuantResult on the CPU. --method gptq: GPTQ on the final norm of the quantized model's last
+    hidden states x [S, L, H] (the calibration text's), as GPTQModel does; rtn and awq: round-to-nearest (AWQ's
+    scales would have to fold into the final norm, which AutoAWQ's format never does)."""
+    weight = source.read("lm_head.weight").to(device, torch.float32)
+    if cfg.method == "gptq":
+        h = rms_norm(x, source.read("model.norm.weight").to(device, torch.float32), source.spec.rms_norm_eps)
+        res = gptq_quantize(weight, gram(h) * (2 / (h.numel() // h.shape[-1])), cfg.group_size, sym, cfg.gptq)
+    else:
+        q, s, z = quantize_rtn(weight, 4, cfg.group_size, sym, scale_dtype=torch.float16)
+        res = QuantResult(q, s, z)
+    return QuantResult(*(t.cpu() if t is not None else None for t in (res.q, res.scales, res.zeros, res.g_idx)))
 
 
 def quantize_block(w: dict, x: torch.Tensor | None, spec: ModelSpec, rope, cfg: QuantizeConfig, sym: bool

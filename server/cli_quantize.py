@@ -46,8 +46,9 @@ def register(subparsers) -> None:
     p.add_argument("--device", default="auto", help="compute device: auto (cuda if available), cuda, cpu, cuda:1")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
     p.add_argument("--lm-head", action="store_true",
-                   help="also quantize the output head (round-to-nearest; gptq, gptq_v2 and compressed-tensors "
-                        "formats; untied heads only): a quarter of the bytes a decode step reads for it")
+                   help="also quantize the output head (GPTQ on the last hidden states with --method gptq, else "
+                        "round-to-nearest; gptq, gptq_v2 and compressed-tensors formats; untied heads only): a "
+                        "quarter of the bytes a decode step reads for it")
     p.add_argument("--kv-scales", action="store_true",
                    help="also calibrate per-layer FP8 KV-cache scales on the calibration text and store them as "
                         "kv_scales.json next to the weights (read by --kv-cache-dtype fp8)")
