@@ -231,6 +231,9 @@ def quantize_head(model: DecoderForCausalLM) -> None:
                          f"a multiple of {HEAD_GROUP_SIZE}; this head is [{vocab}, {hidden}]")
     head = QuantLinear.round_to_nearest(weight.detach(), HEAD_GROUP_SIZE, weight.dtype, weight.device)
     model.lm_head = head
+    del weight
+    if head.device.type == "cuda":
+        torch.cuda.empty_cache()            # the FP16 head and the scratch go back before the KV cache is sized
 
 
 def load_model(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device, load_format: str = "auto",
