@@ -269,8 +269,9 @@ def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None
     m, k = x.shape
     n = fw.out_features
     kp = fw.words.shape[1] // 2
-    if (wgmma or m > 1) and (k != kp or x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16):
-        # cp.async copies 16 aligned bytes per thread: pad K to the packed length (zeros meet the pad rows' codes)
+    if (wgmma or m > 1) and (k != kp or x.stride(1) != 1 or x.stride(0) % 16 or x.data_ptr() % 16):
+        # cp.async copies 16 aligned bytes per thread, which Triton proves only from a row stride divisible by 16
+        # elements (its integer specialization): pad K to the packed length (zeros meet the pad rows' codes)
         x = torch.nn.functional.pad(x, (0, kp - k)).contiguous()     # pad keeps a transposed input's strides
         k = kp
     group = fw.group_size if fw.scales.shape[0] > 1 else 0           # 0: one group for all of K

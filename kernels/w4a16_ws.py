@@ -181,8 +181,9 @@ def w4a16_ws(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None,
     kp = fw.words.shape[1] // 2
     if block_n not in (64, 128):
         raise ValueError(f"block_n must be 64 or 128, got {block_n}")
-    if k != kp or x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
-        # cp.async copies 16 aligned bytes per thread: pad K to the packed length (zeros meet the pad rows' codes)
+    if k != kp or x.stride(1) != 1 or x.stride(0) % 16 or x.data_ptr() % 16:
+        # cp.async copies 16 aligned bytes per thread, which Triton proves only from a row stride divisible by 16
+        # elements (its integer specialization): pad K to the packed length (zeros meet the pad rows' codes)
         x = torch.nn.functional.pad(x, (0, kp - k)).contiguous()
     group = fw.group_size if fw.scales.shape[0] > 1 else 0
     bk = pick_block_k(kp, group, block_k)

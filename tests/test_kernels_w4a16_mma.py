@@ -73,8 +73,9 @@ def test_gpu_mma_takes_strided_and_misaligned_x():
     fw = prepare_frag(qweight, scales, qzeros, gs)
     def randn(*shape):
         return torch.randn(*shape, dtype=torch.float16, device=DEV)
-    # transposed; rows starting 6 bytes past 16-byte alignment; a row stride of 515 elements
-    for x in (randn(512, 24).t(), randn(5, 520)[:, 3:515], randn(17, 515)[:, :512]):
+    # transposed; rows starting 6 bytes past 16-byte alignment; row strides of 515 and 520 elements (520: rows
+    # 16-byte aligned, but Triton cannot prove it from a stride that 16 does not divide)
+    for x in (randn(512, 24).t(), randn(5, 520)[:, 3:515], randn(17, 515)[:, :512], randn(9, 520)[:, :512]):
         ref = reference(x.contiguous(), qweight, scales, qzeros, gs, None, None)
         for cfg in (dict(block_n=64, split_k=2), dict(block_n=64, split_k=2, wgmma=True)):
             assert rel_err(w4a16_mma(x, fw, **cfg), ref) < 2e-3, (x.stride(), cfg)
