@@ -72,6 +72,7 @@ class MemoryPlan:
     max_concurrency: float
     max_model_len_fit: int
     fits: bool
+    int4_head: bool = False          # --quantize-lm-head: the head counted as its INT4 copy
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -275,7 +276,7 @@ def plan_memory(model_dir_or_config: str | Path | dict, gpu_mem_gb: float = 24.0
         kv_cache_bytes=tokens * kv_per_token, max_model_len=max_model_len, max_position_embeddings=a.max_position,
         max_concurrency=tokens / max_model_len,
         max_model_len_fit=min(tokens, a.max_position // block_size * block_size),
-        fits=num_blocks >= math.ceil(max_model_len / block_size))
+        fits=num_blocks >= math.ceil(max_model_len / block_size), int4_head=int4_head)
 
 
 def format_plan(plan: MemoryPlan) -> str:
@@ -285,7 +286,7 @@ def format_plan(plan: MemoryPlan) -> str:
     lines = [
         row("GPU memory", plan.gpu_mem_bytes),
         row("usable", plan.usable_bytes, f"(x {plan.gpu_memory_utilization:.2f})"),
-        row("weights", plan.weights_bytes, f"({plan.weights_source})"),
+        row("weights", plan.weights_bytes, f"({plan.weights_source}{', INT4 lm_head' if plan.int4_head else ''})"),
         row("activations", plan.activation_bytes),
         row("CUDA graphs", plan.cuda_graph_bytes),
         row("overhead", plan.overhead_bytes, "(CUDA context + fragmentation)"),
