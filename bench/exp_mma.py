@@ -16,11 +16,9 @@ sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resol
 
 import torch  # noqa: E402
 
-from bench.kernels import SHAPES, GS, copies, graph_us, nbytes, random_int4, rotated  # noqa: E402
+from bench.kernels import SHAPES, GS, frag_layer, graph_us, nbytes, rotated  # noqa: E402
 from kernels.w4a16 import prepare_w4a16, w4a16_forward  # noqa: E402
-from kernels.w4a16_frag import prepare_frag  # noqa: E402
 from kernels.w4a16_mma import w4a16_mma  # noqa: E402
-from kernels.w4a16_ref import dequantize_w4  # noqa: E402
 
 DEV = "cuda"
 
@@ -76,12 +74,9 @@ def main():
            "shapes": {}}
     for name in args.shapes.split(","):
         k, n = SHAPES[name]
-        qweight, scales, qzeros = random_int4(k, n)
-        ref_w = dequantize_w4(qweight, scales, qzeros, GS, torch.float32)
-        fws = rotated(prepare_frag(qweight, scales, qzeros, GS), k, n)
+        ref_w, fws, dense, raw = frag_layer(k, n)
         fw = fws[0]
-        wss = rotated(prepare_w4a16(qweight, scales, qzeros, GS), k, n)
-        dense = [torch.randn(k, n, dtype=torch.float16, device=DEV) * 0.02 for _ in range(copies(k * n * 2))]
+        wss = rotated(prepare_w4a16(*raw, GS), k, n)
         rows = []
         best_cfg = None
         t0 = time.time()

@@ -18,10 +18,8 @@ sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resol
 
 import torch  # noqa: E402
 
-from bench.kernels import GS, SHAPES, copies, graph_us, random_int4, rotated  # noqa: E402
+from bench.kernels import SHAPES, frag_layer, graph_us  # noqa: E402
 from kernels.w4a16 import w4a16_forward  # noqa: E402
-from kernels.w4a16_frag import prepare_frag  # noqa: E402
-from kernels.w4a16_ref import dequantize_w4  # noqa: E402
 from kernels.w4a16_ws import w4a16_ws  # noqa: E402
 
 DEV = "cuda"
@@ -50,11 +48,8 @@ def main():
     ms = [int(v) for v in args.ms.split(",")]
     for name in args.shapes.split(","):
         k, n = SHAPES[name]
-        qweight, scales, qzeros = random_int4(k, n)
-        ref_w = dequantize_w4(qweight, scales, qzeros, GS, torch.float32)
-        fws = rotated(prepare_frag(qweight, scales, qzeros, GS), k, n)
+        ref_w, fws, dense, _ = frag_layer(k, n)
         fw = fws[0]
-        dense = [torch.randn(k, n, dtype=torch.float16, device=DEV) * 0.02 for _ in range(copies(k * n * 2))]
         rows, t0 = [], time.time()
         for m in ms:
             x = torch.randn(m, k, dtype=torch.float16, device=DEV)

@@ -39,6 +39,7 @@ from kernels.paged_attention import DecodeConfig, paged_decode  # noqa: E402
 from kernels.pdl import pdl_enabled, set_pdl  # noqa: E402
 from kernels.w4a16 import (FragWeights, prepare_kernel_weights, prepare_w4a16, w4a16_forward,  # noqa: E402
                             wgmma_works)
+from kernels.w4a16_frag import prepare_frag  # noqa: E402
 from kernels.w4a16_ref import dequantize_w4  # noqa: E402
 from kernels.w4a16_tuning import (W4A16Config, candidate_configs, gpu_family, refinements,  # noqa: E402
                                   select_config, select_mma_config, table_row)
@@ -191,6 +192,14 @@ def rotated(w, k, n):
         words = {"words": w.words.clone()} if isinstance(w, FragWeights) else {"qweight": w.qweight.clone()}
         return dataclasses.replace(w, scales=w.scales.clone(), qzeros=w.qzeros.clone(), **words)
     return [w] + [clone(w) for _ in range(copies(nbytes(0, k, n)) - 1)]
+
+
+def frag_layer(k, n):
+    """The experiments' layer [K, N]: (exact dequantized W [K, N] fp32, rotated fragment-layout copies, rotated
+    FP16 weights of the same shape for cuBLAS, the raw (qweight, scales, qzeros))."""
+    raw = random_int4(k, n)
+    dense = [torch.randn(k, n, dtype=torch.float16, device=DEV) * 0.02 for _ in range(copies(k * n * 2))]
+    return dequantize_w4(*raw, GS, torch.float32), rotated(prepare_frag(*raw, GS), k, n), dense, raw
 
 
 def bench_linear(name, k, n, awq, tune, deadline, log):

@@ -3,8 +3,8 @@ warpgroup only issues wgmma. Opt-in (`w4a16_ws`), not in the dispatcher until th
 
 Why: in kernels/w4a16_wgmma.py one warpgroup both dequantizes and issues wgmma, and ptxas serializes the two
 inside the warp (bench/NOTES-kernels.md entry 15): M = 64 runs at 1.18x FP16, M >= 256 at 1.9x its time. Here
-4 producer warps load step i + 1's weight words while they dequantize step i, store the fp16 tile into a ring of
-STAGES shared tiles next to a cp.async copy of x's tile, and signal `ready`; the default warpgroup waits for
+4 producer warps (loads two steps ahead, L2 prefetch further: _ws_producer) dequantize, store the fp16 tile into a
+ring of STAGES shared tiles next to a cp.async copy of x's tile, and signal `ready`; the default warpgroup waits for
 `ready`, issues wgmma (A and B from shared memory), keeps one in flight and releases the previous stage (`empty`).
 y^T = W^T x^T as in w4a16_mma: the weight tile [BLOCK_N, BLOCK_K] is wgmma's A (64 rows a warpgroup instruction),
 x^T [BLOCK_K, BLOCK_M] its B. Split-K partials go through the workspace and the reduce pass (kernels/w4a16_splitk.py).
