@@ -294,6 +294,8 @@ def bench_decode(tune, log):
                                                                  *([c] if c else [])), sets, c is None)
                          for c in configs]
                 row[f"{tag}_us"] = times[0]
+                if tune:
+                    row[f"{tag}_all"] = [dict(dataclasses.asdict(c), us=t) for c, t in zip(configs[1:], times[1:])]
                 row[f"{tag}_TBps"] = 2 * batch * ctx * hkv * d * dtype.itemsize / times[0] / 1e6
                 if tune:
                     i = min(range(len(times)), key=times.__getitem__)
