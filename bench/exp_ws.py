@@ -26,18 +26,19 @@ DEV = "cuda"
 
 
 def candidates(m: int):
-    """Tiles, register sets of weight loads in flight (depth) and K splits around the kernel's defaults; more
-    splits where M leaves the grid small (stages 3 and 4 measured alike: 4)."""
-    block_ms = [None] if m < 128 else [128]
-    splits = (1, 2, 4) if m <= 64 else (1, 2) if m <= 128 else (1,)
-    for (bn, bk), depth, split, bm in itertools.product(((64, 128), (128, 64)), (1, 2, 3), splits, block_ms):
-        yield dict(block_n=bn, block_k=bk, stages=4, split_k=split, block_m=bm, depth=depth)
+    """Tiles, ring depth and K splits around the kernel's defaults; more splits where M leaves the grid small."""
+    block_ms = [None] if m < 128 else [64, 128]
+    splits = (1, 2, 4) if m <= 128 else (1,)
+    for bn, bk, stages, split, bm in itertools.product((64, 128), (64, 128), (3, 4), splits, block_ms):
+        if bk == 128 and (bm or 64) == 128 and bn == 128:
+            continue                             # over 192 KB of ring: spills and one program an SM
+        yield dict(block_n=bn, block_k=bk, stages=stages, split_k=split, block_m=bm)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/exp-ws-h200.json")
-    ap.add_argument("--ms", default="16,64,128,256,1024")
+    ap.add_argument("--ms", default="16,32,64,128,256,1024,4096")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--budget-s", type=float, default=60, help="sweep time per shape")
     args = ap.parse_args()

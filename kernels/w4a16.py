@@ -238,6 +238,6 @@ def _frag_forward(x: torch.Tensor, w: FragWeights, bias: torch.Tensor | None, co
     cfg = config or select_mma_config(m, k, w.out_features, wgmma_works(x.device.index), silu_mul)
     if cfg is not None and x.dtype == torch.float16:
         return w4a16_mma(x, w, bias, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps, cfg.one_launch, silu_mul,
-                         cfg.wgmma, depth=cfg.depth)
+                         cfg.wgmma)
     y = torch.nn.functional.linear(x, frag_dequantize(w).to(x.dtype), bias)
     return silu_and_mul(y) if silu_mul else y

@@ -84,30 +84,13 @@ def _mma_one(acc, p, x_ptrs, m_mask, k_row, x_smem, xi, k0, K, n_lo, n_hi, HAS_Z
 
 
 @gluon.jit
-def _mma_step(acc, p, it, it0, it1, x_ring, x_stage, x_ptrs, m_mask, k_row, K, n_lo, n_hi, HAS_ZEROS: gl.constexpr,
-              EVEN_K: gl.constexpr, X_SMEM: gl.constexpr, X_STEPS: gl.constexpr, SCALE_AFTER: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, A_L: gl.constexpr,
-              B_L: gl.constexpr):
-    """Step it of the mma.sync loop with its weights p: x's tile from the ring (X_SMEM: copied two steps ahead,
-    the copy of step it + 2 issued here) or the staged rows (X_STEPS), then _mma_one."""
-    if X_SMEM:
-        async_copy.wait_group(1)      # x(it) landed, x(it + 1) may still fly
-        _cta_barrier()                # every thread's part of x(it); every thread done reading x(it - 1)
-        _x_copy(x_ring.index((it - it0 + 2) % 3), x_ptrs + gl.minimum(it + 2, it1 - 1) * BLOCK_K, m_mask)
-        x_stage = x_ring.index((it - it0) % 3)
-    return _mma_one(acc, p, x_ptrs, m_mask, k_row, x_stage if X_SMEM or X_STEPS > 0 else 0, it - it0,
-                    it * BLOCK_K, K, n_lo, n_hi, HAS_ZEROS, EVEN_K, X_SMEM, X_STEPS, SCALE_AFTER, BLOCK_M, BLOCK_N,
-                    BLOCK_K, A_L, B_L)
-
-
-@gluon.jit
 def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias_ptr, M, N, K, KP, stride_xm,
                       stride_om, stride_sg, stride_zg, iters_per_split, n_splits, HAS_BIAS: gl.constexpr,
                       SPLIT: gl.constexpr, ONE_LAUNCH: gl.constexpr, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr,
                       EVEN_N: gl.constexpr, EVEN_K: gl.constexpr, X_SMEM: gl.constexpr, WGMMA: gl.constexpr,
                       PDL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                       num_warps: gl.constexpr, SCALE_AFTER: gl.constexpr, X_STEPS: gl.constexpr,
-                      SWIGLU: gl.constexpr, A_SMEM: gl.constexpr, DEPTH: gl.constexpr):
+                      SWIGLU: gl.constexpr, A_SMEM: gl.constexpr):
     """y = x @ W (+ bias) for one [BLOCK_M, BLOCK_N] output tile; with SPLIT, this split's fp32 partial goes to
     ws[pid_k] and is summed by the reduce pass or (ONE_LAUNCH) by the split that draws the last ticket.
     WGMMA (Hopper; BLOCK_N a multiple of 16 * num_warps, x through shared memory): _wgmma_steps.
@@ -180,45 +163,18 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
         if X_SMEM:
             _x_copy(x_ring.index(0), x_ptrs + it0 * BLOCK_K, m_mask)
             _x_copy(x_ring.index(1), x_ptrs + gl.minimum(it0 + 1, it1 - 1) * BLOCK_K, m_mask)
-        if DEPTH == 1:
-            for it in range(it0, it1):
-                nxt = _mma_load(gl.minimum(it + 1, it1 - 1), w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
-                                s_rows, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, SCALE_AFTER, BLOCK_K)
-                acc = _mma_step(acc, cur, it, it0, it1, x_ring if X_SMEM else 0, x_smem if X_STEPS > 0 else 0,
-                                x_ptrs, m_mask, k_row, K, n_lo, n_hi, HAS_ZEROS, EVEN_K, X_SMEM, X_STEPS,
-                                SCALE_AFTER, BLOCK_M, BLOCK_N, BLOCK_K, A_L, B_L)
-                cur = nxt
-        else:
-            # DEPTH register sets, the loop unrolled DEPTH times: each set is reloaded right after its step and
-            # used DEPTH steps later. (cur = nxt at the end of a step would be a register move that waits for the
-            # load issued at its top: one step in flight however far ahead the load is issued.)
-            nx1 = _mma_load(gl.minimum(it0 + 1, it1 - 1), w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
+        for it in range(it0, it1):
+            nxt = _mma_load(gl.minimum(it + 1, it1 - 1), w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
                             s_rows, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, SCALE_AFTER, BLOCK_K)
-            if DEPTH == 3:
-                nx2 = _mma_load(gl.minimum(it0 + 2, it1 - 1), w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
-                                s_rows, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, SCALE_AFTER, BLOCK_K)
-            for it in range(it0, it1, DEPTH):
-                acc = _mma_step(acc, cur, it, it0, it1, x_ring if X_SMEM else 0, x_smem if X_STEPS > 0 else 0,
-                                x_ptrs, m_mask, k_row, K, n_lo, n_hi, HAS_ZEROS, EVEN_K, X_SMEM, X_STEPS,
-                                SCALE_AFTER, BLOCK_M, BLOCK_N, BLOCK_K, A_L, B_L)
-                cur = _mma_load(gl.minimum(it + DEPTH, it1 - 1), w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi,
-                                k_in, s_rows, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, SCALE_AFTER, BLOCK_K)
-                if it + 1 < it1:
-                    acc = _mma_step(acc, nx1, it + 1, it0, it1, x_ring if X_SMEM else 0,
-                                    x_smem if X_STEPS > 0 else 0, x_ptrs, m_mask, k_row, K, n_lo, n_hi, HAS_ZEROS,
-                                    EVEN_K, X_SMEM, X_STEPS, SCALE_AFTER, BLOCK_M, BLOCK_N, BLOCK_K, A_L, B_L)
-                    nx1 = _mma_load(gl.minimum(it + 1 + DEPTH, it1 - 1), w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo,
-                                    n_hi, k_in, s_rows, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, SCALE_AFTER,
-                                    BLOCK_K)
-                if DEPTH == 3:
-                    if it + 2 < it1:
-                        acc = _mma_step(acc, nx2, it + 2, it0, it1, x_ring if X_SMEM else 0,
-                                        x_smem if X_STEPS > 0 else 0, x_ptrs, m_mask, k_row, K, n_lo, n_hi,
-                                        HAS_ZEROS, EVEN_K, X_SMEM, X_STEPS, SCALE_AFTER, BLOCK_M, BLOCK_N, BLOCK_K,
-                                        A_L, B_L)
-                        nx2 = _mma_load(gl.minimum(it + 2 + DEPTH, it1 - 1), w_ptr, s_ptr, z_ptr, offs, w_mask,
-                                        n_lo, n_hi, k_in, s_rows, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N,
-                                        SCALE_AFTER, BLOCK_K)
+            if X_SMEM:
+                async_copy.wait_group(1)      # x(it) landed, x(it + 1) may still fly
+                _cta_barrier()                # every thread's part of x(it); every thread done reading x(it - 1)
+                _x_copy(x_ring.index((it - it0 + 2) % 3), x_ptrs + gl.minimum(it + 2, it1 - 1) * BLOCK_K, m_mask)
+                x_smem = x_ring.index((it - it0) % 3)
+            acc = _mma_one(acc, cur, x_ptrs, m_mask, k_row, x_smem if X_SMEM or X_STEPS > 0 else 0, it - it0,
+                           it * BLOCK_K, K, n_lo, n_hi, HAS_ZEROS, EVEN_K, X_SMEM, X_STEPS, SCALE_AFTER, BLOCK_M,
+                           BLOCK_N, BLOCK_K, A_L, B_L)
+            cur = nxt
         if X_SMEM:
             async_copy.wait_group(0)
 
@@ -305,7 +261,7 @@ def mma_variant(m: int, kp: int, group: int, block_n: int, block_k: int, split_k
 def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None, block_n: int = 128,
               block_k: int = 256, split_k: int = 1, num_warps: int = 4, one_launch: bool = True,
               silu_mul: bool = False, wgmma: bool = False, scale_after: bool = True,
-              x_staged: bool = True, a_smem: bool | None = None, depth: int = 1) -> torch.Tensor:
+              x_staged: bool = True, a_smem: bool | None = None) -> torch.Tensor:
     """x fp16 [M, K] (already permuted for act-order; M <= 64, any M with wgmma: 128-row tiles) -> [M, N], or
     [M, N/2] = silu(gate) * up. wgmma needs block_n % (16 * num_warps) == 0 with 4 or 8 warps (64 rows per
     warpgroup). scale_after (mma.sync, where a step lies inside one scale group): scales multiply each step's fp32
@@ -341,7 +297,7 @@ def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None
         GROUP=group or (1 << 30), HAS_ZEROS=fw.qzeros is not None, EVEN_N=n % block_n == 0, EVEN_K=k == kp,
         X_SMEM=m > 1 or wgmma, WGMMA=wgmma, PDL=pdl, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk,
         num_warps=num_warps, SCALE_AFTER=v.scale_after, X_STEPS=v.x_steps, SWIGLU=swiglu,
-        A_SMEM=v.a_smem, DEPTH=depth, **launch_options(pdl))
+        A_SMEM=v.a_smem, **launch_options(pdl))
     if splits > 1 and not one_launch:
         launch_splitk_reduce(ws, bias, out, splits, silu_mul)
     elif silu_mul and not swiglu:

@@ -102,7 +102,6 @@ class MMAConfig:
     num_warps: int = 4
     one_launch: bool = True
     wgmma: bool = False       # Hopper wgmma (x^T via shared memory): M = 17..128 on sm90 by the rule below
-    depth: int = 1            # mma.sync: steps of weight loads in flight a warp (register sets, kernels/w4a16_mma.py)
 
 
 MMA_MAX_M = 64          # mma.sync up to here

@@ -55,9 +55,9 @@ def _prefetch_step(k0, w_ptr, s_ptr, z_ptr, pid_n, N, KP, stride_sg, stride_zg, 
 def _ws_producer(x_ptr, w_ptr, s_ptr, z_ptr, a_ring, x_ring, ready, empty, pid_n, m0, it0, it1, M, N, KP,
                  stride_xm, stride_sg, stride_zg, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr,
                  EVEN_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                 STAGES: gl.constexpr, PREFETCH: gl.constexpr, DEPTH: gl.constexpr):
+                 STAGES: gl.constexpr, PREFETCH: gl.constexpr):
     """The worker partition (PRODUCER_WARPS warps). A wgmma step is a few hundred cycles, a DRAM round trip
-    ~2,000: a step's lines are asked into the L2 PREFETCH steps ahead (0: never), its registers loaded DEPTH steps
+    ~2,000: a step's lines are asked into the L2 PREFETCH steps ahead (0: never), its registers loaded two steps
     ahead, and x's tile copied (cp.async) one step ahead into its stage once the consumer freed it. Each step
     dequantizes, stores the tile into its stage and arrives on `ready` once every producer thread's stores and
     copies are visible to the async proxy."""
@@ -74,60 +74,30 @@ def _ws_producer(x_ptr, w_ptr, s_ptr, z_ptr, a_ring, x_ring, ready, empty, pid_n
         for d in gl.static_range(PREFETCH):
             _prefetch_step(gl.minimum(it0 + d, it1 - 1) * BLOCK_K, w_ptr, s_ptr, z_ptr, pid_n, N, KP, stride_sg,
                            stride_zg, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_K)
-    _x_copy(x_ring.index(0), x_ptrs + it0 * BLOCK_K, m_mask)   # fresh stages are empty
-    # DEPTH register sets, the loop unrolled DEPTH times: a set is reloaded right after its step's dequant and used
-    # DEPTH steps later (rotating p0 = p1 = p2 at the end of a step is a register move that waits for the load
-    # issued in that step: one step in flight, however far ahead it was issued)
     p0 = _load_step(it0 * BLOCK_K, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, stride_sg, stride_zg,
                     GROUP, HAS_ZEROS, EVEN_N)
-    if DEPTH >= 2:
-        p1 = _load_step(gl.minimum(it0 + 1, it1 - 1) * BLOCK_K, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi,
+    p1 = _load_step(gl.minimum(it0 + 1, it1 - 1) * BLOCK_K, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
+                    stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N)
+    _x_copy(x_ring.index(0), x_ptrs + it0 * BLOCK_K, m_mask)   # fresh stages are empty
+    for it in range(it0, it1):
+        i = it - it0
+        s = i % STAGES
+        if PREFETCH > 0:
+            _prefetch_step(gl.minimum(it + PREFETCH, it1 - 1) * BLOCK_K, w_ptr, s_ptr, z_ptr, pid_n, N, KP,
+                           stride_sg, stride_zg, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_K)
+        p2 = _load_step(gl.minimum(it + 2, it1 - 1) * BLOCK_K, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi,
                         k_in, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N)
-    if DEPTH == 3:
-        p2 = _load_step(gl.minimum(it0 + 2, it1 - 1) * BLOCK_K, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi,
-                        k_in, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N)
-    for it in range(it0, it1, DEPTH):
-        _ws_step(p0, it, it0, it1, w_ptr, s_ptr, z_ptr, a_ring, x_ring, ready, empty, x_ptrs, m_mask, pid_n, N, KP,
-                 stride_sg, stride_zg, n_lo, n_hi, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_K, STAGES, PREFETCH, A_L)
-        p0 = _load_step(gl.minimum(it + DEPTH, it1 - 1) * BLOCK_K, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi,
-                        k_in, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N)
-        if DEPTH >= 2:
-            if it + 1 < it1:
-                _ws_step(p1, it + 1, it0, it1, w_ptr, s_ptr, z_ptr, a_ring, x_ring, ready, empty, x_ptrs, m_mask,
-                         pid_n, N, KP, stride_sg, stride_zg, n_lo, n_hi, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_K, STAGES,
-                         PREFETCH, A_L)
-                p1 = _load_step(gl.minimum(it + 1 + DEPTH, it1 - 1) * BLOCK_K, w_ptr, s_ptr, z_ptr, offs, w_mask,
-                                n_lo, n_hi, k_in, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N)
-        if DEPTH == 3:
-            if it + 2 < it1:
-                _ws_step(p2, it + 2, it0, it1, w_ptr, s_ptr, z_ptr, a_ring, x_ring, ready, empty, x_ptrs, m_mask,
-                         pid_n, N, KP, stride_sg, stride_zg, n_lo, n_hi, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_K, STAGES,
-                         PREFETCH, A_L)
-                p2 = _load_step(gl.minimum(it + 2 + DEPTH, it1 - 1) * BLOCK_K, w_ptr, s_ptr, z_ptr, offs, w_mask,
-                                n_lo, n_hi, k_in, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N)
-
-
-@gluon.jit
-def _ws_step(p, it, it0, it1, w_ptr, s_ptr, z_ptr, a_ring, x_ring, ready, empty, x_ptrs, m_mask, pid_n, N, KP,
-             stride_sg, stride_zg, n_lo, n_hi, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, BLOCK_N: gl.constexpr,
-             BLOCK_K: gl.constexpr, STAGES: gl.constexpr, PREFETCH: gl.constexpr, A_L: gl.constexpr):
-    """One producer step: the L2 prefetch of step it + PREFETCH, step it's tile dequantized from p into its stage,
-    `ready` once every producer thread's stores and x copy are visible to the async proxy, then x(it + 1)'s copy
-    into the next stage once the consumer released it."""
-    i = it - it0
-    s = i % STAGES
-    if PREFETCH > 0:
-        _prefetch_step(gl.minimum(it + PREFETCH, it1 - 1) * BLOCK_K, w_ptr, s_ptr, z_ptr, pid_n, N, KP, stride_sg,
-                       stride_zg, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_K)
-    a = _dequant_step(*p, n_lo, n_hi, HAS_ZEROS, BLOCK_N, BLOCK_K, A_L)
-    a_ring.index(s).store(a)              # stage s was waited for empty when x(it) was copied into it
-    async_copy.wait_group(0)              # x(it)
-    fence_async_shared()                  # this thread's generic-proxy stores, before wgmma reads them
-    _cta_barrier()                        # every producer thread's stores and copies (a partition barrier)
-    mbarrier.arrive(ready.index(s), count=1)
-    if it + 1 < it1:                      # x(it + 1) into the next stage once the consumer released it
-        mbarrier.wait(empty.index((i + 1) % STAGES), (((i + 1) // STAGES) & 1) ^ 1)
-        _x_copy(x_ring.index((i + 1) % STAGES), x_ptrs + (it + 1) * BLOCK_K, m_mask)
+        a = _dequant_step(*p0, n_lo, n_hi, HAS_ZEROS, BLOCK_N, BLOCK_K, A_L)
+        a_ring.index(s).store(a)              # stage s was waited for empty when x(it) was copied into it
+        async_copy.wait_group(0)              # x(it)
+        fence_async_shared()                  # this thread's generic-proxy stores, before wgmma reads them
+        _cta_barrier()                        # every producer thread's stores and copies (a partition barrier)
+        mbarrier.arrive(ready.index(s), count=1)
+        if it + 1 < it1:                      # x(it + 1) into the next stage once the consumer released it
+            mbarrier.wait(empty.index((i + 1) % STAGES), (((i + 1) // STAGES) & 1) ^ 1)
+            _x_copy(x_ring.index((i + 1) % STAGES), x_ptrs + (it + 1) * BLOCK_K, m_mask)
+        p0 = p1
+        p1 = p2
 
 
 @gluon.jit
@@ -153,8 +123,7 @@ def _w4a16_ws_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, bias_ptr, M, N
                      stride_sg, stride_zg, iters_per_split, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr,
                      GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, EVEN_N: gl.constexpr, PDL: gl.constexpr,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                     PRODUCER_REGS: gl.constexpr, PREFETCH: gl.constexpr, DEPTH: gl.constexpr,
-                     num_warps: gl.constexpr):
+                     PRODUCER_REGS: gl.constexpr, PREFETCH: gl.constexpr, num_warps: gl.constexpr):
     """y = x @ W (+ bias) for one [BLOCK_M, BLOCK_N] output tile (num_warps = 4: the consumer warpgroup), or with
     SPLIT this split's fp32 partial into ws[pid_k] for the reduce pass."""
     pid_n = gl.program_id(0)
@@ -176,7 +145,7 @@ def _w4a16_ws_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, bias_ptr, M, N
         (_ws_consumer, (a_ring, x_ring, ready, empty, it0, it1, BLOCK_M, BLOCK_N, STAGES, num_warps)),
         (_ws_producer, (x_ptr, w_ptr, s_ptr, z_ptr, a_ring, x_ring, ready, empty, pid_n, m0, it0, it1, M, N, KP,
                         stride_xm, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K,
-                        STAGES, PREFETCH, DEPTH)),
+                        STAGES, PREFETCH)),
     ], [PRODUCER_WARPS], [PRODUCER_REGS])
     acc = res[0]
     gl_pdl_start(PDL)
@@ -192,23 +161,21 @@ def _w4a16_ws_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, bias_ptr, M, N
         gl.store(out_ptr + om[None, :] * stride_om + on[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def register_split(block_m: int, depth: int = 1) -> tuple[int, int]:
+def register_split(block_m: int) -> tuple[int, int]:
     """(producer registers, maxnreg) that compile for sm90 without spills under Triton 3.6 and 3.9 (the consumer
     warpgroup gets the rest: 8 * maxnreg - 4 * producer over its 4 warps, 144-176 a thread): x's copy addresses
     grow with BLOCK_M in the producer, the accumulator in the consumer."""
-    regs, maxnreg = (96, 128) if block_m <= 32 else (104, 136) if block_m <= 64 else (112, 144)
-    extra = 16 * (depth - 1)                                      # register sets of loads in flight
-    return regs + extra, maxnreg + extra
+    return (96, 128) if block_m <= 32 else (104, 136) if block_m <= 64 else (112, 144)
 
 
 def w4a16_ws(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None, block_n: int = 128,
              block_m: int | None = None, block_k: int = 64, split_k: int = 1, stages: int = 4,
              producer_regs: int | None = None, maxnreg: int | None = None, prefetch: int = 6,
-             depth: int = 2, silu_mul: bool = False) -> torch.Tensor:
+             silu_mul: bool = False) -> torch.Tensor:
     """x fp16 [M, K] (already permuted for act-order) -> [M, N] (or silu(gate) * up, [M, N / 2]) on an sm90 GPU.
     block_n 64 or 128 (one or two 64-row wgmmas a step), block_m 16..128 (wgmma's N; default: M rounded up, at
     most 128), stages: the shared ring's depth; producer_regs / maxnreg: the register split between the partitions
-    (4 + 4 warps; default: register_split); prefetch: steps between a step's L2 prefetch and its use (0: none); depth: register sets of weight loads in flight (1-3)."""
+    (4 + 4 warps; default: register_split); prefetch: steps between a step's L2 prefetch and its use (0: none)."""
     m, k = x.shape
     n = fw.out_features
     kp = fw.words.shape[1] // 2
@@ -224,7 +191,7 @@ def w4a16_ws(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None,
     per = triton.cdiv(iters, max(1, min(split_k, iters)))
     splits = triton.cdiv(iters, per)
     block_m = block_m or min(128, max(16, triton.next_power_of_2(m)))
-    default_regs, default_max = register_split(block_m, depth)
+    default_regs, default_max = register_split(block_m)
     m_tiles = triton.cdiv(m, block_m)
     tiles = triton.cdiv(n, block_n)
     out, ws, _ = split_buffers(x, m, n, splits, False, tiles * m_tiles, n // 2 if silu_mul and splits > 1 else 0)
@@ -235,7 +202,7 @@ def w4a16_ws(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None,
         fw.qzeros.stride(0) if fw.qzeros is not None else 0, per, HAS_BIAS=bias is not None, SPLIT=splits > 1,
         GROUP=group or (1 << 30), HAS_ZEROS=fw.qzeros is not None, EVEN_N=n % block_n == 0, PDL=pdl,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, STAGES=stages, PRODUCER_REGS=producer_regs or default_regs,
-        PREFETCH=prefetch, DEPTH=depth, num_warps=4, maxnreg=maxnreg or default_max, **launch_options(pdl))
+        PREFETCH=prefetch, num_warps=4, maxnreg=maxnreg or default_max, **launch_options(pdl))
     if splits > 1:
         launch_splitk_reduce(ws, bias, out, splits, silu_mul)
     elif silu_mul:
