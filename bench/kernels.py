@@ -275,8 +275,9 @@ def bench_decode(tune, log):
     rows = []
     configs = [None]
     if tune:
-        configs += [DecodeConfig(block_n=bn, num_stages=st, waves=wv, min_split_tokens=mt)
-                    for bn in (64, 128, 256) for st in (2, 3) for wv, mt in ((2.0, 256), (4.0, 128), (8.0, 64))]
+        configs += [DecodeConfig(block_n=bn, num_stages=st, waves=wv, min_split_tokens=mt, fp8_asm=asm)
+                    for asm in (False, True) for bn in (64, 128, 256) for st in (2, 3)
+                    for wv, mt in ((2.0, 256), (4.0, 128), (8.0, 64))]
     for batch in DECODE_BATCHES:
         for ctx in DECODE_CTXS:
             nblk = ctx // bs
@@ -290,17 +291,18 @@ def bench_decode(tune, log):
                 shape = (batch * nblk, bs, hkv, d)
                 sets = [(torch.randn(shape, device=DEV).to(dtype), torch.randn(shape, device=DEV).to(dtype))
                         for _ in range(copies(2 * batch * ctx * hkv * d * dtype.itemsize))]
+                cands = [c for c in configs if tag == "fp8" or not (c and c.fp8_asm)]   # asm: fp8 tiles only
                 times = [config_us(lambda kv, c=c: paged_decode(q, *kv, tables, lens, qsl, d ** -0.5, scale, scale,
                                                                  *([c] if c else [])), sets, c is None)
-                         for c in configs]
+                         for c in cands]
                 row[f"{tag}_us"] = times[0]
                 if tune:
-                    row[f"{tag}_all"] = [dict(dataclasses.asdict(c), us=t) for c, t in zip(configs[1:], times[1:])]
+                    row[f"{tag}_all"] = [dict(dataclasses.asdict(c), us=t) for c, t in zip(cands[1:], times[1:])]
                 row[f"{tag}_TBps"] = 2 * batch * ctx * hkv * d * dtype.itemsize / times[0] / 1e6
                 if tune:
                     i = min(range(len(times)), key=times.__getitem__)
                     row[f"{tag}_tuned_us"] = times[i]
-                    row[f"{tag}_tuned_config"] = dataclasses.asdict(configs[i]) if configs[i] else "default"
+                    row[f"{tag}_tuned_config"] = dataclasses.asdict(cands[i]) if cands[i] else "default"
                 del sets
             sdpa = torch.nn.functional.scaled_dot_product_attention
             qd = q.view(batch, hq, 1, d)

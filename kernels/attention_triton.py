@@ -38,6 +38,20 @@ def _kv_tile(cache_ptr, table_row, toks, tok_mask, h, stride_cb, stride_cs, stri
 
 
 @triton.jit
+def _widen(x, dtype: tl.constexpr, CVT: tl.constexpr):
+    """A K/V tile in the query dtype. CVT (fp8 cache, fp16 queries, on the GPU): cvt.rn.f16x2 in inline asm, four
+    values from one 32-bit register, in the layout the tile was loaded in. Left to Triton, the 1-byte tile takes
+    the layout change to the MMA operand first (through shared memory, ~100 narrow loads a 64-token tile) and is
+    widened after."""
+    if CVT:
+        src: tl.constexpr = "e5m2x2" if x.dtype == tl.float8e5 else "e4m3x2"
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2." + src + " $0, lo; cvt.rn.f16x2." + src +
+            " $1, hi; }", "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
+    return x.to(dtype)
+
+
+@triton.jit
 def _attend_tile(q, k, v, s_mask, m_i, l_i, acc, qk_scale):
     """One online-softmax step. q [R, D], k/v [N, D] in q's dtype, s_mask [R, N]."""
     s = tl.dot(q, tl.trans(k)) * qk_scale
@@ -58,7 +72,8 @@ def _decode_kernel(q_ptr, k_cache, v_cache, tables_ptr, seq_lens_ptr, qsl_ptr, o
                    k_new_ptr, v_new_ptr, pos_ptr, cos_sin_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
                    stride_pos, G: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, IS_FP8: tl.constexpr,
-                   SCALE_PTR: tl.constexpr, PDL: tl.constexpr, ROPE: tl.constexpr, FMAX: tl.constexpr):
+                   SCALE_PTR: tl.constexpr, PDL: tl.constexpr, ROPE: tl.constexpr, FMAX: tl.constexpr,
+                   FP8_CVT: tl.constexpr):
     """Grid (B, Hkv, splits): one query token per sequence. The split length follows this sequence's own length
     (whole BLOCK_N tiles), not the table width the grid was sized for, so a short context in a CUDA graph captured
     for long ones still spreads over programs; splits past the end store an empty partial (merged by
@@ -101,10 +116,10 @@ def _decode_kernel(q_ptr, k_cache, v_cache, tables_ptr, seq_lens_ptr, qsl_ptr, o
     for n0 in range(start, end, BLOCK_N):
         toks = n0 + tl.arange(0, BLOCK_N)
         tok_mask = toks < end
-        k = _kv_tile(k_cache, table_row, toks, tok_mask, h, stride_cb, stride_cs, stride_ch, offs_d, d_mask,
-                     BLOCK_SIZE).to(q.dtype)
-        v = _kv_tile(v_cache, table_row, toks, tok_mask, h, stride_cb, stride_cs, stride_ch, offs_d, d_mask,
-                     BLOCK_SIZE).to(q.dtype)
+        k = _widen(_kv_tile(k_cache, table_row, toks, tok_mask, h, stride_cb, stride_cs, stride_ch, offs_d, d_mask,
+                            BLOCK_SIZE), q.dtype, FP8_CVT)
+        v = _widen(_kv_tile(v_cache, table_row, toks, tok_mask, h, stride_cb, stride_cs, stride_ch, offs_d, d_mask,
+                            BLOCK_SIZE), q.dtype, FP8_CVT)
         m_i, l_i, acc = _attend_tile(q, k, v, tok_mask[None, :], m_i, l_i, acc, qk_scale)
     if not SPLIT:
         out = acc / l_i[:, None]

@@ -7,6 +7,8 @@ varlen, any mix of chunk lengths including decodes) otherwise. Decode splits the
 B * Hkv programs alone cannot fill the GPU, then merges the partial softmaxes in a second kernel. The split count
 depends only on shapes (block_tables.shape[1]), so a CUDA graph captures a fixed launch.
 """
+import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -26,10 +28,24 @@ class DecodeConfig:
     waves: float = 2.0             # aim for this many programs per SM before splitting stops
     min_split_tokens: int = 256    # never split finer than this
     num_splits: int | None = None  # force a split count (tests, tuning)
+    fp8_asm: bool = False          # fp8 cache: widen tiles by inline asm in registers (attention_triton._widen)
 
 
-DECODE = DecodeConfig()
-DECODE_FP8 = DecodeConfig(block_n=128)   # measured on the H200: fp8 tiles want more tokens per step
+def decode_config(is_fp8: bool, programs: int, max_ctx: int) -> DecodeConfig:
+    """The decode kernel's configuration for B * Hkv programs over a block table of max_ctx tokens. Fitted on the
+    H200 (bench/results/decode-tune-h200.json and decode-tune-asm-h200.json: 18 configurations, batch 1-256 x
+    context 512-8192, Qwen2.5-7B heads): up to 64 programs the context is split finely (fp16: 64-token splits
+    toward 8 programs an SM; fp8: 128-token tiles, 4 an SM), above they keep whole contexts. The asm widening of
+    fp8 tiles pays only where every program reads a tile or two (it gives up the cp.async pipeline of the cast
+    that Triton makes: slower on long contexts)."""
+    few = programs <= 64
+    if is_fp8:
+        if few:
+            return DecodeConfig(block_n=128, waves=4.0, min_split_tokens=128, fp8_asm=max_ctx <= 1024)
+        return DecodeConfig(block_n=128)
+    if few:
+        return DecodeConfig(block_n=64, waves=8.0, min_split_tokens=64)
+    return DecodeConfig(block_n=64, num_stages=3)
 
 
 @dataclass
@@ -55,6 +71,20 @@ def _scale_args(scale, dummy: torch.Tensor):
     return dummy, float(scale), False
 
 
+@functools.lru_cache(maxsize=None)
+def _has_fp8_cvt(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)      # cvt.rn.f16x2.e4m3x2: sm_89 and later
+
+
+def _fp8_cvt(q: torch.Tensor, cache_dtype: torch.dtype) -> bool:
+    """Widen fp8 K/V tiles by inline asm in the decode kernel (attention_triton._widen)? fp16 queries on an sm_89+
+    GPU, not under the interpreter (which runs no asm)."""
+    if cache_dtype not in FP8 or q.dtype != torch.float16 or not q.is_cuda or \
+            os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return False
+    return _has_fp8_cvt(q.device.index if q.device.index is not None else torch.cuda.current_device())
+
+
 def _num_sms(device: torch.device) -> int:
     from kernels.w4a16_tuning import gpu_family
     return gpu_family(device.index if device.index is not None else torch.cuda.current_device())[1]
@@ -75,12 +105,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                          k_scale, v_scale)
 
 
+MAX_SPLITS = 128      # the merge kernel holds [splits, head_dim] fp32 partials of a head in registers
+
+
 def decode_splits(programs: int, max_ctx: int, device: torch.device, cfg: DecodeConfig) -> int:
     if cfg.num_splits is not None:
         return cfg.num_splits
     sms = _num_sms(device) if device.type == "cuda" else 8      # the interpreter has no SMs; any count is right
     want = -(-int(cfg.waves * sms) // programs)
-    return max(1, min(want, max_ctx // cfg.min_split_tokens))
+    return max(1, min(want, max_ctx // cfg.min_split_tokens, MAX_SPLITS))
 
 
 def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, softmax_scale, k_scale=1.0,
@@ -89,13 +122,13 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, s
     new.k / new.v by slot before attending (needs head_dim a power of two), as rope_store_kv + paged_decode."""
     from kernels.attention_triton import _decode_kernel, _decode_reduce_kernel
     is_fp8 = k_cache.dtype in FP8
-    cfg = cfg or (DECODE_FP8 if is_fp8 else DECODE)
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     batch = block_tables.shape[0]
     group = num_q_heads // num_kv_heads
     block_d = _next_pow2(head_dim)
     max_ctx = block_tables.shape[1] * block_size
+    cfg = cfg or decode_config(is_fp8, batch * num_kv_heads, max_ctx)
     splits = max(1, min(decode_splits(batch * num_kv_heads, max_ctx, q.device, cfg), -(-max_ctx // cfg.block_n)))
     out = torch.empty_like(q)
     ks_ptr, ks_val, from_ptr = _scale_args(k_scale, q)
@@ -119,7 +152,8 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, s
         nk.v.stride(1), nk.cos_sin_cache.stride(0),
         G=group, GP=max(16, _next_pow2(group)), BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_SIZE=block_size,
         SPLIT=splits > 1, IS_FP8=is_fp8, SCALE_PTR=from_ptr, PDL=pdl, ROPE=new is not None,
-        FMAX=_fmax(k_cache.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl))
+        FMAX=_fmax(k_cache.dtype), FP8_CVT=cfg.fp8_asm and _fp8_cvt(q, k_cache.dtype), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **launch_options(pdl))
     if splits > 1:
         _decode_reduce_kernel[(batch, num_q_heads)](
             part_o, part_ml, query_start_loc, out, vs_ptr, vs_val, num_q_heads, head_dim, splits,

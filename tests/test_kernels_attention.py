@@ -214,3 +214,100 @@ def test_gpu_qwen_decode_prefill_store(dtype, cache_dtype):
     store_kv_ref(key, value, k_cache, v_cache, slots, s, s)
     assert torch.equal(ours[0].view(torch.uint8), k_cache.view(torch.uint8))
     assert torch.equal(ours[1].view(torch.uint8), v_cache.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", [E4M3, E5M2])
+def test_gpu_fp8_decode_asm_widening_equals_triton_cast(cache_dtype):
+    """The decode kernel's inline-asm fp8 -> fp16 widening (attention_triton._widen) gives what Triton's own cast
+    gives: both are exact, so the outputs agree to rounding of the same sums."""
+    import kernels.paged_attention as pa
+    gen = torch.Generator().manual_seed(6)
+    k_cache, v_cache = make_cache(512, 4, 128, cache_dtype, 0.4, gen)
+    tables, lens, qsl = make_batch([1, 77, 600, 2048], [1] * 4, 512, gen)
+    q = torch.randn(4, 28, 128, generator=gen).to(torch.float16).to(DEV)
+    s = as_scale(0.4, True)
+    assert pa._fp8_cvt(q, cache_dtype)
+    ours, cast = (paged_decode(q, k_cache, v_cache, tables, lens, qsl, 128 ** -0.5, s, s,
+                               DecodeConfig(block_n=128, fp8_asm=asm)) for asm in (True, False))
+    assert (ours.float() - cast.float()).abs().max().item() < 2e-3
+
+
+def compile_decode_sm90() -> dict:
+    """The fp8 decode kernel with and without the asm widening, compiled for sm90 -> narrow shared loads (LDS) and
+    registers of each (a fresh process: the CPU tests' interpreter mode patches Triton's builder)."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels.attention_triton import _decode_kernel
+    sig = dict(q_ptr="*fp16", k_cache="*fp8e4nv", v_cache="*fp8e4nv", tables_ptr="*i32", seq_lens_ptr="*i32",
+               qsl_ptr="*i32", out_ptr="*fp16", part_o="*fp32", part_ml="*fp32", k_scale_ptr="*fp32",
+               v_scale_ptr="*fp32", k_scale_val="fp32", v_scale_val="fp32", qk_scale="fp32", D="i32",
+               stride_qt="i32", stride_qh="i32", stride_ot="i32", stride_oh="i32", stride_tb="i32",
+               stride_cb="i32", stride_cs="i32", stride_ch="i32", k_new_ptr="*fp16", v_new_ptr="*fp16",
+               pos_ptr="*i64", cos_sin_ptr="*fp16", slot_ptr="*i64", stride_kt="i32", stride_kh="i32",
+               stride_vt="i32", stride_vh="i32", stride_pos="i32")
+    aligned = ("q_ptr", "k_cache", "v_cache", "out_ptr", "part_o", "part_ml", "D", "stride_qt", "stride_qh",
+               "stride_ot", "stride_oh", "stride_cb", "stride_cs", "stride_ch")
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    out = {}
+    for cvt in (False, True):
+        constexprs = dict(G=7, GP=16, BLOCK_N=64, BLOCK_D=128, BLOCK_SIZE=16, SPLIT=True, IS_FP8=True,
+                          SCALE_PTR=True, PDL=True, ROPE=False, FMAX=448.0, FP8_CVT=cvt)
+        full = dict(sig, **{k: "constexpr" for k in constexprs})
+        names = list(full)
+        attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+        compiled = triton.compile(ASTSource(fn=_decode_kernel, signature=full, constexprs=constexprs, attrs=attrs),
+                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(compiled.asm["cubin"])
+            f.flush()
+            usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+            sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+        regs, stack = map(int, re.search(r"REG:(\d+) STACK:(\d+)", usage).groups())
+        out[str(cvt)] = {"regs": regs, "stack": stack, "lds": len(re.findall(r"\bLDS\b", sass))}
+    return out
+
+
+def test_fp8_decode_widens_before_the_layout_change_on_sm90():
+    """Left to Triton, the fp8 tile goes through shared memory to the MMA operand layout as bytes (~100 narrow
+    loads a 64-token step) and is widened after; the asm widening keeps the fp16 path's shape."""
+    import json
+    import subprocess
+    import sys
+    code = ("import json; from tests.test_kernels_attention import compile_decode_sm90; "
+            "print(json.dumps(compile_decode_sm90()))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(os.environ, TRITON_INTERPRET="0"),
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    res = json.loads(run.stdout.strip().splitlines()[-1])
+    assert res["True"]["stack"] == 0, res
+    assert res["True"]["lds"] * 3 < res["False"]["lds"], res
+
+
+def test_decode_config_rule():
+    """The fitted rule (kernels/paged_attention.decode_config): few programs split the context finely, many keep it
+    whole; fp8 tiles are widened by asm only on short tables; the split count stays within the merge kernel's."""
+    from kernels.paged_attention import MAX_SPLITS, decode_config, decode_splits
+    few16, many16 = decode_config(False, 4, 4096), decode_config(False, 256, 4096)
+    assert (few16.block_n, few16.waves, few16.min_split_tokens) == (64, 8.0, 64)
+    assert (many16.waves, many16.min_split_tokens) == (2.0, 256)
+    assert decode_config(True, 16, 512).fp8_asm and not decode_config(True, 16, 4096).fp8_asm
+    assert not decode_config(True, 256, 512).fp8_asm and decode_config(True, 256, 512).block_n == 128
+    cuda = torch.device("cuda", 0)
+    pa_sms = 132
+    import kernels.paged_attention as pa
+    real = pa._num_sms
+    pa._num_sms = lambda device: pa_sms
+    try:
+        assert decode_splits(4, 32768, cuda, few16) == MAX_SPLITS          # 264 wanted
+        assert decode_splits(4, 512, cuda, few16) == 8                      # 64-token splits
+        assert decode_splits(1024, 8192, cuda, many16) == 1
+    finally:
+        pa._num_sms = real
