@@ -22,6 +22,9 @@ class AttentionMetadata:
     prefill_query_start_loc: torch.Tensor | None = None
     # Calibration hook: called with (k, v, k_scale, v_scale) of each layer before the store; may set the scales.
     kv_observer: Callable | None = None
+    # block_tables sized for max_model_len, not for these sequences (a CUDA graph): the decode kernel's split
+    # count cannot follow the contexts (kernels/paged_attention.decode_config)
+    wide_table: bool = False
 
 
 def paged_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -35,7 +38,8 @@ def paged_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p
     if meta.kv_observer is None and q.is_cuda and decode and q.shape[-1] & (q.shape[-1] - 1) == 0:
         return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                             softmax_scale, k_scale, v_scale, new=NewTokens(k, v, positions, cos_sin_cache,
-                                                                          meta.slot_mapping))
+                                                                          meta.slot_mapping),
+                            wide_table=meta.wide_table)
     if meta.kv_observer is None:
         rope_store_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
     else:

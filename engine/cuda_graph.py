@@ -34,7 +34,7 @@ class DecodeGraphs:
     def _meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(slot_mapping=self.slot_mapping[:bs], block_tables=self.block_tables[:bs],
                                  seq_lens=self.seq_lens[:bs], query_start_loc=self.query_start_loc[:bs + 1],
-                                 max_seq_len=self.max_model_len, max_query_len=1)
+                                 max_seq_len=self.max_model_len, max_query_len=1, wide_table=True)
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -31,13 +31,19 @@ class DecodeConfig:
     fp8_asm: bool = False          # fp8 cache: widen tiles by inline asm in registers (attention_triton._widen)
 
 
-def decode_config(is_fp8: bool, programs: int, max_ctx: int) -> DecodeConfig:
+def decode_config(is_fp8: bool, programs: int, max_ctx: int, wide_table: bool = False) -> DecodeConfig:
     """The decode kernel's configuration for B * Hkv programs over a block table of max_ctx tokens. Fitted on the
     H200 (bench/results/decode-tune-h200.json and decode-tune-asm-h200.json: 18 configurations, batch 1-256 x
     context 512-8192, Qwen2.5-7B heads): up to 64 programs the context is split finely (fp16: 64-token splits
     toward 8 programs an SM; fp8: 128-token tiles, 4 an SM), above they keep whole contexts. The asm widening of
     fp8 tiles pays only where every program reads a tile or two (it gives up the cp.async pipeline of the cast
-    that Triton makes: slower on long contexts)."""
+    that Triton makes: slower on long contexts).
+    wide_table (a CUDA graph's table, sized for max_model_len, not for the contexts it will hold): the split count
+    cannot follow the contexts, and fine splits over a wide table cost short contexts more than they give long
+    ones (batch-1 decode step 1.937 -> 2.006 ms over a 4,096-token table, bench/results/decode-rule-ab-h200.json):
+    2 programs an SM, 256-token splits."""
+    if wide_table:
+        return DecodeConfig(block_n=128) if is_fp8 else DecodeConfig()
     few = programs <= 64
     if is_fp8:
         if few:
@@ -117,9 +123,11 @@ def decode_splits(programs: int, max_ctx: int, device: torch.device, cfg: Decode
 
 
 def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, softmax_scale, k_scale=1.0,
-                 v_scale=1.0, cfg: DecodeConfig | None = None, new: NewTokens | None = None) -> torch.Tensor:
+                 v_scale=1.0, cfg: DecodeConfig | None = None, new: NewTokens | None = None,
+                 wide_table: bool = False) -> torch.Tensor:
     """One query token per sequence. new: q and new.k are before RoPE; the kernel rotates them and stores
-    new.k / new.v by slot before attending (needs head_dim a power of two), as rope_store_kv + paged_decode."""
+    new.k / new.v by slot before attending (needs head_dim a power of two), as rope_store_kv + paged_decode.
+    wide_table: block_tables are sized for the longest context allowed, not for these (decode_config)."""
     from kernels.attention_triton import _decode_kernel, _decode_reduce_kernel
     is_fp8 = k_cache.dtype in FP8
     num_q_heads, head_dim = q.shape[1], q.shape[2]
@@ -128,7 +136,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, s
     group = num_q_heads // num_kv_heads
     block_d = _next_pow2(head_dim)
     max_ctx = block_tables.shape[1] * block_size
-    cfg = cfg or decode_config(is_fp8, batch * num_kv_heads, max_ctx)
+    cfg = cfg or decode_config(is_fp8, batch * num_kv_heads, max_ctx, wide_table)
     splits = max(1, min(decode_splits(batch * num_kv_heads, max_ctx, q.device, cfg), -(-max_ctx // cfg.block_n)))
     out = torch.empty_like(q)
     ks_ptr, ks_val, from_ptr = _scale_args(k_scale, q)

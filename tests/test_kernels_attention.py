@@ -300,6 +300,8 @@ def test_decode_config_rule():
     assert (many16.waves, many16.min_split_tokens) == (2.0, 256)
     assert decode_config(True, 16, 512).fp8_asm and not decode_config(True, 16, 4096).fp8_asm
     assert not decode_config(True, 256, 512).fp8_asm and decode_config(True, 256, 512).block_n == 128
+    assert decode_config(False, 4, 4096, wide_table=True) == DecodeConfig()         # a CUDA graph's table
+    assert decode_config(True, 4, 512, wide_table=True) == DecodeConfig(block_n=128)
     cuda = torch.device("cuda", 0)
     pa_sms = 132
     import kernels.paged_attention as pa
