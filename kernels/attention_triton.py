@@ -93,11 +93,8 @@ def _decode_kernel(q_ptr, k_cache, v_cache, tables_ptr, seq_lens_ptr, qsl_ptr, o
     tokens_per_split = tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
     start = sp * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
-    # a split past this sequence's end (a short context in a table sized for long ones, as in a CUDA graph) reads
-    # and stores nothing: the merge reads only the live splits
-    live = start < seq_len
     rows = tl.arange(0, GP)
-    row_mask = (rows < G) & live
+    row_mask = rows < G
     heads = h * G + rows
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < D
@@ -178,19 +175,17 @@ def _new_token(q, q_rows, m_i, l_i, acc, t, h, seq_len, start, stop, k_ptr, v_pt
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _decode_reduce_kernel(part_o, part_ml, seq_lens_ptr, qsl_ptr, out_ptr, v_scale_ptr, v_scale_val, Hq, D,
-                          num_splits, stride_ot, stride_oh, SPLITS_P2: tl.constexpr, BLOCK_N: tl.constexpr,
+def _decode_reduce_kernel(part_o, part_ml, qsl_ptr, out_ptr, v_scale_ptr, v_scale_val, Hq, D, num_splits,
+                          stride_ot, stride_oh, SPLITS_P2: tl.constexpr,
                           BLOCK_D: tl.constexpr, IS_FP8: tl.constexpr, SCALE_PTR: tl.constexpr,
                           PDL: tl.constexpr):
-    """Grid (B, Hq): merge the live split partials of one query head (the splits _decode_kernel gave tokens)."""
+    """Grid (B, Hq): merge the split partials of one query head."""
     pdl_start(PDL)
     pdl_wait(PDL)
     b = tl.program_id(0)
     hq = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + b)
-    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     offs_s = tl.arange(0, SPLITS_P2)
-    s_mask = offs_s * tokens_per_split < seq_len
+    s_mask = offs_s < num_splits
     offs_d = tl.arange(0, BLOCK_D)
     base = (b * Hq + hq) * num_splits + offs_s
     m = tl.load(part_ml + base * 2, mask=s_mask, other=NEG)

@@ -164,8 +164,8 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, s
         num_stages=cfg.num_stages, **launch_options(pdl))
     if splits > 1:
         _decode_reduce_kernel[(batch, num_q_heads)](
-            part_o, part_ml, seq_lens, query_start_loc, out, vs_ptr, vs_val, num_q_heads, head_dim, splits,
-            out.stride(0), out.stride(1), SPLITS_P2=_next_pow2(splits), BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+            part_o, part_ml, query_start_loc, out, vs_ptr, vs_val, num_q_heads, head_dim, splits,
+            out.stride(0), out.stride(1), SPLITS_P2=_next_pow2(splits), BLOCK_D=block_d,
             IS_FP8=is_fp8, SCALE_PTR=from_ptr, PDL=pdl, num_warps=4, **launch_options(pdl))
     return out
 
