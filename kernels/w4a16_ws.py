@@ -1,5 +1,7 @@
 """Warp-specialized Hopper (sm90) W4A16 matmul over the fragment layout: a producer partition dequantizes, a
-warpgroup only issues wgmma. Opt-in (`w4a16_ws`), not in the dispatcher until the H200 says it wins.
+warpgroup only issues wgmma. Opt-in (`w4a16_ws`), not dispatched: on the H200 it is correct and slower than the
+dispatcher at every M (bench/results/exp-ws-h200.json; why, from probes: bench/NOTES-kernels.md entry 17 — x tiles
+re-read from the L2 for every narrow N tile bound the skeleton itself, not the dequant).
 
 Why: in kernels/w4a16_wgmma.py one warpgroup both dequantizes and issues wgmma, and ptxas serializes the two
 inside the warp (bench/NOTES-kernels.md entry 15): M = 64 runs at 1.18x FP16, M >= 256 at 1.9x its time. Here
