@@ -237,14 +237,13 @@ def compile_decode_sm90() -> dict:
     """The fp8 decode kernel with and without the asm widening, compiled for sm90 -> narrow shared loads (LDS) and
     registers of each (a fresh process: the CPU tests' interpreter mode patches Triton's builder)."""
     import re
-    import subprocess
-    import tempfile
 
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from kernels.attention_triton import _decode_kernel
+    from tests.test_kernels_w4a16_mma import cubin_sass
     sig = dict(q_ptr="*fp16", k_cache="*fp8e4nv", v_cache="*fp8e4nv", tables_ptr="*i32", seq_lens_ptr="*i32",
                qsl_ptr="*i32", out_ptr="*fp16", part_o="*fp32", part_ml="*fp32", k_scale_ptr="*fp32",
                v_scale_ptr="*fp32", k_scale_val="fp32", v_scale_val="fp32", qk_scale="fp32", D="i32",
@@ -254,7 +253,6 @@ def compile_decode_sm90() -> dict:
                stride_vt="i32", stride_vh="i32", stride_pos="i32")
     aligned = ("q_ptr", "k_cache", "v_cache", "out_ptr", "part_o", "part_ml", "D", "stride_qt", "stride_qh",
                "stride_ot", "stride_oh", "stride_cb", "stride_cs", "stride_ch")
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     out = {}
     for cvt in (False, True):
         constexprs = dict(G=7, GP=16, BLOCK_N=64, BLOCK_D=128, BLOCK_SIZE=16, SPLIT=True, IS_FP8=True,
@@ -262,14 +260,9 @@ def compile_decode_sm90() -> dict:
         full = dict(sig, **{k: "constexpr" for k in constexprs})
         names = list(full)
         attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
-        compiled = triton.compile(ASTSource(fn=_decode_kernel, signature=full, constexprs=constexprs, attrs=attrs),
-                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(compiled.asm["cubin"])
-            f.flush()
-            usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-            sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
-        regs, stack = map(int, re.search(r"REG:(\d+) STACK:(\d+)", usage).groups())
+        regs, stack, sass = cubin_sass(triton.compile(
+            ASTSource(fn=_decode_kernel, signature=full, constexprs=constexprs, attrs=attrs),
+            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2}))
         out[str(cvt)] = {"regs": regs, "stack": stack, "lds": len(re.findall(r"\bLDS\b", sass))}
     return out
 

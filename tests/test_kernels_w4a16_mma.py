@@ -200,13 +200,27 @@ def test_gpu_frag_dequantize_exact():
         assert torch.equal(frag_dequantize(prepare_frag(qweight, scales, qzeros, gs)), exact.t())
 
 
-def _compile_sm90(kernel, signature: dict, constexprs: dict, num_warps: int, maxnreg: int | None = None):
-    """Compile a Gluon kernel for sm90 without a GPU (the wheel's ptxas) -> (registers, spill bytes, SASS text)."""
+def cubin_sass(compiled) -> tuple[int, int, str]:
+    """A kernel compiled by triton.compile -> (registers, spill stack bytes, SASS text), by the wheel's cuobjdump."""
     import os
     import re
     import subprocess
     import tempfile
 
+    import triton
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    regs, stack = map(int, re.search(r"REG:(\d+) STACK:(\d+)", usage).groups())
+    return regs, stack, sass
+
+
+def _compile_sm90(kernel, signature: dict, constexprs: dict, num_warps: int, maxnreg: int | None = None):
+    """Compile a Gluon kernel for sm90 without a GPU (the wheel's ptxas) -> registers, spill bytes and what its SASS
+    holds."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -217,14 +231,7 @@ def _compile_sm90(kernel, signature: dict, constexprs: dict, num_warps: int, max
                if a not in ("M", "iters_per_split", "n_splits")}
     src = GluonASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=aligned)
     options = {"num_warps": num_warps} if maxnreg is None else {"num_warps": num_warps, "maxnreg": maxnreg}
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
-    regs, stack = map(int, re.search(r"REG:(\d+) STACK:(\d+)", usage).groups())
+    regs, stack, sass = cubin_sass(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options))
     return {"regs": regs, "stack": stack, "hmma": "HMMA.16816.F32" in sass, "ldsm": "LDSM" in sass,
             "hgmma": "HGMMA.64x" in sass,
             "stg128": "STG.E.128" in sass, "stsm": "STSM" in sass, "setmaxnreg": "USETMAXREG" in sass,
