@@ -16,7 +16,7 @@ sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resol
 
 import torch  # noqa: E402
 
-from bench.kernels import SHAPES, GS, frag_layer, graph_us, nbytes, rotated  # noqa: E402
+from bench.kernels import SHAPES, GS, checked_us, frag_layer, graph_us, nbytes, rotated  # noqa: E402
 from kernels.w4a16 import prepare_w4a16, w4a16_forward  # noqa: E402
 from kernels.w4a16_mma import w4a16_mma  # noqa: E402
 
@@ -75,7 +75,6 @@ def main():
     for name in args.shapes.split(","):
         k, n = SHAPES[name]
         ref_w, fws, dense, raw = frag_layer(k, n)
-        fw = fws[0]
         wss = rotated(prepare_w4a16(*raw, GS), k, n)
         rows = []
         best_cfg = None
@@ -85,23 +84,13 @@ def main():
             ref = x.float() @ ref_w
             row = {"m": m, "fp16_us": graph_us([lambda d=d: torch.mm(x, d) for d in dense]),
                    "ours_us": graph_us([lambda w=w: w4a16_forward(x, w) for w in wss]),      # row layout
-                   "frag_us": graph_us([lambda f=f: w4a16_forward(x, f) for f in fws]),      # dispatcher, fragments
-                   "mma": []}
+                   "frag_us": graph_us([lambda f=f: w4a16_forward(x, f) for f in fws])}      # dispatcher, fragments
             sweep = (m in sweep_ms or best_cfg is None) and time.time() - t0 < args.budget_s
             mma_sync = m <= 64 and not (args.wgmma_only and m > 16)
             sync_cands = list(configs(m, False, args.focus, args.variant_sweep)) if mma_sync else []
             wg_cands = list(configs(m, True, variant_sweep=args.variant_sweep)) if m > 1 else []
             cands = sync_cands + wg_cands if sweep else [best_cfg]
-            for cfg in cands:
-                try:
-                    y = w4a16_mma(x, fw, **cfg)
-                    err = ((y.float() - ref).norm() / ref.norm()).item()
-                    entry = {"config": cfg, "rel_err": err}
-                    if err < 2e-3:
-                        entry["us"] = graph_us([lambda f=f: w4a16_mma(x, f, **cfg) for f in fws])
-                except Exception as e:
-                    entry = {"config": cfg, "error": repr(e)[:400]}
-                row["mma"].append(entry)
+            row["mma"] = [checked_us(lambda f, **c: w4a16_mma(x, f, **c), fws, ref, cfg) for cfg in cands]
             ok = [e for e in row["mma"] if "us" in e]
             if ok:
                 best = min(ok, key=lambda e: e["us"])

@@ -18,7 +18,7 @@ sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resol
 
 import torch  # noqa: E402
 
-from bench.kernels import SHAPES, frag_layer, graph_us  # noqa: E402
+from bench.kernels import SHAPES, checked_us, frag_layer, graph_us  # noqa: E402
 from kernels.w4a16 import w4a16_forward  # noqa: E402
 from kernels.w4a16_ws import w4a16_ws  # noqa: E402
 
@@ -49,7 +49,6 @@ def main():
     for name in args.shapes.split(","):
         k, n = SHAPES[name]
         ref_w, fws, dense, _ = frag_layer(k, n)
-        fw = fws[0]
         rows, t0 = [], time.time()
         for m in ms:
             x = torch.randn(m, k, dtype=torch.float16, device=DEV)
@@ -59,15 +58,7 @@ def main():
             for cfg in candidates(m):
                 if time.time() - t0 > args.budget_s * (ms.index(m) + 1) / len(ms):
                     break
-                try:
-                    y = w4a16_ws(x, fw, **cfg)
-                    err = ((y.float() - ref).norm() / ref.norm()).item()
-                    entry = {"config": cfg, "rel_err": err}
-                    if err < 2e-3:
-                        entry["us"] = graph_us([lambda f=f: w4a16_ws(x, f, **cfg) for f in fws])
-                except Exception as e:                        # a config that does not compile or launch
-                    entry = {"config": cfg, "error": repr(e)[:300]}
-                row["ws"].append(entry)
+                row["ws"].append(checked_us(lambda f, **c: w4a16_ws(x, f, **c), fws, ref, cfg))
             ok = [e for e in row["ws"] if "us" in e]
             if ok:
                 best = min(ok, key=lambda e: e["us"])

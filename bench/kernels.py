@@ -202,6 +202,19 @@ def frag_layer(k, n):
     return dequantize_w4(*raw, GS, torch.float32), rotated(prepare_frag(*raw, GS), k, n), dense, raw
 
 
+def checked_us(fn, fws, ref, cfg: dict) -> dict:
+    """One candidate of an experiment sweep: fn(weights, **cfg) checked against ref [M, N] fp32 on the first weight
+    copy, graph-timed over all copies where it is right -> {"config", "rel_err", "us"} or {"config", "error"}."""
+    try:
+        y = fn(fws[0], **cfg)
+        entry = {"config": cfg, "rel_err": ((y.float() - ref).norm() / ref.norm()).item()}
+        if entry["rel_err"] < 2e-3:
+            entry["us"] = graph_us([lambda f=f: fn(f, **cfg) for f in fws])
+    except Exception as e:                        # a config that does not compile or launch
+        entry = {"config": cfg, "error": repr(e)[:400]}
+    return entry
+
+
 def bench_linear(name, k, n, awq, tune, deadline, log):
     qweight, scales, qzeros = random_int4(k, n)
     ws = rotated(prepare_kernel_weights(qweight, scales, qzeros, GS), k, n)   # what the engine loads

@@ -270,23 +270,17 @@ def compile_decode_sm90() -> dict:
 def test_fp8_decode_widens_before_the_layout_change_on_sm90():
     """Left to Triton, the fp8 tile goes through shared memory to the MMA operand layout as bytes (~100 narrow
     loads a 64-token step) and is widened after; the asm widening keeps the fp16 path's shape."""
-    import json
-    import subprocess
-    import sys
-    code = ("import json; from tests.test_kernels_attention import compile_decode_sm90; "
-            "print(json.dumps(compile_decode_sm90()))")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=dict(os.environ, TRITON_INTERPRET="0"),
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    res = json.loads(run.stdout.strip().splitlines()[-1])
+    from tests.test_kernels_w4a16_mma import compiled_in_fresh_process
+    res = compiled_in_fresh_process("tests.test_kernels_attention", "compile_decode_sm90")
     assert res["True"]["stack"] == 0, res
     assert res["True"]["lds"] * 3 < res["False"]["lds"], res
 
 
-def test_decode_config_rule():
+def test_decode_config_rule(monkeypatch):
     """The fitted rule (kernels/paged_attention.decode_config): few programs split the context finely, many keep it
-    whole; fp8 tiles are widened by asm only on short tables; the split count stays within the merge kernel's."""
+    whole; fp8 tiles are widened by asm only on short tables; a CUDA graph's table keeps the coarse rule; the split
+    count stays within the merge kernel's."""
+    import kernels.paged_attention as pa
     from kernels.paged_attention import MAX_SPLITS, decode_config, decode_splits
     few16, many16 = decode_config(False, 4, 4096), decode_config(False, 256, 4096)
     assert (few16.block_n, few16.waves, few16.min_split_tokens) == (64, 8.0, 64)
@@ -295,14 +289,8 @@ def test_decode_config_rule():
     assert not decode_config(True, 256, 512).fp8_asm and decode_config(True, 256, 512).block_n == 128
     assert decode_config(False, 4, 4096, wide_table=True) == DecodeConfig()         # a CUDA graph's table
     assert decode_config(True, 4, 512, wide_table=True) == DecodeConfig(block_n=128)
+    monkeypatch.setattr(pa, "_num_sms", lambda device: 132)                         # an H100/H200
     cuda = torch.device("cuda", 0)
-    pa_sms = 132
-    import kernels.paged_attention as pa
-    real = pa._num_sms
-    pa._num_sms = lambda device: pa_sms
-    try:
-        assert decode_splits(4, 32768, cuda, few16) == MAX_SPLITS          # 264 wanted
-        assert decode_splits(4, 512, cuda, few16) == 8                      # 64-token splits
-        assert decode_splits(1024, 8192, cuda, many16) == 1
-    finally:
-        pa._num_sms = real
+    assert decode_splits(4, 32768, cuda, few16) == MAX_SPLITS          # 264 wanted
+    assert decode_splits(4, 512, cuda, few16) == 8                      # 64-token splits
+    assert decode_splits(1024, 8192, cuda, many16) == 1

@@ -46,17 +46,22 @@ def test_pick_block_k_lines_up_with_groups():
     assert pick_block_k(384, 32, 256) == 128         # four groups per step
 
 
+def frag_case(k: int, n: int, group_size: int, zeros: bool, m: int):
+    """A random fp16 INT4 layer in the fragment layout, x [m, k] and bias on the GPU, and the exact reference of
+    x @ W + bias -> (fw, x, bias, ref)."""
+    qweight, scales, qzeros, gs, _ = make_weights(k, n, group_size, zeros, False, torch.float16)
+    x = torch.randn(m, k, dtype=torch.float16, device=DEV)
+    bias = torch.randn(n, dtype=torch.float16, device=DEV)
+    return prepare_frag(qweight, scales, qzeros, gs), x, bias, reference(x, qweight, scales, qzeros, gs, None, bias)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("k,n,group_size,zeros", [(512, 256, 128, True), (384, 160, 64, False), (320, 96, 32, True),
                                                   (200, 48, -1, True), (3584, 4608, 128, True)])
 @pytest.mark.parametrize("m", [1, 3, 8, 13, 16, 40, 64])
 def test_gpu_mma_matches_twin(k, n, group_size, zeros, m):
     from kernels.w4a16_mma import w4a16_mma
-    qweight, scales, qzeros, gs, _ = make_weights(k, n, group_size, zeros, False, torch.float16)
-    fw = prepare_frag(qweight, scales, qzeros, gs)
-    x = torch.randn(m, k, dtype=torch.float16, device=DEV)
-    bias = torch.randn(n, dtype=torch.float16, device=DEV)
-    ref = reference(x, qweight, scales, qzeros, gs, None, bias)
+    fw, x, bias, ref = frag_case(k, n, group_size, zeros, m)
     for cfg in (dict(), dict(block_n=64, block_k=128, split_k=3), dict(block_n=256, num_warps=8, split_k=8),
                 dict(split_k=2, one_launch=False), dict(block_n=64, block_k=128, split_k=2, wgmma=True),
                 dict(block_n=128, block_k=64, num_warps=8, split_k=3, one_launch=False, wgmma=True),
@@ -200,6 +205,21 @@ def test_gpu_frag_dequantize_exact():
         assert torch.equal(frag_dequantize(prepare_frag(qweight, scales, qzeros, gs)), exact.t())
 
 
+def compiled_in_fresh_process(module: str, function: str) -> dict:
+    """module.function() (compiles kernels for sm90, returns a JSON-able dict) run in a fresh Python without the
+    interpreter: the CPU tests' interpreter mode patches Triton's builder in this one."""
+    import json
+    import os
+    import subprocess
+    import sys
+    code = f"import json; from {module} import {function}; print(json.dumps({function}()))"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(os.environ, TRITON_INTERPRET="0"),
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
 def cubin_sass(compiled) -> tuple[int, int, str]:
     """A kernel compiled by triton.compile -> (registers, spill stack bytes, SASS text), by the wheel's cuobjdump."""
     import os
@@ -285,16 +305,7 @@ def test_gluon_kernels_compile_for_sm90_without_spills():
     trivial-layout assertion holds), tensor-core MMAs, no spills, ldmatrix for x (staged in shared memory at M = 1
     with 64-column tiles, a tile per step above M = 1; the weights never go through shared memory), 16-byte stores
     of the dense rows in the dequantize kernel."""
-    import json
-    import os
-    import subprocess
-    import sys
-    code = "import json; from tests.test_kernels_w4a16_mma import compile_cases; print(json.dumps(compile_cases()))"
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    res = json.loads(run.stdout.strip().splitlines()[-1])
+    res = compiled_in_fresh_process("tests.test_kernels_w4a16_mma", "compile_cases")
     for m, k, n in COMPILE_CASES:
         r = res[f"{m}-{k}-{n}"]
         assert r["hmma"] and r["stack"] == 0 and r["ldsm"], (m, k, n, r)

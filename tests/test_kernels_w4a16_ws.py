@@ -5,6 +5,7 @@ import torch
 
 from kernels.w4a16_frag import prepare_frag
 from tests.test_kernels_w4a16 import make_weights, reference, rel_err
+from tests.test_kernels_w4a16_mma import compiled_in_fresh_process, frag_case
 
 DEV = "cuda"
 
@@ -24,11 +25,7 @@ sm90 = pytest.mark.skipif(not _sm90(), reason="warp specialization with wgmma ne
 @pytest.mark.parametrize("m", [1, 17, 64, 100, 128, 300])
 def test_gpu_ws_matches_twin(k, n, group_size, zeros, m):
     from kernels.w4a16_ws import w4a16_ws
-    qweight, scales, qzeros, gs, _ = make_weights(k, n, group_size, zeros, False, torch.float16)
-    fw = prepare_frag(qweight, scales, qzeros, gs)
-    x = torch.randn(m, k, dtype=torch.float16, device=DEV)
-    bias = torch.randn(n, dtype=torch.float16, device=DEV)
-    ref = reference(x, qweight, scales, qzeros, gs, None, bias)
+    fw, x, bias, ref = frag_case(k, n, group_size, zeros, m)
     for cfg in (dict(), dict(block_n=64, block_k=128), dict(split_k=3), dict(block_m=16, stages=2, prefetch=0),
                 dict(block_m=64, block_k=64, stages=3, split_k=2, prefetch=2)):
         assert rel_err(w4a16_ws(x, fw, bias, **cfg), ref) < 2e-3, cfg
@@ -71,15 +68,6 @@ def test_ws_kernel_compiles_for_sm90_without_spills():
     """Two partitions with their own register budgets (setmaxnreg), the dequantized tile stored by stmatrix, wgmma
     from shared memory, the L2 prefetches of steps ahead, no spills: checked on any machine with the wheel's
     ptxas."""
-    import json
-    import os
-    import subprocess
-    import sys
-    code = "import json; from tests.test_kernels_w4a16_ws import compile_ws_cases; print(json.dumps(compile_ws_cases()))"
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    res = json.loads(run.stdout.strip().splitlines()[-1])
+    res = compiled_in_fresh_process("tests.test_kernels_w4a16_ws", "compile_ws_cases")
     for name, r in res.items():
         assert r["hgmma"] and r["stsm"] and r["setmaxnreg"] and r["l2_prefetch"] and r["stack"] == 0, (name, r)
