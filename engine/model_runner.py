@@ -89,7 +89,8 @@ class ModelRunner:
 
     def capture_decode_graphs(self, max_batch: int, max_model_len: int) -> None:
         """CUDA only; the first forward (scale calibration / range check) still runs eagerly."""
-        self.decode_graphs = DecodeGraphs(self.model, max_batch, max_model_len, self.block_size, self.device)
+        self.decode_graphs = DecodeGraphs(self.model, max_batch, max_model_len, self.block_size, self.device,
+                                          self.model_config.num_kv_heads)
         self.decode_graphs.capture()
 
     @property

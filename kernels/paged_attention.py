@@ -31,6 +31,26 @@ class DecodeConfig:
     fp8_asm: bool = False          # fp8 cache: widen tiles by inline asm in registers (attention_triton._widen)
 
 
+FEW_PROGRAMS = 64     # up to this many programs (batch x kv heads) the decode rule splits the context finely
+
+
+def decode_graph_contexts(programs: int, max_ctx: int, smallest: int = 1024) -> list[int]:
+    """Block-table widths (tokens) to capture decode CUDA graphs at for B * Hkv programs, narrowest first; a graph
+    serves the batches whose longest context fits its width. Where the rule splits finely (<= FEW_PROGRAMS) the
+    split count follows the table, so one table max_model_len wide would split short contexts into mostly empty
+    programs (or, with the coarse wide_table rule, miss the fine configurations: fp8 at batch 1 x 512 tokens 8.3
+    against 6.1 us in a graph, bench/results/exp-graph-decode-h200.json): widths double from `smallest`. Above,
+    whole contexts are kept a program and one wide table serves every length (decode_config's wide_table)."""
+    if programs > FEW_PROGRAMS:
+        return [max_ctx]
+    widths = []
+    width = smallest
+    while width < max_ctx:
+        widths.append(width)
+        width *= 2
+    return widths + [max_ctx]
+
+
 def decode_config(is_fp8: bool, programs: int, max_ctx: int, wide_table: bool = False) -> DecodeConfig:
     """The decode kernel's configuration for B * Hkv programs over a block table of max_ctx tokens. Fitted on the
     H200 (bench/results/decode-tune-h200.json and decode-tune-asm-h200.json: 18 configurations, batch 1-256 x
@@ -41,11 +61,14 @@ def decode_config(is_fp8: bool, programs: int, max_ctx: int, wide_table: bool = 
     wide_table (a CUDA graph's table, sized for max_model_len, not for the contexts it will hold): the split count
     cannot follow the contexts, and fine splits over a wide table cost short contexts more than they give long
     ones (batch-1 decode step 1.937 -> 2.006 ms over a 4,096-token table, bench/results/decode-rule-ab-h200.json):
-    2 programs an SM, 256-token splits."""
+    2 programs an SM, 256-token splits. engine/cuda_graph.py captures such graphs only above FEW_PROGRAMS
+    (decode_graph_contexts)."""
     if wide_table:
         return DecodeConfig(block_n=128) if is_fp8 else DecodeConfig()
-    few = programs <= 64
+    few = programs <= FEW_PROGRAMS
     if is_fp8:
+        if programs <= 8 and max_ctx <= 1024:     # a tile or two a program: batch 1 x 512 tokens 5.9 -> 4.5 us
+            return DecodeConfig(block_n=64, waves=8.0, min_split_tokens=64, fp8_asm=True)
         if few:
             return DecodeConfig(block_n=128, waves=4.0, min_split_tokens=128, fp8_asm=max_ctx <= 1024)
         return DecodeConfig(block_n=128)

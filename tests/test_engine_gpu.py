@@ -41,15 +41,28 @@ def test_cuda_greedy_matches_cpu(kind, tmp_path_factory):
 def test_cuda_graph_decode_matches_eager():
     eager = make_engine(awq_model_dir(), dtype="float16", device="cuda", enforce_eager=True)
     graphed = make_engine(awq_model_dir(), dtype="float16", device="cuda")
-    assert graphed.runner.decode_graphs is not None and eager.runner.decode_graphs is None
-    prompts = _prompts(eager, 5)
-    a = _greedy(eager, prompts, logprobs=1)
-    b = _greedy(graphed, prompts, logprobs=1)
-    for x, y in zip(a, b):
-        assert x.outputs[0].token_ids == y.outputs[0].token_ids
-        lx = torch.tensor([lp.logprob for lp in x.outputs[0].logprobs])
-        ly = torch.tensor([lp.logprob for lp in y.outputs[0].logprobs])
-        torch.testing.assert_close(lx, ly, atol=2e-2, rtol=0)
+    graphs = graphed.runner.decode_graphs
+    assert graphs is not None and eager.runner.decode_graphs is None
+    assert graphs.widths[1] == [64, 128]               # 2 kv heads, 2048 tokens: graphs at 1024 and 2048 tokens
+    used = set()
+
+    class Replayed(dict):
+        def __getitem__(self, key):
+            used.add(key)
+            return super().__getitem__(key)
+
+    graphs.graphs = Replayed(graphs.graphs)
+    short = _prompts(eager, 5)
+    long = short + [eager.tokenizer.encode((DATA / "val.txt").read_text()[:20000])[:1100]]
+    for prompts in (short, long):                      # the 1024-token graphs, then the 2048-token ones
+        a = _greedy(eager, prompts, logprobs=1)
+        b = _greedy(graphed, prompts, logprobs=1)
+        for x, y in zip(a, b):
+            assert x.outputs[0].token_ids == y.outputs[0].token_ids
+            lx = torch.tensor([lp.logprob for lp in x.outputs[0].logprobs])
+            ly = torch.tensor([lp.logprob for lp in y.outputs[0].logprobs])
+            torch.testing.assert_close(lx, ly, atol=2e-2, rtol=0)
+    assert {width for _, width in used} == {64, 128}
     assert_all_blocks_free(graphed)
 
 

@@ -287,6 +287,9 @@ def test_decode_config_rule(monkeypatch):
     assert (many16.waves, many16.min_split_tokens) == (2.0, 256)
     assert decode_config(True, 16, 512).fp8_asm and not decode_config(True, 16, 4096).fp8_asm
     assert not decode_config(True, 256, 512).fp8_asm and decode_config(True, 256, 512).block_n == 128
+    one = decode_config(True, 4, 1024)                               # batch 1: 64-token tiles widened by asm
+    assert (one.block_n, one.min_split_tokens, one.fp8_asm) == (64, 64, True)
+    assert decode_config(True, 4, 2048) == decode_config(True, 16, 2048)
     assert decode_config(False, 4, 4096, wide_table=True) == DecodeConfig()         # a CUDA graph's table
     assert decode_config(True, 4, 512, wide_table=True) == DecodeConfig(block_n=128)
     monkeypatch.setattr(pa, "_num_sms", lambda device: 132)                         # an H100/H200
@@ -294,3 +297,16 @@ def test_decode_config_rule(monkeypatch):
     assert decode_splits(4, 32768, cuda, few16) == MAX_SPLITS          # 264 wanted
     assert decode_splits(4, 512, cuda, few16) == 8                      # 64-token splits
     assert decode_splits(1024, 8192, cuda, many16) == 1
+
+
+def test_decode_graph_contexts():
+    """Few programs: a graph per table width, doubling from 1024 tokens to max_model_len (the last may be odd);
+    many: one wide table."""
+    from kernels.paged_attention import FEW_PROGRAMS, decode_graph_contexts
+    assert decode_graph_contexts(4, 4096) == [1024, 2048, 4096]
+    assert decode_graph_contexts(FEW_PROGRAMS, 3000) == [1024, 2048, 3000]
+    assert decode_graph_contexts(8, 512) == [512]
+    assert decode_graph_contexts(FEW_PROGRAMS + 1, 32768) == [32768]
+    from engine.cuda_graph import DecodeGraphs
+    graphs = DecodeGraphs(None, 64, 4096, 16, torch.device("cpu"), num_kv_heads=4)     # Qwen2.5-7B heads
+    assert graphs.widths[1] == graphs.widths[16] == [64, 128, 256] and graphs.widths[24] == [256]

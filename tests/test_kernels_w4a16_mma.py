@@ -158,7 +158,9 @@ def test_mma_config_rule_reproduces_the_sweep_winners():
     assert cfg(1, 3584, 37888) == (64, 128, 1, True)                       # exp-mma-xstaged-h200.json
     swiglu = select_mma_config(1, 3584, 37888, silu_mul=True)               # exp-swiglu-ab-h200.json
     assert (swiglu.block_n, swiglu.split_k) == (128, 2)
-    assert cfg(4, 3584, 37888) == (128, 128, 2, True)
+    assert cfg(4, 3584, 37888) == (64, 128, 1, True)                       # exp-swiglu-small-m-h200.json
+    for m in (2, 8):                                                       # SwiGLU in the epilogue
+        assert (select_mma_config(m, 3584, 37888, silu_mul=True).split_k, cfg(m, 3584, 37888)[2]) == (1, 1)
     assert cfg(1, 18944, 3584) == (64, 128, 16, True)                      # exp-mma-split16-h200.json
     assert cfg(16, 3584, 37888) == (64, 128, 1, True)
     assert cfg(16, 18944, 3584) == (64, 128, 8, True)
