@@ -196,7 +196,10 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
                 total = gl.load(ws_ptr + offs_out, mask=mask, other=0.0, cache_modifier=".cg")
                 for sp in range(1, n_splits):
                     total += gl.load(ws_ptr + sp * M * N + offs_out, mask=mask, other=0.0, cache_modifier=".cg")
-                _write_out(total, out_ptr, bias_ptr, on, om, N, mask, stride_om, HAS_BIAS)
+                if SWIGLU:                    # the tile's columns are paired, the workspace its scratch
+                    _swiglu_out(total, out_ptr, pid_n, m0, M, stride_om, BLOCK_M, BLOCK_N, num_warps)
+                else:
+                    _write_out(total, out_ptr, bias_ptr, on, om, N, mask, stride_om, HAS_BIAS)
                 gl.store(cnt_ptr + tile, 0)
     elif SWIGLU:
         _swiglu_out(acc, out_ptr, pid_n, m0, M, stride_om, BLOCK_M, BLOCK_N, num_warps)
@@ -281,10 +284,11 @@ def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None
     if m > block_m and not wgmma:
         raise ValueError(f"M = {m} is above the mma.sync kernel's 64 rows (wgmma tiles any M by 128 rows)")
     m_tiles = triton.cdiv(m, block_m)
-    one_launch = one_launch and splits > 1 and not silu_mul
-    # one split: the SwiGLU in the epilogue, each program holding gate and up of the same columns
-    swiglu = (silu_mul and splits == 1 and not wgmma and bias is None and block_n % 32 == 0 and
-              (n // 2) % (block_n // 2) == 0)
+    # the SwiGLU in the epilogue (one split, or the split that draws the last ticket), each program holding gate
+    # and up of the same columns; otherwise the reduce pass applies it
+    pairs = silu_mul and not wgmma and bias is None and block_n % 32 == 0 and (n // 2) % (block_n // 2) == 0
+    one_launch = one_launch and splits > 1 and (pairs or not silu_mul)
+    swiglu = pairs and (splits == 1 or one_launch)
     tiles = triton.cdiv(n, block_n)
     out, ws, cnt = split_buffers(x, m, n, splits, one_launch, tiles * m_tiles,
                                  n // 2 if silu_mul and (splits > 1 or swiglu) else 0)

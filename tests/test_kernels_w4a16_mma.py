@@ -109,11 +109,12 @@ def test_gpu_mma_silu_mul_equals_unfused():
     qweight, scales, qzeros, gs, _ = make_weights(512, 512, 128, True, False, torch.float16)
     fw = prepare_frag(qweight, scales, qzeros, gs)
     for m, cfg in ((2, dict(split_k=2)), (2, dict(split_k=2, one_launch=False)), (16, dict(block_n=64, split_k=1)),
-                   (1, dict(block_n=64, split_k=1)), (3, dict(block_n=128, split_k=1)),
+                   (1, dict(block_n=64, split_k=1)), (1, dict(block_n=128, split_k=2)),
+                   (3, dict(block_n=128, split_k=1)),
                    (5, dict(block_n=128, split_k=3)), (40, dict(block_n=64, split_k=2, wgmma=True, one_launch=False))):
         x = torch.randn(m, 512, dtype=torch.float16, device=DEV)
-        # split-K reduces with SwiGLU fused, one split applies it in the epilogue (gate and up tiles of the same
-        # columns in one program): both round like the unfused pair
+        # the reduce pass applies the SwiGLU, or the epilogue of the one split or of the split with the last ticket
+        # (gate and up tiles of the same columns in one program): each rounds like the unfused pair
         assert torch.equal(w4a16_mma(x, fw, silu_mul=True, **cfg), silu_and_mul(w4a16_mma(x, fw, **cfg))), (m, cfg)
 
 
@@ -294,6 +295,11 @@ def compile_cases() -> dict:
         HAS_BIAS=False, SPLIT=False, ONE_LAUNCH=False, GROUP=128, HAS_ZEROS=True, EVEN_N=True, EVEN_K=True,
         X_SMEM=False, WGMMA=False, PDL=True, SCALE_AFTER=True, X_STEPS=32, SWIGLU=True, A_SMEM=False, BLOCK_M=8,
         BLOCK_N=64, BLOCK_K=128, num_warps=4), 4)
+    # the decode step's gate_up at M = 1: 128 columns, two splits, the split with the last ticket applies it
+    out["swiglu_split"] = _compile_sm90(_w4a16_mma_kernel, dict(ptrs, **ints), dict(
+        HAS_BIAS=False, SPLIT=True, ONE_LAUNCH=True, GROUP=128, HAS_ZEROS=True, EVEN_N=True, EVEN_K=True,
+        X_SMEM=False, WGMMA=False, PDL=True, SCALE_AFTER=True, X_STEPS=0, SWIGLU=True, A_SMEM=False, BLOCK_M=8,
+        BLOCK_N=128, BLOCK_K=128, num_warps=4), 4)
     sig = dict(w_ptr="*i32", s_ptr="*fp16", z_ptr="*i32", out_ptr="*fp16", N="i32", K="i32", KP="i32",
                stride_sg="i32", stride_zg="i32")
     out["dequant"] = _compile_sm90(_frag_dequant_kernel, sig, dict(GROUP=32, HAS_ZEROS=True, BLOCK_N=64,
@@ -316,6 +322,7 @@ def test_gluon_kernels_compile_for_sm90_without_spills():
         assert r["hgmma"] and r["stack"] == 0 and not r["ldsm"], (m, bn, bk, nw, r)
     assert res["dequant"]["stack"] == 0 and res["dequant"]["stg128"]
     assert res["swiglu"]["hmma"] and res["swiglu"]["stack"] == 0
+    assert res["swiglu_split"]["hmma"] and res["swiglu_split"]["stack"] == 0
 
 
 def test_layout_probe_failure_falls_back_to_rows_with_a_warning(caplog):
