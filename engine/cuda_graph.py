@@ -5,7 +5,8 @@ A decode step (one new token per sequence) launches a few hundred small kernels;
 removes their launch overhead. Inputs are copied into static buffers; rows past the real batch are padding
 (slot -1: nothing is stored; their outputs are dropped). Where the decode attention splits contexts finely (few
 programs: kernels/paged_attention.decode_graph_contexts), a batch bucket has a graph per table width (1024, 2048,
-... tokens up to max_model_len) and a step replays the narrowest that holds its longest context."""
+... tokens up to max_model_len, where the decode launch differs) and a step replays the narrowest that holds its
+longest context."""
 import logging
 
 import torch
@@ -20,15 +21,14 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384
 
 class DecodeGraphs:
     def __init__(self, model, max_batch: int, max_model_len: int, block_size: int, device: torch.device,
-                 num_kv_heads: int = 1 << 16):
+                 num_kv_heads: int = 1 << 16, kv_fp8: bool = False):
         self.model = model
         self.buckets = sorted({b for b in BUCKETS if b < max_batch} | {max_batch})
         self.max_batch = max_batch
         max_blocks = -(-max_model_len // block_size)
         # table widths in blocks per batch bucket, narrowest first; one width = a wide table (AttentionMetadata)
-        self.widths = {bs: sorted({-(-t // block_size) for t in decode_graph_contexts(bs * num_kv_heads,
-                                                                                      max_blocks * block_size)})
-                       for bs in self.buckets}
+        self.widths = {bs: sorted({-(-t // block_size) for t in decode_graph_contexts(
+            bs * num_kv_heads, max_blocks * block_size, kv_fp8, torch.device(device))}) for bs in self.buckets}
         self.block_size = block_size
         with torch.device(device):
             self.input_ids = torch.zeros(max_batch, dtype=torch.long)

@@ -10,7 +10,7 @@ from engine.config import CacheConfig, ModelConfig
 from engine.cuda_graph import DecodeGraphs
 from engine.kv_scales import FP8_DTYPES, KVRangeObserver
 from engine.models.decoder import DecoderForCausalLM
-from engine.sampler import PendingSample, Sampler, compute_prompt_logprobs
+from engine.sampler import PendingSample, Sampler, compute_prompt_logprobs, only_argmax
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Logprob
 from engine.swap import CpuKVTier
@@ -90,7 +90,7 @@ class ModelRunner:
     def capture_decode_graphs(self, max_batch: int, max_model_len: int) -> None:
         """CUDA only; the first forward (scale calibration / range check) still runs eagerly."""
         self.decode_graphs = DecodeGraphs(self.model, max_batch, max_model_len, self.block_size, self.device,
-                                          self.model_config.num_kv_heads)
+                                          self.model_config.num_kv_heads, self.kv_dtype in FP8_DTYPES)
         self.decode_graphs.capture()
 
     @property
@@ -274,7 +274,8 @@ class ModelRunner:
                 rows = hidden
             else:   # a list index would go through pageable memory, which waits for the step in flight
                 rows = hidden[to_device(sample_rows, torch.long, hidden.device)]
-            logits = self.model.compute_logits(rows)                         # [S, vocab] fp32
+            # [S, vocab]; fp32 unless every row only takes the argmax
+            logits = self.model.compute_logits(rows, float32=not only_argmax(sample_seqs))
             pending = self.sampler.sample(logits, sample_seqs)
         return LaunchedStep([item.sample for item in out.scheduled], pending)
 

@@ -69,6 +69,12 @@ def needs_last_token_on_host(seq: Sequence) -> bool:
     return _has_penalties(seq) or _min_tokens_active(seq)
 
 
+def only_argmax(seqs: list[Sequence]) -> bool:
+    """Every row takes the argmax of its raw logits: greedy, no penalties, no min_tokens, no logprobs."""
+    return all(_is_greedy(s) and not _has_penalties(s) and not _min_tokens_active(s) and s.params.logprobs is None
+               for s in seqs)
+
+
 def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
     width = max(1, max(len(r) for r in rows))
     return to_device([r + [pad] * (width - len(r)) for r in rows], torch.long, device)
@@ -204,6 +210,9 @@ class Sampler:
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> PendingSample:
         """Queues the sampling of one token per row of logits [S, V]; nothing waits for the GPU."""
         assert logits.dim() == 2 and logits.shape[0] == len(seqs), (tuple(logits.shape), len(seqs))
+        if only_argmax(seqs):          # the model's dtype is fine: widening to fp32 is exact and keeps the order
+            sampled = logits.argmax(dim=-1)                                                      # [S]
+            return PendingSample(sampled, sampled, len(seqs), [])
         logits = logits.float()                                                                  # [S, V]
         want_logprobs = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None                     # [S, V]

@@ -34,21 +34,33 @@ class DecodeConfig:
 FEW_PROGRAMS = 64     # up to this many programs (batch x kv heads) the decode rule splits the context finely
 
 
-def decode_graph_contexts(programs: int, max_ctx: int, smallest: int = 1024) -> list[int]:
+def decode_graph_contexts(programs: int, max_ctx: int, is_fp8: bool, device: torch.device,
+                          smallest: int = 1024) -> list[int]:
     """Block-table widths (tokens) to capture decode CUDA graphs at for B * Hkv programs, narrowest first; a graph
     serves the batches whose longest context fits its width. Where the rule splits finely (<= FEW_PROGRAMS) the
     split count follows the table, so one table max_model_len wide would split short contexts into mostly empty
     programs (or, with the coarse wide_table rule, miss the fine configurations: fp8 at batch 1 x 512 tokens 8.3
-    against 6.1 us in a graph, bench/results/exp-graph-decode-h200.json): widths double from `smallest`. Above,
-    whole contexts are kept a program and one wide table serves every length (decode_config's wide_table)."""
+    against 6.1 us in a graph, bench/results/exp-graph-decode-h200.json): widths double from `smallest`, and a width
+    whose launch (configuration and split count) is the next wider one's is left out: its graph would be the same.
+    Above FEW_PROGRAMS whole contexts are kept a program and one wide table serves every length (decode_config's
+    wide_table)."""
     if programs > FEW_PROGRAMS:
         return [max_ctx]
-    widths = []
+
+    def launch(width: int):
+        cfg = decode_config(is_fp8, programs, width)
+        return cfg, decode_splits(programs, width, device, cfg)
+
+    widths = [max_ctx]
     width = smallest
     while width < max_ctx:
         widths.append(width)
         width *= 2
-    return widths + [max_ctx]
+    kept = [max_ctx]
+    for width in sorted(widths[1:], reverse=True):
+        if launch(width) != launch(kept[0]):
+            kept.insert(0, width)
+    return kept
 
 
 def decode_config(is_fp8: bool, programs: int, max_ctx: int, wide_table: bool = False) -> DecodeConfig:

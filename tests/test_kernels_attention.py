@@ -299,14 +299,22 @@ def test_decode_config_rule(monkeypatch):
     assert decode_splits(1024, 8192, cuda, many16) == 1
 
 
-def test_decode_graph_contexts():
-    """Few programs: a graph per table width, doubling from 1024 tokens to max_model_len (the last may be odd);
-    many: one wide table."""
+def test_decode_graph_contexts(monkeypatch):
+    """Few programs: a graph per table width, doubling from 1024 tokens to max_model_len, less the widths whose launch
+    (configuration, split count) the next wider one repeats; many: one wide table."""
+    import kernels.paged_attention as pa
     from kernels.paged_attention import FEW_PROGRAMS, decode_graph_contexts
-    assert decode_graph_contexts(4, 4096) == [1024, 2048, 4096]
-    assert decode_graph_contexts(FEW_PROGRAMS, 3000) == [1024, 2048, 3000]
-    assert decode_graph_contexts(8, 512) == [512]
-    assert decode_graph_contexts(FEW_PROGRAMS + 1, 32768) == [32768]
+    monkeypatch.setattr(pa, "_num_sms", lambda device: 132)                         # an H100/H200
+    cuda = torch.device("cuda", 0)
+    assert decode_graph_contexts(4, 4096, False, cuda) == [1024, 2048, 4096]
+    # fp16, 4 programs: 16, 32, 64 splits, then 128 (the cap) from 8,192 tokens on: 8,192 and 16,384 repeat 32,768
+    assert decode_graph_contexts(4, 32768, False, cuda) == [1024, 2048, 4096, 32768]
+    assert decode_graph_contexts(4, 32768, True, cuda) == [1024, 2048, 4096, 8192, 32768]
+    assert decode_graph_contexts(FEW_PROGRAMS, 3000, False, cuda) == [1024, 3000]        # 16 splits, then 17
+    assert decode_graph_contexts(8, 512, False, cuda) == [512]
+    assert decode_graph_contexts(FEW_PROGRAMS + 1, 32768, False, cuda) == [32768]
     from engine.cuda_graph import DecodeGraphs
+    on_gpu = pa.decode_splits                              # as on an H200, though the buffers here are on the CPU
+    monkeypatch.setattr(pa, "decode_splits", lambda programs, ctx, device, cfg: on_gpu(programs, ctx, cuda, cfg))
     graphs = DecodeGraphs(None, 64, 4096, 16, torch.device("cpu"), num_kv_heads=4)     # Qwen2.5-7B heads
-    assert graphs.widths[1] == graphs.widths[16] == [64, 128, 256] and graphs.widths[24] == [256]
+    assert (graphs.widths[1], graphs.widths[16], graphs.widths[24]) == ([64, 128, 256], [64, 256], [256])

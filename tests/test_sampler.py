@@ -33,6 +33,8 @@ def test_greedy_is_argmax_for_a_large_batch():
 def test_greedy_ties_pick_lowest_id():
     logits = torch.tensor([[0.0, 5.0, 5.0, 1.0]])
     assert Sampler()(logits, [make_seq(temperature=0.0)]).token_ids == [1]
+    # greedy rows without logprobs take the argmax of the model-dtype logits (the runner skips the fp32 copy)
+    assert Sampler()(torch.tensor([[0.0, 5.0, 5.001, 1.0]]).half(), [make_seq(temperature=0.0)]).token_ids == [1]
 
 
 def test_penalties_change_exactly_the_expected_logits():

@@ -161,11 +161,13 @@ class DecoderForCausalLM(nn.Module):
         """input_ids, positions: [T] -> hidden states [T, hidden]."""
         return self.model(input_ids, positions, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [S, hidden] -> fp32 logits [S, vocab]."""
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """hidden: [S, hidden] -> logits [S, vocab], fp32 or (float32=False) in the model's dtype."""
         if self.lm_head is None:
-            return nn.functional.linear(hidden, self.model.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+            logits = nn.functional.linear(hidden, self.model.embed_tokens.weight)
+        else:
+            logits = self.lm_head(hidden)
+        return logits.float() if float32 else logits
 
     @property
     def attention_layers(self) -> list[Attention]:
