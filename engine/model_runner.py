@@ -15,6 +15,7 @@ from engine.scheduler import SchedulerOutput
 from engine.sequence import Logprob
 from engine.swap import CpuKVTier
 from engine.transfer import to_device
+from kernels.paged_attention import store_kv
 
 KV_CACHE_DTYPES = {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16,
                    "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
@@ -208,22 +209,33 @@ class ModelRunner:
     @torch.inference_mode()
     def warmup(self, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> int:
         """Throwaway forwards over the step shapes serving meets: a full-budget prompt chunk, short prompts in every
-        W4A16 dispatch band, decodes alone and mixed with a chunk. Triton then compiles (and cuBLAS and the
-        allocator settle) before the first request instead of inside its time to first token. Stores nothing (every
-        slot is -1) and leaves the first-forward KV-scale calibration to the first real step. -> forwards run"""
+        W4A16 dispatch band, decodes (few and many, short and long contexts) alone and mixed with a chunk. Triton
+        then compiles (and cuBLAS and the allocator settle) before the first request instead of inside its time to
+        first token. Stores nothing (every slot is -1) and leaves the first-forward KV-scale calibration to the
+        first real step. -> forwards run"""
         budget = max_num_batched_tokens
         shapes: list[tuple[list[int], list[int]]] = [([], [budget])]          # (decode contexts, prompt chunks)
         shapes += [([], [t]) for t in (1, 3, 8, 16, 24, 48, 64, 100, 128, 200, 512) if t < budget]
         decodes = min(max_num_seqs, 64, budget)
-        shapes.append(([max_model_len // 2] * min(3, decodes), []))
-        shapes.append(([min(32, max_model_len)] * decodes, []))
         if max_num_seqs > 1 and budget > 3:
             shapes.append(([max_model_len // 2] * min(3, decodes, max_num_seqs - 1), [budget - 3]))
-        if max_num_seqs > 1 and budget > 64:
-            shapes.append(([min(32, max_model_len)] * min(decodes, max_num_seqs - 1, budget - 50), [50]))
+        # decode batches that reach every branch of the decode rule (kernels/paged_attention.decode_config: one
+        # sequence, just past 8 programs, many; contexts that split or not, tables that take asm-widened fp8 tiles
+        # or not), alone and beside a chunk (mixed steps run them eagerly, without the folded RoPE)
+        few = 8 // self.model_config.num_kv_heads + 1
+        for d in sorted({1, min(few, decodes), decodes}):
+            for ctx in sorted({min(32, max_model_len), min(512, max_model_len), max_model_len // 2}):
+                shapes.append(([ctx] * d, []))
+                if max_num_seqs > d and budget > d + 16:
+                    shapes.append(([ctx] * d, [16]))
         for contexts, chunks in shapes:
             chunks = [min(c, max_model_len) for c in chunks]
             self._warmup_forward(contexts, chunks)
+        # the first real step may hand its K/V to the scale calibration, which stores them through store_kv
+        attn, cfg = self.model.attention_layers[0], self.model_config
+        kv = torch.zeros((1, cfg.num_kv_heads, cfg.head_dim), dtype=self.dtype, device=self.device)
+        store_kv(kv, kv, attn.k_cache, attn.v_cache, torch.full((1,), -1, dtype=torch.long, device=self.device),
+                 attn.k_scale, attn.v_scale)
         return len(shapes)
 
     def _warmup_forward(self, contexts: list[int], chunks: list[int]) -> None:

@@ -96,6 +96,32 @@ def test_async_launch_never_waits_for_the_step_in_flight():
     assert_all_blocks_free(engine)
 
 
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_no_triton_compile_after_startup(kv, monkeypatch):
+    """The start-up warm-up and graph capture compile every kernel variant serving reaches: one sequence decoding
+    alone (graphs), prompts admitted beside it (mixed steps, run eagerly), the fp8 scale calibration of the first
+    step, greedy and sampled rows. A variant compiled mid-run stalls every request in flight."""
+    from triton.runtime.jit import JITFunction
+    engine = make_engine(awq_model_dir(), dtype="float16", device="cuda", chunk=64, kv_cache_dtype=kv)
+    compiled, real = [], JITFunction._do_compile
+
+    def spy(self, *args, **kwargs):
+        compiled.append(self.fn.__name__)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(JITFunction, "_do_compile", spy)
+    prompts = _prompts(engine, 6)
+    engine.add_request("alone", prompts[0], SamplingParams(max_tokens=24, temperature=0.0))
+    for _ in range(4):
+        engine.step()
+    for i, ids in enumerate(prompts[1:4]):
+        engine.add_request(f"r{i}", ids * 4, SamplingParams(max_tokens=8, temperature=0.8 if i else 0.0, seed=i))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert compiled == []
+    assert_all_blocks_free(engine)
+
+
 def test_sample_copy_does_not_wait_for_later_work():
     """The sampled tokens' copy is queued with the step: resolving it must not wait for the step launched after."""
     from engine.sampler import PendingSample
