@@ -12,7 +12,7 @@ import logging
 import torch
 
 from engine.attention import AttentionMetadata
-from kernels.paged_attention import decode_graph_contexts
+from kernels.paged_attention import FEW_PROGRAMS, decode_graph_contexts
 
 logger = logging.getLogger("quant_serve")
 
@@ -26,9 +26,10 @@ class DecodeGraphs:
         self.buckets = sorted({b for b in BUCKETS if b < max_batch} | {max_batch})
         self.max_batch = max_batch
         max_blocks = -(-max_model_len // block_size)
-        # table widths in blocks per batch bucket, narrowest first; one width = a wide table (AttentionMetadata)
+        # table widths in blocks per batch bucket, narrowest first; many programs: one wide table (AttentionMetadata)
         self.widths = {bs: sorted({-(-t // block_size) for t in decode_graph_contexts(
             bs * num_kv_heads, max_blocks * block_size, kv_fp8, torch.device(device))}) for bs in self.buckets}
+        self.wide = {bs: bs * num_kv_heads > FEW_PROGRAMS for bs in self.buckets}
         self.block_size = block_size
         with torch.device(device):
             self.input_ids = torch.zeros(max_batch, dtype=torch.long)
@@ -45,7 +46,7 @@ class DecodeGraphs:
         return AttentionMetadata(slot_mapping=self.slot_mapping[:bs], block_tables=self.block_tables[:bs, :width],
                                  seq_lens=self.seq_lens[:bs], query_start_loc=self.query_start_loc[:bs + 1],
                                  max_seq_len=width * self.block_size, max_query_len=1,
-                                 wide_table=len(self.widths[bs]) == 1)
+                                 wide_table=self.wide[bs])
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -318,3 +318,6 @@ def test_decode_graph_contexts(monkeypatch):
     monkeypatch.setattr(pa, "decode_splits", lambda programs, ctx, device, cfg: on_gpu(programs, ctx, cuda, cfg))
     graphs = DecodeGraphs(None, 64, 4096, 16, torch.device("cpu"), num_kv_heads=4)     # Qwen2.5-7B heads
     assert (graphs.widths[1], graphs.widths[16], graphs.widths[24]) == ([64, 128, 256], [64, 256], [256])
+    assert not graphs.wide[16] and graphs.wide[24]            # the fine rule over each width, the coarse one above
+    short = DecodeGraphs(None, 8, 512, 16, torch.device("cpu"), num_kv_heads=4)       # one width, yet few programs
+    assert short.widths[1] == [32] and not short.wide[1]
