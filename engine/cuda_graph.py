@@ -21,7 +21,7 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384
 
 class DecodeGraphs:
     def __init__(self, model, max_batch: int, max_model_len: int, block_size: int, device: torch.device,
-                 num_kv_heads: int = 1 << 16, kv_fp8: bool = False):
+                 num_kv_heads: int, kv_fp8: bool = False):
         self.model = model
         self.buckets = sorted({b for b in BUCKETS if b < max_batch} | {max_batch})
         self.max_batch = max_batch
