@@ -73,7 +73,7 @@ def _decode_kernel(q_ptr, k_cache, v_cache, tables_ptr, seq_lens_ptr, qsl_ptr, o
                    stride_pos, G: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, IS_FP8: tl.constexpr,
                    SCALE_PTR: tl.constexpr, PDL: tl.constexpr, ROPE: tl.constexpr, FMAX: tl.constexpr,
-                   FP8_CVT: tl.constexpr):
+                   FP8_CVT: tl.constexpr, EARLY_TILE: tl.constexpr):
     """Grid (B, Hkv, splits): one query token per sequence. The split length follows this sequence's own length
     (whole BLOCK_N tiles), not the table width the grid was sized for, so a short context in a CUDA graph captured
     for long ones still spreads over programs; splits past the end store an empty partial (merged by
@@ -84,20 +84,34 @@ def _decode_kernel(q_ptr, k_cache, v_cache, tables_ptr, seq_lens_ptr, qsl_ptr, o
     seq_len - 1) rotates its k, stores k and v by slot (-1: not stored) and attends to them from registers, as
     stored (fp8: quantized), instead of reading them back from the cache."""
     pdl_start(PDL)
-    pdl_wait(PDL)                     # q is the previous kernel's output (kernels/pdl.py)
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
+    # before the wait: the step's inputs (written before the previous kernel started, kernels/pdl.py), with ROPE
+    # the RoPE row, and with EARLY_TILE (needs ROPE: the cache up to the new token, which earlier steps wrote) the
+    # first K/V tile, so the block-table -> K/V round trips overlap the previous kernel's tail
     seq_len = tl.load(seq_lens_ptr + b)
     q_idx = tl.load(qsl_ptr + b)
     tokens_per_split = tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
     start = sp * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
+    if ROPE:
+        end = tl.minimum(end, seq_len - 1)        # the new token is attended from registers
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+    table_row = tables_ptr + b * stride_tb
+    toks0 = start + tl.arange(0, BLOCK_N)
+    if EARLY_TILE:
+        k0 = _kv_tile(k_cache, table_row, toks0, toks0 < end, h, stride_cb, stride_cs, stride_ch, offs_d, d_mask,
+                      BLOCK_SIZE)
+        v0 = _kv_tile(v_cache, table_row, toks0, toks0 < end, h, stride_cb, stride_cs, stride_ch, offs_d, d_mask,
+                      BLOCK_SIZE)
+    if ROPE:
+        cos, sin, slot = _rope_row(q_idx, pos_ptr, cos_sin_ptr, slot_ptr, stride_pos, offs_d, BLOCK_D)
+    pdl_wait(PDL)                     # q (and the new k, v) are the previous kernel's output
     rows = tl.arange(0, GP)
     row_mask = rows < G
     heads = h * G + rows
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < D
     q_rows = q_ptr + q_idx * stride_qt + heads[:, None] * stride_qh
     q = tl.load(q_rows + offs_d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # [GP, BLOCK_D]
     if IS_FP8:
@@ -107,13 +121,17 @@ def _decode_kernel(q_ptr, k_cache, v_cache, tables_ptr, seq_lens_ptr, qsl_ptr, o
     acc = tl.zeros([GP, BLOCK_D], tl.float32)
     if ROPE:
         q, m_i, l_i, acc = _new_token(q, q_rows, m_i, l_i, acc, q_idx, h, seq_len, start, start + tokens_per_split,
-                                      k_new_ptr, v_new_ptr, pos_ptr, cos_sin_ptr, slot_ptr, k_cache, v_cache,
-                                      k_scale_ptr, v_scale_ptr, k_scale_val, v_scale_val, qk_scale, stride_kt,
-                                      stride_kh, stride_vt, stride_vh, stride_pos, stride_cb, stride_cs, stride_ch,
-                                      offs_d, d_mask, row_mask, BLOCK_D, BLOCK_SIZE, FMAX, IS_FP8, SCALE_PTR)
-        end = tl.minimum(end, seq_len - 1)        # the new token is attended from registers
-    table_row = tables_ptr + b * stride_tb
-    for n0 in range(start, end, BLOCK_N):
+                                      cos, sin, slot, k_new_ptr, v_new_ptr, k_cache, v_cache, k_scale_ptr,
+                                      v_scale_ptr, k_scale_val, v_scale_val, qk_scale, stride_kt, stride_kh,
+                                      stride_vt, stride_vh, stride_cb, stride_cs, stride_ch, offs_d, d_mask,
+                                      row_mask, BLOCK_D, BLOCK_SIZE, FMAX, IS_FP8, SCALE_PTR)
+    first = start
+    if EARLY_TILE:
+        if start < end:                           # a fully masked tile would count its masked scores
+            m_i, l_i, acc = _attend_tile(q, _widen(k0, q.dtype, FP8_CVT), _widen(v0, q.dtype, FP8_CVT),
+                                         (toks0 < end)[None, :], m_i, l_i, acc, qk_scale)
+        first = start + BLOCK_N
+    for n0 in range(first, end, BLOCK_N):
         toks = n0 + tl.arange(0, BLOCK_N)
         tok_mask = toks < end
         k = _widen(_kv_tile(k_cache, table_row, toks, tok_mask, h, stride_cb, stride_cs, stride_ch, offs_d, d_mask,
@@ -136,21 +154,27 @@ def _decode_kernel(q_ptr, k_cache, v_cache, tables_ptr, seq_lens_ptr, qsl_ptr, o
 
 
 @triton.jit
-def _new_token(q, q_rows, m_i, l_i, acc, t, h, seq_len, start, stop, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr,
-               k_cache, v_cache, k_scale_ptr, v_scale_ptr, k_scale_val, v_scale_val, qk_scale, stride_kt, stride_kh,
-               stride_vt, stride_vh, stride_pos, stride_cb, stride_cs, stride_ch, offs_d, d_mask, row_mask,
-               BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, FMAX: tl.constexpr, IS_FP8: tl.constexpr,
-               SCALE_PTR: tl.constexpr):
-    """Token t of the decode step (kv head h): q [GP, BLOCK_D] rotated (neox, rounded to q's dtype as the stored
-    twin is); where this program's tokens [start, stop) hold position seq_len - 1, k rotated, k and v stored by
-    slot and folded into the softmax state (m = its score, l = 1, acc = v), else the state unchanged."""
+def _rope_row(t, pos_ptr, cos_sin_ptr, slot_ptr, stride_pos, offs_d, BLOCK_D: tl.constexpr):
+    """Token t's RoPE factors over [BLOCK_D] (cos; sin negated on the first half: y1 = x1 cos - x2 sin, y2 = x2 cos
+    + x1 sin) and its cache slot."""
     HALF: tl.constexpr = BLOCK_D // 2             # head_dim is a power of two on this path
     pos = tl.load(pos_ptr + t).to(tl.int64)
     i = offs_d % HALF
-    partner = (offs_d + HALF) % BLOCK_D
     cos = tl.load(cos_sin_ptr + pos * stride_pos + i).to(tl.float32)
     sin = tl.load(cos_sin_ptr + pos * stride_pos + HALF + i).to(tl.float32)
-    sin = tl.where(offs_d < HALF, -sin, sin)      # y1 = x1 cos - x2 sin, y2 = x2 cos + x1 sin
+    sin = tl.where(offs_d < HALF, -sin, sin)
+    return cos, sin, tl.load(slot_ptr + t).to(tl.int64)
+
+
+@triton.jit
+def _new_token(q, q_rows, m_i, l_i, acc, t, h, seq_len, start, stop, cos, sin, slot, k_ptr, v_ptr, k_cache, v_cache,
+               k_scale_ptr, v_scale_ptr, k_scale_val, v_scale_val, qk_scale, stride_kt, stride_kh, stride_vt,
+               stride_vh, stride_cb, stride_cs, stride_ch, offs_d, d_mask, row_mask, BLOCK_D: tl.constexpr,
+               BLOCK_SIZE: tl.constexpr, FMAX: tl.constexpr, IS_FP8: tl.constexpr, SCALE_PTR: tl.constexpr):
+    """Token t of the decode step (kv head h): q [GP, BLOCK_D] rotated (neox, rounded to q's dtype as the stored
+    twin is); where this program's tokens [start, stop) hold position seq_len - 1, k rotated, k and v stored by
+    slot and folded into the softmax state (m = its score, l = 1, acc = v), else the state unchanged."""
+    partner = (offs_d + BLOCK_D // 2) % BLOCK_D
     q2 = tl.load(q_rows + partner[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
     q = (q.to(tl.float32) * cos[None, :] + q2 * sin[None, :]).to(q.dtype)
     k_row = k_ptr + t * stride_kt + h * stride_kh
@@ -162,7 +186,6 @@ def _new_token(q, q_rows, m_i, l_i, acc, t, h, seq_len, start, stop, k_ptr, v_pt
     v = v.to(v_cache.dtype.element_ty)
     last = seq_len - 1
     own = ((last >= start) & (last < stop)) != 0  # != 0: a boolean under every interpreter (3.9's & gives int32)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
     dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + h * stride_ch + offs_d
     keep = (d_mask & own & (slot >= 0)) != 0
     tl.store(k_cache + dst, k, mask=keep)

@@ -6,7 +6,7 @@ even, like the torch twin (kernels/attention_ref.py). The cos_sin_cache layout i
 import triton
 import triton.language as tl
 
-from kernels.attention_triton import _quantize, _scale
+from kernels.attention_triton import _quantize
 from kernels.pdl import pdl_start, pdl_wait
 
 

@@ -29,6 +29,7 @@ class DecodeConfig:
     min_split_tokens: int = 256    # never split finer than this
     num_splits: int | None = None  # force a split count (tests, tuning)
     fp8_asm: bool = False          # fp8 cache: widen tiles by inline asm in registers (attention_triton._widen)
+    early_tile: bool = False       # with the new tokens folded in: the first K/V tile read before the PDL wait
 
 
 FEW_PROGRAMS = 64     # up to this many programs (batch x kv heads) the decode rule splits the context finely
@@ -74,18 +75,21 @@ def decode_config(is_fp8: bool, programs: int, max_ctx: int, wide_table: bool = 
     cannot follow the contexts, and fine splits over a wide table cost short contexts more than they give long
     ones (batch-1 decode step 1.937 -> 2.006 ms over a 4,096-token table, bench/results/decode-rule-ab-h200.json):
     2 programs an SM, 256-token splits. engine/cuda_graph.py captures such graphs only above FEW_PROGRAMS
-    (decode_graph_contexts)."""
+    (decode_graph_contexts).
+    early_tile (64-token tiles of few programs; the 128-token fp8 tile held across the wait spills): each program
+    reads its first K/V tile before the PDL wait, overlapping the qkv matmul's tail (batch-1 step 1.903 -> 1.876 ms
+    with fp8 KV, 1.890 -> 1.877 with fp16: bench/results/exp-m1-splits-h200.json)."""
     if wide_table:
         return DecodeConfig(block_n=128) if is_fp8 else DecodeConfig()
     few = programs <= FEW_PROGRAMS
     if is_fp8:
         if programs <= 8 and max_ctx <= 1024:     # a tile or two a program: batch 1 x 512 tokens 5.9 -> 4.5 us
-            return DecodeConfig(block_n=64, waves=8.0, min_split_tokens=64, fp8_asm=True)
+            return DecodeConfig(block_n=64, waves=8.0, min_split_tokens=64, fp8_asm=True, early_tile=True)
         if few:
             return DecodeConfig(block_n=128, waves=4.0, min_split_tokens=128, fp8_asm=max_ctx <= 1024)
         return DecodeConfig(block_n=128)
     if few:
-        return DecodeConfig(block_n=64, waves=8.0, min_split_tokens=64)
+        return DecodeConfig(block_n=64, waves=8.0, min_split_tokens=64, early_tile=True)
     return DecodeConfig(block_n=64, num_stages=3)
 
 
@@ -195,7 +199,8 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, s
         nk.v.stride(1), nk.cos_sin_cache.stride(0),
         G=group, GP=max(16, _next_pow2(group)), BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_SIZE=block_size,
         SPLIT=splits > 1, IS_FP8=is_fp8, SCALE_PTR=from_ptr, PDL=pdl, ROPE=new is not None,
-        FMAX=_fmax(k_cache.dtype), FP8_CVT=cfg.fp8_asm and _fp8_cvt(q, k_cache.dtype), num_warps=cfg.num_warps,
+        FMAX=_fmax(k_cache.dtype), FP8_CVT=cfg.fp8_asm and _fp8_cvt(q, k_cache.dtype),
+        EARLY_TILE=cfg.early_tile and new is not None, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **launch_options(pdl))
     if splits > 1:
         _decode_reduce_kernel[(batch, num_q_heads)](

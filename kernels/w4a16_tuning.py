@@ -114,9 +114,9 @@ def select_mma_config(m: int, k: int, n: int, wgmma: bool = False, silu_mul: boo
     M = 1..64, 42-70 candidates per point; exp-mma-split16-h200.json, M = 1 with up to 16 splits;
     exp-mma-xstaged-h200.json, M = 1 with x staged in shared memory (64-column tiles, so also on wide layers
     unless the SwiGLU epilogue follows: bench/results/exp-swiglu-ab-h200.json);
-    exp-mma-wgmma-h200.json, wgmma at M = 32..4096; Qwen2.5-7B shapes). mma.sync: 64-column tiles of 4 warps except
-    the SwiGLU gate_up at M = 1 (128 x 2), 128 at M > 32; 16 splits for long K at M <= 8, one on very wide layers;
-    two launches at M > 32.
+    exp-mma-wgmma-h200.json, wgmma at M = 32..4096; Qwen2.5-7B shapes). mma.sync: 64-column tiles of 4 warps, 128 at
+    M > 32; 16 splits for long K at M <= 8, one on very wide layers (two for the SwiGLU gate_up at M = 1); two
+    launches at M > 32.
     wgmma (wgmma=True: an sm90 GPU whose load probe passed) above M = 16: 64 columns x 4 warps up to M = 32, then
     128 x 8 warps, two launches. Otherwise K splits to ~600 programs. None: M is past both kernels (dequantize +
     cuBLAS)."""
@@ -128,14 +128,15 @@ def select_mma_config(m: int, k: int, n: int, wgmma: bool = False, silu_mul: boo
     if m <= 8:
         if k >= 8192:                     # long K, few columns (down): 16 splits of 128-row steps
             return MMAConfig(64, 128, 16, 4, True)
-        if n >= 16384 and (m > 1 or not silu_mul):
-            # alone, 64 x 1 with x staged is fastest (22.3 us against 23.7 for 128 x 2 on gate_up); at M = 1 with
-            # the SwiGLU of the decode step, 128 x 2 and the fused reduce pass win (batch-1 step 1.994 against
-            # 2.113 ms, the SwiGLU kernel on the critical path). M = 2..8: one split with the SwiGLU in the
-            # epilogue, 23.7-24.1 us against 27.6-28.3 for 128 x 2 + reduce pass, 38.4-39.6 against 43.2-43.7 as
-            # gate_up -> down (bench/results/exp-swiglu-small-m-h200.json)
-            return MMAConfig(64, 128, 1, 4, True)
-        bn, bk = (128 if n >= 16384 else 64), 128
+        if n >= 16384:
+            # M = 1 in the decode step (the SwiGLU gate_up): two splits, the SwiGLU applied by the split with the
+            # last ticket (batch-1 step 1.831 against 1.875 ms for 128 x 2, 1.970 for one split, 1.893-1.905 for
+            # three or four: bench/results/exp-m1-splits-h200.json). Alone, one split with x staged is fastest
+            # (22.3 us against 23.7 for 128 x 2). M = 2..8: one split with the SwiGLU in the epilogue, 23.7-24.1 us
+            # against 27.6-28.3 for 128 x 2 + reduce pass, 38.4-39.6 against 43.2-43.7 as gate_up -> down
+            # (bench/results/exp-swiglu-small-m-h200.json)
+            return MMAConfig(64, 128, 2 if m == 1 and silu_mul else 1, 4, True)
+        bn, bk = 64, 128
     elif m <= 32:
         bn, bk = 64, 128
     else:

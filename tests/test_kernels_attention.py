@@ -108,12 +108,14 @@ def test_decode_matches_twin(hq, hkv, dtype, cache_dtype, splits):
     assert rel_err(out, ref) < TOL[dtype]
 
 
-@pytest.mark.parametrize("dtype,cache_dtype,splits", [
-    (torch.float16, torch.float16, 1), (torch.float16, E4M3, 3), (torch.bfloat16, E5M2, 8)])
-def test_decode_with_new_tokens_matches_rope_store_then_decode(dtype, cache_dtype, splits):
+@pytest.mark.parametrize("dtype,cache_dtype,splits,early", [
+    (torch.float16, torch.float16, 1, False), (torch.float16, E4M3, 3, False), (torch.bfloat16, E5M2, 8, False),
+    (torch.float16, torch.float16, 1, True), (torch.float16, E4M3, 3, True), (torch.bfloat16, E5M2, 8, True)])
+def test_decode_with_new_tokens_matches_rope_store_then_decode(dtype, cache_dtype, splits, early):
     """The decode kernel rotating q/k and storing the new k/v itself (one launch instead of two) gives what
     rope_store_kv + the decode kernel give: same output, same cache bytes (up to an ulp of fused multiply-add);
-    a padding row (slot -1) stores nothing."""
+    a padding row (slot -1) stores nothing. early: the first tile read before the wait (peeled off the loop; a
+    one-token context and splits past a context's end leave it empty)."""
     gen = torch.Generator().manual_seed(splits)
     hq, hkv, d, seq_lens = 4, 2, 32, [1, 17, 40, 5]
     scale = 0.3 if cache_dtype in (E4M3, E5M2) else 1.0
@@ -129,7 +131,8 @@ def test_decode_with_new_tokens_matches_rope_store_then_decode(dtype, cache_dtyp
     q_ref, k_ref, v_ref = q.clone(), k.clone(), v.clone()
     rope_store_kv_ref(q_ref, k_ref, v_ref, positions, cos_sin, *ref_caches, slots, s, s)
     ref = paged_attention_ref(q_ref.float(), *ref_caches, tables, lens, qsl, d ** -0.5, s, s)
-    out = paged_decode(q, *caches, tables, lens, qsl, d ** -0.5, s, s, DecodeConfig(block_n=16, num_splits=splits),
+    out = paged_decode(q, *caches, tables, lens, qsl, d ** -0.5, s, s,
+                       DecodeConfig(block_n=16, num_splits=splits, early_tile=early),
                        new=NewTokens(k, v, positions, cos_sin, slots))
     assert rel_err(out[:3], ref[:3]) < TOL[dtype]
     for a, b in zip(caches, ref_caches):
@@ -256,7 +259,7 @@ def compile_decode_sm90() -> dict:
     out = {}
     for cvt in (False, True):
         constexprs = dict(G=7, GP=16, BLOCK_N=64, BLOCK_D=128, BLOCK_SIZE=16, SPLIT=True, IS_FP8=True,
-                          SCALE_PTR=True, PDL=True, ROPE=False, FMAX=448.0, FP8_CVT=cvt)
+                          SCALE_PTR=True, PDL=True, ROPE=False, FMAX=448.0, FP8_CVT=cvt, EARLY_TILE=False)
         full = dict(sig, **{k: "constexpr" for k in constexprs})
         names = list(full)
         attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}

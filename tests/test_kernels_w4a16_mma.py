@@ -110,7 +110,7 @@ def test_gpu_mma_silu_mul_equals_unfused():
     fw = prepare_frag(qweight, scales, qzeros, gs)
     for m, cfg in ((2, dict(split_k=2)), (2, dict(split_k=2, one_launch=False)), (16, dict(block_n=64, split_k=1)),
                    (1, dict(block_n=64, split_k=1)), (1, dict(block_n=128, split_k=2)),
-                   (3, dict(block_n=128, split_k=1)),
+                   (1, dict(block_n=64, split_k=2)), (3, dict(block_n=128, split_k=1)),
                    (5, dict(block_n=128, split_k=3)), (40, dict(block_n=64, split_k=2, wgmma=True, one_launch=False))):
         x = torch.randn(m, 512, dtype=torch.float16, device=DEV)
         # the reduce pass applies the SwiGLU, or the epilogue of the one split or of the split with the last ticket
@@ -157,8 +157,8 @@ def test_mma_config_rule_reproduces_the_sweep_winners():
         return c.block_n, c.block_k, c.split_k, c.one_launch
     assert cfg(1, 3584, 4608) == (64, 128, 8, True)
     assert cfg(1, 3584, 37888) == (64, 128, 1, True)                       # exp-mma-xstaged-h200.json
-    swiglu = select_mma_config(1, 3584, 37888, silu_mul=True)               # exp-swiglu-ab-h200.json
-    assert (swiglu.block_n, swiglu.split_k) == (128, 2)
+    swiglu = select_mma_config(1, 3584, 37888, silu_mul=True)               # exp-m1-splits-h200.json
+    assert (swiglu.block_n, swiglu.split_k, swiglu.one_launch) == (64, 2, True)
     assert cfg(4, 3584, 37888) == (64, 128, 1, True)                       # exp-swiglu-small-m-h200.json
     for m in (2, 8):                                                       # SwiGLU in the epilogue
         assert (select_mma_config(m, 3584, 37888, silu_mul=True).split_k, cfg(m, 3584, 37888)[2]) == (1, 1)
