@@ -241,3 +241,57 @@ def _frag_forward(x: torch.Tensor, w: FragWeights, bias: torch.Tensor | None, co
                          cfg.wgmma)
     y = torch.nn.functional.linear(x, frag_dequantize(w).to(x.dtype), bias)
     return silu_and_mul(y) if silu_mul else y
+
+
+def folded_norm_applies(w: "W4A16Weights | FragWeights", silu_mul: bool = False) -> bool:
+    """Can this layer take part in a decode step whose RMSNorms are folded into the matmuls at M = 1
+    (w4a16_residual / w4a16_normed)? The fragment layout without act-order, and a one-launch M = 1 configuration of
+    64-column tiles with x staged, which both the residual epilogue (sums of squares by 64 columns) and the norm
+    (applied while x is staged) need."""
+    from kernels.w4a16_mma import mma_variant
+    if not isinstance(w, FragWeights) or w.perm is not None:
+        return False
+    k, kp, n = w.in_features, w.words.shape[1] // 2, w.out_features
+    cfg = select_mma_config(1, k, n, False, silu_mul)
+    if cfg is None or cfg.block_n != FOLD_TILE or cfg.wgmma or not cfg.one_launch:
+        return False
+    group = w.group_size if w.scales.shape[0] > 1 else 0
+    return mma_variant(1, kp, group, cfg.block_n, cfg.block_k, cfg.split_k, False).x_steps > 0
+
+
+FOLD_TILE = 64          # the residual epilogue sums squares by this many columns (its tile)
+
+
+def residual_ref(y: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual epilogue's twin: y [M, N] (the matmul's output) -> (y + residual, sums of its squares by
+    FOLD_TILE columns [M, ceil(N / FOLD_TILE)] fp32)."""
+    h = y + residual
+    hf = torch.nn.functional.pad(h.float(), (0, -h.shape[1] % FOLD_TILE))
+    return h, hf.pow(2).reshape(h.shape[0], -1, FOLD_TILE).sum(-1)
+
+
+def folded_norm_ref(h: torch.Tensor, norm) -> torch.Tensor:
+    """The folded norm's twin: RMSNorm(h) * norm.weight with the variance from norm.ss, rounded as rms_norm."""
+    variance = norm.ss.sum(-1, keepdim=True) / h.shape[1]
+    return norm.weight * (h.float() * torch.rsqrt(variance + norm.eps)).to(h.dtype)
+
+
+def w4a16_residual(x: torch.Tensor, w: FragWeights, residual: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [1, K], residual [1, N] -> (h, ss): h = x @ W (+ bias) + residual, rounded as the matmul's output and then
+    torch's add round; ss [1, N / 64] fp32 the sums of h^2 by 64 columns (a FoldedNorm's input). Where
+    folded_norm_applies."""
+    from kernels.w4a16_mma import w4a16_mma
+    cfg = select_mma_config(1, x.shape[1], w.out_features, False, False)
+    return w4a16_mma(x, w, bias, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps, cfg.one_launch,
+                     residual=residual.contiguous())
+
+
+def w4a16_normed(h: torch.Tensor, w: FragWeights, norm, bias: torch.Tensor | None = None,
+                 silu_mul: bool = False) -> torch.Tensor:
+    """h [1, K] (a w4a16_residual output), norm a kernels.w4a16_mma.FoldedNorm of its sums -> RMSNorm(h) * weight
+    @ W (+ bias), or its SwiGLU with silu_mul. Where folded_norm_applies."""
+    from kernels.w4a16_mma import w4a16_mma
+    cfg = select_mma_config(1, h.shape[1], w.out_features, False, silu_mul)
+    return w4a16_mma(h, w, bias, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps, cfg.one_launch, silu_mul,
+                     norm=norm)

@@ -84,20 +84,25 @@ def _mma_one(acc, p, x_ptrs, m_mask, k_row, x_smem, xi, k0, K, n_lo, n_hi, HAS_Z
 
 
 @gluon.jit
-def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias_ptr, M, N, K, KP, stride_xm,
+def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias_ptr, r_ptr, ss_ptr, g_ptr, eps,
+                      ss_count, M, N, K, KP, stride_xm,
                       stride_om, stride_sg, stride_zg, iters_per_split, n_splits, HAS_BIAS: gl.constexpr,
                       SPLIT: gl.constexpr, ONE_LAUNCH: gl.constexpr, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr,
                       EVEN_N: gl.constexpr, EVEN_K: gl.constexpr, X_SMEM: gl.constexpr, WGMMA: gl.constexpr,
                       PDL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                       num_warps: gl.constexpr, SCALE_AFTER: gl.constexpr, X_STEPS: gl.constexpr,
-                      SWIGLU: gl.constexpr, A_SMEM: gl.constexpr):
+                      SWIGLU: gl.constexpr, A_SMEM: gl.constexpr, RESIDUAL: gl.constexpr = False,
+                      NORM: gl.constexpr = False, SS_P2: gl.constexpr = 1):
     """y = x @ W (+ bias) for one [BLOCK_M, BLOCK_N] output tile; with SPLIT, this split's fp32 partial goes to
     ws[pid_k] and is summed by the reduce pass or (ONE_LAUNCH) by the split that draws the last ticket.
     WGMMA (Hopper; BLOCK_N a multiple of 16 * num_warps, x through shared memory): _wgmma_steps.
     PDL (kernels/pdl.py): the first step's weights (two steps with wgmma) are requested before the previous kernel
     has finished; x, the workspace and the counters only after the wait. The next kernel is let in after the main
     loop: let in at the top, a matmul's successors launched ahead and competed with it for DRAM (entry 13 of
-    bench/NOTES-kernels.md, as did prefetching more steps into the L2)."""
+    bench/NOTES-kernels.md, as did prefetching more steps into the L2).
+    RESIDUAL (the decode step's RMSNorm folded into its neighbours, `w4a16_mma`): out = round(y) + r, rounded as
+    torch's add, and ss[m, pid_n] = the tile's sum of out^2 (fp32). NORM (M = 1, x staged): x is such a sum's
+    stream h; the staged x is RMSNorm(h) * g with the variance summed from ss[0, :ss_count]."""
     MMA: gl.constexpr = mma_layout(WGMMA, num_warps, BLOCK_M)
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
@@ -152,13 +157,19 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
             s_rows = gl.minimum(s_rows, N - 1)
         cur = _mma_load(it0, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, s_rows, stride_sg, stride_zg,
                         GROUP, HAS_ZEROS, EVEN_N, SCALE_AFTER, BLOCK_K)
+        if X_STEPS > 0:
+            xk = gl.arange(0, X_STEPS * BLOCK_K, layout=gl.BlockedLayout([8], [32], [num_warps], [0]))
+            x_mask = (xk < (it1 - it0) * BLOCK_K) & (it0 * BLOCK_K + xk < K)
+            if NORM:
+                gamma = gl.load(g_ptr + it0 * BLOCK_K + xk, mask=x_mask, other=0.0)     # a weight: before the wait
         gl_pdl_wait(PDL)                      # x is the previous kernel's output
         if X_STEPS > 0:
             # M = 1: the split's x is staged once in shared memory (16-byte loads), so the steps read it there
             # instead of issuing their fragment loads behind the DRAM misses of the weight words
-            xk = gl.arange(0, X_STEPS * BLOCK_K, layout=gl.BlockedLayout([8], [32], [num_warps], [0]))
-            x_flat.store(gl.load(x_ptr + it0 * BLOCK_K + xk, mask=(xk < (it1 - it0) * BLOCK_K) &
-                                 (it0 * BLOCK_K + xk < K), other=0.0))
+            xv = gl.load(x_ptr + it0 * BLOCK_K + xk, mask=x_mask, other=0.0)
+            if NORM:
+                xv = _rms_normed(xv, gamma, ss_ptr, ss_count, eps, K, SS_P2, num_warps)
+            x_flat.store(xv)
             x_smem = _x_rows(x_flat, X_STEPS, BLOCK_K)
         if X_SMEM:
             _x_copy(x_ring.index(0), x_ptrs + it0 * BLOCK_K, m_mask)
@@ -186,6 +197,10 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
     offs_out = om[None, :] * N + on[:, None]                                      # [BLOCK_N, BLOCK_M]: y^T
     # the split-K protocol of kernels/w4a16_splitk.py (_store_result, the Triton kernels' side): same workspace,
     # counters and split order, so both kinds of kernel share the reduce pass and the counter buffer
+    if RESIDUAL:
+        r = gl.load(r_ptr + offs_out, mask=mask, other=0.0)       # [BLOCK_N, BLOCK_M], before the ticket's wait
+    else:
+        r = 0
     if SPLIT:
         gl.store(ws_ptr + pid_k * M * N + offs_out, acc, mask=mask)
         if ONE_LAUNCH:
@@ -198,11 +213,17 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
                     total += gl.load(ws_ptr + sp * M * N + offs_out, mask=mask, other=0.0, cache_modifier=".cg")
                 if SWIGLU:                    # the tile's columns are paired, the workspace its scratch
                     _swiglu_out(total, out_ptr, pid_n, m0, M, stride_om, BLOCK_M, BLOCK_N, num_warps)
+                elif RESIDUAL:
+                    _write_residual(total, r, out_ptr, bias_ptr, ss_ptr, on, om, M, N, mask, stride_om, pid_n,
+                                    gl.num_programs(0), HAS_BIAS)
                 else:
                     _write_out(total, out_ptr, bias_ptr, on, om, N, mask, stride_om, HAS_BIAS)
                 gl.store(cnt_ptr + tile, 0)
     elif SWIGLU:
         _swiglu_out(acc, out_ptr, pid_n, m0, M, stride_om, BLOCK_M, BLOCK_N, num_warps)
+    elif RESIDUAL:
+        _write_residual(acc, r, out_ptr, bias_ptr, ss_ptr, on, om, M, N, mask, stride_om, pid_n, gl.num_programs(0),
+                        HAS_BIAS)
     else:
         _write_out(acc, out_ptr, bias_ptr, on, om, N, mask, stride_om, HAS_BIAS)
 
@@ -232,6 +253,39 @@ def _write_out(acc, out_ptr, bias_ptr, on, om, N, mask, stride_om, HAS_BIAS: gl.
     if HAS_BIAS:
         acc += gl.load(bias_ptr + on, mask=on < N, other=0.0).to(gl.float32)[:, None]
     gl.store(out_ptr + om[None, :] * stride_om + on[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
+def _write_residual(acc, r, out_ptr, bias_ptr, ss_ptr, on, om, M, N, mask, stride_om, pid_n, tiles,
+                    HAS_BIAS: gl.constexpr):
+    """acc fp32 [BLOCK_N, BLOCK_M] (y^T), r the residual's tile -> out = round(round(y) + r) (the matmul's output,
+    then torch's add, as _rms_norm_kernel rounds them); ss[m, pid_n] = sum of out^2 over the tile's columns."""
+    if HAS_BIAS:
+        acc += gl.load(bias_ptr + on, mask=on < N, other=0.0).to(gl.float32)[:, None]
+    h = (acc.to(out_ptr.dtype.element_ty).to(gl.float32) + r.to(gl.float32)).to(out_ptr.dtype.element_ty)
+    gl.store(out_ptr + om[None, :] * stride_om + on[:, None], h, mask=mask)
+    hf = gl.where(mask, h.to(gl.float32), 0.0)
+    gl.store(ss_ptr + om * tiles + pid_n, gl.sum(hf * hf, axis=0), mask=om < M)
+
+
+@gluon.jit
+def _rms_normed(h, gamma, ss_ptr, ss_count, eps, K, SS_P2: gl.constexpr, num_warps: gl.constexpr):
+    """h: a row segment of the stream [X] (fp16), gamma the norm weight's same segment, ss[:ss_count] the row's sums
+    of squares by tile -> RMSNorm(h) * gamma, rounded as _rms_norm_kernel rounds (fp16 normed, then the product)."""
+    sl = gl.arange(0, SS_P2, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
+    variance = gl.sum(gl.load(ss_ptr + sl, mask=sl < ss_count, other=0.0), axis=0) / K
+    normed = (h.to(gl.float32) * gl.rsqrt(variance + eps)).to(h.dtype)
+    return (normed.to(gl.float32) * gamma.to(gl.float32)).to(h.dtype)
+
+
+@dataclass
+class FoldedNorm:
+    """An RMSNorm for a matmul to apply to its x: ss [M, tiles] fp32, the sums of squares of x by `tile` columns
+    (the residual epilogue's output), weight [K] and eps of the norm."""
+    ss: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+    tile: int = 64
 
 
 @dataclass
@@ -264,11 +318,15 @@ def mma_variant(m: int, kp: int, group: int, block_n: int, block_k: int, split_k
 def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None, block_n: int = 128,
               block_k: int = 256, split_k: int = 1, num_warps: int = 4, one_launch: bool = True,
               silu_mul: bool = False, wgmma: bool = False, scale_after: bool = True,
-              x_staged: bool = True, a_smem: bool | None = None) -> torch.Tensor:
+              x_staged: bool = True, a_smem: bool | None = None, residual: torch.Tensor | None = None,
+              norm: "FoldedNorm | None" = None):
     """x fp16 [M, K] (already permuted for act-order; M <= 64, any M with wgmma: 128-row tiles) -> [M, N], or
     [M, N/2] = silu(gate) * up. wgmma needs block_n % (16 * num_warps) == 0 with 4 or 8 warps (64 rows per
     warpgroup). scale_after (mma.sync, where a step lies inside one scale group): scales multiply each step's fp32
-    partial, not each weight (M=1 gate_up 25.2 -> 23.0 us, bench/results/exp-mma-variants-h200.json)."""
+    partial, not each weight (M=1 gate_up 25.2 -> 23.0 us, bench/results/exp-mma-variants-h200.json).
+    The decode step's RMSNorm folded into its neighbours (M = 1): residual [M, N] -> (h, ss): h = y + residual
+    rounded as the unfused pair rounds, ss [M, tiles] fp32 its sums of squares by output tile; norm (x is such an h,
+    x staged: M = 1 and 64-column tiles): the matmul of RMSNorm(x) * norm.weight."""
     m, k = x.shape
     n = fw.out_features
     kp = fw.words.shape[1] // 2
@@ -280,6 +338,12 @@ def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None
     group = fw.group_size if fw.scales.shape[0] > 1 else 0           # 0: one group for all of K
     v = mma_variant(m, kp, group, block_n, block_k, split_k, wgmma, scale_after, x_staged, a_smem)
     bk, per, splits = v.block_k, v.per_split, v.splits
+    if norm is not None and (v.x_steps == 0 or norm.ss.shape[1] != triton.cdiv(k, norm.tile) or x.stride(0) != k):
+        raise ValueError("a folded RMSNorm needs M = 1 with x staged (64-column tiles, no wgmma), a contiguous x "
+                         "and the sums of squares of the layer that wrote it")
+    if residual is not None and (silu_mul or wgmma or residual.shape != (m, n) or not residual.is_contiguous()):
+        raise ValueError("the residual epilogue needs an mma.sync matmul without SwiGLU and a contiguous [M, N] "
+                         "residual")
     block_m = min(max(8, triton.next_power_of_2(m)), 128 if wgmma else 64)
     if m > block_m and not wgmma:
         raise ValueError(f"M = {m} is above the mma.sync kernel's 64 rows (wgmma tiles any M by 128 rows)")
@@ -289,21 +353,29 @@ def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None
     pairs = silu_mul and not wgmma and bias is None and block_n % 32 == 0 and (n // 2) % (block_n // 2) == 0
     one_launch = one_launch and splits > 1 and (pairs or not silu_mul)
     swiglu = pairs and (splits == 1 or one_launch)
+    if residual is not None and splits > 1 and not one_launch:
+        raise ValueError("the residual epilogue needs one launch (the reduce pass has none)")
     tiles = triton.cdiv(n, block_n)
     out, ws, cnt = split_buffers(x, m, n, splits, one_launch, tiles * m_tiles,
                                  n // 2 if silu_mul and (splits > 1 or swiglu) else 0)
     pdl = pdl_enabled(x)
+    ss = torch.empty((m, tiles), dtype=torch.float32, device=x.device) if residual is not None else None
+    ss_in = norm.ss if norm is not None else ss
     _w4a16_mma_kernel[(tiles, splits, m_tiles)](
         x, fw.words, fw.scales, fw.qzeros if fw.qzeros is not None else fw.words, out, ws, cnt,
-        bias if bias is not None else out, m, n, k, kp, x.stride(0), out.stride(0),
+        bias if bias is not None else out, residual if residual is not None else out,
+        ss_in if ss_in is not None else out, norm.weight if norm is not None else out,
+        norm.eps if norm is not None else 0.0, ss_in.shape[1] if ss_in is not None else 0,
+        m, n, k, kp, x.stride(0), out.stride(0),
         fw.scales.stride(0), fw.qzeros.stride(0) if fw.qzeros is not None else 0, per, splits,
         HAS_BIAS=bias is not None, SPLIT=splits > 1, ONE_LAUNCH=one_launch,
         GROUP=group or (1 << 30), HAS_ZEROS=fw.qzeros is not None, EVEN_N=n % block_n == 0, EVEN_K=k == kp,
         X_SMEM=m > 1 or wgmma, WGMMA=wgmma, PDL=pdl, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk,
         num_warps=num_warps, SCALE_AFTER=v.scale_after, X_STEPS=v.x_steps, SWIGLU=swiglu,
-        A_SMEM=v.a_smem, **launch_options(pdl))
+        A_SMEM=v.a_smem, RESIDUAL=residual is not None, NORM=norm is not None,
+        SS_P2=triton.next_power_of_2(ss_in.shape[1]) if ss_in is not None else 1, **launch_options(pdl))
     if splits > 1 and not one_launch:
         launch_splitk_reduce(ws, bias, out, splits, silu_mul)
     elif silu_mul and not swiglu:
         out = silu_and_mul(out)
-    return out
+    return (out, ss) if residual is not None else out

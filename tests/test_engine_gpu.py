@@ -66,6 +66,30 @@ def test_cuda_graph_decode_matches_eager():
     assert_all_blocks_free(graphed)
 
 
+def test_batch_one_folds_the_norms_and_matches_the_plain_path(monkeypatch):
+    """Batch-1 decode on CUDA folds every RMSNorm into the INT4 matmuls around it (engine/models/decoder.py,
+    _forward_folded): the fixture takes that path, and its greedy tokens and logprobs are the plain path's (the
+    variance is summed in another order: near-ties may flip, the rest agrees)."""
+    from engine.models.decoder import DecoderModel
+    engine = make_engine(awq_model_dir(), dtype="float16", device="cuda", enforce_eager=True)
+    model = engine.runner.model.model
+    assert model._norms_fold(torch.zeros(1, 8, device="cuda"))
+    prompts = _prompts(engine, 4)
+    params = SamplingParams(max_tokens=16, min_tokens=16, temperature=0.0, logprobs=1)
+    folded = [engine.generate([p], params)[0].outputs[0] for p in prompts]
+    monkeypatch.setattr(DecoderModel, "_norms_fold", lambda self, x: False)
+    plain = [engine.generate([p], params)[0].outputs[0] for p in prompts]
+    assert [f.token_ids[0] for f in folded] == [p.token_ids[0] for p in plain]
+    agree = sum(a == b for f, p in zip(folded, plain) for a, b in zip(f.token_ids, p.token_ids)) / (16 * 4)
+    assert agree >= 0.95, agree
+    for f, p in zip(folded, plain):
+        n = next((i for i, (a, b) in enumerate(zip(f.token_ids, p.token_ids)) if a != b), 16)
+        lf = torch.tensor([lp.logprob for lp in f.logprobs[:n]])
+        lp_ = torch.tensor([lp.logprob for lp in p.logprobs[:n]])
+        torch.testing.assert_close(lf, lp_, atol=2e-2, rtol=0)
+    assert_all_blocks_free(engine)
+
+
 def test_async_launch_never_waits_for_the_step_in_flight():
     """A launch behind a step in flight must queue everything: one synchronizing call (a pageable copy, .item(),
     a list index on a CUDA tensor) makes the host wait for the GPU and async scheduling silently stops paying."""

@@ -118,6 +118,38 @@ def test_gpu_mma_silu_mul_equals_unfused():
         assert torch.equal(w4a16_mma(x, fw, silu_mul=True, **cfg), silu_and_mul(w4a16_mma(x, fw, **cfg))), (m, cfg)
 
 
+@pytest.mark.gpu
+def test_gpu_residual_epilogue_and_folded_norm():
+    """The decode step's RMSNorm folded into the matmuls (M = 1): the residual epilogue writes exactly the unfused
+    matmul + torch add and the sums of squares of what it wrote (by 64 columns, a partial last tile included); the
+    folded norm gives the matmul of the twin-normed x (the variance summed in another order: a tolerance), with and
+    without the SwiGLU, one split or several (the last ticket's split writes)."""
+    from kernels.w4a16 import folded_norm_ref, residual_ref
+    from kernels.w4a16_mma import FoldedNorm, w4a16_mma
+    gen = torch.Generator().manual_seed(7)
+    for k, n, split in ((512, 320, 1), (512, 320, 4), (1024, 80, 8)):
+        qweight, scales, qzeros, gs, _ = make_weights(k, n, 128, True, False, torch.float16)
+        fw = prepare_frag(qweight, scales, qzeros, gs)
+        x = torch.randn(1, k, generator=gen).half().to(DEV)
+        residual = (torch.randn(1, n, generator=gen) * 4).half().to(DEV)
+        bias = torch.randn(n, generator=gen).half().to(DEV)
+        for b in (None, bias):
+            h, ss = w4a16_mma(x, fw, b, block_n=64, split_k=split, residual=residual)
+            y = w4a16_mma(x, fw, b, block_n=64, split_k=split)
+            assert torch.equal(h, y + residual), (k, n, split)
+            torch.testing.assert_close(ss, residual_ref(y, residual)[1], rtol=1e-5, atol=1e-3)
+        # the norm: x is a stream of k columns with its sums of squares
+        h_in = (torch.randn(1, k, generator=gen) * 3).half().to(DEV)
+        norm = FoldedNorm(residual_ref(h_in, torch.zeros_like(h_in))[1], (torch.rand(k, generator=gen) + 0.5)
+                          .half().to(DEV), 1e-6)
+        for silu in (False, True):
+            got = w4a16_mma(h_in, fw, block_n=64, split_k=split, silu_mul=silu, norm=norm)
+            want = w4a16_mma(folded_norm_ref(h_in, norm), fw, block_n=64, split_k=split, silu_mul=silu)
+            assert rel_err(got, want.cpu().float()) < 2e-3, (k, n, split, silu)
+    with pytest.raises(ValueError, match="folded RMSNorm"):
+        w4a16_mma(torch.randn(2, 512, device=DEV).half(), fw, block_n=64, norm=norm)
+
+
 def test_cpu_keeps_row_layout_and_twin_reads_fragment_layout():
     from kernels.w4a16 import W4A16Weights, prepare_kernel_weights, w4a16_matmul
     qweight, scales, qzeros, gs, perm = make_weights(256, 64, 64, True, True, torch.float16, device="cpu")
@@ -251,7 +283,7 @@ def _compile_sm90(kernel, signature: dict, constexprs: dict, num_warps: int, max
     names = list(sig)
     # pointers and sizes divisible by 16, as Triton specializes them at launch for the Qwen2.5-7B shapes
     aligned = {(names.index(a),): [["tt.divisibility", 16]] for a in signature
-               if a not in ("M", "iters_per_split", "n_splits")}
+               if a not in ("M", "iters_per_split", "n_splits", "eps", "ss_count")}
     src = GluonASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=aligned)
     options = {"num_warps": num_warps} if maxnreg is None else {"num_warps": num_warps, "maxnreg": maxnreg}
     regs, stack, sass = cubin_sass(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options))
@@ -272,7 +304,8 @@ def compile_cases() -> dict:
     from kernels.w4a16_tiles import _frag_dequant_kernel
     from kernels.w4a16_tuning import select_mma_config
     ptrs = dict(x_ptr="*fp16", w_ptr="*i32", s_ptr="*fp16", z_ptr="*i32", out_ptr="*fp16", ws_ptr="*fp32",
-                cnt_ptr="*i32", bias_ptr="*fp16")
+                cnt_ptr="*i32", bias_ptr="*fp16", r_ptr="*fp16", ss_ptr="*fp32", g_ptr="*fp16", eps="fp32",
+                ss_count="i32")
     ints = {a: "i32" for a in ("M", "N", "K", "KP", "stride_xm", "stride_om", "stride_sg", "stride_zg",
                                "iters_per_split", "n_splits")}
     out = {}
@@ -295,11 +328,22 @@ def compile_cases() -> dict:
         HAS_BIAS=False, SPLIT=False, ONE_LAUNCH=False, GROUP=128, HAS_ZEROS=True, EVEN_N=True, EVEN_K=True,
         X_SMEM=False, WGMMA=False, PDL=True, SCALE_AFTER=True, X_STEPS=32, SWIGLU=True, A_SMEM=False, BLOCK_M=8,
         BLOCK_N=64, BLOCK_K=128, num_warps=4), 4)
-    # the decode step's gate_up at M = 1: 128 columns, two splits, the split with the last ticket applies it
+    # the decode step's gate_up at M = 1: 64 columns, two splits, the split with the last ticket applies it
     out["swiglu_split"] = _compile_sm90(_w4a16_mma_kernel, dict(ptrs, **ints), dict(
         HAS_BIAS=False, SPLIT=True, ONE_LAUNCH=True, GROUP=128, HAS_ZEROS=True, EVEN_N=True, EVEN_K=True,
-        X_SMEM=False, WGMMA=False, PDL=True, SCALE_AFTER=True, X_STEPS=0, SWIGLU=True, A_SMEM=False, BLOCK_M=8,
-        BLOCK_N=128, BLOCK_K=128, num_warps=4), 4)
+        X_SMEM=False, WGMMA=False, PDL=True, SCALE_AFTER=True, X_STEPS=16, SWIGLU=True, A_SMEM=False, BLOCK_M=8,
+        BLOCK_N=64, BLOCK_K=128, num_warps=4), 4)
+    # the decode step's RMSNorm folded in (M = 1): the residual epilogue of o / down, the norm of qkv / gate_up
+    for name, k, n, silu, fold in (("residual_o", 3584, 3584, False, "RESIDUAL"),
+                                   ("residual_down", 18944, 3584, False, "RESIDUAL"),
+                                   ("norm_qkv", 3584, 4608, False, "NORM"), ("norm_gate_up", 3584, 37888, True, "NORM")):
+        cfg = select_mma_config(1, k, n, silu_mul=silu)
+        v = mma_variant(1, k, 128, cfg.block_n, cfg.block_k, cfg.split_k, False)
+        out[name] = _compile_sm90(_w4a16_mma_kernel, dict(ptrs, **ints), dict(
+            HAS_BIAS=name == "norm_qkv", SPLIT=v.splits > 1, ONE_LAUNCH=True, GROUP=128, HAS_ZEROS=True,
+            EVEN_N=True, EVEN_K=True, X_SMEM=False, WGMMA=False, PDL=True, SCALE_AFTER=v.scale_after,
+            X_STEPS=v.x_steps, SWIGLU=silu, A_SMEM=False, BLOCK_M=8, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            RESIDUAL=fold == "RESIDUAL", NORM=fold == "NORM", SS_P2=64, num_warps=cfg.num_warps), cfg.num_warps)
     sig = dict(w_ptr="*i32", s_ptr="*fp16", z_ptr="*i32", out_ptr="*fp16", N="i32", K="i32", KP="i32",
                stride_sg="i32", stride_zg="i32")
     out["dequant"] = _compile_sm90(_frag_dequant_kernel, sig, dict(GROUP=32, HAS_ZEROS=True, BLOCK_N=64,
@@ -323,6 +367,8 @@ def test_gluon_kernels_compile_for_sm90_without_spills():
     assert res["dequant"]["stack"] == 0 and res["dequant"]["stg128"]
     assert res["swiglu"]["hmma"] and res["swiglu"]["stack"] == 0
     assert res["swiglu_split"]["hmma"] and res["swiglu_split"]["stack"] == 0
+    for name in ("residual_o", "residual_down", "norm_qkv", "norm_gate_up"):
+        assert res[name]["hmma"] and res[name]["stack"] == 0 and res[name]["ldsm"], (name, res[name])
 
 
 def test_layout_probe_failure_falls_back_to_rows_with_a_warning(caplog):

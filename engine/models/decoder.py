@@ -4,6 +4,7 @@ Differences between the families are data in ModelConfig (q/k/v biases, tied emb
 Tokens of all sequences in a step are flattened: hidden states are [T, hidden].
 """
 import math
+import os
 
 import torch
 from torch import nn
@@ -77,14 +78,19 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
                 rotary: RotaryEmbedding) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        return self.o_proj(self.attend(positions, self.qkv_proj(x), meta, rotary))
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata,
+               rotary: RotaryEmbedding) -> torch.Tensor:
+        """qkv [T, (Hq + 2 Hkv) D] -> the attention output before o_proj [T, Hq D]."""
+        num_tokens = qkv.shape[0]
+        q, k, v = qkv.split(self.split_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         out = paged_attention_forward(q, k, v, positions, rotary.cos_sin_cache, self.k_cache, self.v_cache,
                                       self.k_scale, self.v_scale, meta, self.softmax_scale)   # [T, Hq, D]
-        return self.o_proj(out.reshape(num_tokens, -1))
+        return out.reshape(num_tokens, -1)
 
 
 class MLP(nn.Module):
@@ -135,9 +141,41 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids, positions, meta):
         x, residual = self.embed_tokens(input_ids), None
+        if x.shape[0] == 1 and self._norms_fold(x):
+            return self._forward_folded(x, positions, meta)
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta, self.rotary)
         return self.norm(x, residual)[0]
+
+    def _norms_fold(self, x: torch.Tensor) -> bool:
+        """On CUDA, every INT4 matmul of the model can fold the RMSNorms around it (QuantLinear.folds_norm)."""
+        if not x.is_cuda or os.environ.get("QUANT_SERVE_FOLD_NORMS", "1") == "0":
+            return False
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for linear, silu_mul in ((attn.qkv_proj, False), (attn.o_proj, False), (mlp.gate_up_proj, True),
+                                     (mlp.down_proj, False)):
+                if not (hasattr(linear, "folds_norm") and linear.folds_norm(silu_mul)):
+                    return False
+        return True
+
+    def _forward_folded(self, x: torch.Tensor, positions, meta) -> torch.Tensor:
+        """One token (batch-1 decode) with the RMSNorms folded into the matmuls: o_proj and down_proj add the
+        residual in their epilogue and leave the stream's sums of squares by 64 columns; qkv_proj and gate_up_proj
+        normalize the stream as they stage it. Two launches a layer fewer than forward's path (its norm kernels),
+        same roundings; the variance is summed in another order (fp32)."""
+        residual = x
+        qkv = self.layers[0].self_attn.qkv_proj(self.layers[0].input_layernorm(x))
+        ss = None
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            if i > 0:
+                qkv = attn.qkv_proj.forward_normed(residual, _folded(ss, layer.input_layernorm))
+            a = attn.attend(positions, qkv, meta, self.rotary)
+            residual, ss = attn.o_proj.forward_residual(a, residual)
+            act = mlp.gate_up_proj.forward_normed(residual, _folded(ss, layer.post_attention_layernorm), True)
+            residual, ss = mlp.down_proj.forward_residual(act, residual)
+        return self.norm(residual)
 
 
 class DecoderForCausalLM(nn.Module):
@@ -172,6 +210,11 @@ class DecoderForCausalLM(nn.Module):
     @property
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.model.layers]
+
+
+def _folded(ss: torch.Tensor, norm: RMSNorm):
+    from kernels.w4a16_mma import FoldedNorm
+    return FoldedNorm(ss, norm.weight, norm.eps)
 
 
 def _quantized_head(quant_config) -> bool:
