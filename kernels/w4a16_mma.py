@@ -16,6 +16,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from kernels.norm_act import silu_and_mul
 from kernels.pdl import gl_pdl_start, gl_pdl_wait, launch_options, pdl_enabled
+from kernels.w4a16_fold import FoldedNorm, _rms_normed, _write_residual
 from kernels.w4a16_frag import FragWeights, pick_block_k
 from kernels.w4a16_splitk import launch_splitk_reduce, split_buffers
 from kernels.w4a16_tiles import _dequant_step, _load_step, _tile_words, mma_layout, swiglu_tile
@@ -255,39 +256,6 @@ def _write_out(acc, out_ptr, bias_ptr, on, om, N, mask, stride_om, HAS_BIAS: gl.
     gl.store(out_ptr + om[None, :] * stride_om + on[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@gluon.jit
-def _write_residual(acc, r, out_ptr, bias_ptr, ss_ptr, on, om, M, N, mask, stride_om, pid_n, tiles,
-                    HAS_BIAS: gl.constexpr):
-    """acc fp32 [BLOCK_N, BLOCK_M] (y^T), r the residual's tile -> out = round(round(y) + r) (the matmul's output,
-    then torch's add, as _rms_norm_kernel rounds them); ss[m, pid_n] = sum of out^2 over the tile's columns."""
-    if HAS_BIAS:
-        acc += gl.load(bias_ptr + on, mask=on < N, other=0.0).to(gl.float32)[:, None]
-    h = (acc.to(out_ptr.dtype.element_ty).to(gl.float32) + r.to(gl.float32)).to(out_ptr.dtype.element_ty)
-    gl.store(out_ptr + om[None, :] * stride_om + on[:, None], h, mask=mask)
-    hf = gl.where(mask, h.to(gl.float32), 0.0)
-    gl.store(ss_ptr + om * tiles + pid_n, gl.sum(hf * hf, axis=0), mask=om < M)
-
-
-@gluon.jit
-def _rms_normed(h, gamma, ss_ptr, ss_count, eps, K, SS_P2: gl.constexpr, num_warps: gl.constexpr):
-    """h: a row segment of the stream [X] (fp16), gamma the norm weight's same segment, ss[:ss_count] the row's sums
-    of squares by tile -> RMSNorm(h) * gamma, rounded as _rms_norm_kernel rounds (fp16 normed, then the product)."""
-    sl = gl.arange(0, SS_P2, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
-    variance = gl.sum(gl.load(ss_ptr + sl, mask=sl < ss_count, other=0.0), axis=0) / K
-    normed = (h.to(gl.float32) * gl.rsqrt(variance + eps)).to(h.dtype)
-    return (normed.to(gl.float32) * gamma.to(gl.float32)).to(h.dtype)
-
-
-@dataclass
-class FoldedNorm:
-    """An RMSNorm for a matmul to apply to its x: ss [M, tiles] fp32, the sums of squares of x by `tile` columns
-    (the residual epilogue's output), weight [K] and eps of the norm."""
-    ss: torch.Tensor
-    weight: torch.Tensor
-    eps: float
-    tile: int = 64
-
-
 @dataclass
 class MMAVariant:
     """How one w4a16_mma call runs: step rows, steps per split, splits, scales after the MMA, staged x rows, the
@@ -319,7 +287,7 @@ def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None
               block_k: int = 256, split_k: int = 1, num_warps: int = 4, one_launch: bool = True,
               silu_mul: bool = False, wgmma: bool = False, scale_after: bool = True,
               x_staged: bool = True, a_smem: bool | None = None, residual: torch.Tensor | None = None,
-              norm: "FoldedNorm | None" = None):
+              norm: FoldedNorm | None = None):
     """x fp16 [M, K] (already permuted for act-order; M <= 64, any M with wgmma: 128-row tiles) -> [M, N], or
     [M, N/2] = silu(gate) * up. wgmma needs block_n % (16 * num_warps) == 0 with 4 or 8 warps (64 rows per
     warpgroup). scale_after (mma.sync, where a step lies inside one scale group): scales multiply each step's fp32

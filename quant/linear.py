@@ -5,8 +5,8 @@ from torch import nn
 
 from kernels.w4a16_ref import dequantize_w4, pack_int4_cols, pack_int4_rows, w4a16_matmul_ref
 from kernels.norm_act import silu_and_mul
-from kernels.w4a16 import (FragWeights, W4A16Weights, folded_norm_applies, folded_norm_ref, prepare_kernel_weights,
-                           residual_ref, standard_layout, w4a16_matmul, w4a16_normed, w4a16_residual)
+from kernels.w4a16 import FragWeights, W4A16Weights, prepare_kernel_weights, standard_layout, w4a16_matmul
+from kernels.w4a16_fold import folded_norm_applies, folded_norm_ref, residual_ref, w4a16_normed, w4a16_residual
 from quant.rtn import quantize_rtn
 
 

@@ -9,8 +9,7 @@ from engine.models.decoder import DecoderModel
 from engine.sampling_params import SamplingParams
 from helpers import awq_model_dir, make_engine
 from kernels.norm_act import rms_norm_ref
-from kernels.w4a16 import FOLD_TILE, folded_norm_ref, residual_ref
-from kernels.w4a16_mma import FoldedNorm
+from kernels.w4a16_fold import FOLD_TILE, FoldedNorm, folded_norm_ref, residual_ref
 
 from conftest import DATA
 

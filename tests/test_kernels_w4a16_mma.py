@@ -124,8 +124,8 @@ def test_gpu_residual_epilogue_and_folded_norm():
     matmul + torch add and the sums of squares of what it wrote (by 64 columns, a partial last tile included); the
     folded norm gives the matmul of the twin-normed x (the variance summed in another order: a tolerance), with and
     without the SwiGLU, one split or several (the last ticket's split writes)."""
-    from kernels.w4a16 import folded_norm_ref, residual_ref
-    from kernels.w4a16_mma import FoldedNorm, w4a16_mma
+    from kernels.w4a16_fold import FoldedNorm, folded_norm_ref, residual_ref
+    from kernels.w4a16_mma import w4a16_mma
     gen = torch.Generator().manual_seed(7)
     for k, n, split in ((512, 320, 1), (512, 320, 4), (1024, 80, 8)):
         qweight, scales, qzeros, gs, _ = make_weights(k, n, 128, True, False, torch.float16)
@@ -279,6 +279,11 @@ def _compile_sm90(kernel, signature: dict, constexprs: dict, num_warps: int, max
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
+    import inspect
+    fn = getattr(kernel, "fn", kernel)
+    defaults = {name: p.default for name, p in inspect.signature(fn).parameters.items()
+                if p.default is not inspect.Parameter.empty and name not in constexprs}
+    constexprs = dict(defaults, **constexprs)         # Triton 3.9 does not fill a constexpr's default here
     sig = dict(signature, **{k: "constexpr" for k in constexprs})
     names = list(sig)
     # pointers and sizes divisible by 16, as Triton specializes them at launch for the Qwen2.5-7B shapes

@@ -213,7 +213,7 @@ class DecoderForCausalLM(nn.Module):
 
 
 def _folded(ss: torch.Tensor, norm: RMSNorm):
-    from kernels.w4a16_mma import FoldedNorm
+    from kernels.w4a16_fold import FoldedNorm
     return FoldedNorm(ss, norm.weight, norm.eps)
 
 

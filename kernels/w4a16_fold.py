@@ -1,0 +1,103 @@
+"""The decode step's RMSNorm folded into the INT4 matmuls around it (batch 1, engine/models/decoder.py).
+
+A layer's two norms each cost a launch and a dependent round of loads between two matmuls. Folded, the matmul
+that writes the residual stream (o_proj, down_proj) adds the residual in its epilogue and leaves the stream's sums
+of squares by FOLD_TILE columns; the next matmul (qkv_proj, gate_up_proj) sums them (fixed order: deterministic)
+and normalizes the stream while it stages x (M = 1). Roundings are those of the unfused kernels
+(kernels/norm_act.py); only the variance is summed in another order. The Gluon pieces below run inside
+kernels/w4a16_mma._w4a16_mma_kernel (RESIDUAL / NORM); the torch twins serve the CPU.
+"""
+from dataclasses import dataclass
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from kernels.w4a16_frag import FragWeights
+from kernels.w4a16_tuning import select_mma_config
+
+FOLD_TILE = 64          # the residual epilogue sums squares by this many columns (its tile)
+
+
+@dataclass
+class FoldedNorm:
+    """An RMSNorm for a matmul to apply to its x: ss [M, tiles] fp32, the sums of squares of x by `tile` columns
+    (the residual epilogue's output), weight [K] and eps of the norm."""
+    ss: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+    tile: int = FOLD_TILE
+
+
+@gluon.jit
+def _write_residual(acc, r, out_ptr, bias_ptr, ss_ptr, on, om, M, N, mask, stride_om, pid_n, tiles,
+                    HAS_BIAS: gl.constexpr):
+    """acc fp32 [BLOCK_N, BLOCK_M] (y^T), r the residual's tile -> out = round(round(y) + r) (the matmul's output,
+    then torch's add, as _rms_norm_kernel rounds them); ss[m, pid_n] = sum of out^2 over the tile's columns."""
+    if HAS_BIAS:
+        acc += gl.load(bias_ptr + on, mask=on < N, other=0.0).to(gl.float32)[:, None]
+    h = (acc.to(out_ptr.dtype.element_ty).to(gl.float32) + r.to(gl.float32)).to(out_ptr.dtype.element_ty)
+    gl.store(out_ptr + om[None, :] * stride_om + on[:, None], h, mask=mask)
+    hf = gl.where(mask, h.to(gl.float32), 0.0)
+    gl.store(ss_ptr + om * tiles + pid_n, gl.sum(hf * hf, axis=0), mask=om < M)
+
+
+@gluon.jit
+def _rms_normed(h, gamma, ss_ptr, ss_count, eps, K, SS_P2: gl.constexpr, num_warps: gl.constexpr):
+    """h: a row segment of the stream [X] (fp16), gamma the norm weight's same segment, ss[:ss_count] the row's sums
+    of squares by tile -> RMSNorm(h) * gamma, rounded as _rms_norm_kernel rounds (fp16 normed, then the product)."""
+    sl = gl.arange(0, SS_P2, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
+    variance = gl.sum(gl.load(ss_ptr + sl, mask=sl < ss_count, other=0.0), axis=0) / K
+    normed = (h.to(gl.float32) * gl.rsqrt(variance + eps)).to(h.dtype)
+    return (normed.to(gl.float32) * gamma.to(gl.float32)).to(h.dtype)
+
+
+def folded_norm_applies(w, silu_mul: bool = False) -> bool:
+    """Can this layer take part in a decode step whose RMSNorms are folded into the matmuls at M = 1
+    (w4a16_residual / w4a16_normed)? The fragment layout without act-order, and a one-launch M = 1 configuration of
+    64-column tiles with x staged, which both the residual epilogue (sums of squares by 64 columns) and the norm
+    (applied while x is staged) need."""
+    from kernels.w4a16_mma import mma_variant
+    if not isinstance(w, FragWeights) or w.perm is not None:
+        return False
+    k, kp, n = w.in_features, w.words.shape[1] // 2, w.out_features
+    cfg = select_mma_config(1, k, n, False, silu_mul)
+    if cfg is None or cfg.block_n != FOLD_TILE or cfg.wgmma or not cfg.one_launch:
+        return False
+    group = w.group_size if w.scales.shape[0] > 1 else 0
+    return mma_variant(1, kp, group, cfg.block_n, cfg.block_k, cfg.split_k, False).x_steps > 0
+
+
+def residual_ref(y: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual epilogue's twin: y [M, N] (the matmul's output) -> (y + residual, sums of its squares by
+    FOLD_TILE columns [M, ceil(N / FOLD_TILE)] fp32)."""
+    h = y + residual
+    hf = torch.nn.functional.pad(h.float(), (0, -h.shape[1] % FOLD_TILE))
+    return h, hf.pow(2).reshape(h.shape[0], -1, FOLD_TILE).sum(-1)
+
+
+def folded_norm_ref(h: torch.Tensor, norm) -> torch.Tensor:
+    """The folded norm's twin: RMSNorm(h) * norm.weight with the variance from norm.ss, rounded as rms_norm."""
+    variance = norm.ss.sum(-1, keepdim=True) / h.shape[1]
+    return norm.weight * (h.float() * torch.rsqrt(variance + norm.eps)).to(h.dtype)
+
+
+def w4a16_residual(x: torch.Tensor, w: FragWeights, residual: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [1, K], residual [1, N] -> (h, ss): h = x @ W (+ bias) + residual, rounded as the matmul's output and then
+    torch's add round; ss [1, N / 64] fp32 the sums of h^2 by 64 columns (a FoldedNorm's ss). Where
+    folded_norm_applies."""
+    from kernels.w4a16_mma import w4a16_mma
+    cfg = select_mma_config(1, x.shape[1], w.out_features, False, False)
+    return w4a16_mma(x, w, bias, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps, cfg.one_launch,
+                     residual=residual.contiguous())
+
+
+def w4a16_normed(h: torch.Tensor, w: FragWeights, norm, bias: torch.Tensor | None = None,
+                 silu_mul: bool = False) -> torch.Tensor:
+    """h [1, K] (a w4a16_residual output), norm a FoldedNorm of its sums -> RMSNorm(h) * weight
+    @ W (+ bias), or its SwiGLU with silu_mul. Where folded_norm_applies."""
+    from kernels.w4a16_mma import w4a16_mma
+    cfg = select_mma_config(1, h.shape[1], w.out_features, False, silu_mul)
+    return w4a16_mma(h, w, bias, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps, cfg.one_launch, silu_mul,
+                     norm=norm)
