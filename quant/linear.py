@@ -209,7 +209,7 @@ class QuantLinear(nn.Module):
 
     def folds_norm(self, silu_mul: bool = False) -> bool:
         """Can a decode step with its RMSNorms folded into the matmuls (engine/models/decoder.py) use this layer:
-        the fragment layout on CUDA (kernels/w4a16.folded_norm_applies, asked once per layer), no act-order
+        the fragment layout on CUDA (kernels/w4a16_fold.folded_norm_applies, asked once per layer), no act-order
         parts, no hooks (eval's per-layer error hooks must see the layer called)?"""
         if self._forward_hooks or self._forward_pre_hooks or self.parts is not None or self.packed is None:
             return False
@@ -225,7 +225,7 @@ class QuantLinear(nn.Module):
         return residual_ref(self(x), residual)
 
     def forward_normed(self, h: torch.Tensor, norm, silu_mul: bool = False) -> torch.Tensor:
-        """RMSNorm(h) * norm.weight @ W (+ bias), optionally its SwiGLU; norm: kernels.w4a16_mma.FoldedNorm with
+        """RMSNorm(h) * norm.weight @ W (+ bias), optionally its SwiGLU; norm: kernels.w4a16_fold.FoldedNorm with
         h's sums of squares (forward_residual's). One kernel where folds_norm, else the twin."""
         if self.packed is not None and h.is_cuda and self.folds_norm(silu_mul):
             return w4a16_normed(h, self.packed, norm, self.bias, silu_mul)
