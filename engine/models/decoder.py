@@ -12,6 +12,7 @@ from torch import nn
 from engine.attention import AttentionMetadata, paged_attention_forward
 from engine.config import ModelConfig
 from kernels.norm_act import rms_norm
+from kernels.w4a16_fold import FoldedNorm
 from quant.linear import make_linear
 
 
@@ -212,8 +213,7 @@ class DecoderForCausalLM(nn.Module):
         return [layer.self_attn for layer in self.model.layers]
 
 
-def _folded(ss: torch.Tensor, norm: RMSNorm):
-    from kernels.w4a16_fold import FoldedNorm
+def _folded(ss: torch.Tensor, norm: RMSNorm) -> FoldedNorm:
     return FoldedNorm(ss, norm.weight, norm.eps)
 
 
