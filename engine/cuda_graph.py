@@ -6,17 +6,66 @@ removes their launch overhead. Inputs are copied into static buffers; rows past 
 (slot -1: nothing is stored; their outputs are dropped). Where the decode attention splits contexts finely (few
 programs: kernels/paged_attention.decode_graph_contexts), a batch bucket has a graph per table width (1024, 2048,
 ... tokens up to max_model_len, where the decode launch differs) and a step replays the narrowest that holds its
-longest context."""
-import logging
+longest context.
 
+A step's inputs reach the graph as one packed host buffer and one copy (DecodeInputs): the graphs read their
+static inputs as views of one device blob, so a step queues a copy, the carried-token gather (when the step in
+flight samples its inputs) and the replay, not a dozen small copies and fills."""
+import logging
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
+from kernels.argmax import argmax_rows
 from kernels.paged_attention import FEW_PROGRAMS, decode_graph_contexts
+from kernels.step_inputs import take_carried
 
 logger = logging.getLogger("quant_serve")
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+# Batches up to this also get a greedy graph (the head and the argmax inside): a step's launches and their gaps
+# outside the graph weigh most where the step is shortest.
+GREEDY_MAX_BATCH = 8
+
+
+@dataclass
+class DecodeInputs:
+    """Byte layout of a decode step's inputs, the same on the host and in the device blob: int64 [max_batch] each
+    of input ids, positions, slots, carry rows (the row of the step in flight's samples that holds the input id,
+    -1: the id is known), then int32 seq_lens [max_batch] and the block table, [bs, width] contiguous for the
+    graph of batch bucket bs and width `width` (each graph reads its own shape of the same bytes)."""
+    max_batch: int
+    max_blocks: int
+
+    @property
+    def table_offset(self) -> int:
+        return 36 * self.max_batch
+
+    @property
+    def nbytes(self) -> int:
+        return self.table_offset + 4 * self.max_batch * self.max_blocks
+
+    def views(self, blob):
+        """blob (uint8, torch or numpy) -> (ids, positions, slots, carry_rows, seq_lens, tables flat)."""
+        mb, i64, i32 = self.max_batch, _dtype(blob, 8), _dtype(blob, 4)
+        cols = [blob[8 * mb * i: 8 * mb * (i + 1)].view(i64) for i in range(4)]
+        return (*cols, blob[32 * mb: 36 * mb].view(i32), blob[self.table_offset: self.nbytes].view(i32))
+
+    def pack(self, bs: int, width: int, ids: list[int], positions: list[int], slots: list[int],
+             seq_lens: list[int], tables: list[list[int]], carry_rows: list[int]) -> np.ndarray:
+        """A host buffer (uint8, the layout's first bytes up to bs x width of table) for n <= bs sequences; rows n..bs
+        pad: slot -1 (stores nothing), length 1, table of block 0, id known (0)."""
+        n = len(ids)
+        buf = np.zeros(self.table_offset + 4 * bs * width, dtype=np.uint8)
+        ids_v, pos_v, slots_v, carry_v, lens_v, table_v = self.views(buf)
+        ids_v[:n], pos_v[:n], slots_v[:n], carry_v[:n], lens_v[:n] = ids, positions, slots, carry_rows, seq_lens
+        slots_v[n:bs], carry_v[n:bs], lens_v[n:bs] = -1, -1, 1
+        rows = table_v.reshape(bs, width)
+        for row, table in zip(rows, tables):
+            row[:len(table)] = table
+        return buf
 
 
 class DecodeGraphs:
@@ -31,19 +80,23 @@ class DecodeGraphs:
             bs * num_kv_heads, max_blocks * block_size, kv_fp8, torch.device(device))}) for bs in self.buckets}
         self.wide = {bs: bs * num_kv_heads > FEW_PROGRAMS for bs in self.buckets}
         self.block_size = block_size
-        with torch.device(device):
-            self.input_ids = torch.zeros(max_batch, dtype=torch.long)
-            self.positions = torch.zeros(max_batch, dtype=torch.long)
-            self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.long)
-            self.block_tables = torch.zeros((max_batch, max_blocks), dtype=torch.int32)
-            self.seq_lens = torch.ones(max_batch, dtype=torch.int32)
-            self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32)
+        self.inputs = DecodeInputs(max_batch, max_blocks)
+        self.blob = torch.zeros(self.inputs.nbytes, dtype=torch.uint8, device=device)
+        self.input_ids, self.positions, self.slot_mapping, self.carry_rows, self.seq_lens, self.tables = \
+            self.inputs.views(self.blob)
+        self.slot_mapping.fill_(-1)                      # the capture's forwards store nothing
+        self.carry_rows.fill_(-1)
+        self.seq_lens.fill_(1)
+        self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
         self.max_model_len = max_model_len
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}      # (batch bucket, width in blocks)
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.greedy: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}       # same keys, bs <= GREEDY_MAX_BATCH
+        self.greedy_outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}   # (hidden, token ids)
 
     def _meta(self, bs: int, width: int) -> AttentionMetadata:
-        return AttentionMetadata(slot_mapping=self.slot_mapping[:bs], block_tables=self.block_tables[:bs, :width],
+        return AttentionMetadata(slot_mapping=self.slot_mapping[:bs],
+                                 block_tables=self.tables[:bs * width].view(bs, width),
                                  seq_lens=self.seq_lens[:bs], query_start_loc=self.query_start_loc[:bs + 1],
                                  max_seq_len=width * self.block_size, max_query_len=1,
                                  wide_table=self.wide[bs])
@@ -54,32 +107,63 @@ class DecodeGraphs:
         for bs in reversed(self.buckets):       # largest first: smaller graphs reuse its memory pool
             for width in reversed(self.widths[bs]):
                 args = (self.input_ids[:bs], self.positions[:bs], self._meta(bs, width))
-                for _ in range(2):              # compile/autotune outside the capture
-                    self.model(*args)
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[bs, width] = self.model(*args)
-                pool = graph.pool()
-                self.graphs[bs, width] = graph
+                self.graphs[bs, width], self.outputs[bs, width], pool = _capture(lambda: self.model(*args), pool)
+                if bs <= GREEDY_MAX_BATCH:
+                    self.greedy[bs, width], self.greedy_outputs[bs, width], pool = _capture(
+                        lambda: self._greedy_step(args), pool)
+        for bs in self.buckets:                 # the carried-token gather, every BLOCK it takes (rows: all -1)
+            take_carried(self.input_ids[:bs], self.carry_rows[:bs], self.input_ids)
         torch.cuda.synchronize()
-        logger.info("captured %d CUDA graphs for decode batch sizes %s", len(self.graphs), self.buckets)
+        logger.info("captured %d CUDA graphs for decode batch sizes %s (%d greedy)", len(self.graphs), self.buckets,
+                    len(self.greedy))
+
+    def _greedy_step(self, args) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode step and the argmax of its logits (in the model's dtype, as Sampler takes it)."""
+        hidden = self.model(*args)
+        return hidden, argmax_rows(self.model.compute_logits(hidden, float32=False))
 
     def can_run(self, num_seqs: int, num_tokens: int) -> bool:
         return num_tokens == num_seqs <= self.max_batch and bool(self.graphs)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Decode batch of n sequences (one token each) -> hidden [n, hidden]."""
-        n = input_ids.shape[0]
-        bs = next(b for b in self.buckets if b >= n)
-        width = meta.block_tables.shape[1]
-        graph_width = next(w for w in self.widths[bs] if w >= width)
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(meta.slot_mapping)
-        self.slot_mapping[n:bs].fill_(-1)
-        self.block_tables[:n, :width].copy_(meta.block_tables)
-        self.seq_lens[:n].copy_(meta.seq_lens)
-        self.seq_lens[n:bs].fill_(1)
-        self.graphs[bs, graph_width].replay()
-        return self.outputs[bs, graph_width][:n]
+    def shape_for(self, num_seqs: int, table_blocks: int) -> tuple[int, int]:
+        """The (batch bucket, table width in blocks) of the graph that runs num_seqs sequences whose longest block
+        table has table_blocks blocks."""
+        bs = next(b for b in self.buckets if b >= num_seqs)
+        return bs, next(w for w in self.widths[bs] if w >= table_blocks)
+
+    def run(self, n: int, shape: tuple[int, int], packed: np.ndarray, carried: torch.Tensor | None = None,
+            greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Decode batch of n sequences (one token each) -> (hidden [n, hidden], the argmax token of each row [n] where
+        greedy and a greedy graph has the shape, else None). packed: DecodeInputs.pack for the graph `shape`
+        (shape_for); carried: the samples of the step in flight that carry rows index (on the device)."""
+        host = torch.from_numpy(packed)
+        if self.blob.is_cuda:           # pinned: the copy is queued (the caching host allocator keeps the buffer)
+            host = host.pin_memory()
+        self.blob[:host.shape[0]].copy_(host, non_blocking=True)
+        if carried is not None:             # over the bucket (padding rows carry nothing): its BLOCK was warmed up
+            take_carried(self.input_ids[:shape[0]], self.carry_rows[:shape[0]], carried)
+        if greedy and shape in self.greedy:
+            self.greedy[shape].replay()
+            hidden, ids = self.greedy_outputs[shape]
+            return hidden[:n], ids[:n]
+        self.graphs[shape].replay()
+        return self.outputs[shape][:n], None
+
+
+def _capture(step, pool):
+    """(graph, its outputs, the memory pool) of step(), run twice first (compiles and autotunes outside the
+    capture); graphs share one pool, largest first (they never run at the same time)."""
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = step()
+    return graph, outputs, graph.pool()
+
+
+def _dtype(blob, size: int):
+    """The int dtype of `size` bytes in blob's library (torch or numpy)."""
+    if isinstance(blob, torch.Tensor):
+        return torch.int64 if size == 8 else torch.int32
+    return np.int64 if size == 8 else np.int32

@@ -15,6 +15,7 @@ from engine.scheduler import SchedulerOutput
 from engine.sequence import Logprob
 from engine.swap import CpuKVTier
 from engine.transfer import to_device
+from kernels.argmax import argmax_rows
 from kernels.paged_attention import store_kv
 
 KV_CACHE_DTYPES = {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16,
@@ -184,27 +185,61 @@ class ModelRunner:
         return ids, tensor(positions, torch.int64), meta, starts
 
     @torch.inference_mode()
-    def forward(self, out: SchedulerOutput, carry: "Carry | None" = None) -> tuple[torch.Tensor, list[int]]:
-        """The step's transfers, then the model over the scheduled tokens: (hidden [T, hidden], row starts).
-        carry: the step in flight whose sampled tokens are inputs here (sequences with a pending token)."""
+    def forward(self, out: SchedulerOutput, carry: "Carry | None" = None,
+                greedy: bool = False) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
+        """The step's transfers, then the model over the scheduled tokens: (hidden [T, hidden], row starts, None).
+        carry: the step in flight whose sampled tokens are inputs here (sequences with a pending token). greedy
+        (every row samples its argmax): a decode graph with the head and the argmax inside may run, and the third
+        value is then its token ids [T]."""
         if self.cpu_tier is not None:   # async on CUDA: the host prepares the batch meanwhile
             self.cpu_tier.issue(out.blocks_to_swap_out, out.blocks_to_swap_in)
-        input_ids, positions, meta, starts = self._prepare(out, carry)
+        first = self._first_forward_observer if self.kv_observer is None else None
+        observer = self.kv_observer or first
+        graphs = self.decode_graphs
+        num_tokens = sum(item.num_new_tokens for item in out.scheduled)
+        graphed = graphs is not None and observer is None and graphs.can_run(len(out.scheduled), num_tokens)
+        if graphed:
+            shape, packed, carried = self._pack_decode(out, carry)
+        else:
+            input_ids, positions, meta, starts = self._prepare(out, carry)
+            meta.kv_observer = observer
         if self.cpu_tier is not None:
             self.cpu_tier.wait()
         self.copy_blocks(out.blocks_to_copy)
-        first = self._first_forward_observer if self.kv_observer is None else None
-        meta.kv_observer = self.kv_observer or first
-        graphs = self.decode_graphs
-        if graphs is not None and meta.kv_observer is None and graphs.can_run(len(out.scheduled), len(input_ids)):
-            hidden = graphs.run(input_ids, positions, meta)
+        sampled = None
+        if graphed:
+            hidden, sampled = graphs.run(len(out.scheduled), shape, packed, carried, greedy)
+            starts = list(range(len(out.scheduled) + 1))
         else:
             hidden = self.model(input_ids, positions, meta)
         if first is not None:
             self._first_forward_observer = None
             first.report(self.model.attention_layers, self.kv_dtype)
-        self.num_tokens_forwarded += len(input_ids)
-        return hidden, starts
+        self.num_tokens_forwarded += num_tokens
+        return hidden, starts, sampled
+
+    def _pack_decode(self, out: SchedulerOutput, carry: "Carry | None"):
+        """A decode step's inputs for DecodeGraphs.run: (graph shape, packed host buffer, the in-flight samples
+        that carried inputs are taken from, or None)."""
+        ids, positions, slots, seq_lens, tables, carry_rows = [], [], [], [], [], []
+        bs = self.block_size
+        for item in out.scheduled:
+            seq = item.seq
+            p = seq.num_computed_tokens
+            if p < len(seq.token_ids):
+                ids.append(seq.token_ids[p])
+                carry_rows.append(-1)
+            else:                           # the sequence's pending token: sampled by the step in flight
+                ids.append(0)
+                carry_rows.append(carry.rows[id(seq)])
+            positions.append(p)
+            slots.append(seq.block_table[p // bs] * bs + p % bs)
+            seq_lens.append(p + 1)
+            tables.append(seq.block_table)
+        graphs = self.decode_graphs
+        shape = graphs.shape_for(len(ids), max(len(t) for t in tables))
+        packed = graphs.inputs.pack(*shape, ids, positions, slots, seq_lens, tables, carry_rows)
+        return shape, packed, carry.tokens if any(r >= 0 for r in carry_rows) else None
 
     @torch.inference_mode()
     def warmup(self, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> int:
@@ -259,7 +294,7 @@ class ModelRunner:
             if d else None)
         hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=dev),
                             torch.tensor(positions, dtype=torch.long, device=dev), meta)
-        self.model.compute_logits(hidden[[s - 1 for s in starts[1:]]])
+        argmax_rows(self.model.compute_logits(hidden[[s - 1 for s in starts[1:]]], float32=False))   # greedy rows
 
     @torch.inference_mode()
     def compute_all_logits(self, out: SchedulerOutput) -> torch.Tensor:
@@ -276,12 +311,18 @@ class ModelRunner:
     def launch(self, out: SchedulerOutput, carry: "Carry | None" = None) -> "LaunchedStep":
         """execute() without the wait: the forward and the sampling are queued on the device; the host is free
         until LaunchedStep.resolve(). carry: see forward()."""
-        hidden, starts = self.forward(out, carry)                            # [T, hidden]
-        sample_rows = [starts[i + 1] - 1 for i, item in enumerate(out.scheduled) if item.sample]
         sample_seqs = [item.seq for item in out.scheduled if item.sample]
+        greedy = len(sample_seqs) == len(out.scheduled) and only_argmax(sample_seqs)
+        hidden, starts, graph_sampled = self.forward(out, carry, greedy)    # [T, hidden]
+        sample_rows = [starts[i + 1] - 1 for i, item in enumerate(out.scheduled) if item.sample]
         self._prompt_logprobs(out, hidden, starts)
         pending = None
-        if sample_rows:
+        if graph_sampled is not None:                                        # one row per sequence, all sample
+            # the graph's static output: the device-to-host copy PendingSample queues now reads it before the next
+            # replay writes it (a CPU tensor would be read later, at resolve: a copy)
+            values = graph_sampled if graph_sampled.is_cuda else graph_sampled.clone()
+            pending = PendingSample(graph_sampled, values, len(sample_seqs), [])
+        elif sample_rows:
             if len(sample_rows) == hidden.shape[0]:                          # every row samples (decodes)
                 rows = hidden
             else:   # a list index would go through pageable memory, which waits for the step in flight

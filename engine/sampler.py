@@ -9,6 +9,7 @@ import torch
 
 from engine.sequence import Logprob, Sequence
 from engine.transfer import start_to_host, to_device
+from kernels.argmax import argmax_rows
 
 # Temperatures below this are treated as greedy: dividing by them overflows fp32 (vLLM uses the same cut-off).
 _SAMPLING_EPS = 1e-5
@@ -211,7 +212,7 @@ class Sampler:
         """Queues the sampling of one token per row of logits [S, V]; nothing waits for the GPU."""
         assert logits.dim() == 2 and logits.shape[0] == len(seqs), (tuple(logits.shape), len(seqs))
         if only_argmax(seqs):          # the model's dtype is fine: widening to fp32 is exact and keeps the order
-            sampled = logits.argmax(dim=-1)                                                      # [S]
+            sampled = argmax_rows(logits)                                                        # [S]
             return PendingSample(sampled, sampled, len(seqs), [])
         logits = logits.float()                                                                  # [S, V]
         want_logprobs = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]

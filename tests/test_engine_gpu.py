@@ -66,6 +66,33 @@ def test_cuda_graph_decode_matches_eager():
     assert_all_blocks_free(graphed)
 
 
+def test_greedy_graph_takes_the_argmax_inside_and_matches_eager():
+    """Greedy rows without logprobs or min_tokens run the decode graph that holds the head and the argmax
+    (engine/cuda_graph.py, batches <= GREEDY_MAX_BATCH): same tokens as the eager engine, and its graphs ran."""
+    eager = make_engine(awq_model_dir(), dtype="float16", device="cuda", enforce_eager=True)
+    graphed = make_engine(awq_model_dir(), dtype="float16", device="cuda")
+    graphs = graphed.runner.decode_graphs
+    assert graphs.greedy and set(graphs.greedy) <= set(graphs.graphs)
+    replayed = []
+
+    class Spy:
+        def __init__(self, key, graph):
+            self.key, self.graph = key, graph
+
+        def replay(self):
+            replayed.append(self.key)
+            self.graph.replay()
+
+    graphs.greedy = {key: Spy(key, graph) for key, graph in graphs.greedy.items()}
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    for prompts in (_prompts(eager, 1), _prompts(eager, 5)):
+        a = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+        b = [o.outputs[0].token_ids for o in graphed.generate(prompts, params)]
+        assert a == b
+    assert {bs for bs, _ in replayed} == {1, 8}
+    assert_all_blocks_free(graphed)
+
+
 def test_batch_one_folds_the_norms_and_matches_the_plain_path(monkeypatch):
     """Batch-1 decode on CUDA folds every RMSNorm into the INT4 matmuls around it (engine/models/decoder.py,
     _forward_folded): the fixture takes that path, and its greedy tokens and logprobs are the plain path's (the
