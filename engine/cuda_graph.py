@@ -125,6 +125,24 @@ class DecodeGraphs:
     def can_run(self, num_seqs: int, num_tokens: int) -> bool:
         return num_tokens == num_seqs <= self.max_batch and bool(self.graphs)
 
+    def pack_step(self, seqs: list, carry_rows: dict[int, int] | None) -> tuple[tuple[int, int], np.ndarray, bool]:
+        """A decode step of seqs (one new token each) -> (graph shape, packed inputs for run, whether a token is
+        carried). carry_rows: id(sequence) -> its row in the samples of the step in flight, for sequences whose
+        input token that step has not yet returned."""
+        ids, positions, slots, seq_lens, tables, rows = [], [], [], [], [], []
+        bs = self.block_size
+        for seq in seqs:
+            p = seq.num_computed_tokens
+            known = p < len(seq.token_ids)
+            ids.append(seq.token_ids[p] if known else 0)
+            rows.append(-1 if known else carry_rows[id(seq)])
+            positions.append(p)
+            slots.append(seq.block_table[p // bs] * bs + p % bs)
+            seq_lens.append(p + 1)
+            tables.append(seq.block_table)
+        shape = self.shape_for(len(ids), max(len(t) for t in tables))
+        return shape, self.inputs.pack(*shape, ids, positions, slots, seq_lens, tables, rows), max(rows) >= 0
+
     def shape_for(self, num_seqs: int, table_blocks: int) -> tuple[int, int]:
         """The (batch bucket, table width in blocks) of the graph that runs num_seqs sequences whose longest block
         table has table_blocks blocks."""

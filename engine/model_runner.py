@@ -199,7 +199,8 @@ class ModelRunner:
         num_tokens = sum(item.num_new_tokens for item in out.scheduled)
         graphed = graphs is not None and observer is None and graphs.can_run(len(out.scheduled), num_tokens)
         if graphed:
-            shape, packed, carried = self._pack_decode(out, carry)
+            shape, packed, carries = graphs.pack_step([item.seq for item in out.scheduled],
+                                                      carry.rows if carry is not None else None)
         else:
             input_ids, positions, meta, starts = self._prepare(out, carry)
             meta.kv_observer = observer
@@ -208,7 +209,8 @@ class ModelRunner:
         self.copy_blocks(out.blocks_to_copy)
         sampled = None
         if graphed:
-            hidden, sampled = graphs.run(len(out.scheduled), shape, packed, carried, greedy)
+            hidden, sampled = graphs.run(len(out.scheduled), shape, packed, carry.tokens if carries else None,
+                                         greedy)
             starts = list(range(len(out.scheduled) + 1))
         else:
             hidden = self.model(input_ids, positions, meta)
@@ -217,29 +219,6 @@ class ModelRunner:
             first.report(self.model.attention_layers, self.kv_dtype)
         self.num_tokens_forwarded += num_tokens
         return hidden, starts, sampled
-
-    def _pack_decode(self, out: SchedulerOutput, carry: "Carry | None"):
-        """A decode step's inputs for DecodeGraphs.run: (graph shape, packed host buffer, the in-flight samples
-        that carried inputs are taken from, or None)."""
-        ids, positions, slots, seq_lens, tables, carry_rows = [], [], [], [], [], []
-        bs = self.block_size
-        for item in out.scheduled:
-            seq = item.seq
-            p = seq.num_computed_tokens
-            if p < len(seq.token_ids):
-                ids.append(seq.token_ids[p])
-                carry_rows.append(-1)
-            else:                           # the sequence's pending token: sampled by the step in flight
-                ids.append(0)
-                carry_rows.append(carry.rows[id(seq)])
-            positions.append(p)
-            slots.append(seq.block_table[p // bs] * bs + p % bs)
-            seq_lens.append(p + 1)
-            tables.append(seq.block_table)
-        graphs = self.decode_graphs
-        shape = graphs.shape_for(len(ids), max(len(t) for t in tables))
-        packed = graphs.inputs.pack(*shape, ids, positions, slots, seq_lens, tables, carry_rows)
-        return shape, packed, carry.tokens if any(r >= 0 for r in carry_rows) else None
 
     @torch.inference_mode()
     def warmup(self, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> int:
@@ -312,7 +291,8 @@ class ModelRunner:
         """execute() without the wait: the forward and the sampling are queued on the device; the host is free
         until LaunchedStep.resolve(). carry: see forward()."""
         sample_seqs = [item.seq for item in out.scheduled if item.sample]
-        greedy = len(sample_seqs) == len(out.scheduled) and only_argmax(sample_seqs)
+        argmax_only = only_argmax(sample_seqs)
+        greedy = argmax_only and len(sample_seqs) == len(out.scheduled)
         hidden, starts, graph_sampled = self.forward(out, carry, greedy)    # [T, hidden]
         sample_rows = [starts[i + 1] - 1 for i, item in enumerate(out.scheduled) if item.sample]
         self._prompt_logprobs(out, hidden, starts)
@@ -328,7 +308,7 @@ class ModelRunner:
             else:   # a list index would go through pageable memory, which waits for the step in flight
                 rows = hidden[to_device(sample_rows, torch.long, hidden.device)]
             # [S, vocab]; fp32 unless every row only takes the argmax
-            logits = self.model.compute_logits(rows, float32=not only_argmax(sample_seqs))
+            logits = self.model.compute_logits(rows, float32=not argmax_only)
             pending = self.sampler.sample(logits, sample_seqs)
         return LaunchedStep([item.sample for item in out.scheduled], pending)
 

@@ -120,8 +120,14 @@ def test_graph_inputs_give_the_eager_engines_tokens():
         replays = _with_eager_graphs(engine, 8) if graphed else []
         carried = []
         if graphed:
-            real = engine.runner._pack_decode
-            engine.runner._pack_decode = lambda out, carry: carried.append(carry is not None) or real(out, carry)
+            graphs = engine.runner.decode_graphs
+            real = graphs.pack_step
+
+            def pack_step(seqs, rows):
+                shape, packed, carries = real(seqs, rows)
+                carried.append(carries)
+                return shape, packed, carries
+            graphs.pack_step = pack_step
         outs = [engine.generate(prompts, p) for p in params]
         results.append([[(o.outputs[0].token_ids, [round(lp.logprob, 4) for lp in o.outputs[0].logprobs or []])
                          for o in batch] for batch in outs])
