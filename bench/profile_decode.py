@@ -8,6 +8,7 @@ import gc
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -83,6 +84,28 @@ def kernel_table(prof, steps: int, top: int = 30) -> tuple[float, list[dict]]:
     total_us = sum(t for t, _ in per_name.values())
     return total_us / steps / 1e3, [{"kernel": name[:120], "us_per_step": t / steps, "calls_per_step": n / steps}
                                     for name, (t, n) in rows[:top]]
+
+
+def exposed_kernels(prof, steps: int, top: int = 16) -> list[dict]:
+    """Per kernel and grid: time per call and the time it is exposed, i.e. how far it moves the end of the GPU's
+    work when it finishes (under PDL a kernel's start overlaps its predecessor, so durations add to more than the
+    step). Sorted by exposed time per step."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = [e for e in json.load(open(f.name))["traceEvents"]
+                  if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    events.sort(key=lambda e: e["ts"])
+    per = defaultdict(lambda: [0.0, 0.0, 0])
+    end = events[0]["ts"] if events else 0.0
+    for e in events:
+        row = per[f"{e['name'][:60]} grid={e.get('args', {}).get('grid')}"]
+        row[0] += e["dur"]
+        row[1] += max(0.0, e["ts"] + e["dur"] - end)
+        row[2] += 1
+        end = max(end, e["ts"] + e["dur"])
+    rows = sorted(per.items(), key=lambda kv: -kv[1][1])[:top]
+    return [{"kernel": k, "calls_per_step": n / steps, "us_per_call": d / n, "exposed_us_per_step": x / steps}
+            for k, (d, x, n) in rows]
 
 
 def profile(batch: int, ctx: int, kv: str, eager: bool, steps: int = 24, int4_head: bool = False) -> dict:
@@ -165,6 +188,7 @@ def profile(batch: int, ctx: int, kv: str, eager: bool, steps: int = 24, int4_he
             engine.step()
         torch.cuda.synchronize()
     result["gpu_kernel_ms_per_step"], result["top_kernels"] = kernel_table(prof, prof_steps)
+    result["exposed_kernels"] = exposed_kernels(prof, prof_steps)
     for i in range(batch):
         engine.abort(f"p{i}")
     del engine, runner

@@ -24,7 +24,7 @@ import torch
 from kernels.norm_act import silu_and_mul, silu_and_mul_ref
 from kernels.w4a16_frag import FragWeights, frag_standard, prepare_frag
 from kernels.w4a16_ref import pack_int4_rows, unpack_int4_rows, w4a16_matmul_ref
-from kernels.w4a16_tuning import MMAConfig, W4A16Config, select_config, select_mma_config
+from kernels.w4a16_tuning import MMAConfig, W4A16Config, device_sms, select_config, select_mma_config
 
 DEFAULT_PACK_K = 128
 
@@ -235,9 +235,10 @@ def _frag_forward(x: torch.Tensor, w: FragWeights, bias: torch.Tensor | None, co
     from kernels.w4a16_tiles import frag_dequantize
     x = x[:, w.perm] if w.perm is not None else x.contiguous()
     m, k = x.shape
-    cfg = config or select_mma_config(m, k, w.out_features, wgmma_works(x.device.index), silu_mul)
+    cfg = config or select_mma_config(m, k, w.out_features, wgmma_works(x.device.index), silu_mul,
+                                      device_sms(x.device))
     if cfg is not None and x.dtype == torch.float16:
         return w4a16_mma(x, w, bias, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps, cfg.one_launch, silu_mul,
-                         cfg.wgmma)
+                         cfg.wgmma, max_regs=cfg.max_regs)
     y = torch.nn.functional.linear(x, frag_dequantize(w).to(x.dtype), bias)
     return silu_and_mul(y) if silu_mul else y

@@ -14,7 +14,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from kernels.w4a16_frag import FragWeights
-from kernels.w4a16_tuning import select_mma_config
+from kernels.w4a16_tuning import device_sms, select_mma_config
 
 FOLD_TILE = 64          # the residual epilogue sums squares by this many columns (its tile)
 
@@ -88,9 +88,9 @@ def w4a16_residual(x: torch.Tensor, w: FragWeights, residual: torch.Tensor,
     torch's add round; ss [1, N / 64] fp32 the sums of h^2 by 64 columns (a FoldedNorm's ss). Where
     folded_norm_applies."""
     from kernels.w4a16_mma import w4a16_mma
-    cfg = select_mma_config(1, x.shape[1], w.out_features, False, False)
+    cfg = select_mma_config(1, x.shape[1], w.out_features, False, False, device_sms(x.device))
     return w4a16_mma(x, w, bias, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps, cfg.one_launch,
-                     residual=residual.contiguous())
+                     residual=residual.contiguous(), max_regs=cfg.max_regs)
 
 
 def w4a16_normed(h: torch.Tensor, w: FragWeights, norm, bias: torch.Tensor | None = None,
@@ -98,6 +98,6 @@ def w4a16_normed(h: torch.Tensor, w: FragWeights, norm, bias: torch.Tensor | Non
     """h [1, K] (a w4a16_residual output), norm a FoldedNorm of its sums -> RMSNorm(h) * weight
     @ W (+ bias), or its SwiGLU with silu_mul. Where folded_norm_applies."""
     from kernels.w4a16_mma import w4a16_mma
-    cfg = select_mma_config(1, h.shape[1], w.out_features, False, silu_mul)
+    cfg = select_mma_config(1, h.shape[1], w.out_features, False, silu_mul, device_sms(h.device))
     return w4a16_mma(h, w, bias, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps, cfg.one_launch, silu_mul,
-                     norm=norm)
+                     norm=norm, max_regs=cfg.max_regs)

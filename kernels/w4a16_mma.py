@@ -93,7 +93,7 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
                       PDL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                       num_warps: gl.constexpr, SCALE_AFTER: gl.constexpr, X_STEPS: gl.constexpr,
                       SWIGLU: gl.constexpr, A_SMEM: gl.constexpr, RESIDUAL: gl.constexpr = False,
-                      NORM: gl.constexpr = False, SS_P2: gl.constexpr = 1):
+                      NORM: gl.constexpr = False, SS_P2: gl.constexpr = 1, PRELOAD: gl.constexpr = False):
     """y = x @ W (+ bias) for one [BLOCK_M, BLOCK_N] output tile; with SPLIT, this split's fp32 partial goes to
     ws[pid_k] and is summed by the reduce pass or (ONE_LAUNCH) by the split that draws the last ticket.
     WGMMA (Hopper; BLOCK_N a multiple of 16 * num_warps, x through shared memory): _wgmma_steps.
@@ -158,6 +158,16 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
             s_rows = gl.minimum(s_rows, N - 1)
         cur = _mma_load(it0, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, s_rows, stride_sg, stride_zg,
                         GROUP, HAS_ZEROS, EVEN_N, SCALE_AFTER, BLOCK_K)
+        if PRELOAD:
+            # a split of at most four steps (qkv and o at M = 1): all its weights are requested before the wait,
+            # while the previous kernel finishes (batch-1 step -1.2%, bench/NOTES-kernels.md entry 23; the first
+            # four of longer splits, down and gate_up, took registers enough to cost them their one wave: +4-6%)
+            p1 = _mma_load(gl.minimum(it0 + 1, it1 - 1), w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
+                           s_rows, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, SCALE_AFTER, BLOCK_K)
+            p2 = _mma_load(gl.minimum(it0 + 2, it1 - 1), w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
+                           s_rows, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, SCALE_AFTER, BLOCK_K)
+            p3 = _mma_load(gl.minimum(it0 + 3, it1 - 1), w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
+                           s_rows, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, SCALE_AFTER, BLOCK_K)
         if X_STEPS > 0:
             xk = gl.arange(0, X_STEPS * BLOCK_K, layout=gl.BlockedLayout([8], [32], [num_warps], [0]))
             x_mask = (xk < (it1 - it0) * BLOCK_K) & (it0 * BLOCK_K + xk < K)
@@ -175,18 +185,33 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
         if X_SMEM:
             _x_copy(x_ring.index(0), x_ptrs + it0 * BLOCK_K, m_mask)
             _x_copy(x_ring.index(1), x_ptrs + gl.minimum(it0 + 1, it1 - 1) * BLOCK_K, m_mask)
-        for it in range(it0, it1):
-            nxt = _mma_load(gl.minimum(it + 1, it1 - 1), w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
-                            s_rows, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, SCALE_AFTER, BLOCK_K)
-            if X_SMEM:
-                async_copy.wait_group(1)      # x(it) landed, x(it + 1) may still fly
-                _cta_barrier()                # every thread's part of x(it); every thread done reading x(it - 1)
-                _x_copy(x_ring.index((it - it0 + 2) % 3), x_ptrs + gl.minimum(it + 2, it1 - 1) * BLOCK_K, m_mask)
-                x_smem = x_ring.index((it - it0) % 3)
-            acc = _mma_one(acc, cur, x_ptrs, m_mask, k_row, x_smem if X_SMEM or X_STEPS > 0 else 0, it - it0,
-                           it * BLOCK_K, K, n_lo, n_hi, HAS_ZEROS, EVEN_K, X_SMEM, X_STEPS, SCALE_AFTER, BLOCK_M,
-                           BLOCK_N, BLOCK_K, A_L, B_L)
-            cur = nxt
+        if PRELOAD:
+            # the whole split (at most four steps) came before the wait
+            acc = _mma_one(acc, cur, x_ptrs, m_mask, k_row, x_smem, 0, it0 * BLOCK_K, K, n_lo, n_hi, HAS_ZEROS,
+                           EVEN_K, X_SMEM, X_STEPS, SCALE_AFTER, BLOCK_M, BLOCK_N, BLOCK_K, A_L, B_L)
+            if it0 + 1 < it1:
+                acc = _mma_one(acc, p1, x_ptrs, m_mask, k_row, x_smem, 1, (it0 + 1) * BLOCK_K, K, n_lo, n_hi,
+                               HAS_ZEROS, EVEN_K, X_SMEM, X_STEPS, SCALE_AFTER, BLOCK_M, BLOCK_N, BLOCK_K, A_L, B_L)
+            if it0 + 2 < it1:
+                acc = _mma_one(acc, p2, x_ptrs, m_mask, k_row, x_smem, 2, (it0 + 2) * BLOCK_K, K, n_lo, n_hi,
+                               HAS_ZEROS, EVEN_K, X_SMEM, X_STEPS, SCALE_AFTER, BLOCK_M, BLOCK_N, BLOCK_K, A_L, B_L)
+            if it0 + 3 < it1:
+                acc = _mma_one(acc, p3, x_ptrs, m_mask, k_row, x_smem, 3, (it0 + 3) * BLOCK_K, K, n_lo, n_hi,
+                               HAS_ZEROS, EVEN_K, X_SMEM, X_STEPS, SCALE_AFTER, BLOCK_M, BLOCK_N, BLOCK_K, A_L, B_L)
+        else:
+            for it in range(it0, it1):
+                nxt = _mma_load(gl.minimum(it + 1, it1 - 1), w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
+                                s_rows, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, SCALE_AFTER, BLOCK_K)
+                if X_SMEM:
+                    async_copy.wait_group(1)      # x(it) landed, x(it + 1) may still fly
+                    _cta_barrier()            # every thread's part of x(it); every thread done reading x(it - 1)
+                    _x_copy(x_ring.index((it - it0 + 2) % 3), x_ptrs + gl.minimum(it + 2, it1 - 1) * BLOCK_K,
+                            m_mask)
+                    x_smem = x_ring.index((it - it0) % 3)
+                acc = _mma_one(acc, cur, x_ptrs, m_mask, k_row, x_smem if X_SMEM or X_STEPS > 0 else 0, it - it0,
+                               it * BLOCK_K, K, n_lo, n_hi, HAS_ZEROS, EVEN_K, X_SMEM, X_STEPS, SCALE_AFTER, BLOCK_M,
+                               BLOCK_N, BLOCK_K, A_L, B_L)
+                cur = nxt
         if X_SMEM:
             async_copy.wait_group(0)
 
@@ -287,14 +312,16 @@ def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None
               block_k: int = 256, split_k: int = 1, num_warps: int = 4, one_launch: bool = True,
               silu_mul: bool = False, wgmma: bool = False, scale_after: bool = True,
               x_staged: bool = True, a_smem: bool | None = None, residual: torch.Tensor | None = None,
-              norm: FoldedNorm | None = None):
+              norm: FoldedNorm | None = None, max_regs: int = 0, preload: bool = True):
     """x fp16 [M, K] (already permuted for act-order; M <= 64, any M with wgmma: 128-row tiles) -> [M, N], or
     [M, N/2] = silu(gate) * up. wgmma needs block_n % (16 * num_warps) == 0 with 4 or 8 warps (64 rows per
     warpgroup). scale_after (mma.sync, where a step lies inside one scale group): scales multiply each step's fp32
     partial, not each weight (M=1 gate_up 25.2 -> 23.0 us, bench/results/exp-mma-variants-h200.json).
     The decode step's RMSNorm folded into its neighbours (M = 1): residual [M, N] -> (h, ss): h = y + residual
     rounded as the unfused pair rounds, ss [M, tiles] fp32 its sums of squares by output tile; norm (x is such an h,
-    x staged: M = 1 and 64-column tiles): the matmul of RMSNorm(x) * norm.weight."""
+    x staged: M = 1 and 64-column tiles): the matmul of RMSNorm(x) * norm.weight. max_regs: ptxas's register cap
+    a thread (kernels/w4a16_tuning.one_wave_regs; 0: none). preload (M = 1 with x staged, under PDL): a split of at
+    most four steps requests all its weights before it waits for the previous kernel."""
     m, k = x.shape
     n = fw.out_features
     kp = fw.words.shape[1] // 2
@@ -341,7 +368,9 @@ def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None
         X_SMEM=m > 1 or wgmma, WGMMA=wgmma, PDL=pdl, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk,
         num_warps=num_warps, SCALE_AFTER=v.scale_after, X_STEPS=v.x_steps, SWIGLU=swiglu,
         A_SMEM=v.a_smem, RESIDUAL=residual is not None, NORM=norm is not None,
-        SS_P2=triton.next_power_of_2(ss_in.shape[1]) if ss_in is not None else 1, **launch_options(pdl))
+        SS_P2=triton.next_power_of_2(ss_in.shape[1]) if ss_in is not None else 1,
+        PRELOAD=preload and pdl and v.x_steps > 0 and per <= 4, **launch_options(pdl),
+        **({"maxnreg": max_regs} if max_regs else {}))
     if splits > 1 and not one_launch:
         launch_splitk_reduce(ws, bias, out, splits, silu_mul)
     elif silu_mul and not swiglu:

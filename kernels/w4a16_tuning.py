@@ -55,6 +55,13 @@ def gpu_family(device_index: int) -> tuple[str, int]:
     return f"sm{major}{minor}", torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def device_sms(device: torch.device) -> int:
+    """The SM count of a CUDA device (132 elsewhere: the H200 the rules were fitted on)."""
+    if device.type != "cuda":
+        return 132
+    return gpu_family(device.index if device.index is not None else torch.cuda.current_device())[1]
+
+
 def _pow2_split(target_programs: int, tiles: int, max_split: int) -> int:
     split = 1
     while split < max_split and tiles * split * 2 <= target_programs:
@@ -102,14 +109,29 @@ class MMAConfig:
     num_warps: int = 4
     one_launch: bool = True
     wgmma: bool = False       # Hopper wgmma (x^T via shared memory): M = 17..128 on sm90 by the rule below
+    max_regs: int = 0         # ptxas register cap a thread (0: the compiler's choice), set by one_wave_regs
 
 
 MMA_MAX_M = 64          # mma.sync up to here
 WGMMA_MAX_M = 128       # sm90: wgmma from M = 17 to here; above both, dequantize the fragment layout once + cuBLAS
 _MMA_PROGRAMS = 640     # split-K until tiles x splits would pass this (about 5 per SM on 132 SMs)
+REGISTERS_PER_SM = 65536    # sm80 .. sm90
+MIN_REG_CAP = 56            # below this the M = 1 kernel spills (48: 10-12 registers, 25-35% slower)
 
 
-def select_mma_config(m: int, k: int, n: int, wgmma: bool = False, silu_mul: bool = False) -> MMAConfig | None:
+def one_wave_regs(programs: int, num_warps: int, sms: int) -> int:
+    """The register cap a thread at which a grid of `programs` programs of num_warps warps is resident all at once
+    (ptxas allocates registers by 8), or 0 where that takes fewer than MIN_REG_CAP or no cap at all (the kernel
+    uses ~64 uncapped). Gate_up at M = 1 in two splits (1,184 programs, 66 registers: 7 an SM resident, a second
+    wave of 260) runs 25.9 us uncapped and 21.1 capped at 56 (9 an SM), against 22.6 in one split
+    (bench/results/exp-reg-cap-h200.json)."""
+    per_sm = -(-programs // sms)
+    regs = REGISTERS_PER_SM // (per_sm * 32 * num_warps) // 8 * 8
+    return regs if MIN_REG_CAP <= regs < 64 else 0
+
+
+def select_mma_config(m: int, k: int, n: int, wgmma: bool = False, silu_mul: bool = False,
+                      sms: int = 132) -> MMAConfig | None:
     """Rule fitted to the H200 sweeps of bench/exp_mma.py (bench/results/exp-mma-h200.json, mma.sync at
     M = 1..64, 42-70 candidates per point; exp-mma-split16-h200.json, M = 1 with up to 16 splits;
     exp-mma-xstaged-h200.json, M = 1 with x staged in shared memory (64-column tiles, so also on wide layers
@@ -129,13 +151,17 @@ def select_mma_config(m: int, k: int, n: int, wgmma: bool = False, silu_mul: boo
         if k >= 8192:                     # long K, few columns (down): 16 splits of 128-row steps
             return MMAConfig(64, 128, 16, 4, True)
         if n >= 16384:
-            # M = 1 in the decode step (the SwiGLU gate_up): two splits, the SwiGLU applied by the split with the
-            # last ticket (batch-1 step 1.831 against 1.875 ms for 128 x 2, 1.970 for one split, 1.893-1.905 for
-            # three or four: bench/results/exp-m1-splits-h200.json). Alone, one split with x staged is fastest
-            # (22.3 us against 23.7 for 128 x 2). M = 2..8: one split with the SwiGLU in the epilogue, 23.7-24.1 us
-            # against 27.6-28.3 for 128 x 2 + reduce pass, 38.4-39.6 against 43.2-43.7 as gate_up -> down
-            # (bench/results/exp-swiglu-small-m-h200.json)
-            return MMAConfig(64, 128, 2 if m == 1 and silu_mul else 1, 4, True)
+            # M = 1: two splits (the SwiGLU gate_up's in the decode step: step 1.831 against 1.875 ms for 128 x 2,
+            # 1.970 for one split, 1.893-1.905 for three or four, bench/results/exp-m1-splits-h200.json), their
+            # registers capped where that makes the whole grid resident (gate_up 21.1 us against 25.9 uncapped
+            # and 22.6 in one split; plain 20.4 against 22.2 in one split: exp-reg-cap-h200.json); a plain layer
+            # the cap cannot bring into one wave keeps one split with x staged. M = 2..8: one split with the
+            # SwiGLU in the epilogue, 23.7-24.1 us against 27.6-28.3 for 128 x 2 + reduce pass, 38.4-39.6 against
+            # 43.2-43.7 as gate_up -> down (bench/results/exp-swiglu-small-m-h200.json)
+            tiles = -(-n // 64)
+            cap = one_wave_regs(tiles * 2, 4, sms)
+            split = 2 if m == 1 and (silu_mul or cap) else 1
+            return MMAConfig(64, 128, split, 4, True, max_regs=cap if split == 2 else 0)
         bn, bk = 64, 128
     elif m <= 32:
         bn, bk = 64, 128
