@@ -158,7 +158,8 @@ def test_gpu_preloaded_split_and_register_cap_change_no_bit():
     from kernels.pdl import pdl_enabled
     from kernels.w4a16_fold import FoldedNorm, residual_ref
     from kernels.w4a16_mma import w4a16_mma
-    assert pdl_enabled(torch.zeros(1, device=DEV)), "preload applies under PDL only"
+    if not pdl_enabled(torch.zeros(1, device=DEV)):
+        pytest.skip("the preload applies under PDL only (sm90 and newer, QUANT_SERVE_PDL not 0)")
     gen = torch.Generator().manual_seed(11)
     for k, n, split in ((1024, 192, 2), (1024, 192, 3), (1152, 320, 3), (512, 128, 4), (1024, 320, 8)):
         qweight, scales, qzeros, gs, _ = make_weights(k, n, 128, True, False, torch.float16)
