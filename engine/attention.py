@@ -5,6 +5,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.attention_ref import apply_rope_ref
+from kernels.attention_merge import DecodePartials
 from kernels.paged_attention import NewTokens, paged_attention, paged_decode, rope_store_kv, store_kv
 
 
@@ -29,17 +30,19 @@ class AttentionMetadata:
 
 def paged_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                             cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale,
-                            v_scale, meta: AttentionMetadata, softmax_scale: float) -> torch.Tensor:
+                            v_scale, meta: AttentionMetadata, softmax_scale: float,
+                            merge: bool = True) -> torch.Tensor | DecodePartials:
     """q: [T, Hq, D], k/v: [T, Hkv, D] before RoPE; positions [T]; cos_sin_cache [max_pos, D].
     Rotates q and k, stores k/v by slot_mapping (one fused kernel on CUDA), then attends. -> [T, Hq, D]
     A decode step on CUDA does all of it in the decode kernel (one launch instead of two); otherwise q and k are
-    rotated in place."""
+    rotated in place. merge False: a decode step whose context is split may return the unmerged partials
+    (kernels/attention_merge.py) for o_proj to merge."""
     decode = meta.max_query_len == 1 and q.shape[0] == meta.block_tables.shape[0]
     if meta.kv_observer is None and q.is_cuda and decode and q.shape[-1] & (q.shape[-1] - 1) == 0:
         return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                             softmax_scale, k_scale, v_scale, new=NewTokens(k, v, positions, cos_sin_cache,
                                                                           meta.slot_mapping),
-                            wide_table=meta.wide_table)
+                            wide_table=meta.wide_table, merge=merge)
     if meta.kv_observer is None:
         rope_store_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
     else:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.attention_merge import DecodePartials, merge_partials
 from kernels.attention_ref import paged_attention_ref, rope_store_kv_ref, store_kv_ref
 from kernels.pdl import launch_options, pdl_enabled
 
@@ -163,11 +164,13 @@ def decode_splits(programs: int, max_ctx: int, device: torch.device, cfg: Decode
 
 def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, softmax_scale, k_scale=1.0,
                  v_scale=1.0, cfg: DecodeConfig | None = None, new: NewTokens | None = None,
-                 wide_table: bool = False) -> torch.Tensor:
+                 wide_table: bool = False, merge: bool = True) -> torch.Tensor | DecodePartials:
     """One query token per sequence. new: q and new.k are before RoPE; the kernel rotates them and stores
     new.k / new.v by slot before attending (needs head_dim a power of two), as rope_store_kv + paged_decode.
-    wide_table: block_tables are sized for the longest context allowed, not for these (decode_config)."""
-    from kernels.attention_triton import _decode_kernel, _decode_reduce_kernel
+    wide_table: block_tables are sized for the longest context allowed, not for these (decode_config).
+    merge False: where the context is split (and head_dim is a power of two), the split partials unmerged, for
+    the consumer to merge (kernels/attention_merge.py); else the output [B, Hq, D]."""
+    from kernels.attention_triton import _decode_kernel
     is_fp8 = k_cache.dtype in FP8
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -202,12 +205,11 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, s
         FMAX=_fmax(k_cache.dtype), FP8_CVT=cfg.fp8_asm and _fp8_cvt(q, k_cache.dtype),
         EARLY_TILE=cfg.early_tile and new is not None, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **launch_options(pdl))
-    if splits > 1:
-        _decode_reduce_kernel[(batch, num_q_heads)](
-            part_o, part_ml, query_start_loc, out, vs_ptr, vs_val, num_q_heads, head_dim, splits,
-            out.stride(0), out.stride(1), SPLITS_P2=_next_pow2(splits), BLOCK_D=block_d,
-            IS_FP8=is_fp8, SCALE_PTR=from_ptr, PDL=pdl, num_warps=4, **launch_options(pdl))
-    return out
+    if splits == 1:
+        return out
+    partials = DecodePartials(part_o, part_ml, seq_lens, query_start_loc, out, cfg.block_n,
+                              v_scale if is_fp8 else None)
+    return partials if not merge and block_d == head_dim else merge_partials(partials)
 
 
 def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, softmax_scale, k_scale=1.0,

@@ -13,6 +13,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from kernels.attention_merge import DecodePartials
 from kernels.w4a16_frag import FragWeights
 from kernels.w4a16_tuning import device_sms, select_mma_config
 
@@ -82,13 +83,15 @@ def folded_norm_ref(h: torch.Tensor, norm) -> torch.Tensor:
     return norm.weight * (h.float() * torch.rsqrt(variance + norm.eps)).to(h.dtype)
 
 
-def w4a16_residual(x: torch.Tensor, w: FragWeights, residual: torch.Tensor,
+def w4a16_residual(x: torch.Tensor | DecodePartials, w: FragWeights, residual: torch.Tensor,
                    bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [1, K], residual [1, N] -> (h, ss): h = x @ W (+ bias) + residual, rounded as the matmul's output and then
     torch's add round; ss [1, N / 64] fp32 the sums of h^2 by 64 columns (a FoldedNorm's ss). Where
-    folded_norm_applies."""
+    folded_norm_applies. x may be a batch-1 decode's split partials (kernels/attention_merge.DecodePartials),
+    merged while the kernel stages them."""
     from kernels.w4a16_mma import w4a16_mma
-    cfg = select_mma_config(1, x.shape[1], w.out_features, False, False, device_sms(x.device))
+    k, device = (x.features, x.o.device) if isinstance(x, DecodePartials) else (x.shape[1], x.device)
+    cfg = select_mma_config(1, k, w.out_features, False, False, device_sms(device))
     return w4a16_mma(x, w, bias, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps, cfg.one_launch,
                      residual=residual.contiguous(), max_regs=cfg.max_regs)
 

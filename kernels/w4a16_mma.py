@@ -14,6 +14,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
+from kernels.attention_merge import DecodePartials, _live_splits, _merged_x, merge_args
 from kernels.norm_act import silu_and_mul
 from kernels.pdl import gl_pdl_start, gl_pdl_wait, launch_options, pdl_enabled
 from kernels.w4a16_fold import FoldedNorm, _rms_normed, _write_residual
@@ -22,17 +23,26 @@ from kernels.w4a16_splitk import launch_splitk_reduce, split_buffers
 from kernels.w4a16_tiles import _dequant_step, _load_step, _tile_words, mma_layout, swiglu_tile
 from kernels.w4a16_wgmma import _cta_barrier, _wgmma_steps, _x_copy
 _ROW1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+_QUADS: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
 
 if hasattr(gl.shared_memory_descriptor, "reinterpret"):          # 3.9
     @gluon.jit
     def _x_rows(flat, X_STEPS: gl.constexpr, BLOCK_K: gl.constexpr):
-        """The flat staged x [X_STEPS * BLOCK_K] as rows [X_STEPS, BLOCK_K] that index() takes one step from."""
+        """The flat staged x [X_STEPS * BLOCK_K] as rows [X_STEPS, BLOCK_K] (row-major; index() takes a step)."""
         return flat.reinterpret(gl.float16, [X_STEPS, BLOCK_K], _ROW1)
 else:                                                           # 3.6
     @gluon.jit
     def _x_rows(flat, X_STEPS: gl.constexpr, BLOCK_K: gl.constexpr):
-        """The flat staged x [X_STEPS * BLOCK_K] as rows [X_STEPS, BLOCK_K] that index() takes one step from."""
+        """The flat staged x [X_STEPS * BLOCK_K] as rows [X_STEPS, BLOCK_K] (row-major; index() takes a step)."""
         return flat._reinterpret(gl.float16, [X_STEPS, BLOCK_K], _ROW1)
+
+
+@gluon.jit
+def _x_quads(flat, QUADS: gl.constexpr):
+    """The flat staged x [4 QUADS] as [QUADS, 4], row-major: where the attention merge stores it."""
+    if hasattr(flat, "reinterpret"):
+        return flat.reinterpret(gl.float16, [QUADS, 4], _QUADS)
+    return flat._reinterpret(gl.float16, [QUADS, 4], _QUADS)
 
 
 @gluon.jit
@@ -86,14 +96,16 @@ def _mma_one(acc, p, x_ptrs, m_mask, k_row, x_smem, xi, k0, K, n_lo, n_hi, HAS_Z
 
 @gluon.jit
 def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias_ptr, r_ptr, ss_ptr, g_ptr, eps,
-                      ss_count, M, N, K, KP, stride_xm,
+                      ss_count, ml_ptr, sl_ptr, vs_ptr, vs_val, M, N, K, KP, stride_xm,
                       stride_om, stride_sg, stride_zg, iters_per_split, n_splits, HAS_BIAS: gl.constexpr,
                       SPLIT: gl.constexpr, ONE_LAUNCH: gl.constexpr, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr,
                       EVEN_N: gl.constexpr, EVEN_K: gl.constexpr, X_SMEM: gl.constexpr, WGMMA: gl.constexpr,
                       PDL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                       num_warps: gl.constexpr, SCALE_AFTER: gl.constexpr, X_STEPS: gl.constexpr,
                       SWIGLU: gl.constexpr, A_SMEM: gl.constexpr, RESIDUAL: gl.constexpr = False,
-                      NORM: gl.constexpr = False, SS_P2: gl.constexpr = 1, PRELOAD: gl.constexpr = False):
+                      NORM: gl.constexpr = False, SS_P2: gl.constexpr = 1, PRELOAD: gl.constexpr = False,
+                      MERGE_SPLITS: gl.constexpr = 0, MERGE_D: gl.constexpr = 128, MERGE_TILE: gl.constexpr = 64,
+                      MERGE_SCALE: gl.constexpr = 0):
     """y = x @ W (+ bias) for one [BLOCK_M, BLOCK_N] output tile; with SPLIT, this split's fp32 partial goes to
     ws[pid_k] and is summed by the reduce pass or (ONE_LAUNCH) by the split that draws the last ticket.
     WGMMA (Hopper; BLOCK_N a multiple of 16 * num_warps, x through shared memory): _wgmma_steps.
@@ -103,7 +115,10 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
     bench/NOTES-kernels.md, as did prefetching more steps into the L2).
     RESIDUAL (the decode step's RMSNorm folded into its neighbours, `w4a16_mma`): out = round(y) + r, rounded as
     torch's add, and ss[m, pid_n] = the tile's sum of out^2 (fp32). NORM (M = 1, x staged): x is such a sum's
-    stream h; the staged x is RMSNorm(h) * g with the variance summed from ss[0, :ss_count]."""
+    stream h; the staged x is RMSNorm(h) * g with the variance summed from ss[0, :ss_count]. MERGE_SPLITS (M = 1,
+    x staged): x_ptr holds the decode kernel's split partials of one sequence (kernels/attention_merge.py: o at
+    x_ptr, ml at ml_ptr, seq_lens at sl_ptr, MERGE_D the head size, MERGE_TILE its tile, the v scale by
+    MERGE_SCALE), merged as x is staged."""
     MMA: gl.constexpr = mma_layout(WGMMA, num_warps, BLOCK_M)
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
@@ -173,14 +188,25 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
             x_mask = (xk < (it1 - it0) * BLOCK_K) & (it0 * BLOCK_K + xk < K)
             if NORM:
                 gamma = gl.load(g_ptr + it0 * BLOCK_K + xk, mask=x_mask, other=0.0)     # a weight: before the wait
+            if MERGE_SPLITS > 0:
+                live = _live_splits(sl_ptr, MERGE_SPLITS, MERGE_TILE)       # the step's input: before the wait
         gl_pdl_wait(PDL)                      # x is the previous kernel's output
         if X_STEPS > 0:
             # M = 1: the split's x is staged once in shared memory (16-byte loads), so the steps read it there
             # instead of issuing their fragment loads behind the DRAM misses of the weight words
-            xv = gl.load(x_ptr + it0 * BLOCK_K + xk, mask=x_mask, other=0.0)
-            if NORM:
-                xv = _rms_normed(xv, gamma, ss_ptr, ss_count, eps, K, SS_P2, num_warps)
-            x_flat.store(xv)
+            if MERGE_SPLITS > 0:
+                k_lo = it0 * BLOCK_K
+                xq = _merged_x(x_ptr, ml_ptr, vs_ptr, vs_val, k_lo, gl.minimum((it1 - it0) * BLOCK_K, K - k_lo),
+                               live, MERGE_SPLITS, MERGE_D, X_STEPS * BLOCK_K, MERGE_SCALE, num_warps)
+                _x_quads(x_flat, X_STEPS * BLOCK_K // 4).store(xq.to(gl.float16))
+            else:
+                xv = gl.load(x_ptr + it0 * BLOCK_K + xk, mask=x_mask, other=0.0)
+                if NORM:
+                    xv = _rms_normed(xv, gamma, ss_ptr, ss_count, eps, K, SS_P2, num_warps)
+                x_flat.store(xv)
+            # one barrier here, or Triton's membar analysis puts one into every step of the loop (the store's
+            # pending write joins the loop header): batch-1 step 1.713 -> 1.700 ms, five rounds (entry 24)
+            _cta_barrier()
             x_smem = _x_rows(x_flat, X_STEPS, BLOCK_K)
         if X_SMEM:
             _x_copy(x_ring.index(0), x_ptrs + it0 * BLOCK_K, m_mask)
@@ -321,7 +347,15 @@ def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None
     rounded as the unfused pair rounds, ss [M, tiles] fp32 its sums of squares by output tile; norm (x is such an h,
     x staged: M = 1 and 64-column tiles): the matmul of RMSNorm(x) * norm.weight. max_regs: ptxas's register cap
     a thread (kernels/w4a16_tuning.one_wave_regs; 0: none). preload (M = 1 with x staged, under PDL): a split of at
-    most four steps requests all its weights before it waits for the previous kernel."""
+    most four steps requests all its weights before it waits for the previous kernel.
+    x may be a batch-1 decode's split partials (kernels/attention_merge.DecodePartials, fp16 attention output):
+    the attention merge is read by the x staging (M = 1, x staged, no norm)."""
+    merge = x if isinstance(x, DecodePartials) else None
+    if merge is not None:
+        x = merge.out.view(merge.out.shape[0], -1)                  # [1, Hq D]: dtype and device, never read
+        if merge.o.shape[0] != 1 or x.shape[1] != fw.in_features or x.dtype != torch.float16 or norm is not None:
+            raise ValueError("split partials as x need one fp16 sequence whose Hq * head_dim is the layer's in "
+                             "features (and no folded norm)")
     m, k = x.shape
     n = fw.out_features
     kp = fw.words.shape[1] // 2
@@ -333,6 +367,8 @@ def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None
     group = fw.group_size if fw.scales.shape[0] > 1 else 0           # 0: one group for all of K
     v = mma_variant(m, kp, group, block_n, block_k, split_k, wgmma, scale_after, x_staged, a_smem)
     bk, per, splits = v.block_k, v.per_split, v.splits
+    if merge is not None and v.x_steps == 0:
+        raise ValueError("split partials as x need M = 1 with x staged (64-column tiles, no wgmma)")
     if norm is not None and (v.x_steps == 0 or norm.ss.shape[1] != triton.cdiv(k, norm.tile) or x.stride(0) != k):
         raise ValueError("a folded RMSNorm needs M = 1 with x staged (64-column tiles, no wgmma), a contiguous x "
                          "and the sums of squares of the layer that wrote it")
@@ -356,12 +392,14 @@ def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None
     pdl = pdl_enabled(x)
     ss = torch.empty((m, tiles), dtype=torch.float32, device=x.device) if residual is not None else None
     ss_in = norm.ss if norm is not None else ss
+    merge_ptrs, merge_consts = merge_args(merge) if merge is not None else ((out, out, out, 1.0), {})
     _w4a16_mma_kernel[(tiles, splits, m_tiles)](
-        x, fw.words, fw.scales, fw.qzeros if fw.qzeros is not None else fw.words, out, ws, cnt,
+        merge.o if merge is not None else x, fw.words, fw.scales, fw.qzeros if fw.qzeros is not None else fw.words,
+        out, ws, cnt,
         bias if bias is not None else out, residual if residual is not None else out,
         ss_in if ss_in is not None else out, norm.weight if norm is not None else out,
         norm.eps if norm is not None else 0.0, ss_in.shape[1] if ss_in is not None else 0,
-        m, n, k, kp, x.stride(0), out.stride(0),
+        *merge_ptrs, m, n, k, kp, x.stride(0), out.stride(0),
         fw.scales.stride(0), fw.qzeros.stride(0) if fw.qzeros is not None else 0, per, splits,
         HAS_BIAS=bias is not None, SPLIT=splits > 1, ONE_LAUNCH=one_launch,
         GROUP=group or (1 << 30), HAS_ZEROS=fw.qzeros is not None, EVEN_N=n % block_n == 0, EVEN_K=k == kp,
@@ -370,7 +408,7 @@ def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None
         A_SMEM=v.a_smem, RESIDUAL=residual is not None, NORM=norm is not None,
         SS_P2=triton.next_power_of_2(ss_in.shape[1]) if ss_in is not None else 1,
         PRELOAD=preload and pdl and v.x_steps > 0 and per <= 4, **launch_options(pdl),
-        **({"maxnreg": max_regs} if max_regs else {}))
+        **merge_consts, **({"maxnreg": max_regs} if max_regs else {}))
     if splits > 1 and not one_launch:
         launch_splitk_reduce(ws, bias, out, splits, silu_mul)
     elif silu_mul and not swiglu:

@@ -3,6 +3,7 @@ checkpoint's separate modules; `load_shard` receives one source module's raw ten
 import torch
 from torch import nn
 
+from kernels.attention_merge import DecodePartials, merge_partials
 from kernels.w4a16_ref import dequantize_w4, pack_int4_cols, pack_int4_rows, w4a16_matmul_ref
 from kernels.norm_act import silu_and_mul
 from kernels.w4a16 import FragWeights, W4A16Weights, prepare_kernel_weights, standard_layout, w4a16_matmul
@@ -217,9 +218,16 @@ class QuantLinear(nn.Module):
             self._folds[silu_mul] = folded_norm_applies(self.packed, silu_mul)
         return self._folds[silu_mul]
 
-    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_residual(self, x: torch.Tensor | DecodePartials, residual: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [1, K], residual [1, N] -> (x @ W (+ bias) + residual, its sums of squares by 64 columns [1, N / 64]
-        fp32): one kernel where folds_norm, else the twin."""
+        fp32): one kernel where folds_norm, else the twin. x may be a batch-1 decode's split partials
+        (kernels/attention_merge.py): merged while the kernel stages x, or by merge_partials first."""
+        if isinstance(x, DecodePartials):
+            if self.packed is not None and self.folds_norm() and x.out.dtype == torch.float16 and \
+                    x.features == self.in_features:
+                return w4a16_residual(x, self.packed, residual, self.bias)
+            x = merge_partials(x).reshape(x.out.shape[0], -1)
         if self.packed is not None and x.is_cuda and self.folds_norm():
             return w4a16_residual(x, self.packed, residual, self.bias)
         return residual_ref(self(x), residual)

@@ -141,6 +141,36 @@ def test_decode_with_new_tokens_matches_rope_store_then_decode(dtype, cache_dtyp
         paged_decode(q[:, :, :24], *caches, tables, lens, qsl, 1.0, new=NewTokens(k, v, positions, cos_sin, slots))
 
 
+@pytest.mark.parametrize("cache_dtype,splits,tensor_scale", [
+    (torch.float16, 5, False), (E4M3, 7, True), (E5M2, 3, False)])
+def test_decode_partials_merged_later_equal_the_merged_output(cache_dtype, splits, tensor_scale):
+    """paged_decode(merge=False) hands back the split partials (for o_proj to merge, kernels/attention_merge.py):
+    merge_partials gives the merged call's bytes, the torch twin its values; the splits live_splits counts out
+    are empty (m = NEG, l = 0, o = 0: the o_proj staging skips them)."""
+    from kernels.attention_merge import DecodePartials, live_splits, merge_partials, merge_partials_ref
+    gen = torch.Generator().manual_seed(splits)
+    hq, hkv, d, seq_lens = 4, 2, 32, [100, 1, 17]
+    scale = 0.3 if cache_dtype in (E4M3, E5M2) else 1.0
+    k_cache, v_cache = make_cache(24, hkv, d, cache_dtype, scale, gen)
+    tables, lens, qsl = make_batch(seq_lens, [1, 1, 1], 24, gen)
+    q = torch.randn(3, hq, d, generator=gen).half().to(DEV)
+    s = as_scale(scale, tensor_scale)
+    cfg = DecodeConfig(block_n=16, num_splits=splits)
+    merged = paged_decode(q, k_cache, v_cache, tables, lens, qsl, d ** -0.5, s, s, cfg)
+    p = paged_decode(q, k_cache, v_cache, tables, lens, qsl, d ** -0.5, s, s, cfg, merge=False)
+    assert isinstance(p, DecodePartials) and p.splits == splits and p.features == hq * d and p.tile == 16
+    assert torch.equal(merge_partials(p), merged)
+    assert rel_err(merge_partials_ref(p), merged.float()) < 1e-3
+    for b, n in enumerate(seq_lens):
+        live = live_splits(n, splits, 16)
+        assert (p.ml[b, :, live - 1, 1] > 0).all()                      # the last live split holds tokens
+        assert (p.ml[b, :, live:, 1] == 0).all() and (p.o[b, :, live:] == 0).all()
+        assert (p.ml[b, :, live:, 0] < -1e29).all()
+    one = paged_decode(q, k_cache, v_cache, tables, lens, qsl, d ** -0.5, s, s, DecodeConfig(num_splits=1),
+                       merge=False)
+    assert isinstance(one, torch.Tensor)                                 # one split: nothing to merge
+
+
 @pytest.mark.parametrize("hq,hkv,dtype,cache_dtype", [
     (6, 2, torch.float16, torch.float16), (4, 4, torch.bfloat16, E5M2), (4, 1, torch.float16, E4M3)])
 def test_prefill_matches_twin(hq, hkv, dtype, cache_dtype):

@@ -151,6 +151,44 @@ def test_gpu_residual_epilogue_and_folded_norm():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype,scale", [(torch.float16, None), (torch.float8_e4m3fn, "tensor"),
+                                               (torch.float8_e5m2, 0.5)])
+def test_gpu_matmul_merges_decode_partials_as_it_stages_x(cache_dtype, scale):
+    """Batch-1 decode: o_proj merges the decode kernel's split partials while it stages x (attention_merge.py):
+    the result is the matmul of the merged attention output (merge_partials), up to the fp32 order of the sum
+    over splits, for 1, 3 (a short last split) and 8 splits of K, with the residual epilogue and without."""
+    from kernels.attention_merge import DecodePartials, merge_partials, merge_partials_ref
+    from kernels.paged_attention import DecodeConfig, paged_decode
+    from kernels.w4a16_fold import FoldedNorm
+    from kernels.w4a16_mma import w4a16_mma
+    gen = torch.Generator().manual_seed(5)
+    hq, hkv, d, bs, ctx = 8, 2, 128, 16, 700
+    blocks = torch.randperm(64, generator=gen)[:64].to(torch.int32)
+    tables, lens = blocks[None, :].to(DEV), torch.tensor([ctx], dtype=torch.int32, device=DEV)
+    qsl = torch.tensor([0, 1], dtype=torch.int32, device=DEV)
+    caches = [(torch.randn(64, bs, hkv, d, generator=gen) * 2).to(cache_dtype).to(DEV) for _ in range(2)]
+    s = torch.tensor(0.7, device=DEV) if scale == "tensor" else (scale or 1.0)
+    q = torch.randn(1, hq, d, generator=gen).half().to(DEV)
+    p = paged_decode(q, *caches, tables, lens, qsl, d ** -0.5, s, s, DecodeConfig(block_n=64, num_splits=16),
+                     merge=False)
+    assert isinstance(p, DecodePartials) and p.splits == 16
+    ref = merge_partials_ref(p)
+    x = merge_partials(p).view(1, -1).clone()
+    assert (x.float() - ref.view(1, -1).float()).abs().max() < 2e-3
+    qweight, scales, qzeros, gs, _ = make_weights(hq * d, 320, 128, True, False, torch.float16)
+    fw = prepare_frag(qweight, scales, qzeros, gs)
+    residual = torch.randn(1, 320, generator=gen).half().to(DEV)
+    for split in (1, 3, 8):
+        got = w4a16_mma(p, fw, block_n=64, split_k=split)
+        want = w4a16_mma(x, fw, block_n=64, split_k=split)
+        assert rel_err(got, want.cpu().float()) < 1e-3, split
+        (h, ss), (h_want, ss_want) = (w4a16_mma(a, fw, block_n=64, split_k=split, residual=residual) for a in (p, x))
+        assert rel_err(h, h_want.cpu().float()) < 1e-3 and rel_err(ss, ss_want.cpu().float()) < 1e-3, split
+    with pytest.raises(ValueError, match="split partials"):
+        w4a16_mma(p, fw, block_n=64, norm=FoldedNorm(ss, residual[0], 1e-6))
+
+
+@pytest.mark.gpu
 def test_gpu_preloaded_split_and_register_cap_change_no_bit():
     """M = 1 splits of at most four steps request all their weights before the PDL wait (preload): the same
     bits as the stepwise loop, for one to four steps a split (a short last split included), with the residual
@@ -324,7 +362,7 @@ def _compile_sm90(kernel, signature: dict, constexprs: dict, num_warps: int, max
     names = list(sig)
     # pointers and sizes divisible by 16, as Triton specializes them at launch for the Qwen2.5-7B shapes
     aligned = {(names.index(a),): [["tt.divisibility", 16]] for a in signature
-               if a not in ("M", "iters_per_split", "n_splits", "eps", "ss_count")}
+               if a not in ("M", "iters_per_split", "n_splits", "eps", "ss_count", "vs_val")}
     src = GluonASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=aligned)
     options = {"num_warps": num_warps} if maxnreg is None else {"num_warps": num_warps, "maxnreg": maxnreg}
     regs, stack, sass = cubin_sass(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options))
@@ -347,7 +385,7 @@ def compile_cases() -> dict:
     from kernels.w4a16_tuning import select_mma_config
     ptrs = dict(x_ptr="*fp16", w_ptr="*i32", s_ptr="*fp16", z_ptr="*i32", out_ptr="*fp16", ws_ptr="*fp32",
                 cnt_ptr="*i32", bias_ptr="*fp16", r_ptr="*fp16", ss_ptr="*fp32", g_ptr="*fp16", eps="fp32",
-                ss_count="i32")
+                ss_count="i32", ml_ptr="*fp32", sl_ptr="*i32", vs_ptr="*fp32", vs_val="fp32")
     ints = {a: "i32" for a in ("M", "N", "K", "KP", "stride_xm", "stride_om", "stride_sg", "stride_zg",
                                "iters_per_split", "n_splits")}
     out = {}
@@ -387,6 +425,13 @@ def compile_cases() -> dict:
             X_STEPS=v.x_steps, SWIGLU=silu, A_SMEM=False, BLOCK_M=8, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             RESIDUAL=fold == "RESIDUAL", NORM=fold == "NORM", SS_P2=64, PRELOAD=v.per_split <= 4,
             num_warps=cfg.num_warps), cfg.num_warps, cfg.max_regs or None)
+    # o at M = 1 merging the batch-1 decode's 16 split partials as it stages x (fp8 KV: the scale by pointer)
+    cfg = select_mma_config(1, 3584, 3584)
+    out["merge_o"] = _compile_sm90(_w4a16_mma_kernel, dict(ptrs, **ints, x_ptr="*fp32"), dict(
+        HAS_BIAS=False, SPLIT=True, ONE_LAUNCH=True, GROUP=128, HAS_ZEROS=True, EVEN_N=True, EVEN_K=True,
+        X_SMEM=False, WGMMA=False, PDL=True, SCALE_AFTER=True, X_STEPS=4, SWIGLU=False, A_SMEM=False, BLOCK_M=8,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, RESIDUAL=True, SS_P2=64, PRELOAD=True, MERGE_SPLITS=16,
+        MERGE_SCALE=2, num_warps=cfg.num_warps), cfg.num_warps)
     sig = dict(w_ptr="*i32", s_ptr="*fp16", z_ptr="*i32", out_ptr="*fp16", N="i32", K="i32", KP="i32",
                stride_sg="i32", stride_zg="i32")
     out["dequant"] = _compile_sm90(_frag_dequant_kernel, sig, dict(GROUP=32, HAS_ZEROS=True, BLOCK_N=64,
@@ -420,6 +465,9 @@ def test_gluon_kernels_compile_for_sm90_without_spills():
     before_wait = {name: res[name]["wide_loads_before_wait"] for name in
                    ("residual_o", "norm_qkv", "residual_down", "norm_gate_up")}
     assert before_wait == {"residual_o": 8, "norm_qkv": 9, "residual_down": 2, "norm_gate_up": 4}, before_wait
+    # the merge's 16 splits of partials stay one wave: 392 programs, 3 an SM at most 168 registers (137 offline)
+    merge = res["merge_o"]
+    assert merge["hmma"] and merge["stack"] == 0 and merge["regs"] <= 168 and merge["wide_loads_before_wait"] == 8
 
 
 def test_layout_probe_failure_falls_back_to_rows_with_a_warning(caplog):

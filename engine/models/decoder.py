@@ -11,9 +11,11 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention_forward
 from engine.config import ModelConfig
+from kernels.attention_merge import DecodePartials
+from kernels.gemv import gemv, gemv_applies
 from kernels.norm_act import rms_norm
 from kernels.w4a16_fold import FoldedNorm
-from quant.linear import make_linear
+from quant.linear import DenseLinear, make_linear
 
 
 class RMSNorm(nn.Module):
@@ -82,16 +84,17 @@ class Attention(nn.Module):
         return self.o_proj(self.attend(positions, self.qkv_proj(x), meta, rotary))
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata,
-               rotary: RotaryEmbedding) -> torch.Tensor:
-        """qkv [T, (Hq + 2 Hkv) D] -> the attention output before o_proj [T, Hq D]."""
+               rotary: RotaryEmbedding, merge: bool = True) -> torch.Tensor | DecodePartials:
+        """qkv [T, (Hq + 2 Hkv) D] -> the attention output before o_proj [T, Hq D]; merge False: a decode step
+        may return the decode kernel's split partials instead (o_proj.forward_residual merges them)."""
         num_tokens = qkv.shape[0]
         q, k, v = qkv.split(self.split_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         out = paged_attention_forward(q, k, v, positions, rotary.cos_sin_cache, self.k_cache, self.v_cache,
-                                      self.k_scale, self.v_scale, meta, self.softmax_scale)   # [T, Hq, D]
-        return out.reshape(num_tokens, -1)
+                                      self.k_scale, self.v_scale, meta, self.softmax_scale, merge)
+        return out if isinstance(out, DecodePartials) else out.reshape(num_tokens, -1)     # [T, Hq D]
 
 
 class MLP(nn.Module):
@@ -164,7 +167,9 @@ class DecoderModel(nn.Module):
         """One token (batch-1 decode) with the RMSNorms folded into the matmuls: o_proj and down_proj add the
         residual in their epilogue and leave the stream's sums of squares by 64 columns; qkv_proj and gate_up_proj
         normalize the stream as they stage it. Two launches a layer fewer than forward's path (its norm kernels),
-        same roundings; the variance is summed in another order (fp32)."""
+        same roundings; the variance is summed in another order (fp32). o_proj also merges the decode kernel's
+        split partials as it stages them (one launch a layer fewer; QUANT_SERVE_FOLD_MERGE=0: the merge kernel)."""
+        merge = os.environ.get("QUANT_SERVE_FOLD_MERGE", "1") == "0"
         residual = x
         qkv = self.layers[0].self_attn.qkv_proj(self.layers[0].input_layernorm(x))
         ss = None
@@ -172,7 +177,7 @@ class DecoderModel(nn.Module):
             attn, mlp = layer.self_attn, layer.mlp
             if i > 0:
                 qkv = attn.qkv_proj.forward_normed(residual, _folded(ss, layer.input_layernorm))
-            a = attn.attend(positions, qkv, meta, self.rotary)
+            a = attn.attend(positions, qkv, meta, self.rotary, merge)
             residual, ss = attn.o_proj.forward_residual(a, residual)
             act = mlp.gate_up_proj.forward_normed(residual, _folded(ss, layer.post_attention_layernorm), True)
             residual, ss = mlp.down_proj.forward_residual(act, residual)
@@ -201,8 +206,13 @@ class DecoderForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
-        """hidden: [S, hidden] -> logits [S, vocab], fp32 or (float32=False) in the model's dtype."""
-        if self.lm_head is None:
+        """hidden: [S, hidden] -> logits [S, vocab], fp32 or (float32=False) in the model's dtype. A dense head at
+        one row (batch-1 decode) streams through kernels/gemv.py (faster than cuBLAS's pick there)."""
+        dense = self.model.embed_tokens.weight if self.lm_head is None else (
+            self.lm_head.weight if isinstance(self.lm_head, DenseLinear) and self.lm_head.bias is None else None)
+        if dense is not None and gemv_applies(hidden, dense):
+            logits = gemv(hidden, dense)
+        elif self.lm_head is None:
             logits = nn.functional.linear(hidden, self.model.embed_tokens.weight)
         else:
             logits = self.lm_head(hidden)
