@@ -30,19 +30,21 @@ if hasattr(gl.shared_memory_descriptor, "reinterpret"):          # 3.9
     def _x_rows(flat, X_STEPS: gl.constexpr, BLOCK_K: gl.constexpr):
         """The flat staged x [X_STEPS * BLOCK_K] as rows [X_STEPS, BLOCK_K] (row-major; index() takes a step)."""
         return flat.reinterpret(gl.float16, [X_STEPS, BLOCK_K], _ROW1)
+
+    @gluon.jit
+    def _x_quads(flat, QUADS: gl.constexpr):
+        """The flat staged x [4 QUADS] as [QUADS, 4], row-major: where the attention merge stores it."""
+        return flat.reinterpret(gl.float16, [QUADS, 4], _QUADS)
 else:                                                           # 3.6
     @gluon.jit
     def _x_rows(flat, X_STEPS: gl.constexpr, BLOCK_K: gl.constexpr):
         """The flat staged x [X_STEPS * BLOCK_K] as rows [X_STEPS, BLOCK_K] (row-major; index() takes a step)."""
         return flat._reinterpret(gl.float16, [X_STEPS, BLOCK_K], _ROW1)
 
-
-@gluon.jit
-def _x_quads(flat, QUADS: gl.constexpr):
-    """The flat staged x [4 QUADS] as [QUADS, 4], row-major: where the attention merge stores it."""
-    if hasattr(flat, "reinterpret"):
-        return flat.reinterpret(gl.float16, [QUADS, 4], _QUADS)
-    return flat._reinterpret(gl.float16, [QUADS, 4], _QUADS)
+    @gluon.jit
+    def _x_quads(flat, QUADS: gl.constexpr):
+        """The flat staged x [4 QUADS] as [QUADS, 4], row-major: where the attention merge stores it."""
+        return flat._reinterpret(gl.float16, [QUADS, 4], _QUADS)
 
 
 @gluon.jit

@@ -225,7 +225,7 @@ class QuantLinear(nn.Module):
         (kernels/attention_merge.py): merged while the kernel stages x, or by merge_partials first."""
         if isinstance(x, DecodePartials):
             if self.packed is not None and self.folds_norm() and x.out.dtype == torch.float16 and \
-                    x.features == self.in_features:
+                    x.o.shape[0] == 1 and x.features == self.in_features:
                 return w4a16_residual(x, self.packed, residual, self.bias)
             x = merge_partials(x).reshape(x.out.shape[0], -1)
         if self.packed is not None and x.is_cuda and self.folds_norm():
