@@ -41,23 +41,24 @@ class DecodePartials:
         return self.o.shape[1] * self.o.shape[3]
 
 
-def _scale_args(scale, dummy: torch.Tensor):
-    """(pointer, value, from_pointer, applies): a tensor scale is read on the device, so no host sync happens."""
+def scale_args(scale, dummy: torch.Tensor):
+    """A KV scale as kernel arguments (pointer, value, from_pointer): a tensor scale is read on the device, so no
+    host sync happens. The attention kernels (kernels/paged_attention.py) pass theirs the same way."""
     if isinstance(scale, torch.Tensor):
-        return scale, 1.0, True, True
-    return dummy, float(scale or 1.0), False, scale is not None
+        return scale, 1.0, True
+    return dummy, float(scale), False
 
 
 def merge_partials(p: DecodePartials) -> torch.Tensor:
     """The split partials merged, one query head a program -> p.out [T, Hq, D]."""
     from kernels.attention_triton import _decode_reduce_kernel
     batch, num_q_heads, splits, block_d = p.o.shape
-    vs_ptr, vs_val, from_ptr, is_fp8 = _scale_args(p.v_scale, p.out)
+    vs_ptr, vs_val, from_ptr = scale_args(1.0 if p.v_scale is None else p.v_scale, p.out)
     pdl = pdl_enabled(p.o)
     _decode_reduce_kernel[(batch, num_q_heads)](
         p.o, p.ml, p.query_start_loc, p.out, vs_ptr, vs_val, num_q_heads, p.out.shape[2], splits,
         p.out.stride(0), p.out.stride(1), SPLITS_P2=1 << (splits - 1).bit_length(), BLOCK_D=block_d,
-        IS_FP8=is_fp8, SCALE_PTR=from_ptr, PDL=pdl, num_warps=4, **launch_options(pdl))
+        IS_FP8=p.v_scale is not None, SCALE_PTR=from_ptr, PDL=pdl, num_warps=4, **launch_options(pdl))
     return p.out
 
 
@@ -124,7 +125,7 @@ def _merged_x(o_ptr, ml_ptr, vs_ptr, vs_val, k0, count, live, SPLITS: gl.constex
 def merge_args(p: DecodePartials) -> tuple[tuple, dict]:
     """The w4a16_mma kernel's merge arguments for p (M = 1: one sequence): (ml_ptr, sl_ptr, vs_ptr, vs_val) and
     the MERGE_* constexprs."""
-    vs_ptr, vs_val, from_ptr, applies = _scale_args(p.v_scale, p.o)
+    vs_ptr, vs_val, from_ptr = scale_args(1.0 if p.v_scale is None else p.v_scale, p.o)
     return (p.ml, p.seq_lens, vs_ptr, vs_val), dict(
         MERGE_SPLITS=p.splits, MERGE_D=p.o.shape[3], MERGE_TILE=p.tile,
-        MERGE_SCALE=(2 if from_ptr else 1) if applies else 0)
+        MERGE_SCALE=0 if p.v_scale is None else 2 if from_ptr else 1)

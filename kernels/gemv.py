@@ -1,8 +1,9 @@
 """Dense FP16/BF16 GEMV for one row against a vocabulary-wide weight: the unquantized lm_head of a batch-1 decode
 step, which streams the whole head (1.09 GB on Qwen2.5-7B) every token.
 
-cuBLAS's pick for [1, 3584] x [3584, 152064] read at 4.06 TB/s on the H200, this kernel (eight rows a program,
-512-column steps in a three-stage cp.async pipeline) at 4.35 TB/s (bench/results/exp-head-gemv-h200.json). It
+cuBLAS's pick for [1, 3584] x [3584, 152064] reads at 4.16 TB/s on the H200 (261.9 us in a CUDA graph), this
+kernel (eight rows a program, 512-column steps in a three-stage cp.async pipeline) at 4.48 TB/s (243.1 us;
+bench/results/exp-head-gemv-h200.json). It
 sums in fp32 and rounds once, as cuBLAS does, in another order. Under PDL it is launched while the final norm
 runs. The torch twin is F.linear.
 """

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention_merge import DecodePartials, merge_partials
+from kernels.attention_merge import DecodePartials, merge_partials, scale_args
 from kernels.attention_ref import paged_attention_ref, rope_store_kv_ref, store_kv_ref
 from kernels.pdl import launch_options, pdl_enabled
 
@@ -110,13 +110,6 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def _scale_args(scale, dummy: torch.Tensor):
-    """(pointer, value, from_pointer): a tensor scale is read on the device, so no host sync happens."""
-    if isinstance(scale, torch.Tensor):
-        return scale, 1.0, True
-    return dummy, float(scale), False
-
-
 @functools.lru_cache(maxsize=None)
 def _has_fp8_cvt(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (8, 9)      # cvt.rn.f16x2.e4m3x2: sm_89 and later
@@ -181,8 +174,8 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, s
     cfg = cfg or decode_config(is_fp8, batch * num_kv_heads, max_ctx, wide_table)
     splits = max(1, min(decode_splits(batch * num_kv_heads, max_ctx, q.device, cfg), -(-max_ctx // cfg.block_n)))
     out = torch.empty_like(q)
-    ks_ptr, ks_val, from_ptr = _scale_args(k_scale, q)
-    vs_ptr, vs_val, _ = _scale_args(v_scale, q)
+    ks_ptr, ks_val, from_ptr = scale_args(k_scale, q)
+    vs_ptr, vs_val, _ = scale_args(v_scale, q)
     part_o = part_ml = out
     pdl = pdl_enabled(q)
     if new is not None and (block_d != head_dim or new.cos_sin_cache.shape[1] != head_dim or
@@ -223,8 +216,8 @@ def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, 
     gp = _next_pow2(group)
     block_q = max(1, block_m // gp)
     out = torch.empty_like(q)
-    ks_ptr, ks_val, from_ptr = _scale_args(k_scale, q)
-    vs_ptr, vs_val, _ = _scale_args(v_scale, q)
+    ks_ptr, ks_val, from_ptr = scale_args(k_scale, q)
+    vs_ptr, vs_val, _ = scale_args(v_scale, q)
     _prefill_kernel[(num_tokens // block_q + batch, num_kv_heads)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, ks_ptr, vs_ptr, ks_val, vs_val,
         softmax_scale * LOG2E, batch, head_dim,
@@ -250,8 +243,8 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 def store_kv_triton(key, value, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:
     from kernels.kv_store import _store_kv_kernel
     num_tokens, num_heads, head_dim = key.shape
-    ks_ptr, ks_val, from_ptr = _scale_args(k_scale, key)
-    vs_ptr, vs_val, _ = _scale_args(v_scale, key)
+    ks_ptr, ks_val, from_ptr = scale_args(k_scale, key)
+    vs_ptr, vs_val, _ = scale_args(v_scale, key)
     _store_kv_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping, ks_ptr, vs_ptr, ks_val, vs_val, num_heads, head_dim,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
@@ -278,8 +271,8 @@ def rope_store_kv_triton(q, k, v, positions, cos_sin_cache, k_cache, v_cache, sl
     num_kv_heads = k.shape[1]
     if cos_sin_cache.shape[1] != head_dim or min(q.stride(2), k.stride(2), cos_sin_cache.stride(1)) != 1:
         raise ValueError("rope_store_kv needs cos_sin_cache [max_pos, head_dim] and unit stride along head_dim")
-    ks_ptr, ks_val, from_ptr = _scale_args(k_scale, k)
-    vs_ptr, vs_val, _ = _scale_args(v_scale, k)
+    ks_ptr, ks_val, from_ptr = scale_args(k_scale, k)
+    vs_ptr, vs_val, _ = scale_args(v_scale, k)
     half = head_dim // 2
     pdl = pdl_enabled(q)
     _rope_store_kv_kernel[(num_tokens, 2)](
