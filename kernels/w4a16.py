@@ -24,7 +24,8 @@ import torch
 from kernels.norm_act import silu_and_mul, silu_and_mul_ref
 from kernels.w4a16_frag import FragWeights, frag_standard, prepare_frag
 from kernels.w4a16_ref import pack_int4_rows, unpack_int4_rows, w4a16_matmul_ref
-from kernels.w4a16_tuning import MMAConfig, W4A16Config, device_sms, select_config, select_mma_config
+from kernels.w4a16_tuning import (TMA_MAX_M, TMA_MIN_M, MMAConfig, W4A16Config, device_sms, select_config,
+                                  select_mma_config, select_tma_config)
 
 DEFAULT_PACK_K = 128
 
@@ -138,6 +139,10 @@ def _mma_kernels_work(device_index: int) -> bool:
     return False
 
 
+# QUANT_SERVE_W4A16_TMA=0: M = 33..2047 back on the wgmma kernel / dequantize + cuBLAS (kernels/w4a16_tma.py)
+_TMA_ON = os.environ.get("QUANT_SERVE_W4A16_TMA", "1") != "0"
+
+
 @lru_cache(maxsize=None)
 def wgmma_works(device_index: int) -> bool:
     """The wgmma variant serves M = 17..128 on an sm90 GPU where one tiny call of it is exact (a probe like
@@ -166,7 +171,10 @@ def prepare_kernel_weights(qweight: torch.Tensor, scales: torch.Tensor, qzeros: 
     cores from M = 1), else the row layout. Run once at load, on the weights' device."""
     k, n = qweight.shape[0] * 8, qweight.shape[1]
     if frag_applies(k, n, group_size, scales.dtype, qweight.device):
-        wgmma_works(qweight.device.index if qweight.device.index is not None else torch.cuda.current_device())
+        index = qweight.device.index if qweight.device.index is not None else torch.cuda.current_device()
+        wgmma_works(index)
+        from kernels.w4a16_tma import tma_works
+        tma_works(index)                           # probed here, never first inside a CUDA graph capture
         return prepare_frag(qweight, scales, qzeros, group_size, perm)
     return prepare_w4a16(qweight, scales, qzeros, group_size, perm)
 
@@ -229,12 +237,18 @@ def w4a16_forward(x: torch.Tensor, w: W4A16Weights | FragWeights, bias: torch.Te
 
 def _frag_forward(x: torch.Tensor, w: FragWeights, bias: torch.Tensor | None, config: MMAConfig | None,
                   silu_mul: bool) -> torch.Tensor:
-    """Fragment layout: the tensor-core kernel where select_mma_config has a tile (fp16 activations), else
-    dequantize + cuBLAS."""
+    """Fragment layout, fp16 activations: on sm90 the TMA kernel where select_tma_config has a tile (M = 33..2047),
+    else the tensor-core kernel where select_mma_config has one, else dequantize + cuBLAS."""
     from kernels.w4a16_mma import w4a16_mma
     from kernels.w4a16_tiles import frag_dequantize
     x = x[:, w.perm] if w.perm is not None else x.contiguous()
     m, k = x.shape
+    if config is None and x.dtype == torch.float16 and TMA_MIN_M <= m <= TMA_MAX_M and _TMA_ON:
+        from kernels.w4a16_tma import tma_works, tma_works_for, w4a16_tma
+        tc = select_tma_config(m, k, w.out_features, device_sms(x.device))
+        if tc is not None and tma_works_for(x, w) and tma_works(x.device.index):
+            return w4a16_tma(x, w, bias, tc.block_n, tc.block_m, split_k=tc.split_k, consumers=tc.consumers,
+                             silu_mul=silu_mul)
     cfg = config or select_mma_config(m, k, w.out_features, wgmma_works(x.device.index), silu_mul,
                                       device_sms(x.device))
     if cfg is not None and x.dtype == torch.float16:

@@ -99,6 +99,15 @@ def _load_step(k0, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, stride_s
         words = gl.load(w_ptr + offs + k0 * 2)
     else:
         words = gl.load(w_ptr + offs + k0 * 2, mask=w_mask, other=0)
+    s_lo, s_hi, z_lo, z_hi = _load_group(k0, s_ptr, z_ptr, n_lo, n_hi, k_in, stride_sg, stride_zg, GROUP, HAS_ZEROS,
+                                         SCALES)
+    return words, s_lo, s_hi, z_lo, z_hi
+
+
+@gluon.jit
+def _load_group(k0, s_ptr, z_ptr, n_lo, n_hi, k_in, stride_sg, stride_zg, GROUP: gl.constexpr,
+                HAS_ZEROS: gl.constexpr, SCALES: gl.constexpr = True):
+    """The scales (SCALES) and packed zero words of rows g and g + 8 for the step starting at row k0."""
     grp = (k0 + k_in) // GROUP
     if SCALES:
         s_lo = gl.load(s_ptr + grp * stride_sg + n_lo)
@@ -112,7 +121,7 @@ def _load_step(k0, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, stride_s
     else:
         z_lo = 0
         z_hi = 0
-    return words, s_lo, s_hi, z_lo, z_hi
+    return s_lo, s_hi, z_lo, z_hi
 
 
 @gluon.jit

@@ -170,6 +170,47 @@ def select_mma_config(m: int, k: int, n: int, wgmma: bool = False, silu_mul: boo
     return MMAConfig(bn, bk, _mma_split(n, bn), 4, m <= 32)
 
 
+@dataclass(frozen=True)
+class TMAConfig:
+    """Tile of the TMA-fed Hopper kernel (kernels/w4a16_tma.py): consumer warpgroups a program (1: two programs an
+    SM), weight rows and x rows a program, K splits (partials + reduce pass)."""
+    consumers: int = 1
+    block_n: int = 64
+    block_m: int = 64
+    split_k: int = 1
+
+
+TMA_MIN_M, TMA_MAX_M = 33, 2047    # sm90: the TMA kernel between these; dequantize + cuBLAS above
+
+
+def select_tma_config(m: int, k: int, n: int, sms: int = 132) -> TMAConfig | None:
+    """Rule fitted to the H200 sweep of kernels/w4a16_tma.py (bench/results/exp-tma-h200.json: 1-2 consumer
+    warpgroups, 64-256 weight rows, 16-256 x rows, 1-8 splits at M = 16..4096 on the Qwen2.5-7B shapes, against the
+    mma / wgmma dispatcher and dequantize + cuBLAS in the same run). Up to M = 32 mma.sync wins on three of the
+    four shapes; at M = 4096 dequantize + cuBLAS on all four (fp16 cuBLAS is near its peak there, and the kernel's
+    one-wave-a-program grids lose 10-20% to the last wave), so the kernel serves M = 33..2047 (M = 1024 measured,
+    2048 is between the measured points). Up to 128 rows (and where a two-warpgroup program's grid is short): one
+    consumer, 64 weight rows, 64 or 128 x rows. From 256 rows on wide or long-K layers: two consumers, 128 weight
+    rows x 256 x rows, which share each x tile; a grid of those that fills its last wave under 75% loses to
+    dequantize + cuBLAS (qkv at M = 1024: 75 against 57 us). K splits: the most of 1, 2, 4, 8 that keep the grid
+    in one wave of resident programs (two an SM with one consumer). None: dequantize + cuBLAS."""
+    if not TMA_MIN_M <= m <= TMA_MAX_M:
+        return None
+    wide = -(-n // 128) * -(-m // 256)
+    if m >= 256 and (wide >= 0.8 * sms or k >= 4 * n):
+        cfg, tiles, slots = TMAConfig(2, 128, 256), wide, sms
+    else:
+        cfg = TMAConfig(1, 64, 64 if m <= 64 else 128)
+        tiles, slots = -(-n // 64) * -(-m // cfg.block_m), 2 * sms
+    split = 1
+    while split < 8 and tiles * split * 2 <= slots and k // 64 >= split * 2 * 8:
+        split *= 2
+    programs = tiles * split
+    if m >= 1024 and programs / (-(-programs // slots) * slots) < 0.75:
+        return None
+    return TMAConfig(cfg.consumers, cfg.block_n, cfg.block_m, split)
+
+
 def _mma_split(n: int, bn: int) -> int:
     tiles = -(-n // bn)
     split = 1
