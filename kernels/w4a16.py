@@ -4,8 +4,8 @@ On CPU tensors everything runs the torch twin (kernels/w4a16_ref.py) on the stan
 weights are prepared once at load into one of two layouts; passing standard tensors on CUDA repacks on every call
 (correct, slow).
 Fragment layout (kernels/w4a16_frag.py; fp16 layers with N % 16 == 0, the common case): the Gluon tensor-core
-kernel (kernels/w4a16_mma.py; mma.sync up to M = 64, on sm90 wgmma from M = 17 to 128), then a dequantize pass +
-cuBLAS.
+kernel (kernels/w4a16_mma.py; mma.sync up to M = 64, on sm90 wgmma from M = 17 to 128); on sm90 the TMA-fed kernel
+(kernels/w4a16_tma.py) from M = 33 to 2047 where its rule has a tile; then a dequantize pass + cuBLAS.
 Row layout (W4A16Weights; bf16 and other layers): the Triton kernels read a byte repack of qweight
 (kernels/w4a16_gemv.py), paths picked per (M, K, N) from the measured table in kernels/w4a16_tuning.py:
   gemv     one row per program, CUDA-core FMAs, split-K                      (M = 1..few)
