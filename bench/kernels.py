@@ -37,11 +37,10 @@ from triton.testing import do_bench  # noqa: E402
 
 from kernels.paged_attention import DecodeConfig, paged_decode  # noqa: E402
 from kernels.pdl import pdl_enabled, set_pdl  # noqa: E402
-from kernels.w4a16 import (FragWeights, prepare_kernel_weights, prepare_w4a16, w4a16_forward,  # noqa: E402
-                            wgmma_works)
+from kernels.w4a16 import (FragWeights, prepare_kernel_weights, prepare_w4a16, tma_works,  # noqa: E402
+                            w4a16_forward, wgmma_works)
 from kernels.w4a16_frag import prepare_frag  # noqa: E402
 from kernels.w4a16_ref import dequantize_w4  # noqa: E402
-from kernels.w4a16_tma import tma_works  # noqa: E402
 from kernels.w4a16_tuning import (W4A16Config, candidate_configs, gpu_family, refinements,  # noqa: E402
                                   select_config, select_mma_config, select_tma_config, table_row)
 

@@ -118,25 +118,34 @@ def frag_applies(k: int, n: int, group_size: int, scales_dtype: torch.dtype, dev
             and _mma_kernels_work(device.index if device.index is not None else torch.cuda.current_device()))
 
 
-@lru_cache(maxsize=None)
-def _mma_kernels_work(device_index: int) -> bool:
-    """One tiny call of the Gluon kernel per device before any layer is packed for it. Gluon is Triton's
-    experimental layer: a Triton release that changed its API must cost speed (the row layout serves, with a
-    warning), not the first forward pass."""
+def _probe(device_index: int, kernel: str, cols: int, rows: int, call, fallback: str, sm90: bool = False) -> bool:
+    """One tiny call of a Gluon kernel on a device before any layer relies on it: `call(x, fw)` over x = ones
+    [rows, 64] and codes 0, symmetric (z = 8), scale 1 must give 64 x (0 - 8) = -512 everywhere. Gluon is Triton's
+    experimental layer: a release that changed its API, or a kernel that fails on some GPU, must cost speed (the
+    `fallback` serves, with a warning), not a forward pass. sm90: the kernel exists for Hopper only (elsewhere:
+    False, no warning)."""
     try:
-        from kernels.w4a16_mma import w4a16_mma
+        if sm90 and torch.cuda.get_device_capability(device_index) != (9, 0):
+            return False
         dev = torch.device("cuda", device_index)
-        fw = prepare_frag(torch.zeros(8, 16, dtype=torch.int32, device=dev),        # codes 0, symmetric (z = 8)
-                          torch.ones(1, 16, dtype=torch.float16, device=dev), None, -1)
-        y = w4a16_mma(torch.ones(1, 64, dtype=torch.float16, device=dev), fw)
-        if bool((y == -512).all()):                                                 # 64 x (0 - 8) x 1
+        fw = prepare_frag(torch.zeros(8, cols, dtype=torch.int32, device=dev),
+                          torch.ones(1, cols, dtype=torch.float16, device=dev), None, -1)
+        y = call(torch.ones(rows, 64, dtype=torch.float16, device=dev), fw)
+        if bool((y == -512).all()):
             return True
         reason = f"wrong result {y.flatten()[:4].tolist()}"
-    except Exception as e:  # noqa: BLE001 - any compile or launch failure means: use the row layout
+    except Exception as e:  # noqa: BLE001 - any compile or launch failure means: the fallback serves
         reason = repr(e)[:300]
-    logging.getLogger("quant_serve").warning("W4A16 tensor-core kernel unavailable on cuda:%d (%s); using the "
-                                             "row-layout kernels", device_index, reason)
+    logging.getLogger("quant_serve").warning("W4A16 %s unavailable on cuda:%d (%s); %s", kernel, device_index,
+                                             reason, fallback)
     return False
+
+
+@lru_cache(maxsize=None)
+def _mma_kernels_work(device_index: int) -> bool:
+    """The tensor-core kernel, probed before any layer is packed into the fragment layout for the device."""
+    from kernels.w4a16_mma import w4a16_mma
+    return _probe(device_index, "tensor-core kernel", 16, 1, w4a16_mma, "using the row-layout kernels")
 
 
 # QUANT_SERVE_W4A16_TMA=0: M = 33..2047 back on the wgmma kernel / dequantize + cuBLAS (kernels/w4a16_tma.py)
@@ -145,24 +154,19 @@ _TMA_ON = os.environ.get("QUANT_SERVE_W4A16_TMA", "1") != "0"
 
 @lru_cache(maxsize=None)
 def wgmma_works(device_index: int) -> bool:
-    """The wgmma variant serves M = 17..128 on an sm90 GPU where one tiny call of it is exact (a probe like
-    _mma_kernels_work's: a failure costs speed, with a warning, not a forward pass). Probed at load."""
-    try:
-        if torch.cuda.get_device_capability(device_index) != (9, 0):
-            return False
-        from kernels.w4a16_mma import w4a16_mma
-        dev = torch.device("cuda", device_index)
-        fw = prepare_frag(torch.zeros(8, 64, dtype=torch.int32, device=dev),        # codes 0, symmetric (z = 8)
-                          torch.ones(1, 64, dtype=torch.float16, device=dev), None, -1)
-        y = w4a16_mma(torch.ones(17, 64, dtype=torch.float16, device=dev), fw, block_n=64, wgmma=True)
-        if bool((y == -512).all()):
-            return True
-        reason = f"wrong result {y.flatten()[:4].tolist()}"
-    except Exception as e:  # noqa: BLE001 - any compile or launch failure means: mma.sync and cuBLAS serve
-        reason = repr(e)[:300]
-    logging.getLogger("quant_serve").warning("W4A16 wgmma kernel unavailable on cuda:%d (%s); M > 16 uses mma.sync "
-                                             "up to 64 rows, then dequantize + cuBLAS", device_index, reason)
-    return False
+    """The wgmma variant serves M = 17..128 on an sm90 GPU where its probe passes. Probed at load."""
+    from kernels.w4a16_mma import w4a16_mma
+    return _probe(device_index, "wgmma kernel", 64, 17, lambda x, fw: w4a16_mma(x, fw, block_n=64, wgmma=True),
+                  "M > 16 uses mma.sync up to 64 rows, then dequantize + cuBLAS", sm90=True)
+
+
+@lru_cache(maxsize=None)
+def tma_works(device_index: int) -> bool:
+    """The TMA kernel serves M = 33..2047 on an sm90 GPU where its probe passes. Probed at load (never first inside
+    a CUDA graph capture)."""
+    from kernels.w4a16_tma import w4a16_tma
+    return _probe(device_index, "TMA kernel", 128, 40, lambda x, fw: w4a16_tma(x, fw, block_n=64, consumers=1),
+                  "M > 32 uses the wgmma kernel up to 128 rows, then dequantize + cuBLAS", sm90=True)
 
 
 def prepare_kernel_weights(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
@@ -173,8 +177,7 @@ def prepare_kernel_weights(qweight: torch.Tensor, scales: torch.Tensor, qzeros: 
     if frag_applies(k, n, group_size, scales.dtype, qweight.device):
         index = qweight.device.index if qweight.device.index is not None else torch.cuda.current_device()
         wgmma_works(index)
-        from kernels.w4a16_tma import tma_works
-        tma_works(index)                           # probed here, never first inside a CUDA graph capture
+        tma_works(index)
         return prepare_frag(qweight, scales, qzeros, group_size, perm)
     return prepare_w4a16(qweight, scales, qzeros, group_size, perm)
 
@@ -244,7 +247,7 @@ def _frag_forward(x: torch.Tensor, w: FragWeights, bias: torch.Tensor | None, co
     x = x[:, w.perm] if w.perm is not None else x.contiguous()
     m, k = x.shape
     if config is None and x.dtype == torch.float16 and TMA_MIN_M <= m <= TMA_MAX_M and _TMA_ON:
-        from kernels.w4a16_tma import tma_works, tma_works_for, w4a16_tma
+        from kernels.w4a16_tma import tma_works_for, w4a16_tma
         tc = select_tma_config(m, k, w.out_features, device_sms(x.device))
         if tc is not None and tma_works_for(x, w) and tma_works(x.device.index):
             return w4a16_tma(x, w, bias, tc.block_n, tc.block_m, split_k=tc.split_k, consumers=tc.consumers,

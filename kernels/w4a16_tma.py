@@ -14,9 +14,6 @@ ahead as the ring has stages, and the scales (one row a group) are the only load
 ahead.
 Split-K partials go through the workspace and the reduce pass (kernels/w4a16_splitk.py).
 """
-import logging
-from functools import lru_cache
-
 import torch
 import triton
 from triton.experimental import gluon
@@ -26,7 +23,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernels.pdl import gl_pdl_start, gl_pdl_wait, launch_options, pdl_enabled
 from kernels.norm_act import silu_and_mul
-from kernels.w4a16_frag import FragWeights, pick_block_k, prepare_frag
+from kernels.w4a16_frag import FragWeights, pick_block_k
 from kernels.w4a16_splitk import launch_splitk_reduce, split_buffers
 from kernels.w4a16_tiles import _dequant_step, _load_group, _tile_words, mma_layout, word_layout
 
@@ -229,23 +226,3 @@ def w4a16_tma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None
         out = silu_and_mul(out)
     return out
 
-
-@lru_cache(maxsize=None)
-def tma_works(device_index: int) -> bool:
-    """The TMA kernel serves M = 33..2047 on an sm90 GPU where one tiny call of it is exact (as wgmma_works in
-    kernels/w4a16.py: a failure costs speed, with a warning, not a forward pass). Probed at load."""
-    try:
-        if torch.cuda.get_device_capability(device_index) != (9, 0):
-            return False
-        dev = torch.device("cuda", device_index)
-        fw = prepare_frag(torch.zeros(8, 128, dtype=torch.int32, device=dev),        # codes 0, symmetric (z = 8)
-                          torch.ones(1, 128, dtype=torch.float16, device=dev), None, -1)
-        y = w4a16_tma(torch.ones(40, 64, dtype=torch.float16, device=dev), fw, block_n=64, consumers=1)
-        if bool((y == -512).all()):                                                 # 64 x (0 - 8) x 1
-            return True
-        reason = f"wrong result {y.flatten()[:4].tolist()}"
-    except Exception as e:  # noqa: BLE001 - any compile or launch failure means: the other kernels serve
-        reason = repr(e)[:300]
-    logging.getLogger("quant_serve").warning("W4A16 TMA kernel unavailable on cuda:%d (%s); M > 32 uses the wgmma "
-                                             "kernel up to 128 rows, then dequantize + cuBLAS", device_index, reason)
-    return False

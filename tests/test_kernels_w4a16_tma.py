@@ -30,6 +30,18 @@ def test_tma_rule_pins_the_sweep_winners():
     assert select_tma_config(64, 2048, 256).split_k == 4 and select_tma_config(64, 512, 256).split_k == 1
 
 
+def test_tma_probe_failure_falls_back_with_a_warning(caplog):
+    """The TMA kernel serves only where its load probe passes (an sm90 GPU); a failed probe says what serves
+    instead."""
+    from kernels.w4a16 import tma_works
+    if torch.cuda.is_available():
+        assert tma_works(torch.cuda.current_device()) == (torch.cuda.get_device_capability() == (9, 0))
+        return
+    with caplog.at_level("WARNING", logger="quant_serve"):
+        assert tma_works.__wrapped__(0) is False
+    assert "TMA kernel unavailable" in caplog.text and "wgmma kernel up to 128 rows" in caplog.text
+
+
 def _sm90() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
