@@ -88,8 +88,8 @@ def _tma_consumer(w_ring, x_ring, ready, empty, s_ptr, z_ptr, out_ptr, ws_ptr, b
                   SPLIT: gl.constexpr, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, EVEN_N: gl.constexpr,
                   PDL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                   STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
-    """Warpgroup WG (a partition of its own, so the two never wait for each other's dequant): rows
-    [WG * BLOCK_N / 2, (WG + 1) * BLOCK_N / 2) of the tile. Per stage: its words -> A registers -> wgmma, then the
+    """Warpgroup WG (a partition of its own, so two never wait at each other's barriers): rows
+    [WG * HALF, (WG + 1) * HALF) of the tile, HALF = BLOCK_N / CONSUMERS. Per stage: its words -> A registers -> wgmma, then the
     stage is released once the wgmma retired. Then its rows of y (or of the split's fp32 partial) are stored."""
     HALF: gl.constexpr = BLOCK_N // CONSUMERS
     MMA: gl.constexpr = mma_layout(True, 4, BLOCK_M)
