@@ -187,13 +187,14 @@ def select_tma_config(m: int, k: int, n: int, sms: int = 132) -> TMAConfig | Non
     """Rule fitted to the H200 sweep of kernels/w4a16_tma.py (bench/results/exp-tma-h200.json: 1-2 consumer
     warpgroups, 64-256 weight rows, 16-256 x rows, 1-8 splits at M = 16..4096 on the Qwen2.5-7B shapes, against the
     mma / wgmma dispatcher and dequantize + cuBLAS in the same run). Up to M = 32 mma.sync wins on three of the
-    four shapes; at M = 4096 dequantize + cuBLAS on all four (fp16 cuBLAS is near its peak there, and the kernel's
-    one-wave-a-program grids lose 10-20% to the last wave), so the kernel serves M = 33..2047 (M = 1024 measured,
-    2048 is between the measured points). Up to 128 rows (and where a two-warpgroup program's grid is short): one
-    consumer, 64 weight rows, 64 or 128 x rows. From 256 rows on wide or long-K layers: two consumers, 128 weight
-    rows x 256 x rows, which share each x tile; a grid of those that fills its last wave under 75% loses to
-    dequantize + cuBLAS (qkv at M = 1024: 75 against 57 us). K splits: the most of 1, 2, 4, 8 that keep the grid
-    in one wave of resident programs (two an SM with one consumer). None: dequantize + cuBLAS."""
+    four shapes (at 64 the kernel loses on qkv only: 12.7 against 11.3 us); at M = 4096 dequantize + cuBLAS wins
+    on all four (fp16 cuBLAS is near its peak there, and the kernel's grids of one-wave programs lose 10-20% to
+    the last wave), so the kernel serves M = 33..2047 (M = 1024 measured, 2048 is between the measured points).
+    Up to 128 rows (and where a two-warpgroup program's grid is short): one consumer, 64 weight rows, 64 or 128 x
+    rows. From 256 rows on wide or long-K layers: two consumers, 128 weight rows x 256 x rows, which share each x
+    tile; a grid of those that fills its last wave under 75% loses to dequantize + cuBLAS (qkv at M = 1024: 75
+    against 57 us). K splits: the most of 1, 2, 4, 8 that keep the grid in one wave of resident programs (two an
+    SM with one consumer). None: dequantize + cuBLAS."""
     if not TMA_MIN_M <= m <= TMA_MAX_M:
         return None
     wide = -(-n // 128) * -(-m // 256)
