@@ -37,12 +37,12 @@ from triton.testing import do_bench  # noqa: E402
 
 from kernels.paged_attention import DecodeConfig, paged_decode  # noqa: E402
 from kernels.pdl import pdl_enabled, set_pdl  # noqa: E402
-from kernels.w4a16 import (FragWeights, prepare_kernel_weights, prepare_w4a16, tma_works,  # noqa: E402
-                            w4a16_forward, wgmma_works)
+from kernels.w4a16 import (FragWeights, frag_config, prepare_kernel_weights, prepare_w4a16,  # noqa: E402
+                            w4a16_forward)
 from kernels.w4a16_frag import prepare_frag  # noqa: E402
 from kernels.w4a16_ref import dequantize_w4  # noqa: E402
-from kernels.w4a16_tuning import (W4A16Config, candidate_configs, gpu_family, refinements,  # noqa: E402
-                                  select_config, select_mma_config, select_tma_config, table_row)
+from kernels.w4a16_tuning import (TMAConfig, W4A16Config, candidate_configs, gpu_family, refinements,  # noqa: E402
+                                  select_config, table_row)
 
 SHAPES = {"qkv": (3584, 4608), "o": (3584, 3584), "gate_up": (3584, 37888), "down": (18944, 3584)}
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
@@ -120,11 +120,9 @@ def load_awq(sdist: str):
 def ours_config(w, m, k, n) -> dict:
     """The dispatcher's choice for this call, as recorded in the JSON."""
     if isinstance(w, FragWeights):
-        tma = select_tma_config(m, k, n, gpu_family(0)[1])
-        if tma is not None and tma_works(torch.device(DEV).index or 0):
-            return dict(path="tma", **dataclasses.asdict(tma))
-        cfg = select_mma_config(m, k, n, wgmma_works(torch.device(DEV).index or 0))
-        return dict(path="mma", **dataclasses.asdict(cfg)) if cfg else {"path": "frag_dequant"}
+        cfg = frag_config(m, k, n, torch.device(DEV))
+        path = "tma" if isinstance(cfg, TMAConfig) else "mma"
+        return dict(path=path, **dataclasses.asdict(cfg)) if cfg else {"path": "frag_dequant"}
     return dataclasses.asdict(select_config(m, k, n, torch.device(DEV)))
 
 

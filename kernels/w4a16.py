@@ -24,8 +24,8 @@ import torch
 from kernels.norm_act import silu_and_mul, silu_and_mul_ref
 from kernels.w4a16_frag import FragWeights, frag_standard, prepare_frag
 from kernels.w4a16_ref import pack_int4_rows, unpack_int4_rows, w4a16_matmul_ref
-from kernels.w4a16_tuning import (TMA_MAX_M, TMA_MIN_M, MMAConfig, W4A16Config, device_sms, select_config,
-                                  select_mma_config, select_tma_config)
+from kernels.w4a16_tuning import (TMA_MAX_M, TMA_MIN_M, MMAConfig, TMAConfig, W4A16Config, device_sms,
+                                  select_config, select_mma_config, select_tma_config)
 
 DEFAULT_PACK_K = 128
 
@@ -238,24 +238,35 @@ def w4a16_forward(x: torch.Tensor, w: W4A16Weights | FragWeights, bias: torch.Te
     return silu_and_mul(y) if silu_mul else y
 
 
+def frag_config(m: int, k: int, n: int, device: torch.device, silu_mul: bool = False,
+                tma_fits: bool = True) -> "TMAConfig | MMAConfig | None":
+    """What the fragment layout's fp16 dispatch runs for [M, K] x [K, N] on `device`: the TMA kernel's tile on sm90
+    (M = 33..2047, where select_tma_config has one, the probe passed, QUANT_SERVE_W4A16_TMA is not 0 and the call's
+    x suits TMA: `tma_fits`), else the tensor-core kernel's (select_mma_config), else None (dequantize + cuBLAS).
+    One place for the choice: the forward and the benchmark's record of it."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if _TMA_ON and tma_fits and TMA_MIN_M <= m <= TMA_MAX_M:
+        tc = select_tma_config(m, k, n, device_sms(device))
+        if tc is not None and tma_works(index):
+            return tc
+    return select_mma_config(m, k, n, wgmma_works(index), silu_mul, device_sms(device))
+
+
 def _frag_forward(x: torch.Tensor, w: FragWeights, bias: torch.Tensor | None, config: MMAConfig | None,
                   silu_mul: bool) -> torch.Tensor:
-    """Fragment layout, fp16 activations: on sm90 the TMA kernel where select_tma_config has a tile (M = 33..2047),
-    else the tensor-core kernel where select_mma_config has one, else dequantize + cuBLAS."""
+    """Fragment layout: fp16 activations take frag_config's kernel (or `config`), else dequantize + cuBLAS."""
     from kernels.w4a16_mma import w4a16_mma
     from kernels.w4a16_tiles import frag_dequantize
+    from kernels.w4a16_tma import tma_works_for, w4a16_tma
     x = x[:, w.perm] if w.perm is not None else x.contiguous()
     m, k = x.shape
-    if config is None and x.dtype == torch.float16 and TMA_MIN_M <= m <= TMA_MAX_M and _TMA_ON:
-        from kernels.w4a16_tma import tma_works_for, w4a16_tma
-        tc = select_tma_config(m, k, w.out_features, device_sms(x.device))
-        if tc is not None and tma_works_for(x, w) and tma_works(x.device.index):
-            return w4a16_tma(x, w, bias, tc.block_n, tc.block_m, split_k=tc.split_k, consumers=tc.consumers,
+    if x.dtype == torch.float16:
+        cfg = config or frag_config(m, k, w.out_features, x.device, silu_mul, tma_works_for(x, w))
+        if isinstance(cfg, TMAConfig):
+            return w4a16_tma(x, w, bias, cfg.block_n, cfg.block_m, split_k=cfg.split_k, consumers=cfg.consumers,
                              silu_mul=silu_mul)
-    cfg = config or select_mma_config(m, k, w.out_features, wgmma_works(x.device.index), silu_mul,
-                                      device_sms(x.device))
-    if cfg is not None and x.dtype == torch.float16:
-        return w4a16_mma(x, w, bias, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps, cfg.one_launch, silu_mul,
-                         cfg.wgmma, max_regs=cfg.max_regs)
+        if cfg is not None:
+            return w4a16_mma(x, w, bias, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps, cfg.one_launch,
+                             silu_mul, cfg.wgmma, max_regs=cfg.max_regs)
     y = torch.nn.functional.linear(x, frag_dequantize(w).to(x.dtype), bias)
     return silu_and_mul(y) if silu_mul else y

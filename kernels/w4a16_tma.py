@@ -176,6 +176,13 @@ def _w4a16_tma_kernel(w_desc, x_desc, s_ptr, z_ptr, out_ptr, ws_ptr, bias_ptr, M
     gl_pdl_start(PDL)              # the next kernel in only now: its programs waiting early would hold SM room
 
 
+def register_budget(consumers: int) -> tuple[int, int, int | None]:
+    """(registers a consumer thread, a producer thread, the launch's maxnreg or None): one consumer takes 128 a
+    thread so that two programs share an SM (232 + 24 over its two warpgroups, setmaxnreg); two take 232 each
+    beside a 40-register producer, one program an SM (Triton's default budget for 12 warps)."""
+    return (232, 40, None) if consumers == 2 else (232, 24, 128)
+
+
 def tma_works_for(x: torch.Tensor, fw: FragWeights) -> bool:
     """Whether w4a16_tma takes this call: fp16 x with 16-byte aligned rows (TMA), N a multiple of 16."""
     return (x.dtype == torch.float16 and fw.scales.dtype == torch.float16 and x.stride(1) == 1
@@ -211,15 +218,16 @@ def w4a16_tma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None
     x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [block_m, bk],
                               gl.NVMMASharedLayout.get_default_for([block_m, bk], gl.float16))
     out, ws, _ = split_buffers(x, m, n, splits, False, tiles * m_tiles, n // 2 if silu_mul and splits > 1 else 0)
+    consumer_regs, producer_regs, maxnreg = register_budget(consumers)
     pdl = pdl_enabled(x)
     _w4a16_tma_kernel[(m_tiles, tiles, splits)](
         w_desc, x_desc, fw.scales, fw.qzeros if fw.qzeros is not None else fw.words, out, ws,
         bias if bias is not None else out, m, n, kp, out.stride(0), fw.scales.stride(0),
         fw.qzeros.stride(0) if fw.qzeros is not None else 0, per, HAS_BIAS=bias is not None, SPLIT=splits > 1,
         GROUP=group or (1 << 30), HAS_ZEROS=fw.qzeros is not None, EVEN_N=n % block_n == 0, PDL=pdl,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, STAGES=stages, CONSUMERS=consumers, CONSUMER_REGS=232,
-        PRODUCER_REGS=40 if consumers == 2 else 24, num_warps=4, **launch_options(pdl),
-        **({} if consumers == 2 else {"maxnreg": 128}))
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, STAGES=stages, CONSUMERS=consumers,
+        CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, num_warps=4, **launch_options(pdl),
+        **({"maxnreg": maxnreg} if maxnreg else {}))
     if splits > 1:
         launch_splitk_reduce(ws, bias, out, splits, silu_mul)
     elif silu_mul:

@@ -30,6 +30,31 @@ def test_tma_rule_pins_the_sweep_winners():
     assert select_tma_config(64, 2048, 256).split_k == 4 and select_tma_config(64, 512, 256).split_k == 1
 
 
+def test_frag_dispatch_takes_the_tma_tile_where_the_rule_and_probe_allow(monkeypatch):
+    """kernels/w4a16.frag_config (what the forward runs and kernels.py records): the TMA tile where the rule has
+    one and the probe passed; the wgmma / mma.sync tile where the probe failed, x does not suit TMA or
+    QUANT_SERVE_W4A16_TMA=0; dequantize + cuBLAS (None) where neither has a tile."""
+    import kernels.w4a16 as w4
+    from kernels.w4a16_tuning import MMAConfig
+    monkeypatch.setattr(w4, "device_sms", lambda device: 132)
+    monkeypatch.setattr(w4, "wgmma_works", lambda index: True)
+    probe = {"ok": True}
+    monkeypatch.setattr(w4, "tma_works", lambda index: probe["ok"])
+    dev = torch.device("cuda", 0)
+    assert w4.frag_config(64, *QWEN["gate_up"], dev) == TMAConfig(1, 64, 64, 1)
+    assert w4.frag_config(256, *QWEN["down"], dev) == TMAConfig(2, 128, 256, 4)
+    assert isinstance(w4.frag_config(16, *QWEN["gate_up"], dev), MMAConfig)
+    assert w4.frag_config(4096, *QWEN["gate_up"], dev) is None
+    assert w4.frag_config(1024, *QWEN["qkv"], dev) is None
+    wgmma = w4.frag_config(64, *QWEN["gate_up"], dev, tma_fits=False)
+    assert isinstance(wgmma, MMAConfig) and wgmma.wgmma
+    probe["ok"] = False
+    assert w4.frag_config(64, *QWEN["gate_up"], dev) == wgmma
+    probe["ok"] = True
+    monkeypatch.setattr(w4, "_TMA_ON", False)
+    assert w4.frag_config(64, *QWEN["gate_up"], dev) == wgmma
+
+
 def test_tma_probe_failure_falls_back_with_a_warning(caplog):
     """The TMA kernel serves only where its load probe passes (an sm90 GPU); a failed probe says what serves
     instead."""
@@ -72,9 +97,10 @@ def test_gpu_tma_matches_twin(k, n, group_size, zeros, m):
 @pytest.mark.gpu
 @sm90
 @pytest.mark.timeout(300)
-def test_gpu_tma_silu_mul_and_dispatch():
+def test_gpu_tma_silu_mul_and_dispatch(monkeypatch):
     """The SwiGLU after the kernel or in its split-K reduce pass; w4a16_forward takes the TMA kernel where the rule
-    has a tile and gives the same result."""
+    has a tile (a spy counts its calls) and gives the same result."""
+    import kernels.w4a16_tma as tma_module
     from kernels.norm_act import silu_and_mul
     from kernels.w4a16 import w4a16_forward
     from kernels.w4a16_frag import prepare_frag
@@ -87,19 +113,23 @@ def test_gpu_tma_silu_mul_and_dispatch():
         want = silu_and_mul(ref.to(torch.float16).to(DEV)).float().cpu()
         for split in (1, 4):
             assert rel_err(w4a16_tma(x, fw, split_k=split, consumers=1, silu_mul=True), want) < 5e-3
-        assert select_tma_config(m, 1024, 512) is not None
+        calls = []
+        monkeypatch.setattr(tma_module, "w4a16_tma", lambda *a, **kw: calls.append(kw) or w4a16_tma(*a, **kw))
         assert rel_err(w4a16_forward(x, fw), ref) < 2e-3
         assert rel_err(w4a16_forward(x, fw, silu_mul=True), want) < 5e-3
+        assert len(calls) == 2 and calls[1]["silu_mul"], m
+        monkeypatch.undo()
 
 
 def compile_tma_cases() -> dict:
     """The dispatcher's TMA tiles compiled for sm90 (a fresh process: see the caller) -> registers, spills, SASS."""
     from triton.experimental.gluon import language as gl
 
-    from kernels.w4a16_tma import _w4a16_tma_kernel
+    from kernels.w4a16_tma import _w4a16_tma_kernel, register_budget
     from tests.test_kernels_w4a16_mma import _compile_sm90
     out = {}
     for cons, bn, bm, split in [(1, 64, 64, True), (1, 64, 128, False), (2, 128, 256, False), (2, 128, 256, True)]:
+        consumer_regs, producer_regs, maxnreg = register_budget(cons)
         wl = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
         xl = gl.NVMMASharedLayout.get_default_for([bm, 64], gl.float16)
         sig = dict(w_desc=f"tensordesc<i32[{bn // 16}, 128],{wl!r}>", x_desc=f"tensordesc<fp16[{bm}, 64],{xl!r}>",
@@ -108,8 +138,8 @@ def compile_tma_cases() -> dict:
                                          "iters_per_split")})
         out[f"c{cons}-{bn}-{bm}-{split}"] = _compile_sm90(_w4a16_tma_kernel, sig, dict(
             HAS_BIAS=not split, SPLIT=split, GROUP=128, HAS_ZEROS=True, EVEN_N=True, PDL=True, BLOCK_M=bm,
-            BLOCK_N=bn, BLOCK_K=64, STAGES=4, CONSUMERS=cons, CONSUMER_REGS=232, PRODUCER_REGS=40 if cons == 2 else 24),
-            4, None if cons == 2 else 128)
+            BLOCK_N=bn, BLOCK_K=64, STAGES=4, CONSUMERS=cons, CONSUMER_REGS=consumer_regs,
+            PRODUCER_REGS=producer_regs), 4, maxnreg)
     return out
 
 
