@@ -1,4 +1,4 @@
-"""The W4A16 matmul for M = 33..2047 on Hopper (sm90): TMA feeds a shared ring, warpgroups dequantize and issue wgmma.
+"""The W4A16 matmul for M = 33..4096 on Hopper (sm90): TMA feeds a shared ring, warpgroups dequantize and issue wgmma.
 
 y^T = W^T x^T as in kernels/w4a16_mma.py: the dequantized weight tile [BLOCK_N, BLOCK_K] is wgmma's A operand
 straight from registers (the fragment layout's words dequantize into it, kernels/w4a16_tiles.py), x^T its B
@@ -12,7 +12,10 @@ trip a step in its critical path (latency-bound at 128 rows); the older warp-spe
 from four producer warps, whose copies for every narrow tile bound it. Here a copy is one instruction, as many steps
 ahead as the ring has stages, and the scales (one row a group) are the only loads the consumers issue, two steps
 ahead.
-Split-K partials go through the workspace and the reduce pass (kernels/w4a16_splitk.py).
+The grid is persistent (stream-K, bench/NOTES-kernels.md entry 26): whole tiles in waves of the resident programs,
+then the tiles of the last, partial wave cut by K steps over all of them (equal ranges a tile where that fills the
+SMs, else even spans across tiles), their fp32 partials summed in fixed order by `_sk_reduce_kernel`. A grid of
+one program a tile left a quarter to half of the SMs idle in its last wave (gate_up at M = 64: 59 us; 41 now).
 """
 import torch
 import triton
@@ -24,7 +27,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from kernels.pdl import gl_pdl_start, gl_pdl_wait, launch_options, pdl_enabled
 from kernels.norm_act import silu_and_mul
 from kernels.w4a16_frag import FragWeights, pick_block_k
-from kernels.w4a16_splitk import launch_splitk_reduce, split_buffers
+from kernels.w4a16_tuning import device_sms, stream_k_plan
 from kernels.w4a16_tiles import _dequant_step, _load_group, _tile_words, mma_layout, word_layout
 
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
@@ -43,38 +46,79 @@ def smem_word_layout(num_warps, rn, rk):
 
 
 @gluon.jit
-def _tma_producer(w_desc, x_desc, w_ring, x_ring, ready, empty, nt0, m0, it0, it1, BLOCK_K: gl.constexpr,
-                  STAGES: gl.constexpr):
-    """One warp: each step's words and x tile into its stage once the consumers freed it."""
+def _sk_span(pid, p_sk, units):
+    """Stream-K: program pid's units (steps of the tail tiles) [u0, u1) of `units` spread over p_sk programs, `base`
+    each and one more for the first `extra`."""
+    base = units // p_sk
+    extra = units % p_sk
+    u0 = pid * base + gl.minimum(pid, extra)
+    return u0, u0 + base + (pid < extra).to(gl.int32), base, extra
+
+
+@gluon.jit
+def _sk_owner(u, base, extra):
+    """The stream-K program whose span holds unit u."""
+    big = extra * (base + 1)
+    if u < big:
+        owner = u // (base + 1)
+    else:
+        owner = extra + (u - big) // base
+    return owner
+
+
+@gluon.jit
+def _produce(w_desc, x_desc, w_ring, x_ring, ready, empty, tile, k0, k1, i, m_tiles, BLOCK_M: gl.constexpr,
+             BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    """Steps [k0, k1) of `tile`: each step's words and x tile into ring stage i % STAGES once it is free. -> i."""
     nbytes: gl.constexpr = w_desc.block_type.nbytes + x_desc.block_type.nbytes
-    for it in range(it0, it1):
-        i = it - it0
+    m0 = (tile % m_tiles) * BLOCK_M
+    nt0 = (tile // m_tiles) * (BLOCK_N // 16)
+    for it in range(k0, k1):
         s = i % STAGES
         mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)     # a fresh barrier passes parity 1
         mbarrier.expect(ready.index(s), nbytes)
         _tma_load(w_desc, [nt0, it * (2 * BLOCK_K)], ready.index(s), w_ring.index(s))
         _tma_load(x_desc, [m0, it * BLOCK_K], ready.index(s), x_ring.index(s))
+        i += 1
+    return i
 
 
 @gluon.jit
-def _tma_step(acc, g, it, it0, it1, w_ring, x_ring, ready, empty, s_ptr, z_ptr, n_lo, n_hi, k_in, stride_sg,
+def _tma_producer(w_desc, x_desc, w_ring, x_ring, ready, empty, m_tiles, steps, waves, tail, p_sk,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: the program's work (`_tma_consumer`'s order) into the ring."""
+    pid = gl.program_id(0)
+    P = gl.num_programs(0)
+    i = 0
+    for j in range(waves):
+        i = _produce(w_desc, x_desc, w_ring, x_ring, ready, empty, pid + j * P, 0, steps, i, m_tiles, BLOCK_M,
+                     BLOCK_N, BLOCK_K, STAGES)
+    if pid < p_sk:
+        u0, u1, base, extra = _sk_span(pid, p_sk, tail * steps)
+        for t in range(u0 // steps, (u1 + steps - 1) // steps):
+            i = _produce(w_desc, x_desc, w_ring, x_ring, ready, empty, waves * P + t,
+                         gl.maximum(u0, t * steps) - t * steps, gl.minimum(u1, t * steps + steps) - t * steps, i,
+                         m_tiles, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
+
+
+@gluon.jit
+def _tma_step(acc, g, it, r, k1, w_ring, x_ring, ready, empty, s_ptr, z_ptr, n_lo, n_hi, k_in, stride_sg,
               stride_zg, WG: gl.constexpr, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, HALF: gl.constexpr,
               BLOCK_K: gl.constexpr, STAGES: gl.constexpr, A_L: gl.constexpr, WL: gl.constexpr, SL: gl.constexpr):
-    """One step of a consumer warpgroup: wait for stage (it - it0) % STAGES, dequantize its words with the group
-    rows `g` into the A registers, wgmma, free the stage. -> (acc, the group rows of step it + 2).
+    """Step `it` of a consumer warpgroup from ring slot r: wait for stage r % STAGES, dequantize its words with the
+    group rows `g` into the A registers, wgmma, free the stage. -> (acc, the group rows of step it + 2).
     The wgmma is waited for at once: with the next step's dequant in flight beside it, ptxas serializes every
     wgmma (C7513: registers a wgmma reads are defined while one runs); the other warpgroup, or the SM's other
     program, fills the tensor cores meanwhile. (The A tile through a shared double buffer, so that the wgmma runs
     during the next dequant, measured slower at every shape: bench/NOTES-kernels.md entry 25.)"""
     RK: gl.constexpr = BLOCK_K // 64
-    i = it - it0
-    s = i % STAGES
-    mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+    s = r % STAGES
+    mbarrier.wait(ready.index(s), (r // STAGES) & 1)
     w = w_ring.index(s).slice(WG * (HALF // 16), HALF // 16).load(SL)     # [HALF / 16, 128 RK]
     w = gl.permute(gl.reshape(w, [HALF // 16, RK, 8, 4, 4]), [0, 2, 1, 3, 4])
     w = gl.convert_layout(gl.reshape(w, [HALF // 2, RK, 4, 4]), WL, assert_trivial=True)
     a = _dequant_step(w, g[0], g[1], g[2], g[3], n_lo, n_hi, HAS_ZEROS, HALF, BLOCK_K, A_L)
-    g = _load_group(gl.minimum(it + 2, it1 - 1) * BLOCK_K, s_ptr, z_ptr, n_lo, n_hi, k_in, stride_sg, stride_zg,
+    g = _load_group(gl.minimum(it + 2, k1 - 1) * BLOCK_K, s_ptr, z_ptr, n_lo, n_hi, k_in, stride_sg, stride_zg,
                     GROUP, HAS_ZEROS)
     acc = warpgroup_mma(a, x_ring.index(s).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
@@ -83,69 +127,103 @@ def _tma_step(acc, g, it, it0, it1, w_ring, x_ring, ready, empty, s_ptr, z_ptr, 
 
 
 @gluon.jit
-def _tma_consumer(w_ring, x_ring, ready, empty, s_ptr, z_ptr, out_ptr, ws_ptr, bias_ptr, pid_n, m0, pid_k, M, N, KP,
-                  stride_om, stride_sg, stride_zg, it0, it1, WG: gl.constexpr, HAS_BIAS: gl.constexpr,
-                  SPLIT: gl.constexpr, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, EVEN_N: gl.constexpr,
-                  PDL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                  STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
-    """Warpgroup WG (a partition of its own, so two never wait at each other's barriers): rows
-    [WG * HALF, (WG + 1) * HALF) of the tile, HALF = BLOCK_N / CONSUMERS. Per stage: its words -> A registers -> wgmma, then the
-    stage is released once the wgmma retired. Then its rows of y (or of the split's fp32 partial) are stored."""
+def _store_y(acc, out_ptr, bias_ptr, n0, m0, M, N, stride_om, HAS_BIAS: gl.constexpr, HALF: gl.constexpr,
+             BLOCK_M: gl.constexpr, MMA: gl.constexpr):
+    """acc fp32 [HALF, BLOCK_M] (rows n0.., columns m0.. of y^T) -> y (+ bias). y[m, n] is contiguous along n,
+    which the wgmma layout spreads over lanes two bytes at a time: through shared memory into 16 contiguous bytes a
+    thread."""
+    if HAS_BIAS:
+        on = n0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, MMA))
+        acc += gl.load(bias_ptr + on, mask=on < N, other=0.0).to(gl.float32)[:, None]
+    TPN: gl.constexpr = HALF // 8
+    OUT_L: gl.constexpr = gl.BlockedLayout([8, 1], [TPN, 32 // TPN], [1, 4], [0, 1])
+    y = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), OUT_L)
+    on = n0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, OUT_L))
+    om = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, OUT_L))
+    gl.store(out_ptr + om[None, :] * stride_om + on[:, None], y, mask=(om < M)[None, :] & (on < N)[:, None])
+
+
+@gluon.jit
+def _consume(tile, k0, k1, r, seg, nseg, t_sk, w_ring, x_ring, ready, empty, s_ptr, z_ptr, out_ptr, ws_ptr,
+             bias_ptr, M, N, KP, m_tiles, max_segs, stride_om, stride_sg, stride_zg, WG: gl.constexpr,
+             HAS_BIAS: gl.constexpr, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, EVEN_N: gl.constexpr,
+             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+             CONSUMERS: gl.constexpr):
+    """Steps [k0, k1) of `tile` for warpgroup WG's HALF rows, from ring slot r on: y, or where the tile is split
+    in nseg > 1 stream-K segments, this one's fp32 partial into workspace slot seg of the tile, which
+    `_sk_reduce_kernel` sums. -> the next ring slot."""
     HALF: gl.constexpr = BLOCK_N // CONSUMERS
     MMA: gl.constexpr = mma_layout(True, 4, BLOCK_M)
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    RN: gl.constexpr = HALF // 64
-    RK: gl.constexpr = BLOCK_K // 64
-    WL: gl.constexpr = word_layout(4, RN, RK)
-    SL: gl.constexpr = smem_word_layout(4, RN, RK)
-    tile = pid_n * CONSUMERS + WG                                   # this warpgroup's HALF-row tile of W^T
-    _, _, n_lo, n_hi, k_in = _tile_words(tile, N, KP, GROUP, EVEN_N, HALF, BLOCK_K, 4)
+    WL: gl.constexpr = word_layout(4, HALF // 64, BLOCK_K // 64)
+    SL: gl.constexpr = smem_word_layout(4, HALF // 64, BLOCK_K // 64)
+    half = (tile // m_tiles) * CONSUMERS + WG                         # this warpgroup's HALF-row tile of W^T
+    m0 = (tile % m_tiles) * BLOCK_M
+    _, _, n_lo, n_hi, k_in = _tile_words(half, N, KP, GROUP, EVEN_N, HALF, BLOCK_K, 4)
     acc = gl.zeros([HALF, BLOCK_M], gl.float32, MMA)
     # two sets of scale / zero rows (the loop unrolled twice), each loaded two steps before its use into the
     # registers its last use just freed: a loop carrying one set would move it at the step's end, and the move
     # waits for the load (a round trip a step; four sets measured the same as two: bench/NOTES-kernels.md entry 25)
-    g_even = _load_group(it0 * BLOCK_K, s_ptr, z_ptr, n_lo, n_hi, k_in, stride_sg, stride_zg, GROUP, HAS_ZEROS)
-    g_odd = _load_group(gl.minimum(it0 + 1, it1 - 1) * BLOCK_K, s_ptr, z_ptr, n_lo, n_hi, k_in, stride_sg, stride_zg,
+    g_even = _load_group(k0 * BLOCK_K, s_ptr, z_ptr, n_lo, n_hi, k_in, stride_sg, stride_zg, GROUP, HAS_ZEROS)
+    g_odd = _load_group(gl.minimum(k0 + 1, k1 - 1) * BLOCK_K, s_ptr, z_ptr, n_lo, n_hi, k_in, stride_sg, stride_zg,
                         GROUP, HAS_ZEROS)
-    for it in range(it0, it1, 2):
-        acc, g_even = _tma_step(acc, g_even, it, it0, it1, w_ring, x_ring, ready, empty, s_ptr, z_ptr, n_lo, n_hi,
-                                k_in, stride_sg, stride_zg, WG, GROUP, HAS_ZEROS, HALF, BLOCK_K, STAGES, A_L, WL, SL)
-        if it + 1 < it1:
-            acc, g_odd = _tma_step(acc, g_odd, it + 1, it0, it1, w_ring, x_ring, ready, empty, s_ptr, z_ptr, n_lo,
-                                   n_hi, k_in, stride_sg, stride_zg, WG, GROUP, HAS_ZEROS, HALF, BLOCK_K, STAGES, A_L,
-                                   WL, SL)
-    on = tile * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, MMA))
-    om = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
-    mask = (om < M)[None, :] & (on < N)[:, None]
-    if SPLIT:
-        gl.store(ws_ptr + pid_k * M * N + om[None, :] * N + on[:, None], acc, mask=mask)
-    else:
-        if HAS_BIAS:
-            acc += gl.load(bias_ptr + on, mask=on < N, other=0.0).to(gl.float32)[:, None]
-        # y[m, n] is contiguous along n, which the wgmma layout spreads over lanes two bytes at a time: through
-        # shared memory into 16 contiguous bytes a thread
-        TPN: gl.constexpr = HALF // 8
-        OUT_L: gl.constexpr = gl.BlockedLayout([8, 1], [TPN, 32 // TPN], [1, 4], [0, 1])
-        y = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), OUT_L)
-        on = tile * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, OUT_L))
-        om = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, OUT_L))
-        gl.store(out_ptr + om[None, :] * stride_om + on[:, None], y, mask=(om < M)[None, :] & (on < N)[:, None])
+    for it in range(k0, k1, 2):
+        acc, g_even = _tma_step(acc, g_even, it, r + it - k0, k1, w_ring, x_ring, ready, empty, s_ptr, z_ptr, n_lo,
+                                n_hi, k_in, stride_sg, stride_zg, WG, GROUP, HAS_ZEROS, HALF, BLOCK_K, STAGES, A_L,
+                                WL, SL)
+        if it + 1 < k1:
+            acc, g_odd = _tma_step(acc, g_odd, it + 1, r + it + 1 - k0, k1, w_ring, x_ring, ready, empty, s_ptr,
+                                   z_ptr, n_lo, n_hi, k_in, stride_sg, stride_zg, WG, GROUP, HAS_ZEROS, HALF,
+                                   BLOCK_K, STAGES, A_L, WL, SL)
+    if nseg == 1:
+        _store_y(acc, out_ptr, bias_ptr, half * HALF, m0, M, N, stride_om, HAS_BIAS, HALF, BLOCK_M, MMA)
+    else:   # the partial, x row-major ([BLOCK_M, HALF]: the reduce pass writes y's rows from it contiguously)
+        rows = gl.arange(0, HALF, layout=gl.SliceLayout(1, MMA))
+        cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
+        slot = (t_sk * CONSUMERS + WG) * max_segs + seg
+        gl.store(ws_ptr + slot * (HALF * BLOCK_M) + cols[None, :] * HALF + rows[:, None], acc)
+    return r + k1 - k0
 
 
 @gluon.jit
-def _w4a16_tma_kernel(w_desc, x_desc, s_ptr, z_ptr, out_ptr, ws_ptr, bias_ptr, M, N, KP, stride_om, stride_sg,
-                      stride_zg, iters_per_split, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, GROUP: gl.constexpr,
-                      HAS_ZEROS: gl.constexpr, EVEN_N: gl.constexpr, PDL: gl.constexpr, BLOCK_M: gl.constexpr,
-                      BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+def _tma_consumer(w_ring, x_ring, ready, empty, s_ptr, z_ptr, out_ptr, ws_ptr, bias_ptr, M, N, KP, m_tiles,
+                  steps, waves, tail, p_sk, max_segs, stride_om, stride_sg, stride_zg, WG: gl.constexpr,
+                  HAS_BIAS: gl.constexpr, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, EVEN_N: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                  CONSUMERS: gl.constexpr):
+    """Warpgroup WG (a partition of its own, so two never wait at each other's barriers): rows
+    [WG * HALF, (WG + 1) * HALF) of each tile, HALF = BLOCK_N / CONSUMERS. The program's work: whole tiles pid,
+    pid + P, ... (`waves` of them), then, for the first p_sk programs, its stream-K span of the `tail` tiles left."""
+    pid = gl.program_id(0)
+    P = gl.num_programs(0)
+    r = 0
+    for j in range(waves):
+        r = _consume(pid + j * P, 0, steps, r, 0, 1, 0, w_ring, x_ring, ready, empty, s_ptr, z_ptr, out_ptr, ws_ptr,
+                     bias_ptr, M, N, KP, m_tiles, max_segs, stride_om, stride_sg, stride_zg, WG, HAS_BIAS,
+                     GROUP, HAS_ZEROS, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS)
+    if pid < p_sk:
+        u0, u1, base, extra = _sk_span(pid, p_sk, tail * steps)
+        for t in range(u0 // steps, (u1 + steps - 1) // steps):
+            first = _sk_owner(t * steps, base, extra)
+            r = _consume(waves * P + t, gl.maximum(u0, t * steps) - t * steps,
+                         gl.minimum(u1, t * steps + steps) - t * steps, r, pid - first,
+                         _sk_owner(t * steps + steps - 1, base, extra) - first + 1, t, w_ring, x_ring, ready, empty,
+                         s_ptr, z_ptr, out_ptr, ws_ptr, bias_ptr, M, N, KP, m_tiles, max_segs, stride_om,
+                         stride_sg, stride_zg, WG, HAS_BIAS, GROUP, HAS_ZEROS, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K,
+                         STAGES, CONSUMERS)
+
+
+@gluon.jit(do_not_specialize=["M", "m_tiles", "waves", "tail", "p_sk", "max_segs"])   # one compile per tile
+def _w4a16_tma_kernel(w_desc, x_desc, s_ptr, z_ptr, out_ptr, ws_ptr, bias_ptr, M, N, KP, m_tiles, waves,
+                      tail, p_sk, max_segs, stride_om, stride_sg, stride_zg, HAS_BIAS: gl.constexpr,
+                      GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, EVEN_N: gl.constexpr, PDL: gl.constexpr,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                       CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    """y = x @ W (+ bias) for one [BLOCK_M, BLOCK_N] output tile, or with SPLIT this split's fp32 partial into
-    ws[pid_k] for the reduce pass (num_warps = 4: the first consumer warpgroup). Programs run along M first: those
-    in flight together share a weight tile."""
-    m0 = gl.program_id(0) * BLOCK_M
-    pid_n = gl.program_id(1)
-    pid_k = gl.program_id(2)
-    it0 = pid_k * iters_per_split
-    it1 = gl.minimum(it0 + iters_per_split, KP // BLOCK_K)
+    """y = x @ W (+ bias) over a persistent grid of P programs (num_warps = 4: the first consumer warpgroup).
+    Tiles [BLOCK_M, BLOCK_N] are numbered along M first (programs in flight together share a weight tile); the
+    first waves * P are whole tiles, program p taking p, p + P, ...; the `tail` tiles after them are split by K
+    steps evenly over the first p_sk programs (stream-K), so that no SM idles through a last partial wave."""
+    steps = KP // BLOCK_K
     w_ring = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N // 16, 2 * BLOCK_K], w_desc.layout)
     x_ring = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -156,24 +234,54 @@ def _w4a16_tma_kernel(w_desc, x_desc, s_ptr, z_ptr, out_ptr, ws_ptr, bias_ptr, M
     gl_pdl_wait(PDL)                                       # x is the previous kernel's output
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_tma_consumer, (w_ring, x_ring, ready, empty, s_ptr, z_ptr, out_ptr, ws_ptr, bias_ptr, pid_n, m0, pid_k,
-                             M, N, KP, stride_om, stride_sg, stride_zg, it0, it1, 0, HAS_BIAS, SPLIT, GROUP,
-                             HAS_ZEROS, EVEN_N, PDL, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS)),
-            (_tma_consumer, (w_ring, x_ring, ready, empty, s_ptr, z_ptr, out_ptr, ws_ptr, bias_ptr, pid_n, m0, pid_k,
-                             M, N, KP, stride_om, stride_sg, stride_zg, it0, it1, 1, HAS_BIAS, SPLIT, GROUP,
-                             HAS_ZEROS, EVEN_N, PDL, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS)),
-            (_tma_producer, (w_desc, x_desc, w_ring, x_ring, ready, empty, pid_n * (BLOCK_N // 16), m0, it0, it1,
-                             BLOCK_K, STAGES)),
+            (_tma_consumer, (w_ring, x_ring, ready, empty, s_ptr, z_ptr, out_ptr, ws_ptr, bias_ptr, M, N, KP,
+                             m_tiles, steps, waves, tail, p_sk, max_segs, stride_om, stride_sg, stride_zg, 0,
+                             HAS_BIAS, GROUP, HAS_ZEROS, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS)),
+            (_tma_consumer, (w_ring, x_ring, ready, empty, s_ptr, z_ptr, out_ptr, ws_ptr, bias_ptr, M, N, KP,
+                             m_tiles, steps, waves, tail, p_sk, max_segs, stride_om, stride_sg, stride_zg, 1,
+                             HAS_BIAS, GROUP, HAS_ZEROS, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS)),
+            (_tma_producer, (w_desc, x_desc, w_ring, x_ring, ready, empty, m_tiles, steps, waves, tail, p_sk,
+                             BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_tma_consumer, (w_ring, x_ring, ready, empty, s_ptr, z_ptr, out_ptr, ws_ptr, bias_ptr, pid_n, m0, pid_k,
-                             M, N, KP, stride_om, stride_sg, stride_zg, it0, it1, 0, HAS_BIAS, SPLIT, GROUP,
-                             HAS_ZEROS, EVEN_N, PDL, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS)),
-            (_tma_producer, (w_desc, x_desc, w_ring, x_ring, ready, empty, pid_n * (BLOCK_N // 16), m0, it0, it1,
-                             BLOCK_K, STAGES)),
+            (_tma_consumer, (w_ring, x_ring, ready, empty, s_ptr, z_ptr, out_ptr, ws_ptr, bias_ptr, M, N, KP,
+                             m_tiles, steps, waves, tail, p_sk, max_segs, stride_om, stride_sg, stride_zg, 0,
+                             HAS_BIAS, GROUP, HAS_ZEROS, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS)),
+            (_tma_producer, (w_desc, x_desc, w_ring, x_ring, ready, empty, m_tiles, steps, waves, tail, p_sk,
+                             BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
         ], [1], [PRODUCER_REGS])
     gl_pdl_start(PDL)              # the next kernel in only now: its programs waiting early would hold SM room
+
+
+@gluon.jit(do_not_specialize=["M", "m_tiles", "waves", "programs", "tail", "p_sk", "max_segs"])
+def _sk_reduce_kernel(ws_ptr, out_ptr, bias_ptr, M, N, KP, m_tiles, waves, programs, tail, p_sk, max_segs, stride_om,
+                      HAS_BIAS: gl.constexpr, PDL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      BLOCK_K: gl.constexpr, CONSUMERS: gl.constexpr, CHUNK: gl.constexpr):
+    """y of the split tail tiles: program (t * CONSUMERS + wg, c) sums chunk c of warpgroup wg's partials of tail
+    tile t in segment order (deterministic), adds the bias and stores it; tiles in one segment were stored whole."""
+    L: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
+    HALF: gl.constexpr = BLOCK_N // CONSUMERS
+    gl_pdl_start(PDL)
+    gl_pdl_wait(PDL)                                       # the partials are the matmul's output
+    hid = gl.program_id(0)
+    t = hid // CONSUMERS
+    steps = KP // BLOCK_K
+    _, _, base, extra = _sk_span(0, p_sk, tail * steps)
+    first = _sk_owner(t * steps, base, extra)
+    nseg = _sk_owner(t * steps + steps - 1, base, extra) - first + 1
+    if nseg > 1:
+        offs = gl.program_id(1) * CHUNK + gl.arange(0, CHUNK, layout=L)
+        src = ws_ptr + hid * max_segs * (HALF * BLOCK_M) + offs
+        acc = gl.load(src)
+        for q in range(1, nseg):
+            acc += gl.load(src + q * (HALF * BLOCK_M))
+        tile = waves * programs + t
+        n = (tile // m_tiles) * BLOCK_N + (hid % CONSUMERS) * HALF + offs % HALF
+        m = (tile % m_tiles) * BLOCK_M + offs // HALF
+        if HAS_BIAS:
+            acc += gl.load(bias_ptr + n, mask=n < N, other=0.0).to(gl.float32)
+        gl.store(out_ptr + m * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=(m < M) & (n < N))
 
 
 def register_budget(consumers: int) -> tuple[int, int, int | None]:
@@ -190,13 +298,14 @@ def tma_works_for(x: torch.Tensor, fw: FragWeights) -> bool:
 
 
 def w4a16_tma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None, block_n: int = 128,
-              block_m: int | None = None, block_k: int = 64, split_k: int = 1, stages: int = 4,
-              consumers: int = 2, silu_mul: bool = False) -> torch.Tensor:
+              block_m: int | None = None, block_k: int = 64, stages: int = 4, consumers: int = 2,
+              silu_mul: bool = False, sk_programs: int = 0) -> torch.Tensor:
     """x fp16 [M, K] (already permuted for act-order; rows 16-byte aligned) -> [M, N], or [M, N / 2] =
-    silu(gate) * up with silu_mul (in the split-K reduce pass where there is one), on an sm90 GPU.
+    silu(gate) * up with silu_mul (the silu_and_mul kernel after), on an sm90 GPU.
     consumers: warpgroups a program (2: 232 registers each, one program an SM; 1: two programs an SM);
     block_n / consumers = 64 or 128 weight rows a warpgroup; block_m 16..256 (wgmma's N; default: M rounded up to a
-    power of two, at most 256), block_k 64 or 128, stages: the ring's depth; split_k > 1: partials + reduce pass."""
+    power of two, at most 256), block_k 64 or 128, stages: the ring's depth; sk_programs: programs that share the
+    last partial wave's tiles by K steps (0: stream_k_plan's choice; the number of those tiles: none split)."""
     m, k = x.shape
     n = fw.out_features
     kp = fw.words.shape[1] // 2
@@ -206,31 +315,34 @@ def w4a16_tma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None
         raise ValueError("w4a16_tma needs fp16 x and scales, 16-byte aligned rows of x and N % 16 == 0")
     group = fw.group_size if fw.scales.shape[0] > 1 else 0
     bk = pick_block_k(kp, group, block_k)
-    iters = kp // bk
-    per = triton.cdiv(iters, max(1, min(split_k, iters)))
-    splits = triton.cdiv(iters, per)
     block_m = block_m or min(128 * consumers, max(16, triton.next_power_of_2(m)))
     if block_m > 128 * consumers:
         raise ValueError(f"block_m {block_m} is above {128 * consumers} rows for {consumers} consumer warpgroup(s)")
-    m_tiles, tiles = triton.cdiv(m, block_m), triton.cdiv(n, block_n)
+    m_tiles = triton.cdiv(m, block_m)
+    plan = stream_k_plan(m_tiles * triton.cdiv(n, block_n), kp // bk, device_sms(x.device) * (3 - consumers),
+                         sk_programs)
     w_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     w_desc = TensorDescriptor(fw.words, [n // 16, kp * 2], [kp * 2, 1], [block_n // 16, 2 * bk], w_layout)
     x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [block_m, bk],
                               gl.NVMMASharedLayout.get_default_for([block_m, bk], gl.float16))
-    out, ws, _ = split_buffers(x, m, n, splits, False, tiles * m_tiles, n // 2 if silu_mul and splits > 1 else 0)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    # the partials of split tiles (typed fp32 even where none is split: the kernel is compiled for one signature)
+    ws = torch.empty(plan.tail * plan.max_segs * block_n * block_m if plan.max_segs > 1 else 1,
+                     dtype=torch.float32, device=x.device)
     consumer_regs, producer_regs, maxnreg = register_budget(consumers)
     pdl = pdl_enabled(x)
-    _w4a16_tma_kernel[(m_tiles, tiles, splits)](
+    _w4a16_tma_kernel[(plan.programs,)](
         w_desc, x_desc, fw.scales, fw.qzeros if fw.qzeros is not None else fw.words, out, ws,
-        bias if bias is not None else out, m, n, kp, out.stride(0), fw.scales.stride(0),
-        fw.qzeros.stride(0) if fw.qzeros is not None else 0, per, HAS_BIAS=bias is not None, SPLIT=splits > 1,
-        GROUP=group or (1 << 30), HAS_ZEROS=fw.qzeros is not None, EVEN_N=n % block_n == 0, PDL=pdl,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, STAGES=stages, CONSUMERS=consumers,
-        CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, num_warps=4, **launch_options(pdl),
-        **({"maxnreg": maxnreg} if maxnreg else {}))
-    if splits > 1:
-        launch_splitk_reduce(ws, bias, out, splits, silu_mul)
-    elif silu_mul:
-        out = silu_and_mul(out)
-    return out
-
+        bias if bias is not None else out, m, n, kp, m_tiles, plan.waves, plan.tail, plan.sk_programs,
+        plan.max_segs, out.stride(0), fw.scales.stride(0), fw.qzeros.stride(0) if fw.qzeros is not None else 0,
+        HAS_BIAS=bias is not None, GROUP=group or (1 << 30), HAS_ZEROS=fw.qzeros is not None,
+        EVEN_N=n % block_n == 0, PDL=pdl, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, STAGES=stages,
+        CONSUMERS=consumers, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, num_warps=4,
+        **launch_options(pdl), **({"maxnreg": maxnreg} if maxnreg else {}))
+    if plan.max_segs > 1:
+        chunk = 1024
+        _sk_reduce_kernel[(plan.tail * consumers, block_n // consumers * block_m // chunk)](
+            ws, out, bias if bias is not None else out, m, n, kp, m_tiles, plan.waves, plan.programs, plan.tail,
+            plan.sk_programs, plan.max_segs, out.stride(0), HAS_BIAS=bias is not None, PDL=pdl, BLOCK_M=block_m,
+            BLOCK_N=block_n, BLOCK_K=bk, CONSUMERS=consumers, CHUNK=chunk, num_warps=4, **launch_options(pdl))
+    return silu_and_mul(out) if silu_mul else out

@@ -173,43 +173,78 @@ def select_mma_config(m: int, k: int, n: int, wgmma: bool = False, silu_mul: boo
 @dataclass(frozen=True)
 class TMAConfig:
     """Tile of the TMA-fed Hopper kernel (kernels/w4a16_tma.py): consumer warpgroups a program (1: two programs an
-    SM), weight rows and x rows a program, K splits (partials + reduce pass)."""
+    SM), weight rows and x rows a program, and the programs that share the last partial wave's tiles (stream-K;
+    0: stream_k_plan's choice)."""
     consumers: int = 1
     block_n: int = 64
     block_m: int = 64
-    split_k: int = 1
+    sk_programs: int = 0
 
 
-TMA_MIN_M, TMA_MAX_M = 33, 2047    # sm90: the TMA kernel between these; dequantize + cuBLAS above
+@dataclass(frozen=True)
+class StreamKPlan:
+    """A persistent grid for kernels/w4a16_tma.py: `programs` programs; the first waves * programs tiles whole
+    (program p: p, p + programs, ...), the `tail` tiles after them split by K steps over the first `sk_programs`
+    (each tile in at most `max_segs` segments; 1: none split, no workspace)."""
+    programs: int
+    waves: int
+    tail: int
+    sk_programs: int
+    max_segs: int
+
+
+MIN_SK_STEPS = 8        # a stream-K program's fewest K steps (its prologue and partial cost a few steps' time)
+MAX_SK_SPLIT = 8        # the most equal K ranges a tail tile is cut into (the sweep's range)
+SK_ALIGNED_FILL = 0.84  # tail tiles cut into equal K ranges, one a program, when that fills this much of a wave
+
+
+def stream_k_plan(tiles: int, steps: int, slots: int, sk_programs: int = 0) -> StreamKPlan:
+    """Whole waves of `slots` resident programs, then the tiles left (all of them below one wave) spread over
+    sk_programs programs. 0: each tail tile cut into the same number of equal K ranges, one a program, where that
+    fills SK_ALIGNED_FILL of a wave (no tile's partials straddle two programs' spans); else stream-K over as many
+    programs as keep MIN_SK_STEPS steps each, at most `slots`. Fitted to bench/results/exp-tma-sk-h200.json:
+    the aligned cut won where it fills 85% or more (o at M = 64..512: 224 programs, 9.7 against 10.7 us at M = 64
+    for 264), stream-K where the cut leaves 18% of the slots or more idle (qkv at M = 128: 15.4 against 17.5 us for
+    216 of 264; down at M = 4096: 795 against 898 us for 104 of 132)."""
+    waves, tail = divmod(tiles, slots)
+    if not tail:
+        return StreamKPlan(slots, waves, 0, 0, 1)
+    units = tail * steps
+    if not sk_programs:
+        split = max(1, min(slots // tail, steps // MIN_SK_STEPS, MAX_SK_SPLIT))
+        sk_programs = tail * split if tail * split >= SK_ALIGNED_FILL * slots else max(tail, units // MIN_SK_STEPS)
+    p_sk = min(sk_programs, slots, units)
+    base = units // p_sk
+    if units % p_sk == 0 and (steps % base == 0 or base % steps == 0):       # spans on tile boundaries
+        segs = max(1, steps // base)
+    else:
+        segs = min(p_sk, -(-steps // base) + 1)
+    return StreamKPlan(slots if waves else p_sk, waves, tail, p_sk, segs)
+
+
+TMA_MIN_M, TMA_MAX_M = 33, 4096    # sm90: the TMA kernel between these; dequantize + cuBLAS above
 
 
 def select_tma_config(m: int, k: int, n: int, sms: int = 132) -> TMAConfig | None:
-    """Rule fitted to the H200 sweep of kernels/w4a16_tma.py (bench/results/exp-tma-h200.json: 1-2 consumer
-    warpgroups, 64-256 weight rows, 16-256 x rows, 1-8 splits at M = 16..4096 on the Qwen2.5-7B shapes, against the
-    mma / wgmma dispatcher and dequantize + cuBLAS in the same run). Up to M = 32 mma.sync wins on three of the
-    four shapes (at 64 the kernel loses on qkv only: 12.7 against 11.3 us); at M = 4096 dequantize + cuBLAS wins
-    on all four (fp16 cuBLAS is near its peak there, and the kernel's grids of one-wave programs lose 10-20% to
-    the last wave), so the kernel serves M = 33..2047 (M = 1024 measured, 2048 is between the measured points).
-    Up to 128 rows (and where a two-warpgroup program's grid is short): one consumer, 64 weight rows, 64 or 128 x
-    rows. From 256 rows on wide or long-K layers: two consumers, 128 weight rows x 256 x rows, which share each x
-    tile; a grid of those that fills its last wave under 75% loses to dequantize + cuBLAS (qkv at M = 1024: 75
-    against 57 us). K splits: the most of 1, 2, 4, 8 that keep the grid in one wave of resident programs (two an
-    SM with one consumer). None: dequantize + cuBLAS."""
+    """Rule fitted to the H200 sweep of the stream-K kernel (bench/results/exp-tma-sk-h200.json: 1-2 consumer
+    warpgroups, 64-256 weight rows, 64-256 x rows, stream-K program counts, M = 64..4096 on the Qwen2.5-7B shapes,
+    against dequantize + cuBLAS in the same run). Up to M = 32 mma.sync wins (bench/results/exp-tma-h200.json,
+    the kernel before stream-K).
+    M <= 64: one consumer, 64 x rows, 128 weight rows (64 on narrow short-K layers: o 9.7 against 10.9 us);
+    M <= 128: two consumers x 256 weight rows on wide layers (gate_up 59.6 us), else one x 64; narrow short-K
+    layers up to M = 512 keep one consumer x 64 x 128 rows (o at 256: 18.2 against 19.6 us); else two consumers x
+    128 weight rows x 256 x rows, which share each x tile (0.98-1.04x FP16 in the sweep from M = 256 on wide or
+    long-K layers). Above M = 4096 (unmeasured): dequantize + cuBLAS (None), within 3% of the kernel at 4096."""
     if not TMA_MIN_M <= m <= TMA_MAX_M:
         return None
-    wide = -(-n // 128) * -(-m // 256)
-    if m >= 256 and (wide >= 0.8 * sms or k >= 4 * n):
-        cfg, tiles, slots = TMAConfig(2, 128, 256), wide, sms
-    else:
-        cfg = TMAConfig(1, 64, 64 if m <= 64 else 128)
-        tiles, slots = -(-n // 64) * -(-m // cfg.block_m), 2 * sms
-    split = 1
-    while split < 8 and tiles * split * 2 <= slots and k // 64 >= split * 2 * 8:
-        split *= 2
-    programs = tiles * split
-    if m >= 1024 and programs / (-(-programs // slots) * slots) < 0.75:
-        return None
-    return TMAConfig(cfg.consumers, cfg.block_n, cfg.block_m, split)
+    narrow = n <= 4608 and k <= 4096
+    if m <= 64:
+        return TMAConfig(1, 64 if narrow and n <= 4096 else 128, 64)
+    if m <= 128:
+        return TMAConfig(2, 256, 128) if n >= 16384 else TMAConfig(1, 64, 128)
+    if m <= 512 and narrow:
+        return TMAConfig(1, 64, 128)
+    return TMAConfig(2, 128, 256)
 
 
 def _mma_split(n: int, bn: int) -> int:

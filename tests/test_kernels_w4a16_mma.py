@@ -362,7 +362,8 @@ def _compile_sm90(kernel, signature: dict, constexprs: dict, num_warps: int, max
     names = list(sig)
     # pointers and sizes divisible by 16, as Triton specializes them at launch for the Qwen2.5-7B shapes
     aligned = {(names.index(a),): [["tt.divisibility", 16]] for a in signature
-               if a not in ("M", "iters_per_split", "n_splits", "eps", "ss_count", "vs_val")}
+               if a not in ("M", "iters_per_split", "n_splits", "eps", "ss_count", "vs_val", "m_tiles", "waves", "tail",
+                            "p_sk", "max_segs")}
     src = GluonASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=aligned)
     options = {"num_warps": num_warps} if maxnreg is None else {"num_warps": num_warps, "maxnreg": maxnreg}
     regs, stack, sass = cubin_sass(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options))

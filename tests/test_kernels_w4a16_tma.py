@@ -12,22 +12,85 @@ QWEN = {"qkv": (3584, 4608), "o": (3584, 3584), "gate_up": (3584, 37888), "down"
 
 
 def test_tma_rule_pins_the_sweep_winners():
-    """bench/results/exp-tma-h200.json: mma.sync to M = 32, dequantize + cuBLAS from M = 2048 and for qkv at M = 1024
-    (a grid of 144 two-warpgroup programs fills its second wave to 9%), one consumer with 64 weight rows to
-    M = 128 and on narrow layers at 256, two consumers x 256 rows on wide or long-K layers; K splits up to one
-    wave of resident programs."""
-    one, two = (lambda bm, s: TMAConfig(1, 64, bm, s)), (lambda s: TMAConfig(2, 128, 256, s))
+    """bench/results/exp-tma-sk-h200.json: mma.sync to M = 32, dequantize + cuBLAS above 4096; one consumer x 64
+    x rows to M = 64 (64 weight rows on o, 128 elsewhere); two x 256 weight rows on gate_up at 128; one x 64 x 128
+    rows on narrow short-K layers to 512; else two consumers x 128 x 256. The tail: equal K ranges where they
+    fill 84% of a wave, else stream-K."""
+    from kernels.w4a16_tuning import stream_k_plan
+    one, two = (lambda bn, bm: TMAConfig(1, bn, bm)), TMAConfig(2, 128, 256)
     want = {32: dict(qkv=None, o=None, gate_up=None, down=None),
-            64: dict(qkv=one(64, 2), o=one(64, 4), gate_up=one(64, 1), down=one(64, 4)),
-            128: dict(qkv=one(128, 2), o=one(128, 4), gate_up=one(128, 1), down=one(128, 4)),
-            256: dict(qkv=one(128, 1), o=one(128, 2), gate_up=two(1), down=two(4)),
-            1024: dict(qkv=None, o=two(1), gate_up=two(1), down=two(1)),
-            4096: dict(qkv=None, o=None, gate_up=None, down=None)}
+            64: dict(qkv=one(128, 64), o=one(64, 64), gate_up=one(128, 64), down=one(128, 64)),
+            128: dict(qkv=one(64, 128), o=one(64, 128), gate_up=TMAConfig(2, 256, 128), down=one(64, 128)),
+            256: dict(qkv=one(64, 128), o=one(64, 128), gate_up=two, down=two),
+            1024: dict(qkv=two, o=two, gate_up=two, down=two),
+            4096: dict(qkv=two, o=two, gate_up=two, down=two),
+            4097: dict(qkv=None, o=None, gate_up=None, down=None)}
     for m, shapes in want.items():
         for name, cfg in shapes.items():
             assert select_tma_config(m, *QWEN[name]) == cfg, (m, name)
-    # a split always leaves each program at least 8 steps of 64 rows
-    assert select_tma_config(64, 2048, 256).split_k == 4 and select_tma_config(64, 512, 256).split_k == 1
+    # (tiles, steps, slots) -> stream-K programs: o at 64 (56 tiles cut in 4), gate_up at 64 (a wave + 32 in 7),
+    # qkv at 128 (72 tiles: 3 a tile fills 82%, so stream-K), down at 4096 (3 waves + 52: 2 a tile fills 79%)
+    assert stream_k_plan(56, 56, 264).sk_programs == 224
+    assert stream_k_plan(296, 56, 264) == stream_k_plan(296, 56, 264, 224)
+    assert stream_k_plan(296, 56, 264).waves == 1 and stream_k_plan(296, 56, 264).sk_programs == 224
+    assert stream_k_plan(72, 56, 264).sk_programs == 264 and stream_k_plan(72, 56, 264).max_segs == 5
+    assert stream_k_plan(56, 56, 264).max_segs == 4        # aligned: the workspace holds 4 partials a tile
+    assert stream_k_plan(448, 296, 132).sk_programs == 132 and stream_k_plan(448, 296, 132).waves == 3
+
+
+def _sk_work(plan, steps):
+    """The kernel's work list per program (kernels/w4a16_tma.py: _sk_span, _sk_owner, the consumer's loops), in
+    its closed forms: program -> [(tile, k0, k1, segment, segments, tail index)]."""
+    work = {p: [(p + j * plan.programs, 0, steps, 0, 1, 0) for j in range(plan.waves)] for p in range(plan.programs)}
+    if not plan.tail:
+        return work
+    units = plan.tail * steps
+    base, extra = divmod(units, plan.sk_programs)
+    big = extra * (base + 1)
+    owner = lambda u: u // (base + 1) if u < big else extra + (u - big) // base  # noqa: E731
+    for p in range(plan.sk_programs):
+        u0 = p * base + min(p, extra)
+        u1 = u0 + base + (p < extra)
+        for t in range(u0 // steps, (u1 + steps - 1) // steps):
+            first = owner(t * steps)
+            work[p].append((plan.waves * plan.programs + t, max(u0, t * steps) - t * steps,
+                            min(u1, t * steps + steps) - t * steps, p - first, owner(t * steps + steps - 1) - first + 1,
+                            t))
+    return work
+
+
+@pytest.mark.parametrize("tiles,steps,slots,sk", [(148, 56, 132, 0), (36, 56, 132, 0), (72, 56, 264, 0),
+                                                  (1184, 56, 132, 0), (264, 56, 264, 0), (3, 5, 264, 0),
+                                                  (148, 56, 132, 16), (148, 56, 132, 5), (100, 296, 132, 0),
+                                                  (7, 17, 6, 0), (13, 3, 4, 0), (1, 1, 132, 0)])
+def test_stream_k_plan_covers_every_step_once(tiles, steps, slots, sk):
+    """Every (tile, K step) is done by exactly one program; a split tile's segments are numbered 0..n-1 in K order
+    by programs that agree on n, n <= the plan's max_segs (the workspace's size); no program idles while another
+    has more than one step beyond its share; whole tiles where the plan splits none."""
+    from kernels.w4a16_tuning import MIN_SK_STEPS, SK_ALIGNED_FILL, stream_k_plan
+    plan = stream_k_plan(tiles, steps, slots, sk)
+    assert plan.programs <= slots and plan.waves * plan.programs + plan.tail == tiles
+    done, segs = {}, {}
+    for p, items in _sk_work(plan, steps).items():
+        for tile, k0, k1, seg, nseg, t in items:
+            assert 0 <= k0 < k1 <= steps and 0 <= seg < nseg <= plan.max_segs, (p, tile, k0, k1, seg, nseg)
+            for step in range(k0, k1):
+                assert (tile, step) not in done
+                done[tile, step] = p
+            segs.setdefault(tile, []).append((k0, seg, nseg))
+    assert len(done) == tiles * steps
+    for tile, parts in segs.items():
+        assert sorted(parts) == [(k0, i, len(parts)) for i, (k0, _, _) in enumerate(sorted(parts))], tile
+    if plan.tail:
+        tail_load = [sum(k1 - k0 for tile, k0, k1, *_ in items if tile >= plan.waves * plan.programs)
+                     for items in _sk_work(plan, steps).values()][:plan.sk_programs]
+        assert max(tail_load) - min(tail_load) <= 1
+        if not sk:      # equal K ranges a tile where they fill SK_ALIGNED_FILL of a wave, else stream-K
+            aligned = plan.sk_programs % plan.tail == 0 and plan.sk_programs >= SK_ALIGNED_FILL * slots
+            assert aligned and plan.max_segs == plan.sk_programs // plan.tail or plan.sk_programs == min(
+                slots, max(plan.tail, plan.tail * steps // MIN_SK_STEPS), plan.tail * steps)
+    if sk == plan.tail or not plan.tail:
+        assert plan.max_segs == 1 and all(n == 1 for parts in segs.values() for _, _, n in parts)
 
 
 def test_frag_dispatch_takes_the_tma_tile_where_the_rule_and_probe_allow(monkeypatch):
@@ -41,11 +104,10 @@ def test_frag_dispatch_takes_the_tma_tile_where_the_rule_and_probe_allow(monkeyp
     probe = {"ok": True}
     monkeypatch.setattr(w4, "tma_works", lambda index: probe["ok"])
     dev = torch.device("cuda", 0)
-    assert w4.frag_config(64, *QWEN["gate_up"], dev) == TMAConfig(1, 64, 64, 1)
-    assert w4.frag_config(256, *QWEN["down"], dev) == TMAConfig(2, 128, 256, 4)
+    assert w4.frag_config(64, *QWEN["gate_up"], dev) == select_tma_config(64, *QWEN["gate_up"]) is not None
+    assert w4.frag_config(256, *QWEN["down"], dev) == select_tma_config(256, *QWEN["down"]) is not None
     assert isinstance(w4.frag_config(16, *QWEN["gate_up"], dev), MMAConfig)
-    assert w4.frag_config(4096, *QWEN["gate_up"], dev) is None
-    assert w4.frag_config(1024, *QWEN["qkv"], dev) is None
+    assert w4.frag_config(4097, *QWEN["gate_up"], dev) is None
     wgmma = w4.frag_config(64, *QWEN["gate_up"], dev, tma_fits=False)
     assert isinstance(wgmma, MMAConfig) and wgmma.wgmma
     probe["ok"] = False
@@ -81,38 +143,46 @@ sm90 = pytest.mark.skipif(not _sm90(), reason="TMA with wgmma needs an sm90 GPU"
                                                   (320, 272, 32, True), (1000, 80, -1, True),
                                                   (1088, 512, 64, True), (3584, 1024, 128, True)])
 @pytest.mark.parametrize("m", [17, 64, 100, 256, 300])
-def test_gpu_tma_matches_twin(k, n, group_size, zeros, m):
-    """Both consumer counts, 64-256 weight rows, x tiles past M, N past the tile (272, 80), K padded to 64 (1000),
-    odd step counts in a split (1088 = 17 steps in 3 splits)."""
+def test_gpu_tma_matches_twin(k, n, group_size, zeros, m, monkeypatch):
+    """Both consumer counts, 64-256 weight rows, x tiles past M, N past the tile (272, 80), K padded to 64 (1000);
+    stream-K: the plan's split of the tail, none, odd step counts a program (1088 = 17 steps), and (few SMs
+    assumed) whole waves before the tail. Twice each: the sum of a split tile's segments has one order."""
+    import kernels.w4a16_tma as tma_module
     from kernels.w4a16_tma import w4a16_tma
     fw, x, bias, ref = frag_case(k, n, group_size, zeros, m)
-    for cfg in (dict(consumers=1, block_n=64), dict(consumers=1, block_n=128, split_k=3),
-                dict(consumers=2, block_n=128, block_m=64, split_k=2), dict(consumers=2, block_n=256, block_m=128),
-                dict(consumers=2, block_n=128, stages=6, split_k=5)):
-        if cfg.get("block_m", 0) > 128 * cfg["consumers"]:
-            continue
-        assert rel_err(w4a16_tma(x, fw, bias, **cfg), ref) < 2e-3, cfg
+    for sms in (132, 3):
+        monkeypatch.setattr(tma_module, "device_sms", lambda device, sms=sms: sms)
+        for cfg in (dict(consumers=1, block_n=64), dict(consumers=1, block_n=128, sk_programs=5),
+                    dict(consumers=2, block_n=128, block_m=64, sk_programs=1), dict(consumers=2, block_n=256,
+                                                                                  block_m=128),
+                    dict(consumers=2, block_n=128, stages=6, sk_programs=3)):
+            if cfg.get("block_m", 0) > 128 * cfg["consumers"]:
+                continue
+            y = w4a16_tma(x, fw, bias, **cfg)
+            assert rel_err(y, ref) < 2e-3, (sms, cfg)
+            assert torch.equal(y, w4a16_tma(x, fw, bias, **cfg)), (sms, cfg)
 
 
 @pytest.mark.gpu
 @sm90
 @pytest.mark.timeout(300)
 def test_gpu_tma_silu_mul_and_dispatch(monkeypatch):
-    """The SwiGLU after the kernel or in its split-K reduce pass; w4a16_forward takes the TMA kernel where the rule
-    has a tile (a spy counts its calls) and gives the same result."""
+    """The SwiGLU after the kernel; w4a16_forward takes the TMA kernel where the rule has a tile (a spy counts its
+    calls, after the load probe has run as prepare_kernel_weights runs it) and gives the same result."""
     import kernels.w4a16_tma as tma_module
     from kernels.norm_act import silu_and_mul
-    from kernels.w4a16 import w4a16_forward
+    from kernels.w4a16 import tma_works, w4a16_forward
     from kernels.w4a16_frag import prepare_frag
     from kernels.w4a16_tma import w4a16_tma
+    assert tma_works(torch.cuda.current_device())
     qweight, scales, qzeros, gs, _ = make_weights(1024, 512, 128, True, False, torch.float16)
     fw = prepare_frag(qweight, scales, qzeros, gs)
     for m in (40, 200, 700):
         x = torch.randn(m, 1024, dtype=torch.float16, device=DEV)
         ref = reference(x, qweight, scales, qzeros, gs, None, None)
         want = silu_and_mul(ref.to(torch.float16).to(DEV)).float().cpu()
-        for split in (1, 4):
-            assert rel_err(w4a16_tma(x, fw, split_k=split, consumers=1, silu_mul=True), want) < 5e-3
+        for sk in (0, 1, 7):
+            assert rel_err(w4a16_tma(x, fw, consumers=1, silu_mul=True, sk_programs=sk), want) < 5e-3
         calls = []
         monkeypatch.setattr(tma_module, "w4a16_tma", lambda *a, **kw: calls.append(kw) or w4a16_tma(*a, **kw))
         assert rel_err(w4a16_forward(x, fw), ref) < 2e-3
@@ -128,18 +198,17 @@ def compile_tma_cases() -> dict:
     from kernels.w4a16_tma import _w4a16_tma_kernel, register_budget
     from tests.test_kernels_w4a16_mma import _compile_sm90
     out = {}
-    for cons, bn, bm, split in [(1, 64, 64, True), (1, 64, 128, False), (2, 128, 256, False), (2, 128, 256, True)]:
+    for cons, bn, bm, bias in [(1, 64, 64, False), (1, 64, 128, True), (2, 128, 256, True), (2, 128, 64, False)]:
         consumer_regs, producer_regs, maxnreg = register_budget(cons)
         wl = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
         xl = gl.NVMMASharedLayout.get_default_for([bm, 64], gl.float16)
         sig = dict(w_desc=f"tensordesc<i32[{bn // 16}, 128],{wl!r}>", x_desc=f"tensordesc<fp16[{bm}, 64],{xl!r}>",
                    s_ptr="*fp16", z_ptr="*i32", out_ptr="*fp16", ws_ptr="*fp32", bias_ptr="*fp16",
-                   **{a: "i32" for a in ("M", "N", "KP", "stride_om", "stride_sg", "stride_zg",
-                                         "iters_per_split")})
-        out[f"c{cons}-{bn}-{bm}-{split}"] = _compile_sm90(_w4a16_tma_kernel, sig, dict(
-            HAS_BIAS=not split, SPLIT=split, GROUP=128, HAS_ZEROS=True, EVEN_N=True, PDL=True, BLOCK_M=bm,
-            BLOCK_N=bn, BLOCK_K=64, STAGES=4, CONSUMERS=cons, CONSUMER_REGS=consumer_regs,
-            PRODUCER_REGS=producer_regs), 4, maxnreg)
+                   **{a: "i32" for a in ("M", "N", "KP", "m_tiles", "waves", "tail", "p_sk", "max_segs", "stride_om",
+                                         "stride_sg", "stride_zg")})
+        out[f"c{cons}-{bn}-{bm}-{bias}"] = _compile_sm90(_w4a16_tma_kernel, sig, dict(
+            HAS_BIAS=bias, GROUP=128, HAS_ZEROS=True, EVEN_N=True, PDL=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64,
+            STAGES=4, CONSUMERS=cons, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs), 4, maxnreg)
     return out
 
 
@@ -150,5 +219,5 @@ def test_tma_kernel_compiles_for_sm90_without_spills():
     res = compiled_in_fresh_process("tests.test_kernels_w4a16_tma", "compile_tma_cases")
     for name, r in res.items():
         assert r["hgmma"] and r["setmaxnreg"] and r["stack"] == 0 and not r["ldsm"], (name, r)
-        assert r["stg128"] or name.endswith("True"), (name, r)
+        assert r["stg128"], (name, r)
         assert r["regs"] <= (128 if name.startswith("c1") else 168), (name, r)
