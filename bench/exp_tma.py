@@ -7,7 +7,7 @@ reference first, and a correctness pass over odd shapes before any timing.
         [--stages 4,8,12] [--extra gate_up_a=3584:33792]
 
 Candidates per (shape, M): 1 consumer warpgroup x 64 / 128 weight rows or 2 x 128 / 256, x tiles of 16..256 rows
-(M rounded up, and 64 / 128 / 256 up to M), stream-K program counts (w4a16_tuning.stream_k_plan), ring depths whose
+(M rounded up, and 64 / 128 / 256 up to M), stream-K program counts (w4a16_streamk.stream_k_plan), ring depths whose
 stages fit the shared memory (two programs an SM with one consumer). --extra adds named K:N shapes (e.g. one
 slice of a layer's columns: what a wave of its tiles costs alone).
 """

@@ -14,7 +14,7 @@ ahead as the ring has stages, and the scales (one row a group) are the only load
 ahead.
 The grid is persistent (stream-K, bench/NOTES-kernels.md entry 26): whole tiles in waves of the resident programs,
 then the tiles of the last, partial wave cut by K steps over all of them (equal ranges a tile where that fills the
-SMs, else even spans across tiles), their fp32 partials summed in fixed order by `_sk_reduce_kernel`. A grid of
+SMs, else even spans across tiles; kernels/w4a16_streamk.py), their fp32 partials summed in fixed order. A grid of
 one program a tile left a quarter to half of the SMs idle in its last wave (gate_up at M = 64: 59 us; 41 now).
 """
 import torch
@@ -27,7 +27,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from kernels.pdl import gl_pdl_start, gl_pdl_wait, launch_options, pdl_enabled
 from kernels.norm_act import silu_and_mul
 from kernels.w4a16_frag import FragWeights, pick_block_k
-from kernels.w4a16_tuning import device_sms, stream_k_plan
+from kernels.w4a16_streamk import _sk_owner, _sk_span, launch_sk_reduce, stream_k_plan
+from kernels.w4a16_tuning import device_sms
 from kernels.w4a16_tiles import _dequant_step, _load_group, _tile_words, mma_layout, word_layout
 
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
@@ -43,27 +44,6 @@ def smem_word_layout(num_warps, rn, rk):
     lane = [[0, 4], [0, 8], [0, 16], [0, 32], [0, 64]]
     warp = [[1 << i, 0] for i in range(num_warps.bit_length() - 1)]
     return gl.DistributedLinearLayout(reg, lane, warp, [], [8 * num_warps * rn // 8, 128 * rk])
-
-
-@gluon.jit
-def _sk_span(pid, p_sk, units):
-    """Stream-K: program pid's units (steps of the tail tiles) [u0, u1) of `units` spread over p_sk programs, `base`
-    each and one more for the first `extra`."""
-    base = units // p_sk
-    extra = units % p_sk
-    u0 = pid * base + gl.minimum(pid, extra)
-    return u0, u0 + base + (pid < extra).to(gl.int32), base, extra
-
-
-@gluon.jit
-def _sk_owner(u, base, extra):
-    """The stream-K program whose span holds unit u."""
-    big = extra * (base + 1)
-    if u < big:
-        owner = u // (base + 1)
-    else:
-        owner = extra + (u - big) // base
-    return owner
 
 
 @gluon.jit
@@ -151,7 +131,7 @@ def _consume(tile, k0, k1, r, seg, nseg, t_sk, w_ring, x_ring, ready, empty, s_p
              CONSUMERS: gl.constexpr):
     """Steps [k0, k1) of `tile` for warpgroup WG's HALF rows, from ring slot r on: y, or where the tile is split
     in nseg > 1 stream-K segments, this one's fp32 partial into workspace slot seg of the tile, which
-    `_sk_reduce_kernel` sums. -> the next ring slot."""
+    kernels/w4a16_streamk.py sums. -> the next ring slot."""
     HALF: gl.constexpr = BLOCK_N // CONSUMERS
     MMA: gl.constexpr = mma_layout(True, 4, BLOCK_M)
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
@@ -254,36 +234,6 @@ def _w4a16_tma_kernel(w_desc, x_desc, s_ptr, z_ptr, out_ptr, ws_ptr, bias_ptr, M
     gl_pdl_start(PDL)              # the next kernel in only now: its programs waiting early would hold SM room
 
 
-@gluon.jit(do_not_specialize=["M", "m_tiles", "waves", "programs", "tail", "p_sk", "max_segs"])
-def _sk_reduce_kernel(ws_ptr, out_ptr, bias_ptr, M, N, KP, m_tiles, waves, programs, tail, p_sk, max_segs, stride_om,
-                      HAS_BIAS: gl.constexpr, PDL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      BLOCK_K: gl.constexpr, CONSUMERS: gl.constexpr, CHUNK: gl.constexpr):
-    """y of the split tail tiles: program (t * CONSUMERS + wg, c) sums chunk c of warpgroup wg's partials of tail
-    tile t in segment order (deterministic), adds the bias and stores it; tiles in one segment were stored whole."""
-    L: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
-    HALF: gl.constexpr = BLOCK_N // CONSUMERS
-    gl_pdl_start(PDL)
-    gl_pdl_wait(PDL)                                       # the partials are the matmul's output
-    hid = gl.program_id(0)
-    t = hid // CONSUMERS
-    steps = KP // BLOCK_K
-    _, _, base, extra = _sk_span(0, p_sk, tail * steps)
-    first = _sk_owner(t * steps, base, extra)
-    nseg = _sk_owner(t * steps + steps - 1, base, extra) - first + 1
-    if nseg > 1:
-        offs = gl.program_id(1) * CHUNK + gl.arange(0, CHUNK, layout=L)
-        src = ws_ptr + hid * max_segs * (HALF * BLOCK_M) + offs
-        acc = gl.load(src)
-        for q in range(1, nseg):
-            acc += gl.load(src + q * (HALF * BLOCK_M))
-        tile = waves * programs + t
-        n = (tile // m_tiles) * BLOCK_N + (hid % CONSUMERS) * HALF + offs % HALF
-        m = (tile % m_tiles) * BLOCK_M + offs // HALF
-        if HAS_BIAS:
-            acc += gl.load(bias_ptr + n, mask=n < N, other=0.0).to(gl.float32)
-        gl.store(out_ptr + m * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=(m < M) & (n < N))
-
-
 def register_budget(consumers: int) -> tuple[int, int, int | None]:
     """(registers a consumer thread, a producer thread, the launch's maxnreg or None): one consumer takes 128 a
     thread so that two programs share an SM (232 + 24 over its two warpgroups, setmaxnreg); two take 232 each
@@ -340,9 +290,5 @@ def w4a16_tma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None
         CONSUMERS=consumers, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, num_warps=4,
         **launch_options(pdl), **({"maxnreg": maxnreg} if maxnreg else {}))
     if plan.max_segs > 1:
-        chunk = 1024
-        _sk_reduce_kernel[(plan.tail * consumers, block_n // consumers * block_m // chunk)](
-            ws, out, bias if bias is not None else out, m, n, kp, m_tiles, plan.waves, plan.programs, plan.tail,
-            plan.sk_programs, plan.max_segs, out.stride(0), HAS_BIAS=bias is not None, PDL=pdl, BLOCK_M=block_m,
-            BLOCK_N=block_n, BLOCK_K=bk, CONSUMERS=consumers, CHUNK=chunk, num_warps=4, **launch_options(pdl))
+        launch_sk_reduce(ws, out, bias, plan, m, n, kp, m_tiles, block_m, block_n, bk, consumers)
     return silu_and_mul(out) if silu_mul else out

@@ -181,47 +181,6 @@ class TMAConfig:
     sk_programs: int = 0
 
 
-@dataclass(frozen=True)
-class StreamKPlan:
-    """A persistent grid for kernels/w4a16_tma.py: `programs` programs; the first waves * programs tiles whole
-    (program p: p, p + programs, ...), the `tail` tiles after them split by K steps over the first `sk_programs`
-    (each tile in at most `max_segs` segments; 1: none split, no workspace)."""
-    programs: int
-    waves: int
-    tail: int
-    sk_programs: int
-    max_segs: int
-
-
-MIN_SK_STEPS = 8        # a stream-K program's fewest K steps (its prologue and partial cost a few steps' time)
-MAX_SK_SPLIT = 8        # the most equal K ranges a tail tile is cut into (the sweep's range)
-SK_ALIGNED_FILL = 0.84  # tail tiles cut into equal K ranges, one a program, when that fills this much of a wave
-
-
-def stream_k_plan(tiles: int, steps: int, slots: int, sk_programs: int = 0) -> StreamKPlan:
-    """Whole waves of `slots` resident programs, then the tiles left (all of them below one wave) spread over
-    sk_programs programs. 0: each tail tile cut into the same number of equal K ranges, one a program, where that
-    fills SK_ALIGNED_FILL of a wave (no tile's partials straddle two programs' spans); else stream-K over as many
-    programs as keep MIN_SK_STEPS steps each, at most `slots`. Fitted to bench/results/exp-tma-sk-h200.json:
-    the aligned cut won where it fills 85% or more (o at M = 64..512: 224 programs, 9.7 against 10.7 us at M = 64
-    for 264), stream-K where the cut leaves 18% of the slots or more idle (qkv at M = 128: 15.4 against 17.5 us for
-    216 of 264; down at M = 4096: 795 against 898 us for 104 of 132)."""
-    waves, tail = divmod(tiles, slots)
-    if not tail:
-        return StreamKPlan(slots, waves, 0, 0, 1)
-    units = tail * steps
-    if not sk_programs:
-        split = max(1, min(slots // tail, steps // MIN_SK_STEPS, MAX_SK_SPLIT))
-        sk_programs = tail * split if tail * split >= SK_ALIGNED_FILL * slots else max(tail, units // MIN_SK_STEPS)
-    p_sk = min(sk_programs, slots, units)
-    base = units // p_sk
-    if units % p_sk == 0 and (steps % base == 0 or base % steps == 0):       # spans on tile boundaries
-        segs = max(1, steps // base)
-    else:
-        segs = min(p_sk, -(-steps // base) + 1)
-    return StreamKPlan(slots if waves else p_sk, waves, tail, p_sk, segs)
-
-
 TMA_MIN_M, TMA_MAX_M = 33, 4096    # sm90: the TMA kernel between these; dequantize + cuBLAS above
 
 

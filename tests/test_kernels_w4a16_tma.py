@@ -16,7 +16,7 @@ def test_tma_rule_pins_the_sweep_winners():
     x rows to M = 64 (64 weight rows on o, 128 elsewhere); two x 256 weight rows on gate_up at 128; one x 64 x 128
     rows on narrow short-K layers to 512; else two consumers x 128 x 256. The tail: equal K ranges where they
     fill 84% of a wave, else stream-K."""
-    from kernels.w4a16_tuning import stream_k_plan
+    from kernels.w4a16_streamk import stream_k_plan
     one, two = (lambda bn, bm: TMAConfig(1, bn, bm)), TMAConfig(2, 128, 256)
     want = {32: dict(qkv=None, o=None, gate_up=None, down=None),
             64: dict(qkv=one(128, 64), o=one(64, 64), gate_up=one(128, 64), down=one(128, 64)),
@@ -67,7 +67,7 @@ def test_stream_k_plan_covers_every_step_once(tiles, steps, slots, sk):
     """Every (tile, K step) is done by exactly one program; a split tile's segments are numbered 0..n-1 in K order
     by programs that agree on n, n <= the plan's max_segs (the workspace's size); no program idles while another
     has more than one step beyond its share; whole tiles where the plan splits none."""
-    from kernels.w4a16_tuning import MIN_SK_STEPS, SK_ALIGNED_FILL, stream_k_plan
+    from kernels.w4a16_streamk import MIN_SK_STEPS, SK_ALIGNED_FILL, stream_k_plan
     plan = stream_k_plan(tiles, steps, slots, sk)
     assert plan.programs <= slots and plan.waves * plan.programs + plan.tail == tiles
     done, segs = {}, {}
