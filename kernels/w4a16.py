@@ -263,8 +263,7 @@ def _frag_forward(x: torch.Tensor, w: FragWeights, bias: torch.Tensor | None, co
     if x.dtype == torch.float16:
         cfg = config or frag_config(m, k, w.out_features, x.device, silu_mul, tma_works_for(x, w))
         if isinstance(cfg, TMAConfig):
-            return w4a16_tma(x, w, bias, cfg.block_n, cfg.block_m, consumers=cfg.consumers, silu_mul=silu_mul,
-                             sk_programs=cfg.sk_programs)
+            return w4a16_tma(x, w, bias, cfg.block_n, cfg.block_m, consumers=cfg.consumers, silu_mul=silu_mul)
         if cfg is not None:
             return w4a16_mma(x, w, bias, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps, cfg.one_launch,
                              silu_mul, cfg.wgmma, max_regs=cfg.max_regs)

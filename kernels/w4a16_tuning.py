@@ -173,12 +173,10 @@ def select_mma_config(m: int, k: int, n: int, wgmma: bool = False, silu_mul: boo
 @dataclass(frozen=True)
 class TMAConfig:
     """Tile of the TMA-fed Hopper kernel (kernels/w4a16_tma.py): consumer warpgroups a program (1: two programs an
-    SM), weight rows and x rows a program, and the programs that share the last partial wave's tiles (stream-K;
-    0: stream_k_plan's choice)."""
+    SM), weight rows and x rows a program. How the last partial wave is cut is the kernel's stream_k_plan."""
     consumers: int = 1
     block_n: int = 64
     block_m: int = 64
-    sk_programs: int = 0
 
 
 TMA_MIN_M, TMA_MAX_M = 33, 4096    # sm90: the TMA kernel between these; dequantize + cuBLAS above
