@@ -5,7 +5,7 @@ weights are prepared once at load into one of two layouts; passing standard tens
 (correct, slow).
 Fragment layout (kernels/w4a16_frag.py; fp16 layers with N % 16 == 0, the common case): the Gluon tensor-core
 kernel (kernels/w4a16_mma.py; mma.sync up to M = 64, on sm90 wgmma from M = 17 to 128); on sm90 the TMA-fed kernel
-(kernels/w4a16_tma.py) from M = 33 to 4096; then a dequantize pass + cuBLAS.
+(kernels/w4a16_tma.py) from M = 17 to 4096; then a dequantize pass + cuBLAS.
 Row layout (W4A16Weights; bf16 and other layers): the Triton kernels read a byte repack of qweight
 (kernels/w4a16_gemv.py), paths picked per (M, K, N) from the measured table in kernels/w4a16_tuning.py:
   gemv     one row per program, CUDA-core FMAs, split-K                      (M = 1..few)
@@ -148,7 +148,7 @@ def _mma_kernels_work(device_index: int) -> bool:
     return _probe(device_index, "tensor-core kernel", 16, 1, w4a16_mma, "using the row-layout kernels")
 
 
-# QUANT_SERVE_W4A16_TMA=0: M = 33..4096 back on the wgmma kernel / dequantize + cuBLAS (kernels/w4a16_tma.py)
+# QUANT_SERVE_W4A16_TMA=0: M = 17..4096 back on the wgmma kernel / dequantize + cuBLAS (kernels/w4a16_tma.py)
 _TMA_ON = os.environ.get("QUANT_SERVE_W4A16_TMA", "1") != "0"
 
 
@@ -162,7 +162,7 @@ def wgmma_works(device_index: int) -> bool:
 
 @lru_cache(maxsize=None)
 def tma_works(device_index: int) -> bool:
-    """The TMA kernel serves M = 33..4096 on an sm90 GPU where its probe passes. Probed at load (never first inside
+    """The TMA kernel serves M = 17..4096 on an sm90 GPU where its probe passes. Probed at load (never first inside
     a CUDA graph capture)."""
     from kernels.w4a16_tma import w4a16_tma
     return _probe(device_index, "TMA kernel", 128, 40, lambda x, fw: w4a16_tma(x, fw, block_n=64, consumers=1),
@@ -241,7 +241,7 @@ def w4a16_forward(x: torch.Tensor, w: W4A16Weights | FragWeights, bias: torch.Te
 def frag_config(m: int, k: int, n: int, device: torch.device, silu_mul: bool = False,
                 tma_fits: bool = True) -> "TMAConfig | MMAConfig | None":
     """What the fragment layout's fp16 dispatch runs for [M, K] x [K, N] on `device`: the TMA kernel's tile on sm90
-    (M = 33..4096, where select_tma_config has one, the probe passed, QUANT_SERVE_W4A16_TMA is not 0 and the call's
+    (M = 17..4096, where select_tma_config has one, the probe passed, QUANT_SERVE_W4A16_TMA is not 0 and the call's
     x suits TMA: `tma_fits`), else the tensor-core kernel's (select_mma_config), else None (dequantize + cuBLAS).
     One place for the choice: the forward and the benchmark's record of it."""
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -263,7 +263,8 @@ def _frag_forward(x: torch.Tensor, w: FragWeights, bias: torch.Tensor | None, co
     if x.dtype == torch.float16:
         cfg = config or frag_config(m, k, w.out_features, x.device, silu_mul, tma_works_for(x, w))
         if isinstance(cfg, TMAConfig):
-            return w4a16_tma(x, w, bias, cfg.block_n, cfg.block_m, consumers=cfg.consumers, silu_mul=silu_mul)
+            return w4a16_tma(x, w, bias, cfg.block_n, cfg.block_m, consumers=cfg.consumers, silu_mul=silu_mul,
+                             overlap=cfg.overlap)
         if cfg is not None:
             return w4a16_mma(x, w, bias, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps, cfg.one_launch,
                              silu_mul, cfg.wgmma, max_regs=cfg.max_regs)

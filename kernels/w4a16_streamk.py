@@ -83,7 +83,9 @@ def _sk_reduce_kernel(ws_ptr, out_ptr, bias_ptr, M, N, KP, m_tiles, waves, progr
                       HAS_BIAS: gl.constexpr, PDL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                       BLOCK_K: gl.constexpr, CONSUMERS: gl.constexpr, CHUNK: gl.constexpr):
     """y of the split tail tiles: program (t * CONSUMERS + wg, c) sums chunk c of warpgroup wg's partials of tail
-    tile t in segment order (deterministic), adds the bias and stores it; tiles in one segment were stored whole."""
+    tile t in segment order (deterministic), adds the bias and stores it; tiles in one segment were stored whole.
+    Four segments' loads are issued together (one round trip for them, not one each: a loop of one load a segment
+    was latency-bound, bench/results/ncu-w4a16-h200.json)."""
     L: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
     HALF: gl.constexpr = BLOCK_N // CONSUMERS
     gl_pdl_start(PDL)
@@ -97,9 +99,14 @@ def _sk_reduce_kernel(ws_ptr, out_ptr, bias_ptr, M, N, KP, m_tiles, waves, progr
     if nseg > 1:
         offs = gl.program_id(1) * CHUNK + gl.arange(0, CHUNK, layout=L)
         src = ws_ptr + hid * max_segs * (HALF * BLOCK_M) + offs
-        acc = gl.load(src)
-        for q in range(1, nseg):
-            acc += gl.load(src + q * (HALF * BLOCK_M))
+        acc = gl.zeros([CHUNK], gl.float32, L)
+        step = HALF * BLOCK_M
+        for q in range(0, nseg, 4):     # four segments' loads issued together, summed in segment order
+            v0 = gl.load(src + q * step)
+            v1 = gl.load(src + (q + 1) * step, mask=q + 1 < nseg, other=0.0)
+            v2 = gl.load(src + (q + 2) * step, mask=q + 2 < nseg, other=0.0)
+            v3 = gl.load(src + (q + 3) * step, mask=q + 3 < nseg, other=0.0)
+            acc = acc + v0 + v1 + v2 + v3
         tile = waves * programs + t
         n = (tile // m_tiles) * BLOCK_N + (hid % CONSUMERS) * HALF + offs % HALF
         m = (tile % m_tiles) * BLOCK_M + offs // HALF
@@ -109,12 +116,13 @@ def _sk_reduce_kernel(ws_ptr, out_ptr, bias_ptr, M, N, KP, m_tiles, waves, progr
 
 
 def launch_sk_reduce(ws: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, plan: StreamKPlan, m: int,
-                     n: int, kp: int, m_tiles: int, block_m: int, block_n: int, block_k: int, consumers: int) -> None:
+                     n: int, kp: int, m_tiles: int, block_m: int, block_n: int, block_k: int, consumers: int,
+                     chunk: int = 512) -> None:
     """out [M, N] of the split tail tiles from the workspace [tail, consumers, max_segs, block_m, block_n / consumers]
     fp32 (bias added here: the matmul stored none into partials)."""
-    chunk = 1024
     pdl = pdl_enabled(ws)
     _sk_reduce_kernel[(plan.tail * consumers, block_n // consumers * block_m // chunk)](
         ws, out, bias if bias is not None else out, m, n, kp, m_tiles, plan.waves, plan.programs, plan.tail,
         plan.sk_programs, plan.max_segs, out.stride(0), HAS_BIAS=bias is not None, PDL=pdl, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, CONSUMERS=consumers, CHUNK=chunk, num_warps=4, **launch_options(pdl))
+        BLOCK_N=block_n, BLOCK_K=block_k, CONSUMERS=consumers, CHUNK=chunk, num_warps=4,
+        **launch_options(pdl))

@@ -1,4 +1,4 @@
-"""The W4A16 matmul for M = 33..4096 on Hopper (sm90): TMA feeds a shared ring, warpgroups dequantize and issue wgmma.
+"""The W4A16 matmul for M = 17..4096 on Hopper (sm90): TMA feeds a shared ring, warpgroups dequantize and issue wgmma.
 
 y^T = W^T x^T as in kernels/w4a16_mma.py: the dequantized weight tile [BLOCK_N, BLOCK_K] is wgmma's A operand
 straight from registers (the fragment layout's words dequantize into it, kernels/w4a16_tiles.py), x^T its B
@@ -6,7 +6,10 @@ operand from shared memory. One producer warp only issues TMA copies: a step's f
 [BLOCK_N / 16, 2 BLOCK_K] int32) and x's [BLOCK_M, BLOCK_K] tile land in a ring stage and signal `ready` with their
 bytes; the consumers (one or two warpgroups, each a partition of its own with 64 or 128 weight rows) wait for it,
 read the words from shared memory, dequantize, issue wgmma, wait for it and free the stage (`empty`). With one
-consumer, two programs share an SM (128 registers a thread); with two, one program (232 for the consumers).
+consumer, two programs share an SM (128 registers a thread); with two, one program (232 for the consumers). One
+consumer may overlap (`overlap`): each step's dequant runs beside the previous step's wgmma, whose A tile stays
+live in a second register set until a wait(1) retires it (ptxas keeps the wgmmas asynchronous there; in a
+consumer that is a worker partition, as the second of two is, it serializes them for want of registers, C7512).
 Why this shape (bench/NOTES-kernels.md entries 12, 15, 17): the register-fed loop of w4a16_mma had one DRAM round
 trip a step in its critical path (latency-bound at 128 rows); the older warp-specialized kernel copied x by cp.async
 from four producer warps, whose copies for every narrow tile bound it. Here a copy is one instruction, as many steps
@@ -21,7 +24,8 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma, warpgroup_mma_init,
+                                                              warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernels.pdl import gl_pdl_start, gl_pdl_wait, launch_options, pdl_enabled
@@ -82,15 +86,12 @@ def _tma_producer(w_desc, x_desc, w_ring, x_ring, ready, empty, m_tiles, steps, 
 
 
 @gluon.jit
-def _tma_step(acc, g, it, r, k1, w_ring, x_ring, ready, empty, s_ptr, z_ptr, n_lo, n_hi, k_in, stride_sg,
-              stride_zg, WG: gl.constexpr, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, HALF: gl.constexpr,
-              BLOCK_K: gl.constexpr, STAGES: gl.constexpr, A_L: gl.constexpr, WL: gl.constexpr, SL: gl.constexpr):
+def _tma_issue(acc, g, it, r, k1, w_ring, x_ring, ready, s_ptr, z_ptr, n_lo, n_hi, k_in, stride_sg, stride_zg,
+               WG: gl.constexpr, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, HALF: gl.constexpr,
+               BLOCK_K: gl.constexpr, STAGES: gl.constexpr, A_L: gl.constexpr, WL: gl.constexpr, SL: gl.constexpr):
     """Step `it` of a consumer warpgroup from ring slot r: wait for stage r % STAGES, dequantize its words with the
-    group rows `g` into the A registers, wgmma, free the stage. -> (acc, the group rows of step it + 2).
-    The wgmma is waited for at once: with the next step's dequant in flight beside it, ptxas serializes every
-    wgmma (C7513: registers a wgmma reads are defined while one runs); the other warpgroup, or the SM's other
-    program, fills the tensor cores meanwhile. (The A tile through a shared double buffer, so that the wgmma runs
-    during the next dequant, measured slower at every shape: bench/NOTES-kernels.md entry 25.)"""
+    group rows `g` into the A registers, issue the wgmma. -> (acc token, the A tile it reads, the group rows of step
+    it + 2)."""
     RK: gl.constexpr = BLOCK_K // 64
     s = r % STAGES
     mbarrier.wait(ready.index(s), (r // STAGES) & 1)
@@ -101,8 +102,21 @@ def _tma_step(acc, g, it, r, k1, w_ring, x_ring, ready, empty, s_ptr, z_ptr, n_l
     g = _load_group(gl.minimum(it + 2, k1 - 1) * BLOCK_K, s_ptr, z_ptr, n_lo, n_hi, k_in, stride_sg, stride_zg,
                     GROUP, HAS_ZEROS)
     acc = warpgroup_mma(a, x_ring.index(s).permute((1, 0)), acc, is_async=True)
+    return acc, a, g
+
+
+@gluon.jit
+def _tma_step(acc, g, it, r, k1, w_ring, x_ring, ready, empty, s_ptr, z_ptr, n_lo, n_hi, k_in, stride_sg,
+              stride_zg, WG: gl.constexpr, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, HALF: gl.constexpr,
+              BLOCK_K: gl.constexpr, STAGES: gl.constexpr, A_L: gl.constexpr, WL: gl.constexpr, SL: gl.constexpr):
+    """Step `it`, its wgmma waited for at once, its stage freed. -> (acc, the group rows of step it + 2).
+    Without the overlap the other warpgroup, or the SM's other program, fills the tensor cores during a dequant.
+    (The A tile through a shared double buffer measured slower at every shape: bench/NOTES-kernels.md entry 25;
+    the two consumers' wgmmas in turn, by mbarriers, slower at 19 of 20 points: exp-tma-pingpong-h200.json.)"""
+    acc, a, g = _tma_issue(acc, g, it, r, k1, w_ring, x_ring, ready, s_ptr, z_ptr, n_lo, n_hi, k_in, stride_sg,
+                           stride_zg, WG, GROUP, HAS_ZEROS, HALF, BLOCK_K, STAGES, A_L, WL, SL)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-    mbarrier.arrive(empty.index(s), count=1)
+    mbarrier.arrive(empty.index(r % STAGES), count=1)
     return acc, g
 
 
@@ -128,7 +142,7 @@ def _consume(tile, k0, k1, r, seg, nseg, t_sk, w_ring, x_ring, ready, empty, s_p
              bias_ptr, M, N, KP, m_tiles, max_segs, stride_om, stride_sg, stride_zg, WG: gl.constexpr,
              HAS_BIAS: gl.constexpr, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, EVEN_N: gl.constexpr,
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-             CONSUMERS: gl.constexpr):
+             CONSUMERS: gl.constexpr, OVERLAP: gl.constexpr):
     """Steps [k0, k1) of `tile` for warpgroup WG's HALF rows, from ring slot r on: y, or where the tile is split
     in nseg > 1 stream-K segments, this one's fp32 partial into workspace slot seg of the tile, which
     kernels/w4a16_streamk.py sums. -> the next ring slot."""
@@ -147,14 +161,43 @@ def _consume(tile, k0, k1, r, seg, nseg, t_sk, w_ring, x_ring, ready, empty, s_p
     g_even = _load_group(k0 * BLOCK_K, s_ptr, z_ptr, n_lo, n_hi, k_in, stride_sg, stride_zg, GROUP, HAS_ZEROS)
     g_odd = _load_group(gl.minimum(k0 + 1, k1 - 1) * BLOCK_K, s_ptr, z_ptr, n_lo, n_hi, k_in, stride_sg, stride_zg,
                         GROUP, HAS_ZEROS)
-    for it in range(k0, k1, 2):
-        acc, g_even = _tma_step(acc, g_even, it, r + it - k0, k1, w_ring, x_ring, ready, empty, s_ptr, z_ptr, n_lo,
-                                n_hi, k_in, stride_sg, stride_zg, WG, GROUP, HAS_ZEROS, HALF, BLOCK_K, STAGES, A_L,
-                                WL, SL)
-        if it + 1 < k1:
-            acc, g_odd = _tma_step(acc, g_odd, it + 1, r + it + 1 - k0, k1, w_ring, x_ring, ready, empty, s_ptr,
-                                   z_ptr, n_lo, n_hi, k_in, stride_sg, stride_zg, WG, GROUP, HAS_ZEROS, HALF,
-                                   BLOCK_K, STAGES, A_L, WL, SL)
+    if OVERLAP:     # each step's dequant beside the previous step's wgmma; A tiles alternate between two sets
+        acc, a_e, g_even = _tma_issue(acc, g_even, k0, r, k1, w_ring, x_ring, ready, s_ptr, z_ptr, n_lo, n_hi, k_in,
+                                      stride_sg, stride_zg, WG, GROUP, HAS_ZEROS, HALF, BLOCK_K, STAGES, A_L, WL, SL)
+        for it in range(k0 + 1, k1 - 1, 2):
+            acc, a_o, g_odd = _tma_issue(acc, g_odd, it, r + it - k0, k1, w_ring, x_ring, ready, s_ptr, z_ptr, n_lo,
+                                         n_hi, k_in, stride_sg, stride_zg, WG, GROUP, HAS_ZEROS, HALF, BLOCK_K,
+                                         STAGES, A_L, WL, SL)
+            acc, a_e = warpgroup_mma_wait(num_outstanding=1, deps=[acc, a_e])
+            mbarrier.arrive(empty.index((r + it - 1 - k0) % STAGES), count=1)
+            acc, a_e, g_even = _tma_issue(acc, g_even, it + 1, r + it + 1 - k0, k1, w_ring, x_ring, ready, s_ptr,
+                                          z_ptr, n_lo, n_hi, k_in, stride_sg, stride_zg, WG, GROUP, HAS_ZEROS, HALF,
+                                          BLOCK_K, STAGES, A_L, WL, SL)
+            acc, a_o = warpgroup_mma_wait(num_outstanding=1, deps=[acc, a_o])
+            mbarrier.arrive(empty.index((r + it - k0) % STAGES), count=1)
+            acc = warpgroup_mma_init(acc)          # the loop carries the token of the wgmma in flight
+        if (k1 - k0) % 2 == 0:
+            acc, a_o, g_odd = _tma_issue(acc, g_odd, k1 - 1, r + k1 - 1 - k0, k1, w_ring, x_ring, ready, s_ptr,
+                                         z_ptr, n_lo, n_hi, k_in, stride_sg, stride_zg, WG, GROUP, HAS_ZEROS, HALF,
+                                         BLOCK_K, STAGES, A_L, WL, SL)
+            acc, a_e = warpgroup_mma_wait(num_outstanding=1, deps=[acc, a_e])
+            mbarrier.arrive(empty.index((r + k1 - 2 - k0) % STAGES), count=1)
+            acc, a_o = warpgroup_mma_wait(num_outstanding=0, deps=[acc, a_o])
+            acc = warpgroup_mma_init(acc)
+        else:
+            acc, a_e = warpgroup_mma_wait(num_outstanding=0, deps=[acc, a_e])
+            acc = warpgroup_mma_init(acc)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])    # (a token on both branches: one type)
+        mbarrier.arrive(empty.index((r + k1 - 1 - k0) % STAGES), count=1)
+    else:
+        for it in range(k0, k1, 2):
+            acc, g_even = _tma_step(acc, g_even, it, r + it - k0, k1, w_ring, x_ring, ready, empty, s_ptr, z_ptr,
+                                    n_lo, n_hi, k_in, stride_sg, stride_zg, WG, GROUP, HAS_ZEROS, HALF, BLOCK_K,
+                                    STAGES, A_L, WL, SL)
+            if it + 1 < k1:
+                acc, g_odd = _tma_step(acc, g_odd, it + 1, r + it + 1 - k0, k1, w_ring, x_ring, ready, empty, s_ptr,
+                                       z_ptr, n_lo, n_hi, k_in, stride_sg, stride_zg, WG, GROUP, HAS_ZEROS, HALF,
+                                       BLOCK_K, STAGES, A_L, WL, SL)
     if nseg == 1:
         _store_y(acc, out_ptr, bias_ptr, half * HALF, m0, M, N, stride_om, HAS_BIAS, HALF, BLOCK_M, MMA)
     else:   # the partial, x row-major ([BLOCK_M, HALF]: the reduce pass writes y's rows from it contiguously)
@@ -170,7 +213,7 @@ def _tma_consumer(w_ring, x_ring, ready, empty, s_ptr, z_ptr, out_ptr, ws_ptr, b
                   steps, waves, tail, p_sk, max_segs, stride_om, stride_sg, stride_zg, WG: gl.constexpr,
                   HAS_BIAS: gl.constexpr, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, EVEN_N: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                  CONSUMERS: gl.constexpr):
+                  CONSUMERS: gl.constexpr, OVERLAP: gl.constexpr):
     """Warpgroup WG (a partition of its own, so two never wait at each other's barriers): rows
     [WG * HALF, (WG + 1) * HALF) of each tile, HALF = BLOCK_N / CONSUMERS. The program's work: whole tiles pid,
     pid + P, ... (`waves` of them), then, for the first p_sk programs, its stream-K span of the `tail` tiles left."""
@@ -180,7 +223,7 @@ def _tma_consumer(w_ring, x_ring, ready, empty, s_ptr, z_ptr, out_ptr, ws_ptr, b
     for j in range(waves):
         r = _consume(pid + j * P, 0, steps, r, 0, 1, 0, w_ring, x_ring, ready, empty, s_ptr, z_ptr, out_ptr, ws_ptr,
                      bias_ptr, M, N, KP, m_tiles, max_segs, stride_om, stride_sg, stride_zg, WG, HAS_BIAS,
-                     GROUP, HAS_ZEROS, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS)
+                     GROUP, HAS_ZEROS, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS, OVERLAP)
     if pid < p_sk:
         u0, u1, base, extra = _sk_span(pid, p_sk, tail * steps)
         for t in range(u0 // steps, (u1 + steps - 1) // steps):
@@ -190,7 +233,7 @@ def _tma_consumer(w_ring, x_ring, ready, empty, s_ptr, z_ptr, out_ptr, ws_ptr, b
                          _sk_owner(t * steps + steps - 1, base, extra) - first + 1, t, w_ring, x_ring, ready, empty,
                          s_ptr, z_ptr, out_ptr, ws_ptr, bias_ptr, M, N, KP, m_tiles, max_segs, stride_om,
                          stride_sg, stride_zg, WG, HAS_BIAS, GROUP, HAS_ZEROS, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K,
-                         STAGES, CONSUMERS)
+                         STAGES, CONSUMERS, OVERLAP)
 
 
 @gluon.jit(do_not_specialize=["M", "m_tiles", "waves", "tail", "p_sk", "max_segs"])   # one compile per tile
@@ -198,7 +241,8 @@ def _w4a16_tma_kernel(w_desc, x_desc, s_ptr, z_ptr, out_ptr, ws_ptr, bias_ptr, M
                       tail, p_sk, max_segs, stride_om, stride_sg, stride_zg, HAS_BIAS: gl.constexpr,
                       GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, EVEN_N: gl.constexpr, PDL: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                      CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                      CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                      OVERLAP: gl.constexpr):
     """y = x @ W (+ bias) over a persistent grid of P programs (num_warps = 4: the first consumer warpgroup).
     Tiles [BLOCK_M, BLOCK_N] are numbered along M first (programs in flight together share a weight tile); the
     first waves * P are whole tiles, program p taking p, p + P, ...; the `tail` tiles after them are split by K
@@ -216,10 +260,12 @@ def _w4a16_tma_kernel(w_desc, x_desc, s_ptr, z_ptr, out_ptr, ws_ptr, bias_ptr, M
         gl.warp_specialize([
             (_tma_consumer, (w_ring, x_ring, ready, empty, s_ptr, z_ptr, out_ptr, ws_ptr, bias_ptr, M, N, KP,
                              m_tiles, steps, waves, tail, p_sk, max_segs, stride_om, stride_sg, stride_zg, 0,
-                             HAS_BIAS, GROUP, HAS_ZEROS, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS)),
+                             HAS_BIAS, GROUP, HAS_ZEROS, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS,
+                             OVERLAP)),
             (_tma_consumer, (w_ring, x_ring, ready, empty, s_ptr, z_ptr, out_ptr, ws_ptr, bias_ptr, M, N, KP,
                              m_tiles, steps, waves, tail, p_sk, max_segs, stride_om, stride_sg, stride_zg, 1,
-                             HAS_BIAS, GROUP, HAS_ZEROS, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS)),
+                             HAS_BIAS, GROUP, HAS_ZEROS, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS,
+                             OVERLAP)),
             (_tma_producer, (w_desc, x_desc, w_ring, x_ring, ready, empty, m_tiles, steps, waves, tail, p_sk,
                              BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -227,7 +273,8 @@ def _w4a16_tma_kernel(w_desc, x_desc, s_ptr, z_ptr, out_ptr, ws_ptr, bias_ptr, M
         gl.warp_specialize([
             (_tma_consumer, (w_ring, x_ring, ready, empty, s_ptr, z_ptr, out_ptr, ws_ptr, bias_ptr, M, N, KP,
                              m_tiles, steps, waves, tail, p_sk, max_segs, stride_om, stride_sg, stride_zg, 0,
-                             HAS_BIAS, GROUP, HAS_ZEROS, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS)),
+                             HAS_BIAS, GROUP, HAS_ZEROS, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS,
+                             OVERLAP)),
             (_tma_producer, (w_desc, x_desc, w_ring, x_ring, ready, empty, m_tiles, steps, waves, tail, p_sk,
                              BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
         ], [1], [PRODUCER_REGS])
@@ -249,13 +296,14 @@ def tma_works_for(x: torch.Tensor, fw: FragWeights) -> bool:
 
 def w4a16_tma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None, block_n: int = 128,
               block_m: int | None = None, block_k: int = 64, stages: int = 4, consumers: int = 2,
-              silu_mul: bool = False, sk_programs: int = 0) -> torch.Tensor:
+              silu_mul: bool = False, sk_programs: int = 0, overlap: bool = False) -> torch.Tensor:
     """x fp16 [M, K] (already permuted for act-order; rows 16-byte aligned) -> [M, N], or [M, N / 2] =
     silu(gate) * up with silu_mul (the silu_and_mul kernel after), on an sm90 GPU.
     consumers: warpgroups a program (2: 232 registers each, one program an SM; 1: two programs an SM);
     block_n / consumers = 64 or 128 weight rows a warpgroup; block_m 16..256 (wgmma's N; default: M rounded up to a
     power of two, at most 256), block_k 64 or 128, stages: the ring's depth; sk_programs: programs that share the
-    last partial wave's tiles by K steps (0: stream_k_plan's choice; the number of those tiles: none split)."""
+    last partial wave's tiles by K steps (0: stream_k_plan's choice; the number of those tiles: none split);
+    overlap: each step's dequant beside the previous step's wgmma (one consumer; ignored with two)."""
     m, k = x.shape
     n = fw.out_features
     kp = fw.words.shape[1] // 2
@@ -287,7 +335,9 @@ def w4a16_tma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None
         plan.max_segs, out.stride(0), fw.scales.stride(0), fw.qzeros.stride(0) if fw.qzeros is not None else 0,
         HAS_BIAS=bias is not None, GROUP=group or (1 << 30), HAS_ZEROS=fw.qzeros is not None,
         EVEN_N=n % block_n == 0, PDL=pdl, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, STAGES=stages,
-        CONSUMERS=consumers, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, num_warps=4,
+        CONSUMERS=consumers, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
+        OVERLAP=overlap and consumers == 1,
+        num_warps=4,
         **launch_options(pdl), **({"maxnreg": maxnreg} if maxnreg else {}))
     if plan.max_segs > 1:
         launch_sk_reduce(ws, out, bias, plan, m, n, kp, m_tiles, block_m, block_n, bk, consumers)

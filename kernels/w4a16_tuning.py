@@ -173,34 +173,41 @@ def select_mma_config(m: int, k: int, n: int, wgmma: bool = False, silu_mul: boo
 @dataclass(frozen=True)
 class TMAConfig:
     """Tile of the TMA-fed Hopper kernel (kernels/w4a16_tma.py): consumer warpgroups a program (1: two programs an
-    SM), weight rows and x rows a program. How the last partial wave is cut is the kernel's stream_k_plan."""
+    SM), weight rows and x rows a program, and (one consumer) each step's dequant beside the last step's wgmma. How
+    the last partial wave is cut is the kernel's stream_k_plan."""
     consumers: int = 1
     block_n: int = 64
     block_m: int = 64
+    overlap: bool = False
 
 
-TMA_MIN_M, TMA_MAX_M = 33, 4096    # sm90: the TMA kernel between these; dequantize + cuBLAS above
+TMA_MIN_M, TMA_MAX_M = 17, 4096    # sm90: the TMA kernel between these; dequantize + cuBLAS above
 
 
 def select_tma_config(m: int, k: int, n: int, sms: int = 132) -> TMAConfig | None:
-    """Rule fitted to the H200 sweep of the stream-K kernel (bench/results/exp-tma-sk-h200.json: 1-2 consumer
+    """Rule fitted to the H200 sweeps of the stream-K kernel (bench/results/exp-tma-sk-h200.json: 1-2 consumer
     warpgroups, 64-256 weight rows, 64-256 x rows, stream-K program counts, M = 64..4096 on the Qwen2.5-7B shapes,
-    against dequantize + cuBLAS in the same run). Up to M = 32 mma.sync wins (bench/results/exp-tma-h200.json,
-    the kernel before stream-K).
-    M <= 64: one consumer, 64 x rows, 128 weight rows (64 on narrow short-K layers: o 9.7 against 10.9 us);
-    M <= 128: two consumers x 256 weight rows on wide layers (gate_up 59.6 us), else one x 64; narrow short-K
-    layers up to M = 512 keep one consumer x 64 x 128 rows (o at 256: 18.2 against 19.6 us); else two consumers x
-    128 weight rows x 256 x rows, which share each x tile (0.98-1.04x FP16 in the sweep from M = 256 on wide or
-    long-K layers). Above M = 4096 (unmeasured): dequantize + cuBLAS (None), within 3% of the kernel at 4096."""
+    against dequantize + cuBLAS in the same run; exp-tma-overlap-h200.json and exp-tma-reduce-h200.json: M = 16..1024
+    with and without the overlap). At M = 16 mma.sync wins (gate_up 27.4 against 33.2 us); from 17 rows both pad
+    to 32, where this kernel wins (gate_up 33.8 against 49.2 us, down 23.6 against 24.6).
+    M <= 64: one consumer, x rows M rounded up to 32 or 64, 128 weight rows (64 on narrow short-K layers: o 9.7
+    against 10.9 us); M <= 128: two consumers x 256 weight rows on wide layers (gate_up 59.6 us), else one x 64;
+    narrow short-K layers up to M = 512 keep one consumer x 64 x 128 rows (o at 256: 17.8 against 19.4 us); else
+    two consumers x 128 weight rows x 256 x rows, which share each x tile (0.98-1.04x FP16 in the sweep from M = 256
+    on wide or long-K layers). One consumer overlaps each step's dequant with the last wgmma except on 64 weight
+    rows x 32 or 64 x rows (o at M = 64: 9.9 against 10.4 us, at 32 8.2 against 9.0); it wins 1-7% elsewhere
+    (gate_up at 64: 40.9 against 43.9, qkv at 512: 32.4 against 33.8). Above
+    M = 4096 (unmeasured): dequantize + cuBLAS (None), within 3% of the kernel at 4096."""
     if not TMA_MIN_M <= m <= TMA_MAX_M:
         return None
     narrow = n <= 4608 and k <= 4096
     if m <= 64:
-        return TMAConfig(1, 64 if narrow and n <= 4096 else 128, 64)
+        bn, bm = 64 if narrow and n <= 4096 else 128, 32 if m <= 32 else 64
+        return TMAConfig(1, bn, bm, overlap=bn == 128)
     if m <= 128:
-        return TMAConfig(2, 256, 128) if n >= 16384 else TMAConfig(1, 64, 128)
+        return TMAConfig(2, 256, 128) if n >= 16384 else TMAConfig(1, 64, 128, overlap=True)
     if m <= 512 and narrow:
-        return TMAConfig(1, 64, 128)
+        return TMAConfig(1, 64, 128, overlap=True)
     return TMAConfig(2, 128, 256)
 
 

@@ -12,19 +12,25 @@ QWEN = {"qkv": (3584, 4608), "o": (3584, 3584), "gate_up": (3584, 37888), "down"
 
 
 def test_tma_rule_pins_the_sweep_winners():
-    """bench/results/exp-tma-sk-h200.json: mma.sync to M = 32, dequantize + cuBLAS above 4096; one consumer x 64
-    x rows to M = 64 (64 weight rows on o, 128 elsewhere); two x 256 weight rows on gate_up at 128; one x 64 x 128
-    rows on narrow short-K layers to 512; else two consumers x 128 x 256. The tail: equal K ranges where they
-    fill 84% of a wave, else stream-K."""
+    """bench/results/exp-tma-sk-h200.json, exp-tma-reduce-h200.json: mma.sync to M = 16, dequantize + cuBLAS above
+    4096; one consumer x 32 / 64 x rows to M = 64 (64 weight rows on o, 128 elsewhere, those with the overlap);
+    two x 256 weight rows on gate_up at 128; one x 64 x 128 rows (overlap) on narrow short-K layers to 512; else
+    two consumers x 128 x 256. The tail: equal K ranges where they fill 84% of a wave, else stream-K."""
     from kernels.w4a16_streamk import stream_k_plan
-    one, two = (lambda bn, bm: TMAConfig(1, bn, bm)), TMAConfig(2, 128, 256)
-    want = {32: dict(qkv=None, o=None, gate_up=None, down=None),
+    two = TMAConfig(2, 128, 256)
+
+    def one(bn, bm):
+        return TMAConfig(1, bn, bm, overlap=bn == 128 or bm == 128)
+    want = {16: dict(qkv=None, o=None, gate_up=None, down=None),
+            17: dict(qkv=one(128, 32), o=one(64, 32), gate_up=one(128, 32), down=one(128, 32)),
+            32: dict(qkv=one(128, 32), o=one(64, 32), gate_up=one(128, 32), down=one(128, 32)),
             64: dict(qkv=one(128, 64), o=one(64, 64), gate_up=one(128, 64), down=one(128, 64)),
             128: dict(qkv=one(64, 128), o=one(64, 128), gate_up=TMAConfig(2, 256, 128), down=one(64, 128)),
             256: dict(qkv=one(64, 128), o=one(64, 128), gate_up=two, down=two),
             1024: dict(qkv=two, o=two, gate_up=two, down=two),
             4096: dict(qkv=two, o=two, gate_up=two, down=two),
             4097: dict(qkv=None, o=None, gate_up=None, down=None)}
+    assert not one(64, 64).overlap and one(128, 64).overlap and one(64, 128).overlap
     for m, shapes in want.items():
         for name, cfg in shapes.items():
             assert select_tma_config(m, *QWEN[name]) == cfg, (m, name)
@@ -107,6 +113,7 @@ def test_frag_dispatch_takes_the_tma_tile_where_the_rule_and_probe_allow(monkeyp
     assert w4.frag_config(64, *QWEN["gate_up"], dev) == select_tma_config(64, *QWEN["gate_up"]) is not None
     assert w4.frag_config(256, *QWEN["down"], dev) == select_tma_config(256, *QWEN["down"]) is not None
     assert isinstance(w4.frag_config(16, *QWEN["gate_up"], dev), MMAConfig)
+    assert w4.frag_config(17, *QWEN["gate_up"], dev) == select_tma_config(17, *QWEN["gate_up"]) is not None
     assert w4.frag_config(4097, *QWEN["gate_up"], dev) is None
     wgmma = w4.frag_config(64, *QWEN["gate_up"], dev, tma_fits=False)
     assert isinstance(wgmma, MMAConfig) and wgmma.wgmma
@@ -146,13 +153,16 @@ sm90 = pytest.mark.skipif(not _sm90(), reason="TMA with wgmma needs an sm90 GPU"
 def test_gpu_tma_matches_twin(k, n, group_size, zeros, m, monkeypatch):
     """Both consumer counts, 64-256 weight rows, x tiles past M, N past the tile (272, 80), K padded to 64 (1000);
     stream-K: the plan's split of the tail, none, odd step counts a program (1088 = 17 steps), and (few SMs
-    assumed) whole waves before the tail. Twice each: the sum of a split tile's segments has one order."""
+    assumed) whole waves before the tail; one consumer with each step's dequant beside the last wgmma (overlap; spans
+    of odd and even step counts). Twice each: the sum of a split tile's segments has one order."""
     import kernels.w4a16_tma as tma_module
     from kernels.w4a16_tma import w4a16_tma
     fw, x, bias, ref = frag_case(k, n, group_size, zeros, m)
     for sms in (132, 3):
         monkeypatch.setattr(tma_module, "device_sms", lambda device, sms=sms: sms)
         for cfg in (dict(consumers=1, block_n=64), dict(consumers=1, block_n=128, sk_programs=5),
+                    dict(consumers=1, block_n=64, overlap=True), dict(consumers=1, block_n=128, sk_programs=7,
+                                                                      overlap=True),
                     dict(consumers=2, block_n=128, block_m=64, sk_programs=1), dict(consumers=2, block_n=256,
                                                                                   block_m=128),
                     dict(consumers=2, block_n=128, stages=6, sk_programs=3)):
@@ -208,7 +218,8 @@ def compile_tma_cases() -> dict:
                                          "stride_sg", "stride_zg")})
         out[f"c{cons}-{bn}-{bm}-{bias}"] = _compile_sm90(_w4a16_tma_kernel, sig, dict(
             HAS_BIAS=bias, GROUP=128, HAS_ZEROS=True, EVEN_N=True, PDL=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64,
-            STAGES=4, CONSUMERS=cons, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs), 4, maxnreg)
+            STAGES=4, CONSUMERS=cons, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, OVERLAP=False), 4,
+            maxnreg)
     return out
 
 
