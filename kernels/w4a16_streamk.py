@@ -85,7 +85,8 @@ def _sk_reduce_kernel(ws_ptr, out_ptr, bias_ptr, M, N, KP, m_tiles, waves, progr
     """y of the split tail tiles: program (t * CONSUMERS + wg, c) sums chunk c of warpgroup wg's partials of tail
     tile t in segment order (deterministic), adds the bias and stores it; tiles in one segment were stored whole.
     Four segments' loads are issued together (one round trip for them, not one each: a loop of one load a segment
-    was latency-bound, bench/results/ncu-w4a16-h200.json)."""
+    was latency-bound under ncu, bench/results/ncu-w4a16-h200.json, with the partials in DRAM; in CUDA-graph timing,
+    partials in L2, the two measured within run-to-run spread: exp-tma-reduce-h200.json)."""
     L: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
     HALF: gl.constexpr = BLOCK_N // CONSUMERS
     gl_pdl_start(PDL)
