@@ -22,7 +22,7 @@ sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resol
 
 import torch  # noqa: E402
 
-from bench.kernels import SHAPES, checked_us, frag_layer, graph_us  # noqa: E402
+from bench.kernels import SHAPES, alternating_us, checked_us, frag_layer, graph_us, median  # noqa: E402
 from kernels.w4a16 import w4a16_forward  # noqa: E402
 from kernels.w4a16_frag import prepare_frag  # noqa: E402
 from kernels.w4a16_tiles import frag_dequantize  # noqa: E402
@@ -44,7 +44,13 @@ CHECKS = [(256, 256, 64, 128, True, {}, 0), (512, 272, 100, 32, True, {"consumer
           (1152, 2000, 300, 128, True, {"consumers": 1, "block_n": 64, "block_m": 128, "overlap": True}, 5),
           (2048, 1040, 64, 64, True, {"consumers": 1, "block_n": 64, "overlap": True}, 3),
           (256, 256, 40, 128, True, {"consumers": 1, "block_n": 128, "sk_programs": 8, "overlap": True}, 0),
-          (3584, 4608, 64, 128, True, {"consumers": 1, "block_n": 128, "block_m": 64, "overlap": True}, 0)]
+          (3584, 4608, 64, 128, True, {"consumers": 1, "block_n": 128, "block_m": 64, "overlap": True}, 0),
+          (1152, 2000, 300, 128, True, {"consumers": 1, "block_n": 64, "block_m": 128, "block_k": 128, "stages": 2,
+                                        "overlap": True}, 5),
+          (1408, 1040, 64, 128, True, {"consumers": 1, "block_n": 64, "block_k": 128, "overlap": True}, 3),
+          (1280, 512, 99, 64, True, {"consumers": 1, "sk_programs": 7, "block_k": 128, "overlap": True}, 0),
+          (2048, 512, 40, -1, False, {"consumers": 1, "block_n": 64, "block_m": 32, "block_k": 128}, 0),
+          (1024, 512, 256, 128, True, {"block_n": 256, "block_m": 128, "block_k": 128, "stages": 2}, 0)]
 
 
 def check_one(k, n, m, group, zeros, cfg, sms) -> dict:
@@ -80,10 +86,11 @@ def ring_fits(cons: int, bn: int, bm: int, stages: int, bk: int = 64) -> bool:
     return ring + bn * bm * 2 <= SMEM_PER_SM // (3 - cons)
 
 
-def candidates(m: int, k: int, n: int, stages=(4,), sms: int = 132) -> list[dict]:
-    """Tiles x stream-K program counts: the plan's (0), none split (the tail tiles one a program), each tail tile
+def candidates(m: int, k: int, n: int, stages=(4,), sms: int = 132, block_ks=(64,), plan_only=False) -> list[dict]:
+    """Tiles x stream-K program counts: the plan's (0; plan_only: only it), none split (the tail tiles one a program), each tail tile
     split in 2..8 equal K ranges (one a program), and the tail's steps spread 8 a program; one consumer with and
-    without each step's dequant beside the previous step's wgmma (overlap; with two, ptxas serializes it)."""
+    without each step's dequant beside the previous step's wgmma (overlap; with two, ptxas serializes it); each
+    K step of 64 or 128 rows (block_k; 128 halves the steps and their barriers, at a ring of fewer stages)."""
     bms = sorted({min(256, max(16, 1 << (m - 1).bit_length()))} | {b for b in (64, 128, 256) if b <= max(64, m)})
     out = []
     for cons, bns in ((2, (128, 256)), (1, (64, 128))):
@@ -93,14 +100,18 @@ def candidates(m: int, k: int, n: int, stages=(4,), sms: int = 132) -> list[dict
                     continue
                 slots = sms * (3 - cons)
                 tail = -(-n // bn) * -(-m // bm) % slots
-                units = tail * (k // 64)
-                sks = sorted({0, tail, min(slots, units // 8)} | {tail * sp for sp in range(2, 9)
-                                                                   if tail * sp <= slots and k // 64 >= 4 * sp}) \
-                    if tail else [0]
-                out += [dict(consumers=cons, block_n=bn, block_m=bm, sk_programs=sk, stages=st,
-                             **({"overlap": True} if ov else {}))
-                        for sk in sks for st in stages for ov in ((False, True) if cons == 1 else (False,))
-                        if ring_fits(cons, bn, bm, st)]
+                for bk in block_ks:
+                    units = tail * (k // bk)
+                    sks = sorted({0, tail, min(slots, units // 8)} | {tail * sp for sp in range(2, 9)
+                                                                       if tail * sp <= slots and k // bk >= 4 * sp}) \
+                        if tail and not plan_only else [0]
+                    # 128-row K steps: the deepest ring that fits (a sweep over 2..4 stages would triple the count)
+                    sts = stages if bk == 64 else [max([s for s in (2, 3, 4) if ring_fits(cons, bn, bm, s, bk)],
+                                                       default=0)]
+                    out += [dict(consumers=cons, block_n=bn, block_m=bm, sk_programs=sk, stages=st,
+                                 **({"block_k": bk} if bk != 64 else {}), **({"overlap": True} if ov else {}))
+                            for sk in sks for st in sts for ov in ((False, True) if cons == 1 else (False,))
+                            if st and ring_fits(cons, bn, bm, st, bk)]
     return out
 
 
@@ -110,6 +121,11 @@ def main():
     ap.add_argument("--ms", default="16,32,64,128,256,1024,4096")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--stages", default="4")
+    ap.add_argument("--block-k", default="64", help="K rows a step: 64, 128 or both")
+    ap.add_argument("--confirm", type=int, default=0,
+                    help="then time the best N candidates, the dispatcher and FP16 in turn, three rounds")
+    ap.add_argument("--plan-only", action="store_true", help="only stream_k_plan's program count a tile")
+    ap.add_argument("--tiles", default="", help="only these cons:bn:bm tiles, e.g. 1:64:128,2:128:256")
     ap.add_argument("--extra", default="", help="name=K:N,... shapes besides the Qwen2.5-7B ones")
     args = ap.parse_args()
     shapes = dict(SHAPES)
@@ -117,6 +133,8 @@ def main():
         name, kn = item.split("=")
         shapes[name] = tuple(int(v) for v in kn.split(":"))
     stages = tuple(int(v) for v in args.stages.split(","))
+    block_ks = tuple(int(v) for v in args.block_k.split(","))
+    tiles = {tuple(int(v) for v in t.split(":")) for t in filter(None, args.tiles.split(","))}
     start = time.time()
     result = {"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(), "shapes": shapes,
               "checks": [check_one(*c) for c in CHECKS], "points": []}
@@ -134,10 +152,11 @@ def main():
                      "dispatcher_us": graph_us([lambda f=f: w4a16_forward(x, f) for f in fws]),
                      "dequant_cublas_us": graph_us([lambda f=f: torch.mm(x, frag_dequantize(f).t()) for f in fws]),
                      "tma": [checked_us(lambda f, **c: w4a16_tma(x, f, **c), fws, ref, c)
-                             for c in candidates(m, k, n, stages)]}
+                             for c in candidates(m, k, n, stages, block_ks=block_ks, plan_only=args.plan_only)
+                             if not tiles or (c["consumers"], c["block_n"], c["block_m"]) in tiles]}
             timed_ok = [c for c in point["tma"] if "us" in c]
             def variant(c):
-                return (c["stages"], c["consumers"], c.get("overlap", False))
+                return (c.get("block_k", 64), c["consumers"], c.get("overlap", False))
             best = {}
             for c in timed_ok:
                 v = variant(c["config"])
@@ -145,6 +164,15 @@ def main():
                     best[v] = c
             print(f"{name} M={m}: fp16 {point['fp16_us']:.1f} dispatcher {point['dispatcher_us']:.1f} tma best " +
                   " | ".join(f"{b['us']:.1f} {tuple(b['config'].values())}" for b in best.values()), flush=True)
+            if args.confirm:       # a sweep's one reading a candidate favours whichever drew a fast moment
+                top = sorted(timed_ok, key=lambda c: c["us"])[:args.confirm]
+                calls = {"fp16": [lambda d=d: torch.mm(x, d) for d in dense],
+                         "dispatcher": [lambda f=f: w4a16_forward(x, f) for f in fws]}
+                calls.update({json.dumps(c["config"]): [lambda f=f, c=c: w4a16_tma(x, f, **c["config"]) for f in fws]
+                              for c in top})
+                point["confirm"] = alternating_us(calls)
+                print("   confirm: " + " | ".join(f"{median(v):.1f} {name}" for name, v in point["confirm"].items()),
+                      flush=True)
             result["points"].append(point)
             result["wall_s"] = time.time() - start
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)

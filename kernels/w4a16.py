@@ -263,8 +263,8 @@ def _frag_forward(x: torch.Tensor, w: FragWeights, bias: torch.Tensor | None, co
     if x.dtype == torch.float16:
         cfg = config or frag_config(m, k, w.out_features, x.device, silu_mul, tma_works_for(x, w))
         if isinstance(cfg, TMAConfig):
-            return w4a16_tma(x, w, bias, cfg.block_n, cfg.block_m, consumers=cfg.consumers, silu_mul=silu_mul,
-                             overlap=cfg.overlap)
+            return w4a16_tma(x, w, bias, cfg.block_n, cfg.block_m, cfg.block_k, cfg.stages, cfg.consumers,
+                             silu_mul=silu_mul, overlap=cfg.overlap)
         if cfg is not None:
             return w4a16_mma(x, w, bias, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps, cfg.one_launch,
                              silu_mul, cfg.wgmma, max_regs=cfg.max_regs)

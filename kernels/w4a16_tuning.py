@@ -173,12 +173,14 @@ def select_mma_config(m: int, k: int, n: int, wgmma: bool = False, silu_mul: boo
 @dataclass(frozen=True)
 class TMAConfig:
     """Tile of the TMA-fed Hopper kernel (kernels/w4a16_tma.py): consumer warpgroups a program (1: two programs an
-    SM), weight rows and x rows a program, and (one consumer) each step's dequant beside the last step's wgmma. How
-    the last partial wave is cut is the kernel's stream_k_plan."""
+    SM), weight rows and x rows a program, (one consumer) each step's dequant beside the last step's wgmma, K rows a
+    step and the ring's stages. How the last partial wave is cut is the kernel's stream_k_plan."""
     consumers: int = 1
     block_n: int = 64
     block_m: int = 64
     overlap: bool = False
+    block_k: int = 64
+    stages: int = 4
 
 
 TMA_MIN_M, TMA_MAX_M = 17, 4096    # sm90: the TMA kernel between these; dequantize + cuBLAS above
@@ -196,14 +198,22 @@ def select_tma_config(m: int, k: int, n: int, sms: int = 132) -> TMAConfig | Non
     two consumers x 128 weight rows x 256 x rows, which share each x tile (0.98-1.04x FP16 in the sweep from M = 256
     on wide or long-K layers). One consumer overlaps each step's dequant with the last wgmma except on 64 weight
     rows x 32 or 64 x rows (o at M = 64: 9.9 against 10.4 us, at 32 8.2 against 9.0); it wins 1-7% elsewhere
-    (gate_up at 64: 40.9 against 43.9, qkv at 512: 32.4 against 33.8). Above
+    (gate_up at 64: 40.9 against 43.9, qkv at 512: 32.4 against 33.8). Steps of 128 K rows (half the steps, so half
+    their barriers and waits; the ring then holds fewer stages) win on long-K layers to M = 64 (down at 32: 21.2
+    against 24.9 us with 128 weight rows; at 64: 26.0 against 28.9 with 64 rows and the overlap) and on the wider
+    narrow layer from 65 to 256 rows (qkv: 15.2 against 15.8 at 128, 23.1 against 24.3 at 256, two stages), not on
+    o or gate_up (exp-tma-bk2-h200.json, each winner timed three times in turn with FP16). Above
     M = 4096 (unmeasured): dequantize + cuBLAS (None), within 3% of the kernel at 4096."""
     if not TMA_MIN_M <= m <= TMA_MAX_M:
         return None
     narrow = n <= 4608 and k <= 4096
     if m <= 64:
+        if k > 4096:
+            return TMAConfig(1, 128, 32, block_k=128) if m <= 32 else TMAConfig(1, 64, 64, True, block_k=128)
         bn, bm = 64 if narrow and n <= 4096 else 128, 32 if m <= 32 else 64
         return TMAConfig(1, bn, bm, overlap=bn == 128)
+    if narrow and n > 4096 and m <= 256:
+        return TMAConfig(1, 64, 128, block_k=128, stages=2)
     if m <= 128:
         return TMAConfig(2, 256, 128) if n >= 16384 else TMAConfig(1, 64, 128, overlap=True)
     if m <= 512 and narrow:

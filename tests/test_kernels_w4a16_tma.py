@@ -12,21 +12,28 @@ QWEN = {"qkv": (3584, 4608), "o": (3584, 3584), "gate_up": (3584, 37888), "down"
 
 
 def test_tma_rule_pins_the_sweep_winners():
-    """bench/results/exp-tma-sk-h200.json, exp-tma-reduce-h200.json: mma.sync to M = 16, dequantize + cuBLAS above
-    4096; one consumer x 32 / 64 x rows to M = 64 (64 weight rows on o, 128 elsewhere, those with the overlap);
-    two x 256 weight rows on gate_up at 128; one x 64 x 128 rows (overlap) on narrow short-K layers to 512; else
-    two consumers x 128 x 256. The tail: equal K ranges where they fill 84% of a wave, else stream-K."""
+    """bench/results/exp-tma-sk-h200.json, exp-tma-reduce-h200.json, exp-tma-bk2-h200.json: mma.sync to M = 16,
+    dequantize + cuBLAS above 4096; one consumer x 32 / 64 x rows to M = 64 (64 weight rows on o, 128 elsewhere,
+    those with the overlap; down in steps of 128 K rows: 128 x 32, then 64 x 64 with the overlap); qkv from 65 to 256
+    rows one x 64 x 128 in 128-row steps, two stages; two x 256 weight rows on gate_up at 128; one x 64 x 128 rows
+    (overlap) on narrow short-K layers to 512; else two consumers x 128 x 256. The tail: equal K ranges where they fill 84% of a wave, else stream-K."""
     from kernels.w4a16_streamk import stream_k_plan
     two = TMAConfig(2, 128, 256)
 
     def one(bn, bm):
         return TMAConfig(1, bn, bm, overlap=bn == 128 or bm == 128)
+    down32 = TMAConfig(1, 128, 32, block_k=128)
+    down64 = TMAConfig(1, 64, 64, overlap=True, block_k=128)
+    qkv_k128 = TMAConfig(1, 64, 128, block_k=128, stages=2)
     want = {16: dict(qkv=None, o=None, gate_up=None, down=None),
-            17: dict(qkv=one(128, 32), o=one(64, 32), gate_up=one(128, 32), down=one(128, 32)),
-            32: dict(qkv=one(128, 32), o=one(64, 32), gate_up=one(128, 32), down=one(128, 32)),
-            64: dict(qkv=one(128, 64), o=one(64, 64), gate_up=one(128, 64), down=one(128, 64)),
-            128: dict(qkv=one(64, 128), o=one(64, 128), gate_up=TMAConfig(2, 256, 128), down=one(64, 128)),
-            256: dict(qkv=one(64, 128), o=one(64, 128), gate_up=two, down=two),
+            17: dict(qkv=one(128, 32), o=one(64, 32), gate_up=one(128, 32), down=down32),
+            32: dict(qkv=one(128, 32), o=one(64, 32), gate_up=one(128, 32), down=down32),
+            33: dict(qkv=one(128, 64), o=one(64, 64), gate_up=one(128, 64), down=down64),
+            64: dict(qkv=one(128, 64), o=one(64, 64), gate_up=one(128, 64), down=down64),
+            65: dict(qkv=qkv_k128, o=one(64, 128), gate_up=TMAConfig(2, 256, 128), down=one(64, 128)),
+            128: dict(qkv=qkv_k128, o=one(64, 128), gate_up=TMAConfig(2, 256, 128), down=one(64, 128)),
+            256: dict(qkv=qkv_k128, o=one(64, 128), gate_up=two, down=two),
+            257: dict(qkv=one(64, 128), o=one(64, 128), gate_up=two, down=two),
             1024: dict(qkv=two, o=two, gate_up=two, down=two),
             4096: dict(qkv=two, o=two, gate_up=two, down=two),
             4097: dict(qkv=None, o=None, gate_up=None, down=None)}
@@ -147,14 +154,15 @@ sm90 = pytest.mark.skipif(not _sm90(), reason="TMA with wgmma needs an sm90 GPU"
 @sm90
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("k,n,group_size,zeros", [(512, 256, 128, True), (384, 192, 64, False),
-                                                  (320, 272, 32, True), (1000, 80, -1, True),
+                                                  (640, 272, 32, True), (1000, 80, -1, True),
                                                   (1088, 512, 64, True), (3584, 1024, 128, True)])
 @pytest.mark.parametrize("m", [17, 64, 100, 256, 300])
 def test_gpu_tma_matches_twin(k, n, group_size, zeros, m, monkeypatch):
     """Both consumer counts, 64-256 weight rows, x tiles past M, N past the tile (272, 80), K padded to 64 (1000);
     stream-K: the plan's split of the tail, none, odd step counts a program (1088 = 17 steps), and (few SMs
     assumed) whole waves before the tail; one consumer with each step's dequant beside the last wgmma (overlap; spans
-    of odd and even step counts). Twice each: the sum of a split tile's segments has one order."""
+    of odd and even step counts); steps of 128 K rows (2 and 4 scale groups a step at groups of 64 and 32, an odd 5
+    steps at K = 640; K = 1088 falls back to 64). Twice each: the sum of a split tile's segments has one order."""
     import kernels.w4a16_tma as tma_module
     from kernels.w4a16_tma import w4a16_tma
     fw, x, bias, ref = frag_case(k, n, group_size, zeros, m)
@@ -165,7 +173,10 @@ def test_gpu_tma_matches_twin(k, n, group_size, zeros, m, monkeypatch):
                                                                       overlap=True),
                     dict(consumers=2, block_n=128, block_m=64, sk_programs=1), dict(consumers=2, block_n=256,
                                                                                   block_m=128),
-                    dict(consumers=2, block_n=128, stages=6, sk_programs=3)):
+                    dict(consumers=2, block_n=128, stages=6, sk_programs=3),
+                    dict(consumers=1, block_n=64, block_k=128, overlap=True),
+                    dict(consumers=1, block_n=64, block_m=128, block_k=128, stages=2, sk_programs=5),
+                    dict(consumers=2, block_n=128, block_k=128, stages=2, sk_programs=3)):
             if cfg.get("block_m", 0) > 128 * cfg["consumers"]:
                 continue
             y = w4a16_tma(x, fw, bias, **cfg)
@@ -208,18 +219,20 @@ def compile_tma_cases() -> dict:
     from kernels.w4a16_tma import _w4a16_tma_kernel, register_budget
     from tests.test_kernels_w4a16_mma import _compile_sm90
     out = {}
-    for cons, bn, bm, bias in [(1, 64, 64, False), (1, 64, 128, True), (2, 128, 256, True), (2, 128, 64, False)]:
+    for cons, bn, bm, bias, bk, stages, overlap in [(1, 64, 64, False, 64, 4, False), (1, 64, 128, True, 64, 4, True),
+                                                    (2, 128, 256, True, 64, 4, False), (2, 128, 64, False, 64, 4, False),
+                                                    (1, 64, 64, False, 128, 4, True), (1, 64, 128, True, 128, 2, False)]:
         consumer_regs, producer_regs, maxnreg = register_budget(cons)
         wl = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-        xl = gl.NVMMASharedLayout.get_default_for([bm, 64], gl.float16)
-        sig = dict(w_desc=f"tensordesc<i32[{bn // 16}, 128],{wl!r}>", x_desc=f"tensordesc<fp16[{bm}, 64],{xl!r}>",
+        xl = gl.NVMMASharedLayout.get_default_for([bm, bk], gl.float16)
+        sig = dict(w_desc=f"tensordesc<i32[{bn // 16}, {2 * bk}],{wl!r}>", x_desc=f"tensordesc<fp16[{bm}, {bk}],{xl!r}>",
                    s_ptr="*fp16", z_ptr="*i32", out_ptr="*fp16", ws_ptr="*fp32", bias_ptr="*fp16",
                    **{a: "i32" for a in ("M", "N", "KP", "m_tiles", "waves", "tail", "p_sk", "max_segs", "stride_om",
                                          "stride_sg", "stride_zg")})
-        out[f"c{cons}-{bn}-{bm}-{bias}"] = _compile_sm90(_w4a16_tma_kernel, sig, dict(
-            HAS_BIAS=bias, GROUP=128, HAS_ZEROS=True, EVEN_N=True, PDL=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64,
-            STAGES=4, CONSUMERS=cons, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, OVERLAP=False), 4,
-            maxnreg)
+        out[f"c{cons}-{bn}-{bm}-{bias}-k{bk}-s{stages}-{overlap}"] = _compile_sm90(_w4a16_tma_kernel, sig, dict(
+            HAS_BIAS=bias, GROUP=128, HAS_ZEROS=True, EVEN_N=True, PDL=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            STAGES=stages, CONSUMERS=cons, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
+            OVERLAP=overlap), 4, maxnreg)
     return out
 
 
