@@ -87,10 +87,11 @@ def ring_fits(cons: int, bn: int, bm: int, stages: int, bk: int = 64) -> bool:
 
 
 def candidates(m: int, k: int, n: int, stages=(4,), sms: int = 132, block_ks=(64,), plan_only=False) -> list[dict]:
-    """Tiles x stream-K program counts: the plan's (0; plan_only: only it), none split (the tail tiles one a program), each tail tile
-    split in 2..8 equal K ranges (one a program), and the tail's steps spread 8 a program; one consumer with and
-    without each step's dequant beside the previous step's wgmma (overlap; with two, ptxas serializes it); each
-    K step of 64 or 128 rows (block_k; 128 halves the steps and their barriers, at a ring of fewer stages)."""
+    """Tiles x stream-K program counts: the plan's (0; plan_only: only it), none split (the tail tiles one a
+    program), each tail tile split in 2..8 equal K ranges (one a program), and the tail's steps spread 8 a program;
+    one consumer with and without each step's dequant beside the previous step's wgmma (overlap; with two, ptxas
+    serializes it); each K step of 64 or 128 rows (block_k; 128 halves the steps and their barriers, at a ring of
+    fewer stages)."""
     bms = sorted({min(256, max(16, 1 << (m - 1).bit_length()))} | {b for b in (64, 128, 256) if b <= max(64, m)})
     out = []
     for cons, bns in ((2, (128, 256)), (1, (64, 128))):

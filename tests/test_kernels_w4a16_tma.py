@@ -16,7 +16,8 @@ def test_tma_rule_pins_the_sweep_winners():
     dequantize + cuBLAS above 4096; one consumer x 32 / 64 x rows to M = 64 (64 weight rows on o, 128 elsewhere,
     those with the overlap; down in steps of 128 K rows: 128 x 32, then 64 x 64 with the overlap); qkv from 65 to 256
     rows one x 64 x 128 in 128-row steps, two stages; two x 256 weight rows on gate_up at 128; one x 64 x 128 rows
-    (overlap) on narrow short-K layers to 512; else two consumers x 128 x 256. The tail: equal K ranges where they fill 84% of a wave, else stream-K."""
+    (overlap) on narrow short-K layers to 512; else two consumers x 128 x 256. The tail: equal K ranges where they
+    fill 84% of a wave, else stream-K."""
     from kernels.w4a16_streamk import stream_k_plan
     two = TMAConfig(2, 128, 256)
 
@@ -219,13 +220,14 @@ def compile_tma_cases() -> dict:
     from kernels.w4a16_tma import _w4a16_tma_kernel, register_budget
     from tests.test_kernels_w4a16_mma import _compile_sm90
     out = {}
-    for cons, bn, bm, bias, bk, stages, overlap in [(1, 64, 64, False, 64, 4, False), (1, 64, 128, True, 64, 4, True),
-                                                    (2, 128, 256, True, 64, 4, False), (2, 128, 64, False, 64, 4, False),
-                                                    (1, 64, 64, False, 128, 4, True), (1, 64, 128, True, 128, 2, False)]:
+    cases = [(1, 64, 64, False, 64, 4, False), (1, 64, 128, True, 64, 4, True), (2, 128, 256, True, 64, 4, False),
+             (2, 128, 64, False, 64, 4, False), (1, 64, 64, False, 128, 4, True), (1, 64, 128, True, 128, 2, False)]
+    for cons, bn, bm, bias, bk, stages, overlap in cases:
         consumer_regs, producer_regs, maxnreg = register_budget(cons)
         wl = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
         xl = gl.NVMMASharedLayout.get_default_for([bm, bk], gl.float16)
-        sig = dict(w_desc=f"tensordesc<i32[{bn // 16}, {2 * bk}],{wl!r}>", x_desc=f"tensordesc<fp16[{bm}, {bk}],{xl!r}>",
+        sig = dict(w_desc=f"tensordesc<i32[{bn // 16}, {2 * bk}],{wl!r}>",
+                   x_desc=f"tensordesc<fp16[{bm}, {bk}],{xl!r}>",
                    s_ptr="*fp16", z_ptr="*i32", out_ptr="*fp16", ws_ptr="*fp32", bias_ptr="*fp16",
                    **{a: "i32" for a in ("M", "N", "KP", "m_tiles", "waves", "tail", "p_sk", "max_segs", "stride_om",
                                          "stride_sg", "stride_zg")})
