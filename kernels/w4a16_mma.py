@@ -107,7 +107,7 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
                       SWIGLU: gl.constexpr, A_SMEM: gl.constexpr, RESIDUAL: gl.constexpr = False,
                       NORM: gl.constexpr = False, SS_P2: gl.constexpr = 1, PRELOAD: gl.constexpr = False,
                       MERGE_SPLITS: gl.constexpr = 0, MERGE_D: gl.constexpr = 128, MERGE_TILE: gl.constexpr = 64,
-                      MERGE_SCALE: gl.constexpr = 0):
+                      MERGE_SCALE: gl.constexpr = 0, X_ONCE: gl.constexpr = True):
     """y = x @ W (+ bias) for one [BLOCK_M, BLOCK_N] output tile; with SPLIT, this split's fp32 partial goes to
     ws[pid_k] and is summed by the reduce pass or (ONE_LAUNCH) by the split that draws the last ticket.
     WGMMA (Hopper; BLOCK_N a multiple of 16 * num_warps, x through shared memory): _wgmma_steps.
@@ -207,8 +207,10 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
                     xv = _rms_normed(xv, gamma, ss_ptr, ss_count, eps, K, SS_P2, num_warps)
                 x_flat.store(xv)
             # one barrier here, or Triton's membar analysis puts one into every step of the loop (the store's
-            # pending write joins the loop header): batch-1 step 1.713 -> 1.700 ms, five rounds (entry 24)
-            _cta_barrier()
+            # pending write joins the loop header): batch-1 step 1.713 -> 1.700 ms, five rounds (entry 24);
+            # X_ONCE False keeps the per-step one (mma_variant: long K)
+            if X_ONCE:
+                _cta_barrier()
             x_smem = _x_rows(x_flat, X_STEPS, BLOCK_K)
         if X_SMEM:
             _x_copy(x_ring.index(0), x_ptrs + it0 * BLOCK_K, m_mask)
@@ -312,35 +314,41 @@ def _write_out(acc, out_ptr, bias_ptr, on, om, N, mask, stride_om, HAS_BIAS: gl.
 @dataclass
 class MMAVariant:
     """How one w4a16_mma call runs: step rows, steps per split, splits, scales after the MMA, staged x rows, the
-    wgmma A tile through shared memory."""
+    wgmma A tile through shared memory, one CTA barrier after the x staging (else Triton's in every step)."""
     block_k: int
     per_split: int
     splits: int
     scale_after: bool
     x_steps: int
     a_smem: bool
+    x_once: bool = True
 
 
 def mma_variant(m: int, kp: int, group: int, block_n: int, block_k: int, split_k: int, wgmma: bool,
-                scale_after: bool = True, x_staged: bool = True, a_smem: bool | None = None) -> MMAVariant:
+                scale_after: bool = True, x_staged: bool = True, a_smem: bool | None = None,
+                x_once: bool | None = None) -> MMAVariant:
     """group 0: one group for all of K. Scales after the MMA: mma.sync, where each step lies inside one group
     (bench/results/exp-mma-variants-h200.json). x staged (M = 1): the split's rows in shared memory where they take at
     most 16 KB, with 64-column tiles only (the 128-column tile takes 120 registers with it, 4 programs an SM:
     slower, bench/results/exp-mma-xstaged-h200.json). wgmma's A tile through shared memory above 64 rows of x
-    (bench/results/exp-mma-ss-h200.json; a_smem None: by that rule)."""
+    (bench/results/exp-mma-ss-h200.json; a_smem None: by that rule). x_once (None: by this rule): after the staging
+    one CTA barrier, except on long K (Kp >= 8192, down): there the barrier Triton's membar pass puts into every step
+    keeps ptxas from sinking the next step's weight loads below the step's MMAs, which it does without it (56
+    registers instead of 65; the SASS test pins the order), and a split of down runs ten steps of those loads."""
     bk = pick_block_k(kp, group, block_k)
     iters = kp // bk
     per = triton.cdiv(iters, max(1, min(split_k, iters)))
     staged = x_staged and m == 1 and not wgmma and block_n == 64 and per * bk <= 8192
     return MMAVariant(bk, per, triton.cdiv(iters, per), scale_after and not wgmma and (not group or group % bk == 0),
-                      triton.next_power_of_2(per) if staged else 0, wgmma and (m > 64 if a_smem is None else a_smem))
+                      triton.next_power_of_2(per) if staged else 0, wgmma and (m > 64 if a_smem is None else a_smem),
+                      kp < 8192 if x_once is None else x_once)
 
 
 def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None, block_n: int = 128,
               block_k: int = 256, split_k: int = 1, num_warps: int = 4, one_launch: bool = True,
               silu_mul: bool = False, wgmma: bool = False, scale_after: bool = True,
               x_staged: bool = True, a_smem: bool | None = None, residual: torch.Tensor | None = None,
-              norm: FoldedNorm | None = None, max_regs: int = 0, preload: bool = True):
+              norm: FoldedNorm | None = None, max_regs: int = 0, preload: bool = True, x_once: bool | None = None):
     """x fp16 [M, K] (already permuted for act-order; M <= 64, any M with wgmma: 128-row tiles) -> [M, N], or
     [M, N/2] = silu(gate) * up. wgmma needs block_n % (16 * num_warps) == 0 with 4 or 8 warps (64 rows per
     warpgroup). scale_after (mma.sync, where a step lies inside one scale group): scales multiply each step's fp32
@@ -349,7 +357,7 @@ def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None
     rounded as the unfused pair rounds, ss [M, tiles] fp32 its sums of squares by output tile; norm (x is such an h,
     x staged: M = 1 and 64-column tiles): the matmul of RMSNorm(x) * norm.weight. max_regs: ptxas's register cap
     a thread (kernels/w4a16_tuning.one_wave_regs; 0: none). preload (M = 1 with x staged, under PDL): a split of at
-    most four steps requests all its weights before it waits for the previous kernel.
+    most four steps requests all its weights before it waits for the previous kernel. x_once: mma_variant's.
     x may be a batch-1 decode's split partials (kernels/attention_merge.DecodePartials, fp16 attention output):
     the attention merge is read by the x staging (M = 1, x staged, no norm)."""
     merge = x if isinstance(x, DecodePartials) else None
@@ -367,7 +375,7 @@ def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None
         x = torch.nn.functional.pad(x, (0, kp - k)).contiguous()     # pad keeps a transposed input's strides
         k = kp
     group = fw.group_size if fw.scales.shape[0] > 1 else 0           # 0: one group for all of K
-    v = mma_variant(m, kp, group, block_n, block_k, split_k, wgmma, scale_after, x_staged, a_smem)
+    v = mma_variant(m, kp, group, block_n, block_k, split_k, wgmma, scale_after, x_staged, a_smem, x_once)
     bk, per, splits = v.block_k, v.per_split, v.splits
     if merge is not None and v.x_steps == 0:
         raise ValueError("split partials as x need M = 1 with x staged (64-column tiles, no wgmma)")
@@ -409,7 +417,7 @@ def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None
         num_warps=num_warps, SCALE_AFTER=v.scale_after, X_STEPS=v.x_steps, SWIGLU=swiglu,
         A_SMEM=v.a_smem, RESIDUAL=residual is not None, NORM=norm is not None,
         SS_P2=triton.next_power_of_2(ss_in.shape[1]) if ss_in is not None else 1,
-        PRELOAD=preload and pdl and v.x_steps > 0 and per <= 4, **launch_options(pdl),
+        PRELOAD=preload and pdl and v.x_steps > 0 and per <= 4, X_ONCE=v.x_once, **launch_options(pdl),
         **merge_consts, **({"maxnreg": max_regs} if max_regs else {}))
     if splits > 1 and not one_launch:
         launch_splitk_reduce(ws, bias, out, splits, silu_mul)

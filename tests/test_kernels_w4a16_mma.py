@@ -242,6 +242,9 @@ def test_mma_variant_picks_scales_after_and_staged_x_where_they_apply():
     assert v(1, 3584, 64, 64, 128, 8, False)[3] is False
     assert v(32, 3584, 128, 64, 128, 8, True)[3:] == (False, 0)       # wgmma: neither
     assert v(1, 3584, 128, 64, 128, 8, False, scale_after=False, x_staged=False)[3:] == (False, 0)
+    # one barrier after the staging, except on long K (down: Triton's barrier in every step)
+    assert [mma_variant(1, k, 128, 64, 128, 16, False).x_once for k in (3584, 18944)] == [True, False]
+    assert mma_variant(1, 18944, 128, 64, 128, 16, False, x_once=True).x_once is True
     # wgmma's A tile through shared memory above 64 rows only (exp-mma-ss-h200.json)
     assert [mma_variant(m, 3584, 128, 128, 128, 2, True).a_smem for m in (17, 64, 65, 128)] == [False] * 2 + [True] * 2
     assert mma_variant(128, 3584, 128, 128, 128, 2, False).a_smem is False
@@ -371,7 +374,20 @@ def _compile_sm90(kernel, signature: dict, constexprs: dict, num_warps: int, max
             "hgmma": "HGMMA.64x" in sass,
             "stg128": "STG.E.128" in sass, "stsm": "STSM" in sass, "setmaxnreg": "USETMAXREG" in sass,
             "l2_prefetch": "CCTL.E.PF2" in sass,
-            "wide_loads_before_wait": sass.split("ACQBULK")[0].count("LDG.E.128") if "ACQBULK" in sass else -1}
+            "wide_loads_before_wait": sass.split("ACQBULK")[0].count("LDG.E.128") if "ACQBULK" in sass else -1,
+            "loads_ahead_in_loop": loads_ahead_in_loop(sass)}
+
+
+def loads_ahead_in_loop(sass: str) -> int:
+    """16-byte loads between the first MMA's loop head (the last branch before it) and that MMA: the next step's
+    weight words issued before the step's MMAs."""
+    import re
+    lines = [line for line in sass.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", line)]
+    first = next((i for i, line in enumerate(lines) if "HMMA" in line), None)
+    if first is None:
+        return -1
+    head = max((i for i in range(first) if " BRA " in lines[i]), default=0)
+    return sum("LDG.E.128" in line for line in lines[head:first])
 
 
 COMPILE_CASES = [(1, 3584, 37888), (1, 18944, 3584), (16, 3584, 4608), (64, 3584, 3584)]
@@ -396,7 +412,7 @@ def compile_cases() -> dict:
         out[f"{m}-{k}-{n}"] = _compile_sm90(_w4a16_mma_kernel, dict(ptrs, **ints), dict(
             HAS_BIAS=False, SPLIT=cfg.split_k > 1, ONE_LAUNCH=cfg.one_launch, GROUP=128, HAS_ZEROS=True,
             EVEN_N=True, EVEN_K=True, X_SMEM=m > 1, WGMMA=False, PDL=True, SCALE_AFTER=v.scale_after,
-            X_STEPS=v.x_steps, SWIGLU=False, A_SMEM=False,
+            X_STEPS=v.x_steps, SWIGLU=False, A_SMEM=False, X_ONCE=v.x_once,
             BLOCK_M=8 if m <= 8 else 16 if m <= 16 else 64,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps), cfg.num_warps)
     for m, bn, bk, nw in WGMMA_CASES:                 # sm90, M = 17..128
@@ -424,7 +440,7 @@ def compile_cases() -> dict:
             HAS_BIAS=name == "norm_qkv", SPLIT=v.splits > 1, ONE_LAUNCH=True, GROUP=128, HAS_ZEROS=True,
             EVEN_N=True, EVEN_K=True, X_SMEM=False, WGMMA=False, PDL=True, SCALE_AFTER=v.scale_after,
             X_STEPS=v.x_steps, SWIGLU=silu, A_SMEM=False, BLOCK_M=8, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            RESIDUAL=fold == "RESIDUAL", NORM=fold == "NORM", SS_P2=64, PRELOAD=v.per_split <= 4,
+            RESIDUAL=fold == "RESIDUAL", NORM=fold == "NORM", SS_P2=64, PRELOAD=v.per_split <= 4, X_ONCE=v.x_once,
             num_warps=cfg.num_warps), cfg.num_warps, cfg.max_regs or None)
     # o at M = 1 merging the batch-1 decode's 16 split partials as it stages x (fp8 KV: the scale by pointer)
     cfg = select_mma_config(1, 3584, 3584)
@@ -466,6 +482,9 @@ def test_gluon_kernels_compile_for_sm90_without_spills():
     before_wait = {name: res[name]["wide_loads_before_wait"] for name in
                    ("residual_o", "norm_qkv", "residual_down", "norm_gate_up")}
     assert before_wait == {"residual_o": 8, "norm_qkv": 9, "residual_down": 2, "norm_gate_up": 4}, before_wait
+    # down's long K keeps Triton's barrier in every step (mma_variant's x_once): its splits issue the next step's two
+    # 16-byte weight loads before the step's MMAs (with one barrier after the staging ptxas sinks them below)
+    assert res["1-18944-3584"]["loads_ahead_in_loop"] == res["residual_down"]["loads_ahead_in_loop"] == 2, res
     # the merge's 16 splits of partials stay one wave: 392 programs, 3 an SM at most 168 registers (137 offline)
     merge = res["merge_o"]
     assert merge["hmma"] and merge["stack"] == 0 and merge["regs"] <= 168 and merge["wide_loads_before_wait"] == 8
