@@ -16,13 +16,14 @@ import json
 import sys
 import time
 from pathlib import Path
+from statistics import median
 
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 import torch  # noqa: E402
 
-from bench.kernels import SHAPES, alternating_us, checked_us, frag_layer, graph_us, median  # noqa: E402
+from bench.kernels import SHAPES, alternating_us, checked_us, frag_layer, graph_us  # noqa: E402
 from kernels.w4a16 import w4a16_forward  # noqa: E402
 from kernels.w4a16_frag import prepare_frag  # noqa: E402
 from kernels.w4a16_tiles import frag_dequantize  # noqa: E402

@@ -8,13 +8,14 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from statistics import median
 
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 import torch  # noqa: E402
 
-from bench.kernels import SHAPES, alternating_us, frag_layer, median  # noqa: E402
+from bench.kernels import SHAPES, alternating_us, frag_layer  # noqa: E402
 from kernels.w4a16 import frag_config, w4a16_forward  # noqa: E402
 from kernels.w4a16_mma import w4a16_mma  # noqa: E402
 

@@ -26,6 +26,7 @@ import tarfile
 import tempfile
 import time
 from pathlib import Path
+from statistics import median
 
 # this file is named kernels.py: its folder must not shadow the repository's kernels package
 _HERE = Path(__file__).resolve().parent
@@ -93,10 +94,6 @@ def alternating_us(calls: dict, rounds: int = 3) -> dict:
         for name, fns in calls.items():
             runs[name].append(graph_us(fns))
     return runs
-
-
-def median(values: list) -> float:
-    return sorted(values)[len(values) // 2]
 
 
 def timed(row: dict, key: str, fns) -> None:
