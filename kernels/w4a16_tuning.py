@@ -137,7 +137,8 @@ def select_mma_config(m: int, k: int, n: int, wgmma: bool = False, silu_mul: boo
     exp-mma-xstaged-h200.json, M = 1 with x staged in shared memory (64-column tiles, so also on wide layers
     unless the SwiGLU epilogue follows: bench/results/exp-swiglu-ab-h200.json);
     exp-mma-wgmma-h200.json, wgmma at M = 32..4096; Qwen2.5-7B shapes). mma.sync: 64-column tiles of 4 warps, 128 at
-    M > 32; 16 splits for long K at M <= 8, one on very wide layers (two at M = 1 where the SwiGLU follows or a
+    M > 32; 16 splits for long K at M <= 8, at M = 9..16 5 on short K and 12 on long K
+    (exp-mma-splits-h200.json), one on very wide layers (two at M = 1 where the SwiGLU follows or a
     register cap makes the grid one wave on `sms` SMs); two launches at M > 32.
     wgmma (wgmma=True: an sm90 GPU whose load probe passed) above M = 16: 64 columns x 4 warps up to M = 32, then
     128 x 8 warps, two launches. Otherwise K splits to ~600 programs. None: M is past both kernels (dequantize +
@@ -163,6 +164,13 @@ def select_mma_config(m: int, k: int, n: int, wgmma: bool = False, silu_mul: boo
             split = 2 if m == 1 and (silu_mul or cap) else 1
             return MMAConfig(64, 128, split, 4, True, max_regs=cap if split == 2 else 0)
         bn, bk = 64, 128
+    elif m <= 16:
+        # M = 9..16: 5 splits on short K, 12 on long K (the launcher's step counts: 6 and 13 steps a split), one on
+        # very wide layers. qkv 7.3-7.7 against 7.6-8.1 us for the power of two, o 7.0 against 7.3, down 16.2-17.5
+        # against 17.6-18.8, at M = 12 and 16 (bench/results/exp-mma-splits-h200.json, three rounds in turn)
+        bn = 64
+        split = (12 if k >= 8192 else 5) if -(-n // bn) * 2 <= _MMA_PROGRAMS else 1
+        return MMAConfig(bn, 128, split, 4, True)
     elif m <= 32:
         bn, bk = 64, 128
     else:

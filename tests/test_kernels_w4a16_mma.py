@@ -62,7 +62,8 @@ def frag_case(k: int, n: int, group_size: int, zeros: bool, m: int):
 def test_gpu_mma_matches_twin(k, n, group_size, zeros, m):
     from kernels.w4a16_mma import w4a16_mma
     fw, x, bias, ref = frag_case(k, n, group_size, zeros, m)
-    for cfg in (dict(), dict(block_n=64, block_k=128, split_k=3), dict(block_n=256, num_warps=8, split_k=8),
+    for cfg in (dict(), dict(block_n=64, block_k=128, split_k=3), dict(block_n=64, block_k=128, split_k=5),
+                dict(block_n=256, num_warps=8, split_k=8),
                 dict(split_k=2, one_launch=False), dict(block_n=64, block_k=128, split_k=2, wgmma=True),
                 dict(block_n=128, block_k=64, num_warps=8, split_k=3, one_launch=False, wgmma=True),
                 dict(block_n=128, block_k=128, num_warps=8, split_k=2, one_launch=False, wgmma=True),
@@ -273,7 +274,10 @@ def test_mma_config_rule_reproduces_the_sweep_winners():
         assert (select_mma_config(m, 3584, 37888, silu_mul=True).split_k, cfg(m, 3584, 37888)[2]) == (1, 1)
     assert cfg(1, 18944, 3584) == (64, 128, 16, True)                      # exp-mma-split16-h200.json
     assert cfg(16, 3584, 37888) == (64, 128, 1, True)
-    assert cfg(16, 18944, 3584) == (64, 128, 8, True)
+    # M = 9..16: 5 splits on short K, 12 on long K (exp-mma-splits-h200.json); M = 8 keeps the powers of two
+    assert [cfg(m, 18944, 3584)[2] for m in (8, 9, 16)] == [16, 12, 12]
+    assert [cfg(m, 3584, n)[2] for m in (8, 9, 16) for n in (4608, 3584)] == [8, 8, 5, 5, 5, 5]
+    assert cfg(9, 3584, 37888) == (64, 128, 1, True)
     assert cfg(64, 3584, 4608) == (128, 128, 8, False)
     assert select_mma_config(65, 3584, 4608) is None                       # dequantize + cuBLAS
     # wgmma (sm90) above M = 16: bench/results/exp-mma-wgmma-h200.json winners
