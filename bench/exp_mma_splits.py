@@ -36,12 +36,12 @@ def split_counts(iters: int, tiles: int, min_programs: int, max_programs: int) -
                    if min_programs <= tiles * s <= max_programs or (s == 1 and tiles >= min_programs)), reverse=True)
 
 
-def candidates(m: int, k: int, n: int, caps: list[int], min_programs: int, max_programs: int) -> list[dict]:
-    """Every split count with every register cap."""
-    bn, bk = 64, 128
-    iters, tiles = k // bk, -(-n // bn)
-    return [dict(block_n=bn, block_k=bk, split_k=s, num_warps=4, one_launch=True, max_regs=cap)
-            for s in split_counts(iters, tiles, min_programs, max_programs) for cap in caps]
+def candidates(m: int, k: int, n: int, caps: list[int], min_programs: int, max_programs: int,
+               block_ks: tuple[int, ...] = (128,)) -> list[dict]:
+    """Every split count with every register cap, 64-column tiles of 4 warps, K steps of each of block_ks rows."""
+    tiles = -(-n // 64)
+    return [dict(block_n=64, block_k=bk, split_k=s, num_warps=4, one_launch=True, max_regs=cap)
+            for bk in block_ks for s in split_counts(k // bk, tiles, min_programs, max_programs) for cap in caps]
 
 
 def main():
@@ -50,6 +50,7 @@ def main():
     ap.add_argument("--ms", default="1,8,16")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--caps", default="0,72,80", help="register caps a thread tried at M > 1 (0: none)")
+    ap.add_argument("--block-ks", default="128", help="K rows a step (128, 256)")
     ap.add_argument("--min-programs", type=int, default=200)
     ap.add_argument("--max-programs", type=int, default=1400)
     ap.add_argument("--confirm", type=int, default=3, help="best candidates re-timed in turn with the rule's")
@@ -69,7 +70,8 @@ def main():
             rule_cfg = dict(block_n=rule.block_n, block_k=rule.block_k, split_k=rule.split_k,
                             num_warps=rule.num_warps, one_launch=rule.one_launch, max_regs=rule.max_regs)
             caps = [0] if m == 1 else [int(c) for c in args.caps.split(",")]
-            cands = candidates(m, k, n, caps, args.min_programs, args.max_programs)
+            cands = candidates(m, k, n, caps, args.min_programs, args.max_programs,
+                               tuple(int(v) for v in args.block_ks.split(",")))
             swept = [checked_us(lambda f, **c: w4a16_mma(x, f, **c), fws, ref, c) for c in cands]
             ok = sorted((e for e in swept if "us" in e), key=lambda e: e["us"])
             calls = {"fp16": [lambda d=d: torch.mm(x, d) for d in dense],

@@ -167,7 +167,8 @@ def select_mma_config(m: int, k: int, n: int, wgmma: bool = False, silu_mul: boo
     elif m <= 16:
         # M = 9..16: 5 splits on short K, 12 on long K (the launcher's step counts: 6 and 13 steps a split), one on
         # very wide layers. qkv 7.3-7.7 against 7.6-8.1 us for the power of two, o 7.0 against 7.3, down 16.2-17.5
-        # against 17.6-18.8, at M = 12 and 16 (bench/results/exp-mma-splits-h200.json, three rounds in turn)
+        # against 17.6-18.8, at M = 12 and 16, three rounds in turn (bench/results/exp-mma-splits-h200.json and
+        # exp-mma-splits-depth-h200.json); M = 1..8 and gate_up: no split count or register cap beat the rule
         bn = 64
         split = (12 if k >= 8192 else 5) if -(-n // bn) * 2 <= _MMA_PROGRAMS else 1
         return MMAConfig(bn, 128, split, 4, True)
