@@ -51,6 +51,8 @@ def main():
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--caps", default="0,72,80", help="register caps a thread tried at M > 1 (0: none)")
     ap.add_argument("--block-ks", default="128", help="K rows a step (128, 256)")
+    ap.add_argument("--kw", default="", help="name=int,...: w4a16_mma keywords tried beside each candidate and the "
+                    "rule (e.g. x_bufs3=1)")
     ap.add_argument("--min-programs", type=int, default=200)
     ap.add_argument("--max-programs", type=int, default=1400)
     ap.add_argument("--confirm", type=int, default=3, help="best candidates re-timed in turn with the rule's")
@@ -72,11 +74,16 @@ def main():
             caps = [0] if m == 1 else [int(c) for c in args.caps.split(",")]
             cands = candidates(m, k, n, caps, args.min_programs, args.max_programs,
                                tuple(int(v) for v in args.block_ks.split(",")))
+            kw = {key: int(v) for key, v in (item.split("=") for item in filter(None, args.kw.split(",")))}
+            if kw and m > 1:
+                cands += [dict(c, **kw) for c in cands]
             swept = [checked_us(lambda f, **c: w4a16_mma(x, f, **c), fws, ref, c) for c in cands]
             ok = sorted((e for e in swept if "us" in e), key=lambda e: e["us"])
             calls = {"fp16": [lambda d=d: torch.mm(x, d) for d in dense],
                      "dispatcher": [lambda f=f: w4a16_forward(x, f) for f in fws],
                      "rule": [lambda f=f: w4a16_mma(x, f, **rule_cfg) for f in fws]}
+            if kw and m > 1:
+                calls["rule+kw"] = [lambda f=f: w4a16_mma(x, f, **rule_cfg, **kw) for f in fws]
             for i, e in enumerate(ok[:args.confirm]):
                 calls[f"cand{i}"] = [lambda f=f, c=e["config"]: w4a16_mma(x, f, **c) for f in fws]
             runs = alternating_us(calls)
@@ -87,6 +94,7 @@ def main():
             out["points"].append(point)
             best = min((key for key in med if key.startswith("cand")), key=med.get, default=None)
             print(f"{name:8s} M={m:3d} fp16 {med['fp16']:6.2f} disp {med['dispatcher']:6.2f} rule {med['rule']:6.2f} "
+                  f"rule+kw {med.get('rule+kw', float('nan')):6.2f} "
                   f"best {med.get(best, float('nan')):6.2f} {point['confirm_configs'].get(best)} "
                   f"({len(ok)}/{len(cands)} ok, {time.time() - t0:.0f} s)", flush=True)
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)

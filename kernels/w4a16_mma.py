@@ -97,6 +97,19 @@ def _mma_one(acc, p, x_ptrs, m_mask, k_row, x_smem, xi, k0, K, n_lo, n_hi, HAS_Z
 
 
 @gluon.jit
+def _buf_step(acc, p, it, it0, it1, x_use, x_fill, x_ptrs, m_mask, k_row, K, n_lo, n_hi, HAS_ZEROS: gl.constexpr,
+              EVEN_K: gl.constexpr, SCALE_AFTER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              BLOCK_K: gl.constexpr, A_L: gl.constexpr, B_L: gl.constexpr):
+    """Step it of the M > 1 loop over three x buffers: x(it) in x_use (copied two steps ahead), the copy of
+    x(it + 2) issued into x_fill (read by step it - 1), then _mma_one with the step's weights p."""
+    async_copy.wait_group(1)      # x(it) landed, x(it + 1) may still fly
+    _cta_barrier()                # every thread's part of x(it); every thread done reading x(it - 1)
+    _x_copy(x_fill, x_ptrs + gl.minimum(it + 2, it1 - 1) * BLOCK_K, m_mask)
+    return _mma_one(acc, p, x_ptrs, m_mask, k_row, x_use, it - it0, it * BLOCK_K, K, n_lo, n_hi, HAS_ZEROS, EVEN_K,
+                    True, 0, SCALE_AFTER, BLOCK_M, BLOCK_N, BLOCK_K, A_L, B_L)
+
+
+@gluon.jit
 def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias_ptr, r_ptr, ss_ptr, g_ptr, eps,
                       ss_count, ml_ptr, sl_ptr, vs_ptr, vs_val, M, N, K, KP, stride_xm,
                       stride_om, stride_sg, stride_zg, iters_per_split, n_splits, HAS_BIAS: gl.constexpr,
@@ -156,10 +169,12 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
                            A_L, A_SMEM)
     else:
         if X_SMEM:
-            # several rows: x tiles by cp.async into a ring of three, two steps ahead of their use, so no step waits
+            # several rows: x tiles by cp.async into three buffers, two steps ahead of their use, so no step waits
             # for its x behind the weight misses (x's rows 16-byte aligned, K the packed length: w4a16_mma pads)
-            x_ring = gl.allocate_shared_memory(gl.float16, [3, BLOCK_M, BLOCK_K], gl.SwizzledSharedLayout(
-                vec=8, per_phase=1, max_phase=8, order=[1, 0]))
+            XS: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
+            x_buf0 = gl.allocate_shared_memory(gl.float16, [BLOCK_M, BLOCK_K], XS)
+            x_buf1 = gl.allocate_shared_memory(gl.float16, [BLOCK_M, BLOCK_K], XS)
+            x_buf2 = gl.allocate_shared_memory(gl.float16, [BLOCK_M, BLOCK_K], XS)
         if X_STEPS > 0:
             x_flat = gl.allocate_shared_memory(gl.float16, [X_STEPS * BLOCK_K], _ROW1)
         # the weight loads of a step (words, scales, zero points; DRAM) are issued one step ahead of their use, so
@@ -213,8 +228,8 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
                 _cta_barrier()
             x_smem = _x_rows(x_flat, X_STEPS, BLOCK_K)
         if X_SMEM:
-            _x_copy(x_ring.index(0), x_ptrs + it0 * BLOCK_K, m_mask)
-            _x_copy(x_ring.index(1), x_ptrs + gl.minimum(it0 + 1, it1 - 1) * BLOCK_K, m_mask)
+            _x_copy(x_buf0, x_ptrs + it0 * BLOCK_K, m_mask)
+            _x_copy(x_buf1, x_ptrs + gl.minimum(it0 + 1, it1 - 1) * BLOCK_K, m_mask)
         if PRELOAD:
             # the whole split (at most four steps) came before the wait
             acc = _mma_one(acc, cur, x_ptrs, m_mask, k_row, x_smem, 0, it0 * BLOCK_K, K, n_lo, n_hi, HAS_ZEROS,
@@ -228,18 +243,35 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
             if it0 + 3 < it1:
                 acc = _mma_one(acc, p3, x_ptrs, m_mask, k_row, x_smem, 3, (it0 + 3) * BLOCK_K, K, n_lo, n_hi,
                                HAS_ZEROS, EVEN_K, X_SMEM, X_STEPS, SCALE_AFTER, BLOCK_M, BLOCK_N, BLOCK_K, A_L, B_L)
+        elif X_SMEM:
+            # M > 1: x tiles copied two steps ahead into three buffers of their own, the loop unrolled three times,
+            # so that Triton's membar analysis tells the buffer a copy fills from the one the step reads: one CTA
+            # barrier a step, not two (a ring of three indexed by step: gate_up at M = 2..16 3-4% slower,
+            # bench/results/exp-mma-bufs3-h200.json)
+            for it in range(it0, it1, 3):
+                nxt = _mma_load(gl.minimum(it + 1, it1 - 1), w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
+                                s_rows, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, SCALE_AFTER, BLOCK_K)
+                acc = _buf_step(acc, cur, it, it0, it1, x_buf0, x_buf2, x_ptrs, m_mask, k_row, K, n_lo, n_hi,
+                                HAS_ZEROS, EVEN_K, SCALE_AFTER, BLOCK_M, BLOCK_N, BLOCK_K, A_L, B_L)
+                cur = nxt
+                if it + 1 < it1:
+                    nxt = _mma_load(gl.minimum(it + 2, it1 - 1), w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi,
+                                    k_in, s_rows, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, SCALE_AFTER, BLOCK_K)
+                    acc = _buf_step(acc, cur, it + 1, it0, it1, x_buf1, x_buf0, x_ptrs, m_mask, k_row, K, n_lo, n_hi,
+                                    HAS_ZEROS, EVEN_K, SCALE_AFTER, BLOCK_M, BLOCK_N, BLOCK_K, A_L, B_L)
+                    cur = nxt
+                if it + 2 < it1:
+                    nxt = _mma_load(gl.minimum(it + 3, it1 - 1), w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi,
+                                    k_in, s_rows, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, SCALE_AFTER, BLOCK_K)
+                    acc = _buf_step(acc, cur, it + 2, it0, it1, x_buf2, x_buf1, x_ptrs, m_mask, k_row, K, n_lo, n_hi,
+                                    HAS_ZEROS, EVEN_K, SCALE_AFTER, BLOCK_M, BLOCK_N, BLOCK_K, A_L, B_L)
+                    cur = nxt
         else:
             for it in range(it0, it1):
                 nxt = _mma_load(gl.minimum(it + 1, it1 - 1), w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
                                 s_rows, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, SCALE_AFTER, BLOCK_K)
-                if X_SMEM:
-                    async_copy.wait_group(1)      # x(it) landed, x(it + 1) may still fly
-                    _cta_barrier()            # every thread's part of x(it); every thread done reading x(it - 1)
-                    _x_copy(x_ring.index((it - it0 + 2) % 3), x_ptrs + gl.minimum(it + 2, it1 - 1) * BLOCK_K,
-                            m_mask)
-                    x_smem = x_ring.index((it - it0) % 3)
-                acc = _mma_one(acc, cur, x_ptrs, m_mask, k_row, x_smem if X_SMEM or X_STEPS > 0 else 0, it - it0,
-                               it * BLOCK_K, K, n_lo, n_hi, HAS_ZEROS, EVEN_K, X_SMEM, X_STEPS, SCALE_AFTER, BLOCK_M,
+                acc = _mma_one(acc, cur, x_ptrs, m_mask, k_row, x_smem if X_STEPS > 0 else 0, it - it0,
+                               it * BLOCK_K, K, n_lo, n_hi, HAS_ZEROS, EVEN_K, False, X_STEPS, SCALE_AFTER, BLOCK_M,
                                BLOCK_N, BLOCK_K, A_L, B_L)
                 cur = nxt
         if X_SMEM:

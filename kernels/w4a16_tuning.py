@@ -149,8 +149,11 @@ def select_mma_config(m: int, k: int, n: int, wgmma: bool = False, silu_mul: boo
     if m > MMA_MAX_M:
         return None
     if m <= 8:
-        if k >= 8192:                     # long K, few columns (down): 16 splits of 128-row steps
-            return MMAConfig(64, 128, 16, 4, True)
+        if k >= 8192:
+            # long K, few columns (down): 16 splits of 128-row steps at M = 1; 14 at M = 2..8, where the x
+            # buffers' 73 registers leave 6 programs an SM (down 13.1-13.9 us against 14.2-14.9 for the old ring
+            # at 16, whose 15 splits would take a second wave: bench/results/exp-mma-bufs3-h200.json)
+            return MMAConfig(64, 128, 16 if m == 1 else 14, 4, True)
         if n >= 16384:
             # M = 1: two splits (the SwiGLU gate_up's in the decode step: step 1.831 against 1.875 ms for 128 x 2,
             # 1.970 for one split, 1.893-1.905 for three or four, bench/results/exp-m1-splits-h200.json), their

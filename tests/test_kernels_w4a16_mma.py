@@ -275,7 +275,7 @@ def test_mma_config_rule_reproduces_the_sweep_winners():
     assert cfg(1, 18944, 3584) == (64, 128, 16, True)                      # exp-mma-split16-h200.json
     assert cfg(16, 3584, 37888) == (64, 128, 1, True)
     # M = 9..16: 5 splits on short K, 12 on long K (exp-mma-splits-h200.json); M = 8 keeps the powers of two
-    assert [cfg(m, 18944, 3584)[2] for m in (8, 9, 16)] == [16, 12, 12]
+    assert [cfg(m, 18944, 3584)[2] for m in (2, 8, 9, 16)] == [14, 14, 12, 12]      # exp-mma-bufs3-h200.json
     assert [cfg(m, 3584, n)[2] for m in (8, 9, 16) for n in (4608, 3584)] == [8, 8, 5, 5, 5, 5]
     assert cfg(9, 3584, 37888) == (64, 128, 1, True)
     assert cfg(64, 3584, 4608) == (128, 128, 8, False)
