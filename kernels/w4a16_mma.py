@@ -97,16 +97,21 @@ def _mma_one(acc, p, x_ptrs, m_mask, k_row, x_smem, xi, k0, K, n_lo, n_hi, HAS_Z
 
 
 @gluon.jit
-def _buf_step(acc, p, it, it0, it1, x_use, x_fill, x_ptrs, m_mask, k_row, K, n_lo, n_hi, HAS_ZEROS: gl.constexpr,
-              EVEN_K: gl.constexpr, SCALE_AFTER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              BLOCK_K: gl.constexpr, A_L: gl.constexpr, B_L: gl.constexpr):
-    """Step it of the M > 1 loop over three x buffers: x(it) in x_use (copied two steps ahead), the copy of
-    x(it + 2) issued into x_fill (read by step it - 1), then _mma_one with the step's weights p."""
+def _buf_step(acc, p, it, it0, it1, x_use, x_fill, x_ptrs, m_mask, k_row, K, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo,
+              n_hi, k_in, s_rows, stride_sg, stride_zg, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr,
+              EVEN_N: gl.constexpr, EVEN_K: gl.constexpr, SCALE_AFTER: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, A_L: gl.constexpr, B_L: gl.constexpr):
+    """Step it of the M > 1 loop over three x buffers with its weights p: the next step's weight loads issued,
+    x(it) in x_use (copied two steps ahead), the copy of x(it + 2) issued into x_fill (read by step it - 1), then
+    _mma_one. -> (acc, the next step's weights)."""
+    nxt = _mma_load(gl.minimum(it + 1, it1 - 1), w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, s_rows,
+                    stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, SCALE_AFTER, BLOCK_K)
     async_copy.wait_group(1)      # x(it) landed, x(it + 1) may still fly
     _cta_barrier()                # every thread's part of x(it); every thread done reading x(it - 1)
     _x_copy(x_fill, x_ptrs + gl.minimum(it + 2, it1 - 1) * BLOCK_K, m_mask)
-    return _mma_one(acc, p, x_ptrs, m_mask, k_row, x_use, it - it0, it * BLOCK_K, K, n_lo, n_hi, HAS_ZEROS, EVEN_K,
-                    True, 0, SCALE_AFTER, BLOCK_M, BLOCK_N, BLOCK_K, A_L, B_L)
+    acc = _mma_one(acc, p, x_ptrs, m_mask, k_row, x_use, it - it0, it * BLOCK_K, K, n_lo, n_hi, HAS_ZEROS, EVEN_K,
+                   True, 0, SCALE_AFTER, BLOCK_M, BLOCK_N, BLOCK_K, A_L, B_L)
+    return acc, nxt
 
 
 @gluon.jit
@@ -249,23 +254,19 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
             # barrier a step, not two (a ring of three indexed by step: gate_up at M = 2..16 3-4% slower,
             # bench/results/exp-mma-bufs3-h200.json)
             for it in range(it0, it1, 3):
-                nxt = _mma_load(gl.minimum(it + 1, it1 - 1), w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
-                                s_rows, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, SCALE_AFTER, BLOCK_K)
-                acc = _buf_step(acc, cur, it, it0, it1, x_buf0, x_buf2, x_ptrs, m_mask, k_row, K, n_lo, n_hi,
-                                HAS_ZEROS, EVEN_K, SCALE_AFTER, BLOCK_M, BLOCK_N, BLOCK_K, A_L, B_L)
-                cur = nxt
+                acc, cur = _buf_step(acc, cur, it, it0, it1, x_buf0, x_buf2, x_ptrs, m_mask, k_row, K, w_ptr, s_ptr,
+                                     z_ptr, offs, w_mask, n_lo, n_hi, k_in, s_rows, stride_sg, stride_zg, GROUP,
+                                     HAS_ZEROS, EVEN_N, EVEN_K, SCALE_AFTER, BLOCK_M, BLOCK_N, BLOCK_K, A_L, B_L)
                 if it + 1 < it1:
-                    nxt = _mma_load(gl.minimum(it + 2, it1 - 1), w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi,
-                                    k_in, s_rows, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, SCALE_AFTER, BLOCK_K)
-                    acc = _buf_step(acc, cur, it + 1, it0, it1, x_buf1, x_buf0, x_ptrs, m_mask, k_row, K, n_lo, n_hi,
-                                    HAS_ZEROS, EVEN_K, SCALE_AFTER, BLOCK_M, BLOCK_N, BLOCK_K, A_L, B_L)
-                    cur = nxt
+                    acc, cur = _buf_step(acc, cur, it + 1, it0, it1, x_buf1, x_buf0, x_ptrs, m_mask, k_row, K, w_ptr,
+                                         s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, s_rows, stride_sg, stride_zg,
+                                         GROUP, HAS_ZEROS, EVEN_N, EVEN_K, SCALE_AFTER, BLOCK_M, BLOCK_N, BLOCK_K, A_L,
+                                         B_L)
                 if it + 2 < it1:
-                    nxt = _mma_load(gl.minimum(it + 3, it1 - 1), w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi,
-                                    k_in, s_rows, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, SCALE_AFTER, BLOCK_K)
-                    acc = _buf_step(acc, cur, it + 2, it0, it1, x_buf2, x_buf1, x_ptrs, m_mask, k_row, K, n_lo, n_hi,
-                                    HAS_ZEROS, EVEN_K, SCALE_AFTER, BLOCK_M, BLOCK_N, BLOCK_K, A_L, B_L)
-                    cur = nxt
+                    acc, cur = _buf_step(acc, cur, it + 2, it0, it1, x_buf2, x_buf1, x_ptrs, m_mask, k_row, K, w_ptr,
+                                         s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, s_rows, stride_sg, stride_zg,
+                                         GROUP, HAS_ZEROS, EVEN_N, EVEN_K, SCALE_AFTER, BLOCK_M, BLOCK_N, BLOCK_K, A_L,
+                                         B_L)
         else:
             for it in range(it0, it1):
                 nxt = _mma_load(gl.minimum(it + 1, it1 - 1), w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
