@@ -379,7 +379,7 @@ def _compile_sm90(kernel, signature: dict, constexprs: dict, num_warps: int, max
             "stg128": "STG.E.128" in sass, "stsm": "STSM" in sass, "setmaxnreg": "USETMAXREG" in sass,
             "l2_prefetch": "CCTL.E.PF2" in sass,
             "wide_loads_before_wait": sass.split("ACQBULK")[0].count("LDG.E.128") if "ACQBULK" in sass else -1,
-            "loads_ahead_in_loop": loads_ahead_in_loop(sass)}
+            "loads_ahead_in_loop": loads_ahead_in_loop(sass), "loop_hmma_bar": loop_hmma_bar(sass)}
 
 
 def loads_ahead_in_loop(sass: str) -> int:
@@ -392,6 +392,20 @@ def loads_ahead_in_loop(sass: str) -> int:
         return -1
     head = max((i for i in range(first) if " BRA " in lines[i]), default=0)
     return sum("LDG.E.128" in line for line in lines[head:first])
+
+
+def loop_hmma_bar(sass: str) -> tuple[int, int]:
+    """(MMAs, CTA barriers) in the loop (the backward branch's body) that holds the most MMAs."""
+    import re
+    lines = [line for line in sass.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", line)]
+    addr = [int(re.search(r"/\*([0-9a-f]{4,})\*/", line).group(1), 16) for line in lines]
+    best = (0, 0)
+    for i, line in enumerate(lines):
+        jump = re.search(r" BRA (0x[0-9a-f]+)", line)
+        if jump and int(jump.group(1), 16) < addr[i]:
+            body = [x for x, a in zip(lines, addr) if int(jump.group(1), 16) <= a <= addr[i]]
+            best = max(best, (sum("HMMA" in x for x in body), sum("BAR.SYNC" in x for x in body)))
+    return best
 
 
 COMPILE_CASES = [(1, 3584, 37888), (1, 18944, 3584), (16, 3584, 4608), (64, 3584, 3584)]
@@ -470,6 +484,9 @@ def test_gluon_kernels_compile_for_sm90_without_spills():
     for m, k, n in COMPILE_CASES:
         r = res[f"{m}-{k}-{n}"]
         assert r["hmma"] and r["stack"] == 0 and r["ldsm"], (m, k, n, r)
+    # M > 1: one CTA barrier a step (16 MMAs a step at 16 rows), not two (x's tiles in three buffers of their own)
+    hmma, bars = res["16-3584-4608"]["loop_hmma_bar"]
+    assert hmma and hmma == 16 * bars, (hmma, bars)
     for m, bn, bk, nw in WGMMA_CASES:
         r = res[f"wgmma-{m}-{bn}-{bk}-{nw}"]
         assert r["hgmma"] and r["stack"] == 0 and not r["ldsm"], (m, bn, bk, nw, r)
