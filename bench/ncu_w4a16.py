@@ -6,9 +6,14 @@ counters as JSON. Needs a machine where ncu reads the hardware counters.
     PYTHONPATH=. python bench/ncu_w4a16.py --out bench/results/ncu-w4a16-h200.json [--cases 'gate_up:64:tma:2,256,64;qkv:1:ours']
 
 A case is layer:M:path[:consumers,block_n,block_m[,overlap]]: path `fp16` (cuBLAS), `ours` (the dispatcher) or
-`tma` (kernels/w4a16_tma.py with that tile).
+`tma` (kernels/w4a16_tma.py with that tile). --source: where in the code the warps wait instead (the source
+counters' stall samples by SASS line): each kernel's stall shares by reason and its most-sampled lines, e.g.
+
+    PYTHONPATH=. python bench/ncu_w4a16.py --source --cases 'gate_up:16:ours;gate_up:8:ours' \
+        --out bench/results/ncu-m16-source-h200.json
 """
 import argparse
+import collections
 import csv
 import glob
 import io
@@ -17,6 +22,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -86,17 +92,66 @@ def parse(text: str) -> list[dict]:
     return [kernels[i] for i in sorted(kernels, key=int)]
 
 
+def summarize_source(source_csv: str, top: int) -> list[dict]:
+    """ncu's --page source --csv output (a block a kernel, in launch order) -> per kernel: stall shares by reason
+    (% of all samples) and the `top` most-sampled SASS lines with their reasons (5 samples or more)."""
+    out = []
+    for block in source_csv.split('"Kernel Name"')[1:]:
+        lines = block.splitlines()
+        table = list(csv.reader(io.StringIO("\n".join(lines[1:]))))
+        head, rows = table[0], [r for r in table[1:] if len(r) == len(table[0])]
+        col = {h: i for i, h in enumerate(head)}
+        reasons = [h for h in head if h.startswith("stall_") and "Not Issued" not in h]
+        shares = collections.Counter()
+        for r in rows:
+            for h in reasons:
+                shares[h[6:]] += float(r[col[h]] or 0)
+        total = sum(shares.values()) or 1.0
+        samples = "Warp Stall Sampling (All Samples)"
+        ranked = sorted(rows, key=lambda r: -float(r[col[samples]] or 0))[:top]
+        out.append({"kernel": lines[0].strip(',"'), "samples": total,
+                    "stall_share_pct": {k: round(v / total * 100, 1) for k, v in shares.most_common() if v},
+                    "top_lines": [{"sass": r[col["Source"]].strip(),
+                                   "share_pct": round(float(r[col[samples]] or 0) / total * 100, 1),
+                                   "reasons": {h[6:]: float(r[col[h]]) for h in reasons if float(r[col[h]] or 0) >= 5}}
+                                  for r in ranked]})
+    return out
+
+
+def profile_source(ncu: str, cases: str, top: int) -> list[dict]:
+    """The cases under the source counters (a report file, exported by SASS line, then deleted)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([ncu, "--profile-from-start", "off", "--section", "SourceCounters", "--section",
+                        "WarpStateStats", "-o", f"{tmp}/rep", sys.executable, __file__, "--worker", "--cases", cases],
+                       check=True, env=dict(os.environ, TRITON_INTERPRET="0"))
+        source = subprocess.run([ncu, "-i", f"{tmp}/rep.ncu-rep", "--page", "source", "--csv", "--print-source",
+                                 "sass"], check=True, capture_output=True, text=True).stdout
+    return summarize_source(source, top)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/ncu-w4a16-h200.json")
     ap.add_argument("--cases", default=";".join(CASES), help="cases separated by ';'")
     ap.add_argument("--raw", default="", help="also write ncu's CSV here")
     ap.add_argument("--worker", action="store_true")
+    ap.add_argument("--source", action="store_true", help="stall samples by SASS line instead of the sections")
+    ap.add_argument("--top", type=int, default=10, help="--source: most-sampled lines kept a kernel")
     args = ap.parse_args()
     cases = args.cases.split(";")
     if args.worker:
         return run_cases(cases)
     ncu = shutil.which("ncu") or max(glob.glob("/opt/nvidia/nsight-compute/*/ncu"), default="ncu")
+    if args.source:
+        import torch
+        version = subprocess.run([ncu, "--version"], capture_output=True, text=True).stdout.strip().splitlines()
+        result = {"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(), "ncu": version[-1:],
+                  "cases": cases, "kernels": profile_source(ncu, args.cases, args.top)}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+        for k in result["kernels"]:
+            print(k["kernel"][:40], k["stall_share_pct"], flush=True)
+        return
     cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off", "--nvtx", "--csv", "--page", "details",
            *[a for s in SECTIONS for a in ("--section", s)], "--metrics", ",".join(METRICS),
            sys.executable, __file__, "--worker", "--cases", args.cases]

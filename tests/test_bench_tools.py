@@ -1,0 +1,25 @@
+"""The profiling scripts' parsers (bench/): what they write into bench/results must follow from ncu's output."""
+from bench.ncu_w4a16 import summarize_source
+
+HEAD = ('"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)",'
+        '"stall_barrier","stall_long_sb","stall_wait","stall_barrier (Not Issued)"')
+
+
+def test_source_counters_summary_by_kernel_reason_and_line():
+    # two kernels as ncu --page source --csv prints them: a header line naming the kernel, then the table
+    csv_text = "\n".join([
+        '"Kernel Name","_w4a16_mma_kernel",', HEAD,
+        '"0x10","  LDG.E.128 R20, [R2.64]","6","6","0","6","0","0"',
+        '"0x20","  BAR.SYNC.DEFER_BLOCKING 0x0","30","30","28","0","2","28"',
+        '"0x30","  HMMA.16816.F32 R12, R36, R28, R12","4","1","0","0","4","0"',
+        '"Kernel Name","_sk_reduce_kernel",', HEAD,
+        '"0x10","  LDG.E R3, [R4.64]","10","10","0","10","0","0"',
+    ])
+    first, second = summarize_source(csv_text, top=2)
+    assert first["kernel"] == "_w4a16_mma_kernel" and second["kernel"] == "_sk_reduce_kernel"
+    assert first["samples"] == 40
+    assert first["stall_share_pct"] == {"barrier": 70.0, "long_sb": 15.0, "wait": 15.0}   # "Not Issued" not counted
+    assert [line["sass"] for line in first["top_lines"]] == ["BAR.SYNC.DEFER_BLOCKING 0x0", "LDG.E.128 R20, [R2.64]"]
+    assert first["top_lines"][0] == {"sass": "BAR.SYNC.DEFER_BLOCKING 0x0", "share_pct": 75.0,
+                                     "reasons": {"barrier": 28.0}}                       # reasons of 5 samples or more
+    assert second["stall_share_pct"] == {"long_sb": 100.0}
