@@ -12,16 +12,16 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from kernels.attention_merge import DecodePartials, _live_splits, _merged_x, merge_args
 from kernels.norm_act import silu_and_mul
 from kernels.pdl import gl_pdl_start, gl_pdl_wait, launch_options, pdl_enabled
 from kernels.w4a16_fold import FoldedNorm, _rms_normed, _write_residual
 from kernels.w4a16_frag import FragWeights, pick_block_k
+from kernels.w4a16_mma_steps import _load_at, _mma_load, _mma_one, _ring_steps, _step_ptrs
 from kernels.w4a16_splitk import launch_splitk_reduce, split_buffers
-from kernels.w4a16_tiles import _dequant_step, _load_step, _tile_words, mma_layout, swiglu_tile
-from kernels.w4a16_wgmma import _cta_barrier, _wgmma_steps, _x_copy
+from kernels.w4a16_tiles import _tile_words, mma_layout, swiglu_tile
+from kernels.w4a16_wgmma import _cta_barrier, _wgmma_steps
 _ROW1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
 _QUADS: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
 
@@ -45,73 +45,6 @@ else:                                                           # 3.6
     def _x_quads(flat, QUADS: gl.constexpr):
         """The flat staged x [4 QUADS] as [QUADS, 4], row-major: where the attention merge stores it."""
         return flat._reinterpret(gl.float16, [QUADS, 4], _QUADS)
-
-
-@gluon.jit
-def _mma_load(it, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, s_rows, stride_sg, stride_zg,
-              GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, EVEN_N: gl.constexpr, SCALE_AFTER: gl.constexpr,
-              BLOCK_K: gl.constexpr):
-    """Step it's weight loads for the mma.sync loop; SCALE_AFTER: the step's scales in the accumulator's rows."""
-    k0 = it * BLOCK_K
-    if SCALE_AFTER:
-        words, s_lo, s_hi, z_lo, z_hi = _load_step(k0, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
-                                                   stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, False)
-        s_lo = gl.load(s_ptr + (k0 // GROUP) * stride_sg + s_rows)
-    else:
-        words, s_lo, s_hi, z_lo, z_hi = _load_step(k0, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
-                                                   stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N)
-    return words, s_lo, s_hi, z_lo, z_hi
-
-
-@gluon.jit
-def _mma_one(acc, p, x_ptrs, m_mask, k_row, x_smem, xi, k0, K, n_lo, n_hi, HAS_ZEROS: gl.constexpr,
-             EVEN_K: gl.constexpr, X_SMEM: gl.constexpr, X_STEPS: gl.constexpr, SCALE_AFTER: gl.constexpr,
-             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, A_L: gl.constexpr,
-             B_L: gl.constexpr):
-    """One mma.sync step: x's tile at k0 (cache-resident; X_STEPS: row xi of the split's x in shared memory;
-    X_SMEM: x_smem holds the step's tile, copied ahead), the dequantized weights of p, acc += W^T x^T.
-    SCALE_AFTER (the step inside one scale group): the MMA sums (q - z) x, exact products, and the step's
-    partial is scaled per row in fp32: 4 fewer instructions per 8 weights than scaling each weight."""
-    words, s_lo, s_hi, z_lo, z_hi = p
-    if X_STEPS == 0 and not X_SMEM:
-        if EVEN_K:
-            xt = gl.load(x_ptrs + k0, mask=m_mask, other=0.0)
-        else:
-            xt = gl.load(x_ptrs + k0, mask=m_mask & (k_row + k0 < K), other=0.0)
-    if SCALE_AFTER:
-        a = _dequant_step(words, s_lo, s_hi, z_lo, z_hi, n_lo, n_hi, HAS_ZEROS, BLOCK_N, BLOCK_K, A_L, False)
-    else:
-        a = _dequant_step(words, s_lo, s_hi, z_lo, z_hi, n_lo, n_hi, HAS_ZEROS, BLOCK_N, BLOCK_K, A_L)
-    if X_STEPS > 0:
-        # one row of x: every column of the B fragment holds it (the extra output columns are never stored)
-        xb = x_smem.index(xi).load(gl.SliceLayout(1, B_L))[:, None].broadcast_to([BLOCK_K, BLOCK_M])
-    elif X_SMEM:
-        xb = x_smem.permute((1, 0)).load(B_L)
-    else:
-        xb = xt
-    if SCALE_AFTER:
-        acc += mma_v2(a, xb, gl.zeros_like(acc)) * s_lo.to(gl.float32)[:, None]
-    else:
-        acc = mma_v2(a, xb, acc)
-    return acc
-
-
-@gluon.jit
-def _buf_step(acc, p, it, it0, it1, x_use, x_fill, x_ptrs, m_mask, k_row, K, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo,
-              n_hi, k_in, s_rows, stride_sg, stride_zg, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr,
-              EVEN_N: gl.constexpr, EVEN_K: gl.constexpr, SCALE_AFTER: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, A_L: gl.constexpr, B_L: gl.constexpr):
-    """Step it of the M > 1 loop over three x buffers with its weights p: the next step's weight loads issued,
-    x(it) in x_use (copied two steps ahead), the copy of x(it + 2) issued into x_fill (read by step it - 1), then
-    _mma_one. -> (acc, the next step's weights)."""
-    nxt = _mma_load(gl.minimum(it + 1, it1 - 1), w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, s_rows,
-                    stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, SCALE_AFTER, BLOCK_K)
-    async_copy.wait_group(1)      # x(it) landed, x(it + 1) may still fly
-    _cta_barrier()                # every thread's part of x(it); every thread done reading x(it - 1)
-    _x_copy(x_fill, x_ptrs + gl.minimum(it + 2, it1 - 1) * BLOCK_K, m_mask)
-    acc = _mma_one(acc, p, x_ptrs, m_mask, k_row, x_use, it - it0, it * BLOCK_K, K, n_lo, n_hi, HAS_ZEROS, EVEN_K,
-                   True, 0, SCALE_AFTER, BLOCK_M, BLOCK_N, BLOCK_K, A_L, B_L)
-    return acc, nxt
 
 
 @gluon.jit
@@ -173,13 +106,6 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
                            stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, PDL, BLOCK_M, BLOCK_N, BLOCK_K,
                            A_L, A_SMEM)
     else:
-        if X_SMEM:
-            # several rows: x tiles by cp.async into three buffers, two steps ahead of their use, so no step waits
-            # for its x behind the weight misses (x's rows 16-byte aligned, K the packed length: w4a16_mma pads)
-            XS: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
-            x_buf0 = gl.allocate_shared_memory(gl.float16, [BLOCK_M, BLOCK_K], XS)
-            x_buf1 = gl.allocate_shared_memory(gl.float16, [BLOCK_M, BLOCK_K], XS)
-            x_buf2 = gl.allocate_shared_memory(gl.float16, [BLOCK_M, BLOCK_K], XS)
         if X_STEPS > 0:
             x_flat = gl.allocate_shared_memory(gl.float16, [X_STEPS * BLOCK_K], _ROW1)
         # the weight loads of a step (words, scales, zero points; DRAM) are issued one step ahead of their use, so
@@ -193,8 +119,14 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
             s_rows = pid_n * BLOCK_N + s_rows
         if not EVEN_N:
             s_rows = gl.minimum(s_rows, N - 1)
-        cur = _mma_load(it0, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, s_rows, stride_sg, stride_zg,
-                        GROUP, HAS_ZEROS, EVEN_N, SCALE_AFTER, BLOCK_K)
+        q = 0
+        if X_SMEM and BLOCK_M <= 32:      # the loop carries the pointers of its loads (_ring_steps)
+            q = _step_ptrs(it0 * BLOCK_K, w_ptr, s_ptr, z_ptr, offs, n_lo, n_hi, k_in, s_rows, stride_sg, stride_zg,
+                           GROUP, HAS_ZEROS, SCALE_AFTER)
+            cur = _load_at(q, w_mask, HAS_ZEROS, EVEN_N, SCALE_AFTER)
+        else:
+            cur = _mma_load(it0, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, s_rows, stride_sg, stride_zg,
+                            GROUP, HAS_ZEROS, EVEN_N, SCALE_AFTER, BLOCK_K)
         if PRELOAD:
             # a split of at most four steps (qkv and o at M = 1): all its weights are requested before the wait,
             # while the previous kernel finishes (batch-1 step -1.2%, bench/NOTES-kernels.md entry 23; the first
@@ -232,9 +164,6 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
             if X_ONCE:
                 _cta_barrier()
             x_smem = _x_rows(x_flat, X_STEPS, BLOCK_K)
-        if X_SMEM:
-            _x_copy(x_buf0, x_ptrs + it0 * BLOCK_K, m_mask)
-            _x_copy(x_buf1, x_ptrs + gl.minimum(it0 + 1, it1 - 1) * BLOCK_K, m_mask)
         if PRELOAD:
             # the whole split (at most four steps) came before the wait
             acc = _mma_one(acc, cur, x_ptrs, m_mask, k_row, x_smem, 0, it0 * BLOCK_K, K, n_lo, n_hi, HAS_ZEROS,
@@ -249,24 +178,9 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
                 acc = _mma_one(acc, p3, x_ptrs, m_mask, k_row, x_smem, 3, (it0 + 3) * BLOCK_K, K, n_lo, n_hi,
                                HAS_ZEROS, EVEN_K, X_SMEM, X_STEPS, SCALE_AFTER, BLOCK_M, BLOCK_N, BLOCK_K, A_L, B_L)
         elif X_SMEM:
-            # M > 1: x tiles copied two steps ahead into three buffers of their own, the loop unrolled three times,
-            # so that Triton's membar analysis tells the buffer a copy fills from the one the step reads: one CTA
-            # barrier a step, not two (a ring of three indexed by step: gate_up at M = 2..16 3-4% slower,
-            # bench/results/exp-mma-bufs3-h200.json)
-            for it in range(it0, it1, 3):
-                acc, cur = _buf_step(acc, cur, it, it0, it1, x_buf0, x_buf2, x_ptrs, m_mask, k_row, K, w_ptr, s_ptr,
-                                     z_ptr, offs, w_mask, n_lo, n_hi, k_in, s_rows, stride_sg, stride_zg, GROUP,
-                                     HAS_ZEROS, EVEN_N, EVEN_K, SCALE_AFTER, BLOCK_M, BLOCK_N, BLOCK_K, A_L, B_L)
-                if it + 1 < it1:
-                    acc, cur = _buf_step(acc, cur, it + 1, it0, it1, x_buf1, x_buf0, x_ptrs, m_mask, k_row, K, w_ptr,
-                                         s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, s_rows, stride_sg, stride_zg,
-                                         GROUP, HAS_ZEROS, EVEN_N, EVEN_K, SCALE_AFTER, BLOCK_M, BLOCK_N, BLOCK_K, A_L,
-                                         B_L)
-                if it + 2 < it1:
-                    acc, cur = _buf_step(acc, cur, it + 2, it0, it1, x_buf2, x_buf1, x_ptrs, m_mask, k_row, K, w_ptr,
-                                         s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, s_rows, stride_sg, stride_zg,
-                                         GROUP, HAS_ZEROS, EVEN_N, EVEN_K, SCALE_AFTER, BLOCK_M, BLOCK_N, BLOCK_K, A_L,
-                                         B_L)
+            acc = _ring_steps(acc, cur, q, x_ptrs, m_mask, it0, it1, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi,
+                              k_in, s_rows, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, SCALE_AFTER, BLOCK_M,
+                              BLOCK_N, BLOCK_K, A_L, B_L)
         else:
             for it in range(it0, it1):
                 nxt = _mma_load(gl.minimum(it + 1, it1 - 1), w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
@@ -275,8 +189,6 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
                                it * BLOCK_K, K, n_lo, n_hi, HAS_ZEROS, EVEN_K, False, X_STEPS, SCALE_AFTER, BLOCK_M,
                                BLOCK_N, BLOCK_K, A_L, B_L)
                 cur = nxt
-        if X_SMEM:
-            async_copy.wait_group(0)
 
     gl_pdl_start(PDL)
     on = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
