@@ -18,7 +18,7 @@ from kernels.norm_act import silu_and_mul
 from kernels.pdl import gl_pdl_start, gl_pdl_wait, launch_options, pdl_enabled
 from kernels.w4a16_fold import FoldedNorm, _rms_normed, _write_residual
 from kernels.w4a16_frag import FragWeights, pick_block_k
-from kernels.w4a16_mma_steps import _load_at, _mma_load, _mma_one, _ring_steps, _step_ptrs
+from kernels.w4a16_mma_steps import _mma_load, _mma_one, _ring_steps
 from kernels.w4a16_splitk import launch_splitk_reduce, split_buffers
 from kernels.w4a16_tiles import _tile_words, mma_layout, swiglu_tile
 from kernels.w4a16_wgmma import _cta_barrier, _wgmma_steps
@@ -119,14 +119,8 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
             s_rows = pid_n * BLOCK_N + s_rows
         if not EVEN_N:
             s_rows = gl.minimum(s_rows, N - 1)
-        q = 0
-        if X_SMEM and BLOCK_M <= 32:      # the loop carries the pointers of its loads (_ring_steps)
-            q = _step_ptrs(it0 * BLOCK_K, w_ptr, s_ptr, z_ptr, offs, n_lo, n_hi, k_in, s_rows, stride_sg, stride_zg,
-                           GROUP, HAS_ZEROS, SCALE_AFTER)
-            cur = _load_at(q, w_mask, HAS_ZEROS, EVEN_N, SCALE_AFTER)
-        else:
-            cur = _mma_load(it0, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, s_rows, stride_sg, stride_zg,
-                            GROUP, HAS_ZEROS, EVEN_N, SCALE_AFTER, BLOCK_K)
+        cur = _mma_load(it0, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, s_rows, stride_sg, stride_zg,
+                        GROUP, HAS_ZEROS, EVEN_N, SCALE_AFTER, BLOCK_K)
         if PRELOAD:
             # a split of at most four steps (qkv and o at M = 1): all its weights are requested before the wait,
             # while the previous kernel finishes (batch-1 step -1.2%, bench/NOTES-kernels.md entry 23; the first
@@ -177,10 +171,10 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
             if it0 + 3 < it1:
                 acc = _mma_one(acc, p3, x_ptrs, m_mask, k_row, x_smem, 3, (it0 + 3) * BLOCK_K, K, n_lo, n_hi,
                                HAS_ZEROS, EVEN_K, X_SMEM, X_STEPS, SCALE_AFTER, BLOCK_M, BLOCK_N, BLOCK_K, A_L, B_L)
-        elif X_SMEM:
-            acc = _ring_steps(acc, cur, q, x_ptrs, m_mask, it0, it1, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi,
-                              k_in, s_rows, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, SCALE_AFTER, BLOCK_M,
-                              BLOCK_N, BLOCK_K, A_L, B_L)
+        elif X_SMEM:                  # M > 1: x tiles by cp.async, two steps ahead (kernels/w4a16_mma_steps.py)
+            acc = _ring_steps(acc, cur, x_ptrs, m_mask, k_row, K, it0, it1, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo,
+                              n_hi, k_in, s_rows, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, EVEN_K, SCALE_AFTER,
+                              BLOCK_M, BLOCK_N, BLOCK_K, A_L, B_L)
         else:
             for it in range(it0, it1):
                 nxt = _mma_load(gl.minimum(it + 1, it1 - 1), w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,

@@ -1,10 +1,10 @@
 """The mma.sync steps of the Gluon W4A16 matmul (kernels/w4a16_mma.py): a step's weight loads, its dequant + MMA,
 and the M > 1 loop over x tiles copied into three shared buffers.
 
-The M > 1 loop carries its load pointers from step to step (words, scales, zero points, x's next tile), each
-bumped by a uniform offset, instead of computing them again from the step index, and runs its unrolled steps
-unconditionally (the one or two left over after the loop). Offline sm90 SASS: 153 instructions a step at M = 16
-and 135 at M = 8 (161 and 152 before), 78 and 72 registers (96 and 73).
+Measured and not kept (bench/results/exp-ring-ab-h200.json): the M > 1 loop with its load pointers carried from
+step to step and its unrolled steps unconditional. Offline it ran 153 instructions a step at M = 16 (161 here) in
+78 registers (96), but its weight loads had to go after the step's barrier (before it, ptxas hoists them a step
+further: 138 registers), and the M = 2..16 sums ran 13-19% slower (M = 16: 68.7 against 57.7 us).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -64,140 +64,51 @@ def _mma_one(acc, p, x_ptrs, m_mask, k_row, x_smem, xi, k0, K, n_lo, n_hi, HAS_Z
 
 
 @gluon.jit
-def _step_ptrs(k0, w_ptr, s_ptr, z_ptr, offs, n_lo, n_hi, k_in, s_rows, stride_sg, stride_zg, GROUP: gl.constexpr,
-               HAS_ZEROS: gl.constexpr, SCALE_AFTER: gl.constexpr):
-    """The pointers of the weight loads of the step at row k0 (_mma_load's): words, the scales of rows g and g + 8
-    (SCALE_AFTER: of the accumulator's rows, then the second is unused), the zero words of rows g and g + 8."""
-    grp = (k0 + k_in) // GROUP
-    wp = w_ptr + offs + k0 * 2
-    if SCALE_AFTER:
-        slp = s_ptr + (k0 // GROUP) * stride_sg + s_rows
-        shp = slp
-    else:
-        slp = s_ptr + grp * stride_sg + n_lo
-        shp = s_ptr + grp * stride_sg + n_hi
-    if HAS_ZEROS:
-        zlp = z_ptr + grp * stride_zg + n_lo // 8
-        zhp = z_ptr + grp * stride_zg + n_hi // 8
-    else:
-        zlp = z_ptr
-        zhp = z_ptr
-    return wp, slp, shp, zlp, zhp
-
-
-@gluon.jit
-def _load_at(q, w_mask, HAS_ZEROS: gl.constexpr, EVEN_N: gl.constexpr, SCALE_AFTER: gl.constexpr):
-    """The weight loads at pointers q (_step_ptrs) -> (words, s_lo, s_hi, z_lo, z_hi), as _mma_load returns them."""
-    wp, slp, shp, zlp, zhp = q
-    if EVEN_N:
-        words = gl.load(wp)
-    else:
-        words = gl.load(wp, mask=w_mask, other=0)
-    s_lo = gl.load(slp)
-    if SCALE_AFTER:
-        s_hi = 0
-    else:
-        s_hi = gl.load(shp)
-    if HAS_ZEROS:
-        z_lo = gl.load(zlp)
-        z_hi = gl.load(zhp)
-    else:
-        z_lo = 0
-        z_hi = 0
-    return words, s_lo, s_hi, z_lo, z_hi
-
-
-@gluon.jit
-def _bump(q, dk, dg, stride_sg, stride_zg, HAS_ZEROS: gl.constexpr, SCALE_AFTER: gl.constexpr):
-    """Pointers q moved on by dk rows of K and dg scale groups (both uniform)."""
-    wp, slp, shp, zlp, zhp = q
-    wp += dk * 2
-    slp += dg * stride_sg
-    if not SCALE_AFTER:
-        shp += dg * stride_sg
-    if HAS_ZEROS:
-        zlp += dg * stride_zg
-        zhp += dg * stride_zg
-    return wp, slp, shp, zlp, zhp
-
-
-@gluon.jit
-def _ring_step(acc, p, q, xq, it, it1, x_use, x_fill, x_ptrs, m_mask, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi,
-               k_in, s_rows, stride_sg, stride_zg, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr,
-               EVEN_N: gl.constexpr, SCALE_AFTER: gl.constexpr, CARRY: gl.constexpr, BLOCK_M: gl.constexpr,
-               BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, A_L: gl.constexpr, B_L: gl.constexpr):
-    """Step it of the M > 1 loop with its weights p: the next step's weight loads issued (the last step loads itself
-    again), x(it) in x_use (copied two steps ahead), the copy of x(it + 2) issued into x_fill (read by step it - 1),
-    then the MMA -> (acc, the next step's weights, their pointers, where x(it + 3) is). CARRY: the weights of p
-    were loaded at q and x(it + 2) is at xq; the pointers move on by a uniform offset. Otherwise both are computed
-    from the clamped step index and the loads go before the barrier."""
-    if not CARRY:
-        nxt = _mma_load(gl.minimum(it + 1, it1 - 1), w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, s_rows,
-                        stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, SCALE_AFTER, BLOCK_K)
-        xq = x_ptrs + gl.minimum(it + 2, it1 - 1) * BLOCK_K
+def _buf_step(acc, p, it, it0, it1, x_use, x_fill, x_ptrs, m_mask, k_row, K, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo,
+              n_hi, k_in, s_rows, stride_sg, stride_zg, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr,
+              EVEN_N: gl.constexpr, EVEN_K: gl.constexpr, SCALE_AFTER: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, A_L: gl.constexpr, B_L: gl.constexpr):
+    """Step it of the M > 1 loop over three x buffers with its weights p: the next step's weight loads issued,
+    x(it) in x_use (copied two steps ahead), the copy of x(it + 2) issued into x_fill (read by step it - 1), then
+    _mma_one. -> (acc, the next step's weights)."""
+    nxt = _mma_load(gl.minimum(it + 1, it1 - 1), w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, s_rows,
+                    stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, SCALE_AFTER, BLOCK_K)
     async_copy.wait_group(1)      # x(it) landed, x(it + 1) may still fly
     _cta_barrier()                # every thread's part of x(it); every thread done reading x(it - 1)
-    if CARRY:
-        # after the barrier: ptxas keeps them there (before it, they would go up a step, ahead of step it - 1's
-        # MMAs: two steps of words in flight, 138 registers at M = 16 instead of 78)
-        dk = gl.where(it + 1 < it1, BLOCK_K, 0)
-        if GROUP <= BLOCK_K:
-            dg = dk // GROUP
-        else:
-            dg = (it * BLOCK_K + dk) // GROUP - (it * BLOCK_K) // GROUP
-        q = _bump(q, dk, dg, stride_sg, stride_zg, HAS_ZEROS, SCALE_AFTER)
-        nxt = _load_at(q, w_mask, HAS_ZEROS, EVEN_N, SCALE_AFTER)
-    _x_copy(x_fill, xq, m_mask)
-    acc = _mma_one(acc, p, xq, m_mask, 0, x_use, 0, 0, 0, n_lo, n_hi, HAS_ZEROS, True, True, 0, SCALE_AFTER,
-                   BLOCK_M, BLOCK_N, BLOCK_K, A_L, B_L)
-    return acc, nxt, q, xq + gl.where(it + 3 < it1, BLOCK_K, 0)
+    _x_copy(x_fill, x_ptrs + gl.minimum(it + 2, it1 - 1) * BLOCK_K, m_mask)
+    acc = _mma_one(acc, p, x_ptrs, m_mask, k_row, x_use, it - it0, it * BLOCK_K, K, n_lo, n_hi, HAS_ZEROS, EVEN_K,
+                   True, 0, SCALE_AFTER, BLOCK_M, BLOCK_N, BLOCK_K, A_L, B_L)
+    return acc, nxt
 
 
 @gluon.jit
-def _ring_steps(acc, cur, q, x_ptrs, m_mask, it0, it1, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, s_rows,
-                stride_sg, stride_zg, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, EVEN_N: gl.constexpr,
-                SCALE_AFTER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                A_L: gl.constexpr, B_L: gl.constexpr):
-    """The M > 1 loop over steps it0..it1 from step it0's weights cur (loaded by the caller before its PDL wait; at q,
-    _step_ptrs, where BLOCK_M <= 32) -> acc. x's tiles go by cp.async into three buffers of their own, two steps
-    ahead of their use, so that no step waits for its x behind the weight misses (x's rows 16-byte aligned, K the
-    packed length: w4a16_mma pads). The loop is unrolled three times, so that Triton's membar analysis tells the
-    buffer a copy fills from the one the step reads: one CTA barrier a step, not two (a ring of three indexed by
-    step: gate_up at M = 2..16 3-4% slower, bench/results/exp-mma-bufs3-h200.json). Up to 32 rows the pointers are
-    carried (_ring_step's CARRY) and the unrolled steps run unconditionally, the one or two left over after the
-    loop, so that no step's registers merge with a skipped one's; at 64 rows (mma.sync on GPUs without wgmma) both
-    would spill (136 bytes at 128 columns; none with the guarded steps and computed pointers)."""
-    CARRY: gl.constexpr = BLOCK_M <= 32
+def _ring_steps(acc, cur, x_ptrs, m_mask, k_row, K, it0, it1, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
+                s_rows, stride_sg, stride_zg, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, EVEN_N: gl.constexpr,
+                EVEN_K: gl.constexpr, SCALE_AFTER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                BLOCK_K: gl.constexpr, A_L: gl.constexpr, B_L: gl.constexpr):
+    """The M > 1 loop over steps it0..it1 from step it0's weights cur (requested by the caller before its PDL wait)
+    -> acc. x's tiles go by cp.async into three buffers of their own, two steps ahead of their use, so that no step
+    waits for its x behind the weight misses (x's rows 16-byte aligned, K the packed length: w4a16_mma pads). The
+    loop is unrolled three times, so that Triton's membar analysis tells the buffer a copy fills from the one the
+    step reads: one CTA barrier a step, not two (a ring of three indexed by step: gate_up at M = 2..16 3-4%
+    slower, bench/results/exp-mma-bufs3-h200.json)."""
     XS: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
     x_buf0 = gl.allocate_shared_memory(gl.float16, [BLOCK_M, BLOCK_K], XS)
     x_buf1 = gl.allocate_shared_memory(gl.float16, [BLOCK_M, BLOCK_K], XS)
     x_buf2 = gl.allocate_shared_memory(gl.float16, [BLOCK_M, BLOCK_K], XS)
-    xq = x_ptrs + it0 * BLOCK_K
-    _x_copy(x_buf0, xq, m_mask)
-    xq += gl.where(it0 + 1 < it1, BLOCK_K, 0)
-    _x_copy(x_buf1, xq, m_mask)
-    xq += gl.where(it0 + 2 < it1, BLOCK_K, 0)               # x(it0 + 2)'s tile, copied by step it0
-    last = it0 + (it1 - it0) // 3 * 3 if CARRY else it1
-    for it in range(it0, last, 3):
-        acc, cur, q, xq = _ring_step(acc, cur, q, xq, it, it1, x_buf0, x_buf2, x_ptrs, m_mask, w_ptr, s_ptr, z_ptr,
-                                     offs, w_mask, n_lo, n_hi, k_in, s_rows, stride_sg, stride_zg, GROUP, HAS_ZEROS,
-                                     EVEN_N, SCALE_AFTER, CARRY, BLOCK_M, BLOCK_N, BLOCK_K, A_L, B_L)
-        if CARRY or it + 1 < it1:
-            acc, cur, q, xq = _ring_step(acc, cur, q, xq, it + 1, it1, x_buf1, x_buf0, x_ptrs, m_mask, w_ptr, s_ptr,
-                                         z_ptr, offs, w_mask, n_lo, n_hi, k_in, s_rows, stride_sg, stride_zg, GROUP,
-                                         HAS_ZEROS, EVEN_N, SCALE_AFTER, CARRY, BLOCK_M, BLOCK_N, BLOCK_K, A_L, B_L)
-        if CARRY or it + 2 < it1:
-            acc, cur, q, xq = _ring_step(acc, cur, q, xq, it + 2, it1, x_buf2, x_buf1, x_ptrs, m_mask, w_ptr, s_ptr,
-                                         z_ptr, offs, w_mask, n_lo, n_hi, k_in, s_rows, stride_sg, stride_zg, GROUP,
-                                         HAS_ZEROS, EVEN_N, SCALE_AFTER, CARRY, BLOCK_M, BLOCK_N, BLOCK_K, A_L, B_L)
-    if CARRY:                   # the one or two steps left over
-        if last < it1:
-            acc, cur, q, xq = _ring_step(acc, cur, q, xq, last, it1, x_buf0, x_buf2, x_ptrs, m_mask, w_ptr, s_ptr,
-                                         z_ptr, offs, w_mask, n_lo, n_hi, k_in, s_rows, stride_sg, stride_zg, GROUP,
-                                         HAS_ZEROS, EVEN_N, SCALE_AFTER, CARRY, BLOCK_M, BLOCK_N, BLOCK_K, A_L, B_L)
-        if last + 1 < it1:
-            acc, cur, q, xq = _ring_step(acc, cur, q, xq, last + 1, it1, x_buf1, x_buf0, x_ptrs, m_mask, w_ptr, s_ptr,
-                                         z_ptr, offs, w_mask, n_lo, n_hi, k_in, s_rows, stride_sg, stride_zg, GROUP,
-                                         HAS_ZEROS, EVEN_N, SCALE_AFTER, CARRY, BLOCK_M, BLOCK_N, BLOCK_K, A_L, B_L)
+    _x_copy(x_buf0, x_ptrs + it0 * BLOCK_K, m_mask)
+    _x_copy(x_buf1, x_ptrs + gl.minimum(it0 + 1, it1 - 1) * BLOCK_K, m_mask)
+    for it in range(it0, it1, 3):
+        acc, cur = _buf_step(acc, cur, it, it0, it1, x_buf0, x_buf2, x_ptrs, m_mask, k_row, K, w_ptr, s_ptr, z_ptr,
+                             offs, w_mask, n_lo, n_hi, k_in, s_rows, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N,
+                             EVEN_K, SCALE_AFTER, BLOCK_M, BLOCK_N, BLOCK_K, A_L, B_L)
+        if it + 1 < it1:
+            acc, cur = _buf_step(acc, cur, it + 1, it0, it1, x_buf1, x_buf0, x_ptrs, m_mask, k_row, K, w_ptr, s_ptr,
+                                 z_ptr, offs, w_mask, n_lo, n_hi, k_in, s_rows, stride_sg, stride_zg, GROUP, HAS_ZEROS,
+                                 EVEN_N, EVEN_K, SCALE_AFTER, BLOCK_M, BLOCK_N, BLOCK_K, A_L, B_L)
+        if it + 2 < it1:
+            acc, cur = _buf_step(acc, cur, it + 2, it0, it1, x_buf2, x_buf1, x_ptrs, m_mask, k_row, K, w_ptr, s_ptr,
+                                 z_ptr, offs, w_mask, n_lo, n_hi, k_in, s_rows, stride_sg, stride_zg, GROUP, HAS_ZEROS,
+                                 EVEN_N, EVEN_K, SCALE_AFTER, BLOCK_M, BLOCK_N, BLOCK_K, A_L, B_L)
     async_copy.wait_group(0)
     return acc
