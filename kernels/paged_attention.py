@@ -69,9 +69,10 @@ def decode_config(is_fp8: bool, programs: int, max_ctx: int, wide_table: bool = 
     """The decode kernel's configuration for B * Hkv programs over a block table of max_ctx tokens. Fitted on the
     H200 (bench/results/decode-tune-h200.json and decode-tune-asm-h200.json: 18 configurations, batch 1-256 x
     context 512-8192, Qwen2.5-7B heads): up to 64 programs the context is split finely (fp16: 64-token splits
-    toward 8 programs an SM; fp8: 128-token tiles, 4 an SM), above they keep whole contexts. The asm widening of
-    fp8 tiles pays only where every program reads a tile or two (it gives up the cp.async pipeline of the cast
-    that Triton makes: slower on long contexts).
+    toward 8 programs an SM; fp8: 128-token tiles, 4 an SM), above they keep whole contexts (fp8 with three stages
+    of loads in flight: batch 256 x 2048-8192 tokens 2.3% faster than two in decode-tune-h200.json). The asm
+    widening of fp8 tiles pays only where every program reads a tile or two (it gives up the cp.async pipeline of
+    the cast that Triton makes: slower on long contexts).
     wide_table (a CUDA graph's table, sized for max_model_len, not for the contexts it will hold): the split count
     cannot follow the contexts, and fine splits over a wide table cost short contexts more than they give long
     ones (batch-1 decode step 1.937 -> 2.006 ms over a 4,096-token table, bench/results/decode-rule-ab-h200.json):
@@ -88,7 +89,7 @@ def decode_config(is_fp8: bool, programs: int, max_ctx: int, wide_table: bool = 
             return DecodeConfig(block_n=64, waves=8.0, min_split_tokens=64, fp8_asm=True, early_tile=True)
         if few:
             return DecodeConfig(block_n=128, waves=4.0, min_split_tokens=128, fp8_asm=max_ctx <= 1024)
-        return DecodeConfig(block_n=128)
+        return DecodeConfig(block_n=128, num_stages=3)
     if few:
         return DecodeConfig(block_n=64, waves=8.0, min_split_tokens=64, early_tile=True)
     return DecodeConfig(block_n=64, num_stages=3)
