@@ -44,6 +44,21 @@ def candidates(m: int, k: int, n: int, caps: list[int], min_programs: int, max_p
             for bk in block_ks for s in split_counts(k // bk, tiles, min_programs, max_programs) for cap in caps]
 
 
+def rule_points(shapes: str, ms: str):
+    """For each shape and M (comma-separated): (name, (K, N), M, x [M, K], the exact reference [M, N] fp32, the
+    rotated fragment-layout weights, the rotated FP16 weights, the rule's w4a16_mma keywords)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for name in shapes.split(","):
+        k, n = SHAPES[name]
+        ref_w, fws, dense, _ = frag_layer(k, n)
+        for m in [int(v) for v in ms.split(",")]:
+            x = torch.randn(m, k, dtype=torch.float16, device=DEV)
+            rule = select_mma_config(m, k, n, sms=sms)
+            yield name, (k, n), m, x, x.float() @ ref_w, fws, dense, dict(
+                block_n=rule.block_n, block_k=rule.block_k, split_k=rule.split_k, num_warps=rule.num_warps,
+                one_launch=rule.one_launch, max_regs=rule.max_regs)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/exp-mma-splits-h200.json")
@@ -61,44 +76,35 @@ def main():
     out = {"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
            "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
            "points": []}
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for name in args.shapes.split(","):
-        k, n = SHAPES[name]
-        ref_w, fws, dense, _ = frag_layer(k, n)
-        for m in [int(v) for v in args.ms.split(",")]:
-            x = torch.randn(m, k, dtype=torch.float16, device=DEV)
-            ref = x.float() @ ref_w
-            rule = select_mma_config(m, k, n, sms=sms)
-            rule_cfg = dict(block_n=rule.block_n, block_k=rule.block_k, split_k=rule.split_k,
-                            num_warps=rule.num_warps, one_launch=rule.one_launch, max_regs=rule.max_regs)
-            caps = [0] if m == 1 else [int(c) for c in args.caps.split(",")]
-            cands = candidates(m, k, n, caps, args.min_programs, args.max_programs,
-                               tuple(int(v) for v in args.block_ks.split(",")))
-            kw = {key: int(v) for key, v in (item.split("=") for item in filter(None, args.kw.split(",")))}
-            if kw and m > 1:
-                cands += [dict(c, **kw) for c in cands]
-            swept = [checked_us(lambda f, **c: w4a16_mma(x, f, **c), fws, ref, c) for c in cands]
-            ok = sorted((e for e in swept if "us" in e), key=lambda e: e["us"])
-            calls = {"fp16": [lambda d=d: torch.mm(x, d) for d in dense],
-                     "dispatcher": [lambda f=f: w4a16_forward(x, f) for f in fws],
-                     "rule": [lambda f=f: w4a16_mma(x, f, **rule_cfg) for f in fws]}
-            if kw and m > 1:
-                calls["rule+kw"] = [lambda f=f: w4a16_mma(x, f, **rule_cfg, **kw) for f in fws]
-            for i, e in enumerate(ok[:args.confirm]):
-                calls[f"cand{i}"] = [lambda f=f, c=e["config"]: w4a16_mma(x, f, **c) for f in fws]
-            runs = alternating_us(calls)
-            med = {key: median(v) for key, v in runs.items()}
-            point = {"shape": name, "m": m, "rule": rule_cfg, "sweep": swept, "confirm_runs_us": runs,
-                     "confirm_median_us": med,
-                     "confirm_configs": {f"cand{i}": e["config"] for i, e in enumerate(ok[:args.confirm])}}
-            out["points"].append(point)
-            best = min((key for key in med if key.startswith("cand")), key=med.get, default=None)
-            print(f"{name:8s} M={m:3d} fp16 {med['fp16']:6.2f} disp {med['dispatcher']:6.2f} rule {med['rule']:6.2f} "
-                  f"rule+kw {med.get('rule+kw', float('nan')):6.2f} "
-                  f"best {med.get(best, float('nan')):6.2f} {point['confirm_configs'].get(best)} "
-                  f"({len(ok)}/{len(cands)} ok, {time.time() - t0:.0f} s)", flush=True)
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(out, indent=1))         # each point as it lands (a run may be cut)
+    for name, (k, n), m, x, ref, fws, dense, rule_cfg in rule_points(args.shapes, args.ms):
+        caps = [0] if m == 1 else [int(c) for c in args.caps.split(",")]
+        cands = candidates(m, k, n, caps, args.min_programs, args.max_programs,
+                           tuple(int(v) for v in args.block_ks.split(",")))
+        kw = {key: int(v) for key, v in (item.split("=") for item in filter(None, args.kw.split(",")))}
+        if kw and m > 1:
+            cands += [dict(c, **kw) for c in cands]
+        swept = [checked_us(lambda f, **c: w4a16_mma(x, f, **c), fws, ref, c) for c in cands]
+        ok = sorted((e for e in swept if "us" in e), key=lambda e: e["us"])
+        calls = {"fp16": [lambda d=d: torch.mm(x, d) for d in dense],
+                 "dispatcher": [lambda f=f: w4a16_forward(x, f) for f in fws],
+                 "rule": [lambda f=f: w4a16_mma(x, f, **rule_cfg) for f in fws]}
+        if kw and m > 1:
+            calls["rule+kw"] = [lambda f=f: w4a16_mma(x, f, **rule_cfg, **kw) for f in fws]
+        for i, e in enumerate(ok[:args.confirm]):
+            calls[f"cand{i}"] = [lambda f=f, c=e["config"]: w4a16_mma(x, f, **c) for f in fws]
+        runs = alternating_us(calls)
+        med = {key: median(v) for key, v in runs.items()}
+        point = {"shape": name, "m": m, "rule": rule_cfg, "sweep": swept, "confirm_runs_us": runs,
+                 "confirm_median_us": med,
+                 "confirm_configs": {f"cand{i}": e["config"] for i, e in enumerate(ok[:args.confirm])}}
+        out["points"].append(point)
+        best = min((key for key in med if key.startswith("cand")), key=med.get, default=None)
+        print(f"{name:8s} M={m:3d} fp16 {med['fp16']:6.2f} disp {med['dispatcher']:6.2f} rule {med['rule']:6.2f} "
+              f"rule+kw {med.get('rule+kw', float('nan')):6.2f} "
+              f"best {med.get(best, float('nan')):6.2f} {point['confirm_configs'].get(best)} "
+              f"({len(ok)}/{len(cands)} ok, {time.time() - t0:.0f} s)", flush=True)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=1))         # each point as it lands (a run may be cut)
     out["wall_s"] = time.time() - t0
     Path(args.out).write_text(json.dumps(out, indent=1))
 

@@ -18,9 +18,9 @@ sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resol
 
 import torch  # noqa: E402
 
-from bench.kernels import SHAPES, alternating_us, frag_layer  # noqa: E402
+from bench.exp_mma_splits import rule_points  # noqa: E402
+from bench.kernels import SHAPES, alternating_us  # noqa: E402
 from kernels.w4a16_mma import w4a16_mma  # noqa: E402
-from kernels.w4a16_tuning import select_mma_config  # noqa: E402
 
 DEV = "cuda"
 
@@ -45,32 +45,24 @@ def main():
            "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
            "points": []}
     sums = {}
-    for name in args.shapes.split(","):
-        k, n = SHAPES[name]
-        ref_w, fws, dense, _ = frag_layer(k, n)
-        for m in [int(v) for v in args.ms.split(",")]:
-            x = torch.randn(m, k, dtype=torch.float16, device=DEV)
-            ref = x.float() @ ref_w
-            rule = select_mma_config(m, k, n)
-            cfg = dict(block_n=rule.block_n, block_k=rule.block_k, split_k=rule.split_k, num_warps=rule.num_warps,
-                       one_launch=rule.one_launch, max_regs=rule.max_regs)
-            err = {key: ((fn(x, fws[0], **cfg).float() - ref).norm() / ref.norm()).item()
-                   for key, fn in (("old", old), ("new", w4a16_mma))}
-            calls = {"fp16": [lambda d=d: torch.mm(x, d) for d in dense]}
-            calls.update({key: [lambda f=f, fn=fn: fn(x, f, **cfg) for f in fws]
-                          for key, fn in (("old", old), ("new", w4a16_mma)) if err[key] < 2e-3})
-            runs = alternating_us(calls)
-            med = {key: median(v) for key, v in runs.items()}
-            out["points"].append({"shape": name, "m": m, "config": cfg, "rel_err": err, "runs_us": runs,
-                                  "median_us": med})
-            for key, v in med.items():
-                sums.setdefault(m, {}).setdefault(key, 0.0)
-                sums[m][key] += v
-            print(f"{name:8s} M={m:3d} fp16 {med['fp16']:6.2f} old {med.get('old', float('nan')):6.2f} "
-                  f"new {med.get('new', float('nan')):6.2f} err {err['old']:.1e}/{err['new']:.1e} "
-                  f"({time.time() - t0:.0f} s)", flush=True)
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(out, indent=1))         # each point as it lands (a run may be cut)
+    for name, _, m, x, ref, fws, dense, cfg in rule_points(args.shapes, args.ms):
+        err = {key: ((fn(x, fws[0], **cfg).float() - ref).norm() / ref.norm()).item()
+               for key, fn in (("old", old), ("new", w4a16_mma))}
+        calls = {"fp16": [lambda d=d: torch.mm(x, d) for d in dense]}
+        calls.update({key: [lambda f=f, fn=fn: fn(x, f, **cfg) for f in fws]
+                      for key, fn in (("old", old), ("new", w4a16_mma)) if err[key] < 2e-3})
+        runs = alternating_us(calls)
+        med = {key: median(v) for key, v in runs.items()}
+        out["points"].append({"shape": name, "m": m, "config": cfg, "rel_err": err, "runs_us": runs,
+                              "median_us": med})
+        for key, v in med.items():
+            sums.setdefault(m, {}).setdefault(key, 0.0)
+            sums[m][key] += v
+        print(f"{name:8s} M={m:3d} fp16 {med['fp16']:6.2f} old {med.get('old', float('nan')):6.2f} "
+              f"new {med.get('new', float('nan')):6.2f} err {err['old']:.1e}/{err['new']:.1e} "
+              f"({time.time() - t0:.0f} s)", flush=True)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=1))         # each point as it lands (a run may be cut)
     out["sums_us"] = sums
     out["wall_s"] = time.time() - t0
     for m, s in sums.items():
