@@ -71,9 +71,9 @@ def decode_config(is_fp8: bool, programs: int, max_ctx: int, wide_table: bool = 
     context 512-8192, Qwen2.5-7B heads): up to 64 programs the context is split finely (fp16: 64-token splits
     toward 8 programs an SM; fp8: 128-token tiles, 4 an SM), above they keep whole contexts (fp8 with three stages
     of loads in flight: batch 256 x 512 / 2048 / 8192 tokens 67.6 / 243.4 / 955.6 us against 69.5 / 249.3 / 979.4
-    with two, decode-tune-stages-h200.json; batch 64 within 2% either way). The asm
-    widening of fp8 tiles pays only where every program reads a tile or two (it gives up the cp.async pipeline of
-    the cast that Triton makes: slower on long contexts).
+    with two, decode-tune-stages-h200.json; batch 64 within 2% either way). The asm widening of fp8 tiles pays
+    only where every program reads a tile or two (it gives up the cp.async pipeline of the cast that Triton makes:
+    slower on long contexts).
     wide_table (a CUDA graph's table, sized for max_model_len, not for the contexts it will hold): the split count
     cannot follow the contexts, and fine splits over a wide table cost short contexts more than they give long
     ones (batch-1 decode step 1.937 -> 2.006 ms over a 4,096-token table, bench/results/decode-rule-ab-h200.json):
