@@ -1,8 +1,9 @@
-"""Experiment: the M > 1 mma.sync loop of this tree (kernels/w4a16_mma_steps.py: load pointers carried from step
-to step, the unrolled steps unconditional) against an older kernels/w4a16_mma.py loaded from a file (--old: e.g.
-`git show <commit>:kernels/w4a16_mma.py`), in one process: the rule's configuration for both, on the Qwen2.5-7B
-shapes at M = 2..16, FP16 beside them, timed in turn three rounds (bench/kernels.py alternating_us), medians kept.
-Both are checked against the exact dequantized reference first.
+"""Experiment: this tree's mma.sync matmul (kernels/w4a16_mma.py) against an older kernels/w4a16_mma.py loaded from
+a file (--old: e.g. `git show <commit>:kernels/w4a16_mma.py`; it must import from this tree's other modules), in one
+process: the rule's configuration for both, on the Qwen2.5-7B shapes at M = 2..16, FP16 beside them, timed in turn
+three rounds (bench/kernels.py alternating_us), medians kept. Both are checked against the exact dequantized
+reference first. bench/results/exp-ring-ab-h200.json: b3818fb's loop (load pointers carried from step to step,
+not kept) against 18488c3's.
 Run: PYTHONPATH=. python bench/exp_ring_ab.py --old /path/old_w4a16_mma.py --out bench/results/exp-ring-ab-h200.json"""
 import argparse
 import importlib.util
