@@ -14,11 +14,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine.config import (OFFLINE_BATCHED_TOKENS, SERVE_BATCHED_TOKENS, CacheConfig, EngineConfig,  # noqa: E402
+from quant_serve.engine.config import (OFFLINE_BATCHED_TOKENS, SERVE_BATCHED_TOKENS, CacheConfig, EngineConfig,  # noqa: E402
                            SchedulerConfig)
-from engine.llm_engine import LLMEngine  # noqa: E402
-from server.bench_offline import decode_bytes_per_step, measure_copy_bandwidth, run_offline  # noqa: E402
-from server.cli_bench import _metadata  # noqa: E402
+from quant_serve.engine.llm_engine import LLMEngine  # noqa: E402
+from quant_serve.server.bench_offline import decode_bytes_per_step, measure_copy_bandwidth, run_offline  # noqa: E402
+from quant_serve.server.cli_bench import _metadata  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 CONFIGS = {"qwen2.5-7b-awq": SHARED / "configs" / "qwen2.5-7b-instruct",

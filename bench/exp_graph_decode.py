@@ -18,7 +18,7 @@ sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resol
 import torch  # noqa: E402
 
 from bench.kernels import config_us, copies  # noqa: E402
-from kernels.paged_attention import DecodeConfig, NewTokens, paged_decode  # noqa: E402
+from quant_serve.kernels.paged_attention import DecodeConfig, NewTokens, paged_decode  # noqa: E402
 
 DEV = "cuda"
 HQ, HKV, D, BS = 28, 4, 128, 16

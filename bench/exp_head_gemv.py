@@ -18,7 +18,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-import kernels.gemv as gemv_mod  # noqa: E402
+import quant_serve.kernels.gemv as gemv_mod  # noqa: E402
 from bench.kernels import graph_us  # noqa: E402
 
 # (rows a program, columns a step, pipeline stages, warps); the first is kernels/gemv.py's

@@ -20,9 +20,9 @@ sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resol
 import torch  # noqa: E402
 
 from bench.kernels import SHAPES, alternating_us, checked_us, frag_layer  # noqa: E402
-from kernels.w4a16 import w4a16_forward  # noqa: E402
-from kernels.w4a16_mma import w4a16_mma  # noqa: E402
-from kernels.w4a16_tuning import select_mma_config  # noqa: E402
+from quant_serve.kernels.w4a16 import w4a16_forward  # noqa: E402
+from quant_serve.kernels.w4a16_mma import w4a16_mma  # noqa: E402
+from quant_serve.kernels.w4a16_tuning import select_mma_config  # noqa: E402
 
 DEV = "cuda"
 

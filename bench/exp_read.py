@@ -16,7 +16,7 @@ from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 
 from bench.kernels import copies, graph_us  # noqa: E402
-from kernels.w4a16_tiles import _tile_words, word_layout  # noqa: E402
+from quant_serve.kernels.w4a16_tiles import _tile_words, word_layout  # noqa: E402
 
 
 @gluon.jit

@@ -18,9 +18,9 @@ sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resol
 import torch  # noqa: E402
 
 from bench.kernels import GS, SHAPES, graph_us, nbytes, random_int4, rotated  # noqa: E402
-from kernels.w4a16_frag import prepare_frag  # noqa: E402
-from kernels.w4a16_mma import _w4a16_mma_kernel, w4a16_mma  # noqa: E402
-from kernels.w4a16_ref import dequantize_w4  # noqa: E402
+from quant_serve.kernels.w4a16_frag import prepare_frag  # noqa: E402
+from quant_serve.kernels.w4a16_mma import _w4a16_mma_kernel, w4a16_mma  # noqa: E402
+from quant_serve.kernels.w4a16_ref import dequantize_w4  # noqa: E402
 
 DEV = "cuda"
 

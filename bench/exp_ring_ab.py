@@ -21,7 +21,7 @@ import torch  # noqa: E402
 
 from bench.exp_mma_splits import rule_points  # noqa: E402
 from bench.kernels import SHAPES, alternating_us  # noqa: E402
-from kernels.w4a16_mma import w4a16_mma  # noqa: E402
+from quant_serve.kernels.w4a16_mma import w4a16_mma  # noqa: E402
 
 DEV = "cuda"
 

@@ -19,9 +19,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import kernels.w4a16_fold as fold  # noqa: E402
-import kernels.w4a16_mma as mma  # noqa: E402
-import kernels.w4a16_tuning as tuning  # noqa: E402
+import quant_serve.kernels.w4a16_fold as fold  # noqa: E402
+import quant_serve.kernels.w4a16_mma as mma  # noqa: E402
+import quant_serve.kernels.w4a16_tuning as tuning  # noqa: E402
 
 
 def no_preload() -> None:
@@ -45,7 +45,7 @@ def splits_16(layers: tuple[int, ...]) -> None:
 
 def decode_splits(count: int) -> None:
     """The batch-1 decode kernel (few programs) in `count` context splits instead of the rule's."""
-    import kernels.paged_attention as attention
+    import quant_serve.kernels.paged_attention as attention
     real = attention.decode_config
 
     def config(is_fp8, programs, max_ctx, wide_table=False):

@@ -16,10 +16,10 @@ sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resol
 import torch  # noqa: E402
 
 from bench.kernels import GS, graph_us, random_int4, rotated  # noqa: E402
-from kernels.norm_act import silu_and_mul  # noqa: E402
-from kernels.w4a16_frag import prepare_frag  # noqa: E402
-from kernels.w4a16_mma import w4a16_mma  # noqa: E402
-from kernels.w4a16_tuning import select_mma_config  # noqa: E402
+from quant_serve.kernels.norm_act import silu_and_mul  # noqa: E402
+from quant_serve.kernels.w4a16_frag import prepare_frag  # noqa: E402
+from quant_serve.kernels.w4a16_mma import w4a16_mma  # noqa: E402
+from quant_serve.kernels.w4a16_tuning import select_mma_config  # noqa: E402
 
 VARIANTS = {"epilogue_64x1": dict(block_n=64, block_k=128, split_k=1, num_warps=4),
             "reduce_pass_128x2": dict(block_n=128, block_k=128, split_k=2, num_warps=4, one_launch=False),

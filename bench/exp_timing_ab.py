@@ -18,7 +18,7 @@ import torch  # noqa: E402
 
 import bench.kernels as bk  # noqa: E402
 from bench.kernels import DEV, GS, SHAPES, copies, frag_layer, graph_us, random_int4, rotated  # noqa: E402
-from kernels.w4a16 import prepare_kernel_weights, w4a16_forward  # noqa: E402
+from quant_serve.kernels.w4a16 import prepare_kernel_weights, w4a16_forward  # noqa: E402
 
 
 def smi() -> str:

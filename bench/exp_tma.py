@@ -24,12 +24,12 @@ sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resol
 import torch  # noqa: E402
 
 from bench.kernels import SHAPES, alternating_us, checked_us, frag_layer, graph_us  # noqa: E402
-from kernels.w4a16 import w4a16_forward  # noqa: E402
-from kernels.w4a16_frag import prepare_frag  # noqa: E402
-from kernels.w4a16_tiles import frag_dequantize  # noqa: E402
-from kernels.w4a16_ref import dequantize_w4, pack_int4_rows  # noqa: E402
-import kernels.w4a16_tma as tma_module  # noqa: E402
-from kernels.w4a16_tma import w4a16_tma  # noqa: E402
+from quant_serve.kernels.w4a16 import w4a16_forward  # noqa: E402
+from quant_serve.kernels.w4a16_frag import prepare_frag  # noqa: E402
+from quant_serve.kernels.w4a16_tiles import frag_dequantize  # noqa: E402
+from quant_serve.kernels.w4a16_ref import dequantize_w4, pack_int4_rows  # noqa: E402
+import quant_serve.kernels.w4a16_tma as tma_module  # noqa: E402
+from quant_serve.kernels.w4a16_tma import w4a16_tma  # noqa: E402
 
 DEV = "cuda"
 # (K, N, M, group size, zero points, config): N past the tile, K padded to 64, odd step counts in a split

@@ -16,8 +16,8 @@ sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resol
 import torch  # noqa: E402
 
 from bench.kernels import SHAPES, alternating_us, frag_layer  # noqa: E402
-from kernels.w4a16 import frag_config, w4a16_forward  # noqa: E402
-from kernels.w4a16_mma import w4a16_mma  # noqa: E402
+from quant_serve.kernels.w4a16 import frag_config, w4a16_forward  # noqa: E402
+from quant_serve.kernels.w4a16_mma import w4a16_mma  # noqa: E402
 
 DEV = "cuda"
 

@@ -36,13 +36,13 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-from kernels.paged_attention import DecodeConfig, paged_decode  # noqa: E402
-from kernels.pdl import pdl_enabled, set_pdl  # noqa: E402
-from kernels.w4a16 import (FragWeights, frag_config, prepare_kernel_weights, prepare_w4a16,  # noqa: E402
+from quant_serve.kernels.paged_attention import DecodeConfig, paged_decode  # noqa: E402
+from quant_serve.kernels.pdl import pdl_enabled, set_pdl  # noqa: E402
+from quant_serve.kernels.w4a16 import (FragWeights, frag_config, prepare_kernel_weights, prepare_w4a16,  # noqa: E402
                             w4a16_forward)
-from kernels.w4a16_frag import prepare_frag  # noqa: E402
-from kernels.w4a16_ref import dequantize_w4  # noqa: E402
-from kernels.w4a16_tuning import (TMAConfig, W4A16Config, candidate_configs, gpu_family, refinements,  # noqa: E402
+from quant_serve.kernels.w4a16_frag import prepare_frag  # noqa: E402
+from quant_serve.kernels.w4a16_ref import dequantize_w4  # noqa: E402
+from quant_serve.kernels.w4a16_tuning import (TMAConfig, W4A16Config, candidate_configs, gpu_family, refinements,  # noqa: E402
                                   select_config, table_row)
 
 SHAPES = {"qkv": (3584, 4608), "o": (3584, 3584), "gate_up": (3584, 37888), "down": (18944, 3584)}

@@ -120,9 +120,9 @@ def chat_renderer(model_dir: str):
 
 def model_samples(model_dir: str, count: int, length: int, seed: int = 1000) -> list[str]:
     """Documents sampled from the model (the engine on CPU, fp32), each decoded with its special tokens."""
-    from engine.config import CacheConfig, EngineConfig
-    from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
+    from quant_serve.engine.config import CacheConfig, EngineConfig
+    from quant_serve.engine.llm_engine import LLMEngine
+    from quant_serve.engine.sampling_params import SamplingParams
     blocks = count * (-(-(length + 1) // 16))
     engine = LLMEngine(EngineConfig(model=model_dir, device="cpu", dtype="float32", max_model_len=length + 1,
                                     cache=CacheConfig(num_gpu_blocks=blocks)))

@@ -48,9 +48,9 @@ def run_cases(cases: list[str]):
     """The worker (under ncu): each case warmed up, then one call inside the profiled range."""
     import torch
     from bench.kernels import SHAPES, random_int4, GS
-    from kernels.w4a16 import w4a16_forward
-    from kernels.w4a16_frag import prepare_frag
-    from kernels.w4a16_tma import w4a16_tma
+    from quant_serve.kernels.w4a16 import w4a16_forward
+    from quant_serve.kernels.w4a16_frag import prepare_frag
+    from quant_serve.kernels.w4a16_tma import w4a16_tma
     layers = {}
     for case in cases:
         name, m, path, *tile = case.split(":")

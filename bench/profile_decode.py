@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.e2e import CONFIGS, engine_for  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from quant_serve.engine.sampling_params import SamplingParams  # noqa: E402
 
 
 COMPILES: list[dict] = []      # Triton compilations since the last engine finished starting

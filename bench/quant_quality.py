@@ -41,7 +41,7 @@ def val_windows(model_dir: Path, num_tokens: int = 32768, window: int = 512) -> 
 
 def dense_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     """Every tensor as fp32, quantized linears dequantized by our readers (quant.formats)."""
-    from quant.formats import load_quant_config
+    from quant_serve.quant.formats import load_quant_config
     raw = {}
     for file in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(file), "pt") as f:
@@ -77,7 +77,7 @@ def _linear_shape(t: dict) -> tuple[int, int]:
 
 @torch.no_grad()
 def reference_logprobs(spec, weights, windows: torch.Tensor, batch: int = 4) -> torch.Tensor:
-    from quant.calib import model_logits
+    from quant_serve.quant.calib import model_logits
     return torch.cat([torch.log_softmax(model_logits(spec, weights, windows[i:i + batch]), -1)
                       for i in range(0, len(windows), batch)])                # [W, L, V]
 
@@ -85,7 +85,7 @@ def reference_logprobs(spec, weights, windows: torch.Tensor, batch: int = 4) -> 
 @torch.no_grad()
 def compare(spec, weights, windows: torch.Tensor, ref: torch.Tensor, batch: int = 4) -> dict:
     """Perplexity over tokens 1..L-1 of every window; KLD(fp16 || quant) and top-1 agreement at every position."""
-    from quant.calib import model_logits
+    from quant_serve.quant.calib import model_logits
     nll = kld = agree = 0.0
     for i in range(0, len(windows), batch):
         ids, r = windows[i:i + batch], ref[i:i + batch]
@@ -132,9 +132,9 @@ def main() -> int:
     parser.add_argument("--only", nargs="*", default=None, help="subset of our configs to (re)run")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "quant-quality-tiny-qwen2.json"))
     args = parser.parse_args()
-    from engine.loader import load_model_config
-    from server.cli import main as cli
-    from server.cli_quantize import model_spec
+    from quant_serve.engine.loader import load_model_config
+    from quant_serve.server.cli import main as cli
+    from quant_serve.server.cli_quantize import model_spec
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     calib = args.calib or str(work / "calib.jsonl")

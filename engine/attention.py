@@ -4,9 +4,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention_ref import apply_rope_ref
-from kernels.attention_merge import DecodePartials
-from kernels.paged_attention import NewTokens, paged_attention, paged_decode, rope_store_kv, store_kv
+from quant_serve.kernels.attention_ref import apply_rope_ref
+from quant_serve.kernels.attention_merge import DecodePartials
+from quant_serve.kernels.paged_attention import NewTokens, paged_attention, paged_decode, rope_store_kv, store_kv
 
 
 @dataclass

@@ -12,8 +12,8 @@ block read by a queued swap-in stays pinned until take_swaps, so it is never a s
 """
 from dataclasses import dataclass
 
-from engine.block_pool import Block, BlockPool
-from engine.sequence import Sequence, SequenceStatus
+from quant_serve.engine.block_pool import Block, BlockPool
+from quant_serve.engine.sequence import Sequence, SequenceStatus
 
 __all__ = ["Block", "BlockManager", "CpuHit", "hash_block"]
 

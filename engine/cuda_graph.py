@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata
-from kernels.argmax import argmax_rows
-from kernels.paged_attention import FEW_PROGRAMS, decode_graph_contexts
-from kernels.step_inputs import take_carried
+from quant_serve.engine.attention import AttentionMetadata
+from quant_serve.kernels.argmax import argmax_rows
+from quant_serve.kernels.paged_attention import FEW_PROGRAMS, decode_graph_contexts
+from quant_serve.kernels.step_inputs import take_carried
 
 logger = logging.getLogger("quant_serve")
 

@@ -5,7 +5,7 @@ difference, so the cost per step is O(new tokens). Text is held back while it en
 character split across byte-level BPE tokens) and, when stop strings are set, by (longest stop - 1) characters so
 that a partial stop string is never emitted.
 """
-from engine.sampling_params import SamplingParams
+from quant_serve.engine.sampling_params import SamplingParams
 
 # Prompt tokens decoded as context in front of the first output tokens, so tokenizers that drop a leading space
 # at the start of a decode (SentencePiece) still emit it for the first output token. vLLM uses the same number.

@@ -2,8 +2,8 @@
 size) and in the CPU tier."""
 import torch
 
-from engine.config import EngineConfig, ModelConfig
-from engine.memory import MemoryPlan, kv_dtype_bytes, plan_memory
+from quant_serve.engine.config import EngineConfig, ModelConfig
+from quant_serve.engine.memory import MemoryPlan, kv_dtype_bytes, plan_memory
 
 
 def _bytes_per_block(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> int:

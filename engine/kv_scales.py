@@ -208,9 +208,9 @@ def calibrate_kv_scales(engine_or_model, token_id_batches, dtype_max: float = E4
     engine_or_model: an LLMEngine (call it while no request runs) or a DecoderForCausalLM. token_id_batches:
     token-id lists, or batches of them. The forward runs over a temporary cache in the model's dtype, so the
     engine's own cache (fp8 or not), its scales and its prefix cache play no part and are left as they were."""
-    from engine.block_manager import BlockManager
-    from engine.config import CacheConfig
-    from engine.model_runner import ModelRunner
+    from quant_serve.engine.block_manager import BlockManager
+    from quant_serve.engine.config import CacheConfig
+    from quant_serve.engine.model_runner import ModelRunner
 
     seqs = []
     for batch in token_id_batches:
@@ -244,9 +244,9 @@ def calibrate_kv_scales(engine_or_model, token_id_batches, dtype_max: float = E4
 
 
 def _prefill(runner, bm, token_ids: list[int], chunk: int) -> None:
-    from engine.sampling_params import SamplingParams
-    from engine.scheduler import ScheduledSeq, SchedulerOutput
-    from engine.sequence import Sequence
+    from quant_serve.engine.sampling_params import SamplingParams
+    from quant_serve.engine.scheduler import ScheduledSeq, SchedulerOutput
+    from quant_serve.engine.sequence import Sequence
     seq = Sequence("kv-calibration", token_ids, SamplingParams(max_tokens=None))
     try:
         while seq.num_computed_tokens < seq.num_tokens:

@@ -6,19 +6,19 @@ import time
 import torch
 from tqdm import tqdm
 
-from engine import kv_pool
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig, resolve_max_model_len
-from engine.detokenizer import IncrementalDetokenizer
-from engine.kv_scales import resolve_kv_scales
-from engine.loader import (default_device, load_model, load_model_config, load_tokenizer, pick_dtype,
+from quant_serve.engine import kv_pool
+from quant_serve.engine.block_manager import BlockManager
+from quant_serve.engine.config import EngineConfig, resolve_max_model_len
+from quant_serve.engine.detokenizer import IncrementalDetokenizer
+from quant_serve.engine.kv_scales import resolve_kv_scales
+from quant_serve.engine.loader import (default_device, load_model, load_model_config, load_tokenizer, pick_dtype,
                            resolve_model_dir)
-from engine.model_runner import Carry, LaunchedStep, ModelRunner
-from engine.outputs import EngineStats, Request, RequestMetrics, RequestOutput
-from engine.sampler import needs_last_token_on_host
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
-from engine.sequence import Sequence
+from quant_serve.engine.model_runner import Carry, LaunchedStep, ModelRunner
+from quant_serve.engine.outputs import EngineStats, Request, RequestMetrics, RequestOutput
+from quant_serve.engine.sampler import needs_last_token_on_host
+from quant_serve.engine.sampling_params import SamplingParams
+from quant_serve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from quant_serve.engine.sequence import Sequence
 
 logger = logging.getLogger("quant_serve")
 

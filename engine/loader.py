@@ -7,9 +7,9 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from engine.config import HEAD_GROUP_SIZE, ModelConfig
-from engine.kv_scales import checkpoint_scale_value, parse_kv_scale_name
-from engine.models.decoder import DecoderForCausalLM
+from quant_serve.engine.config import HEAD_GROUP_SIZE, ModelConfig
+from quant_serve.engine.kv_scales import checkpoint_scale_value, parse_kv_scale_name
+from quant_serve.engine.models.decoder import DecoderForCausalLM
 
 logger = logging.getLogger("quant_serve")
 
@@ -220,7 +220,7 @@ def quantize_head(model: DecoderForCausalLM) -> None:
     """--quantize-lm-head: replace the FP16/BF16 head (or, tied, add one beside the embedding table, which token
     lookups keep reading) by an INT4 g128 round-to-nearest copy; a head the checkpoint quantized stays as it is.
     The head is the largest matrix a decode step reads: 1.09 GB of Qwen2.5-7B's 4.5 in FP16."""
-    from quant.linear import QuantLinear
+    from quant_serve.quant.linear import QuantLinear
     if isinstance(model.lm_head, QuantLinear):
         logger.info("--quantize-lm-head: the checkpoint's head is already INT4")
         return
@@ -248,7 +248,7 @@ def load_model(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device, lo
 
 def _load_model(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device, load_format: str,
                 quantization: str | None, show_progress: bool, seed: int):
-    from quant.formats import load_quant_config
+    from quant_serve.quant.formats import load_quant_config
     if load_format == "dummy":
         raw = json.loads((Path(model_dir) / "config.json").read_text())
         quant_config = load_quant_config(raw, model_dir, None, quantization)

@@ -13,7 +13,7 @@ import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from engine.config import HEAD_GROUP_SIZE
+from quant_serve.engine.config import HEAD_GROUP_SIZE
 
 MiB = 2**20
 GiB = 2**30

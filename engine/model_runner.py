@@ -5,18 +5,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata
-from engine.config import CacheConfig, ModelConfig
-from engine.cuda_graph import DecodeGraphs
-from engine.kv_scales import FP8_DTYPES, KVRangeObserver
-from engine.models.decoder import DecoderForCausalLM
-from engine.sampler import PendingSample, Sampler, compute_prompt_logprobs, only_argmax
-from engine.scheduler import SchedulerOutput
-from engine.sequence import Logprob
-from engine.swap import CpuKVTier
-from engine.transfer import to_device
-from kernels.argmax import argmax_rows
-from kernels.paged_attention import store_kv
+from quant_serve.engine.attention import AttentionMetadata
+from quant_serve.engine.config import CacheConfig, ModelConfig
+from quant_serve.engine.cuda_graph import DecodeGraphs
+from quant_serve.engine.kv_scales import FP8_DTYPES, KVRangeObserver
+from quant_serve.engine.models.decoder import DecoderForCausalLM
+from quant_serve.engine.sampler import PendingSample, Sampler, compute_prompt_logprobs, only_argmax
+from quant_serve.engine.scheduler import SchedulerOutput
+from quant_serve.engine.sequence import Logprob
+from quant_serve.engine.swap import CpuKVTier
+from quant_serve.engine.transfer import to_device
+from quant_serve.kernels.argmax import argmax_rows
+from quant_serve.kernels.paged_attention import store_kv
 
 KV_CACHE_DTYPES = {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16,
                    "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,

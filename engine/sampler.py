@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sequence import Logprob, Sequence
-from engine.transfer import start_to_host, to_device
-from kernels.argmax import argmax_rows
+from quant_serve.engine.sequence import Logprob, Sequence
+from quant_serve.engine.transfer import start_to_host, to_device
+from quant_serve.kernels.argmax import argmax_rows
 
 # Temperatures below this are treated as greedy: dividing by them overflows fp32 (vLLM uses the same cut-off).
 _SAMPLING_EPS = 1e-5

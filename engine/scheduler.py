@@ -3,11 +3,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.block_manager import BlockManager
-from engine.sequence import Sequence, SequenceStatus
+from quant_serve.engine.block_manager import BlockManager
+from quant_serve.engine.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:  # engine.config imports torch; the scheduler must not
-    from engine.config import SchedulerConfig
+    from quant_serve.engine.config import SchedulerConfig
 
 
 @dataclass

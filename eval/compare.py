@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from eval.data import Window
+from quant_serve.eval.data import Window
 
 ROWS_PER_CHUNK = 128     # KLD is computed this many positions at a time to bound the [rows, vocab] temporaries
 

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import torch
 
-from engine.config import HEAD_GROUP_SIZE, CacheConfig, EngineConfig, SchedulerConfig
-from engine.llm_engine import LLMEngine
-from eval.compare import ReferenceStore, TokenStats
-from eval.data import load_tokens, make_windows
-from eval.layer_error import LayerError, layer_errors
-from eval.metadata import model_hash
-from eval.tasks import DEFAULT_TASKS, TaskResult, load_task, run_task
+from quant_serve.engine.config import HEAD_GROUP_SIZE, CacheConfig, EngineConfig, SchedulerConfig
+from quant_serve.engine.llm_engine import LLMEngine
+from quant_serve.eval.compare import ReferenceStore, TokenStats
+from quant_serve.eval.data import load_tokens, make_windows
+from quant_serve.eval.layer_error import LayerError, layer_errors
+from quant_serve.eval.metadata import model_hash
+from quant_serve.eval.tasks import DEFAULT_TASKS, TaskResult, load_task, run_task
 
 logger = logging.getLogger("quant_serve")
 

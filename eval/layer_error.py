@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from eval.data import Window
-from quant.linear import DenseLinear, QuantLinear
+from quant_serve.eval.data import Window
+from quant_serve.quant.linear import DenseLinear, QuantLinear
 
 FOLD_TOLERANCE = 1e-3      # norm weights differing by more than this (relative) mean the checkpoint folded scales
 

@@ -13,8 +13,8 @@ Without lm-eval installed this module still imports; register() and quant_serve_
 """
 import sys
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.sampling_params import SamplingParams
+from quant_serve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from quant_serve.engine.sampling_params import SamplingParams
 
 MODEL_NAME = "quant-serve"
 
@@ -37,7 +37,7 @@ def quant_serve_lm_class():
         def __init__(self, model: str, device: str = "auto", dtype: str = "auto", kv_cache_dtype: str = "auto",
                      max_model_len: int = 2048, max_num_seqs: int = 64, max_gen_toks: int = 256, **_ignored):
             super().__init__()
-            from engine.llm_engine import LLMEngine
+            from quant_serve.engine.llm_engine import LLMEngine
             cache = CacheConfig(num_gpu_blocks=max(4 * -(-int(max_model_len) // 16), 512),
                                 kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False)
             self.engine = LLMEngine(EngineConfig(

@@ -3,8 +3,8 @@ import json
 import math
 from pathlib import Path
 
-from eval.gate import GateResult
-from eval.harness import EvalResult, ModelResult
+from quant_serve.eval.gate import GateResult
+from quant_serve.eval.harness import EvalResult, ModelResult
 
 TOP_LAYERS = 10           # per-layer rows listed per candidate in the summary and the markdown
 

@@ -2,8 +2,8 @@
 from html import escape
 from pathlib import Path
 
-from eval import plots
-from eval.report import TOP_LAYERS, layer_note
+from quant_serve.eval import plots
+from quant_serve.eval.report import TOP_LAYERS, layer_note
 
 CSS = """body{font-family:system-ui,sans-serif;max-width:1150px;margin:1.5em auto;padding:0 1em;color:#222}
 table{border-collapse:collapse;margin:.6em 0;font-size:14px}th,td{border:1px solid #ccc;padding:3px 8px;

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.sampling_params import SamplingParams
+from quant_serve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("quant_serve")
 

@@ -9,10 +9,9 @@ fewer (bench/NOTES-kernels.md entry 24). merge_partials_ref is the torch twin of
 from dataclasses import dataclass
 
 import torch
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
+from quant_serve.kernels.triton_compat import gl, gluon
 
-from kernels.pdl import launch_options, pdl_enabled
+from quant_serve.kernels.pdl import launch_options, pdl_enabled
 
 NEG: gl.constexpr = gl.constexpr(-1.0e30)    # attention_triton.NEG: the max an empty split stored
 
@@ -51,7 +50,7 @@ def scale_args(scale, dummy: torch.Tensor):
 
 def merge_partials(p: DecodePartials) -> torch.Tensor:
     """The split partials merged, one query head a program -> p.out [T, Hq, D]."""
-    from kernels.attention_triton import _decode_reduce_kernel
+    from quant_serve.kernels.attention_triton import _decode_reduce_kernel
     batch, num_q_heads, splits, block_d = p.o.shape
     vs_ptr, vs_val, from_ptr = scale_args(1.0 if p.v_scale is None else p.v_scale, p.out)
     pdl = pdl_enabled(p.o)

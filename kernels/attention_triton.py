@@ -4,10 +4,9 @@ GQA: a program owns one kv head and all G = Hq/Hkv query heads that share it, so
 group. fp8 values are widened to the query dtype exactly; the per-layer scales are folded into the softmax scale
 (k) and the output (v) instead of multiplying every element. Softmax runs in the exp2 domain.
 """
-import triton
-import triton.language as tl
+from quant_serve.kernels.triton_compat import tl, triton
 
-from kernels.pdl import pdl_start, pdl_wait
+from quant_serve.kernels.pdl import pdl_start, pdl_wait
 
 NEG = tl.constexpr(-1.0e30)   # finite "minus infinity": fully masked rows stay NaN-free
 

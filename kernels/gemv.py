@@ -10,10 +10,9 @@ runs. The torch twin is F.linear.
 import os
 
 import torch
-import triton
-import triton.language as tl
+from quant_serve.kernels.triton_compat import tl, triton
 
-from kernels.pdl import launch_options, pdl_enabled, pdl_start, pdl_wait
+from quant_serve.kernels.pdl import launch_options, pdl_enabled, pdl_start, pdl_wait
 
 MIN_ROWS = 65536        # vocabulary-wide weights only: the shape the kernel was measured on
 BLOCK_N, BLOCK_K, STAGES, WARPS = 8, 512, 3, 4

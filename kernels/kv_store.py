@@ -3,11 +3,10 @@
 One program per token; slot_mapping[t] = -1 skips the store. fp8 caches get clamp(x / scale) rounded to nearest
 even, like the torch twin (kernels/attention_ref.py). The cos_sin_cache layout is documented there.
 """
-import triton
-import triton.language as tl
+from quant_serve.kernels.triton_compat import tl, triton
 
-from kernels.attention_triton import _quantize
-from kernels.pdl import pdl_start, pdl_wait
+from quant_serve.kernels.attention_triton import _quantize
+from quant_serve.kernels.pdl import pdl_start, pdl_wait
 
 
 @triton.jit

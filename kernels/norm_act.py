@@ -7,10 +7,9 @@ the norm runs in fp32, rounds to the model dtype, then multiplies by the weight 
 fp32, rounds, then multiplies `up` in the model dtype.
 """
 import torch
-import triton
-import triton.language as tl
+from quant_serve.kernels.triton_compat import tl, triton
 
-from kernels.pdl import launch_options, pdl_enabled, pdl_start, pdl_wait
+from quant_serve.kernels.pdl import launch_options, pdl_enabled, pdl_start, pdl_wait
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention_merge import DecodePartials, merge_partials, scale_args
-from kernels.attention_ref import paged_attention_ref, rope_store_kv_ref, store_kv_ref
-from kernels.pdl import launch_options, pdl_enabled
+from quant_serve.kernels.attention_merge import DecodePartials, merge_partials, scale_args
+from quant_serve.kernels.attention_ref import paged_attention_ref, rope_store_kv_ref, store_kv_ref
+from quant_serve.kernels.pdl import launch_options, pdl_enabled
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 LOG2E = 1.4426950408889634
@@ -127,7 +127,7 @@ def _fp8_cvt(q: torch.Tensor, cache_dtype: torch.dtype) -> bool:
 
 
 def _num_sms(device: torch.device) -> int:
-    from kernels.w4a16_tuning import gpu_family
+    from quant_serve.kernels.w4a16_tuning import gpu_family
     return gpu_family(device.index if device.index is not None else torch.cuda.current_device())[1]
 
 
@@ -165,7 +165,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, s
     wide_table: block_tables are sized for the longest context allowed, not for these (decode_config).
     merge False: where the context is split (and head_dim is a power of two), the split partials unmerged, for
     the consumer to merge (kernels/attention_merge.py); else the output [B, Hq, D]."""
-    from kernels.attention_triton import _decode_kernel
+    from quant_serve.kernels.attention_triton import _decode_kernel
     is_fp8 = k_cache.dtype in FP8
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -210,7 +210,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, s
 def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, softmax_scale, k_scale=1.0,
                   v_scale=1.0, block_m: int = 128, block_n: int = 64, num_warps: int = 8,
                   num_stages: int = 2) -> torch.Tensor:
-    from kernels.attention_triton import _prefill_kernel
+    from quant_serve.kernels.attention_triton import _prefill_kernel
     num_tokens, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     batch = block_tables.shape[0]
@@ -243,7 +243,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 
 def store_kv_triton(key, value, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:
-    from kernels.kv_store import _store_kv_kernel
+    from quant_serve.kernels.kv_store import _store_kv_kernel
     num_tokens, num_heads, head_dim = key.shape
     ks_ptr, ks_val, from_ptr = scale_args(k_scale, key)
     vs_ptr, vs_val, _ = scale_args(v_scale, key)
@@ -268,7 +268,7 @@ def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
 
 def rope_store_kv_triton(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale=1.0,
                          v_scale=1.0) -> None:
-    from kernels.kv_store import _rope_store_kv_kernel
+    from quant_serve.kernels.kv_store import _rope_store_kv_kernel
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     if cos_sin_cache.shape[1] != head_dim or min(q.stride(2), k.stride(2), cos_sin_cache.stride(1)) != 1:

@@ -19,11 +19,7 @@ import functools
 import os
 
 import torch
-import triton
-import triton.language as tl
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from quant_serve.kernels.triton_compat import gl, gluon, tl, triton, gdc_launch_dependents, gdc_wait
 
 _ENABLED = [os.environ.get("QUANT_SERVE_PDL", "1") != "0"]
 

@@ -21,10 +21,10 @@ from functools import lru_cache
 
 import torch
 
-from kernels.norm_act import silu_and_mul, silu_and_mul_ref
-from kernels.w4a16_frag import FragWeights, frag_standard, prepare_frag
-from kernels.w4a16_ref import pack_int4_rows, unpack_int4_rows, w4a16_matmul_ref
-from kernels.w4a16_tuning import (TMA_MAX_M, TMA_MIN_M, MMAConfig, TMAConfig, W4A16Config, device_sms,
+from quant_serve.kernels.norm_act import silu_and_mul, silu_and_mul_ref
+from quant_serve.kernels.w4a16_frag import FragWeights, frag_standard, prepare_frag
+from quant_serve.kernels.w4a16_ref import pack_int4_rows, unpack_int4_rows, w4a16_matmul_ref
+from quant_serve.kernels.w4a16_tuning import (TMA_MAX_M, TMA_MIN_M, MMAConfig, TMAConfig, W4A16Config, device_sms,
                                   select_config, select_mma_config, select_tma_config)
 
 DEFAULT_PACK_K = 128
@@ -144,7 +144,7 @@ def _probe(device_index: int, kernel: str, cols: int, rows: int, call, fallback:
 @lru_cache(maxsize=None)
 def _mma_kernels_work(device_index: int) -> bool:
     """The tensor-core kernel, probed before any layer is packed into the fragment layout for the device."""
-    from kernels.w4a16_mma import w4a16_mma
+    from quant_serve.kernels.w4a16_mma import w4a16_mma
     return _probe(device_index, "tensor-core kernel", 16, 1, w4a16_mma, "using the row-layout kernels")
 
 
@@ -155,7 +155,7 @@ _TMA_ON = os.environ.get("QUANT_SERVE_W4A16_TMA", "1") != "0"
 @lru_cache(maxsize=None)
 def wgmma_works(device_index: int) -> bool:
     """The wgmma variant serves M = 17..128 on an sm90 GPU where its probe passes. Probed at load."""
-    from kernels.w4a16_mma import w4a16_mma
+    from quant_serve.kernels.w4a16_mma import w4a16_mma
     return _probe(device_index, "wgmma kernel", 64, 17, lambda x, fw: w4a16_mma(x, fw, block_n=64, wgmma=True),
                   "M > 16 uses mma.sync up to 64 rows, then dequantize + cuBLAS", sm90=True)
 
@@ -164,7 +164,7 @@ def wgmma_works(device_index: int) -> bool:
 def tma_works(device_index: int) -> bool:
     """The TMA kernel serves M = 17..4096 on an sm90 GPU where its probe passes. Probed at load (never first inside
     a CUDA graph capture)."""
-    from kernels.w4a16_tma import w4a16_tma
+    from quant_serve.kernels.w4a16_tma import w4a16_tma
     return _probe(device_index, "TMA kernel", 128, 40, lambda x, fw: w4a16_tma(x, fw, block_n=64, consumers=1),
                   "M > 32 uses the wgmma kernel up to 128 rows, then dequantize + cuBLAS", sm90=True)
 
@@ -219,8 +219,8 @@ def w4a16_forward(x: torch.Tensor, w: W4A16Weights | FragWeights, bias: torch.Te
     reduce where the kernel has one, else the silu_and_mul kernel after the matmul)."""
     if isinstance(w, FragWeights):
         return _frag_forward(x, w, bias, config, silu_mul)
-    from kernels.w4a16_gemm import w4a16_dequant_matmul, w4a16_gemm
-    from kernels.w4a16_gemv import w4a16_gemv
+    from quant_serve.kernels.w4a16_gemm import w4a16_dequant_matmul, w4a16_gemm
+    from quant_serve.kernels.w4a16_gemv import w4a16_gemv
     if w.perm is not None:
         x = x[:, w.perm]
     elif x.stride(-1) != 1:
@@ -255,9 +255,9 @@ def frag_config(m: int, k: int, n: int, device: torch.device, silu_mul: bool = F
 def _frag_forward(x: torch.Tensor, w: FragWeights, bias: torch.Tensor | None, config: MMAConfig | None,
                   silu_mul: bool) -> torch.Tensor:
     """Fragment layout: fp16 activations take frag_config's kernel (or `config`), else dequantize + cuBLAS."""
-    from kernels.w4a16_mma import w4a16_mma
-    from kernels.w4a16_tiles import frag_dequantize
-    from kernels.w4a16_tma import tma_works_for, w4a16_tma
+    from quant_serve.kernels.w4a16_mma import w4a16_mma
+    from quant_serve.kernels.w4a16_tiles import frag_dequantize
+    from quant_serve.kernels.w4a16_tma import tma_works_for, w4a16_tma
     x = x[:, w.perm] if w.perm is not None else x.contiguous()
     m, k = x.shape
     if x.dtype == torch.float16:

@@ -10,12 +10,11 @@ kernels/w4a16_mma._w4a16_mma_kernel (RESIDUAL / NORM); the torch twins serve the
 from dataclasses import dataclass
 
 import torch
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
+from quant_serve.kernels.triton_compat import gl, gluon
 
-from kernels.attention_merge import DecodePartials
-from kernels.w4a16_frag import FragWeights
-from kernels.w4a16_tuning import device_sms, select_mma_config
+from quant_serve.kernels.attention_merge import DecodePartials
+from quant_serve.kernels.w4a16_frag import FragWeights
+from quant_serve.kernels.w4a16_tuning import device_sms, select_mma_config
 
 FOLD_TILE = 64          # the residual epilogue sums squares by this many columns (its tile)
 
@@ -58,7 +57,7 @@ def folded_norm_applies(w, silu_mul: bool = False) -> bool:
     (w4a16_residual / w4a16_normed)? The fragment layout without act-order, and a one-launch M = 1 configuration of
     64-column tiles with x staged, which both the residual epilogue (sums of squares by 64 columns) and the norm
     (applied while x is staged) need."""
-    from kernels.w4a16_mma import mma_variant
+    from quant_serve.kernels.w4a16_mma import mma_variant
     if not isinstance(w, FragWeights) or w.perm is not None:
         return False
     k, kp, n = w.in_features, w.words.shape[1] // 2, w.out_features
@@ -89,7 +88,7 @@ def w4a16_residual(x: torch.Tensor | DecodePartials, w: FragWeights, residual: t
     torch's add round; ss [1, N / 64] fp32 the sums of h^2 by 64 columns (a FoldedNorm's ss). Where
     folded_norm_applies. x may be a batch-1 decode's split partials (kernels/attention_merge.DecodePartials),
     merged while the kernel stages them."""
-    from kernels.w4a16_mma import w4a16_mma
+    from quant_serve.kernels.w4a16_mma import w4a16_mma
     k, device = (x.features, x.o.device) if isinstance(x, DecodePartials) else (x.shape[1], x.device)
     cfg = select_mma_config(1, k, w.out_features, False, False, device_sms(device))
     return w4a16_mma(x, w, bias, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps, cfg.one_launch,
@@ -100,7 +99,7 @@ def w4a16_normed(h: torch.Tensor, w: FragWeights, norm, bias: torch.Tensor | Non
                  silu_mul: bool = False) -> torch.Tensor:
     """h [1, K] (a w4a16_residual output), norm a FoldedNorm of its sums -> RMSNorm(h) * weight
     @ W (+ bias), or its SwiGLU with silu_mul. Where folded_norm_applies."""
-    from kernels.w4a16_mma import w4a16_mma
+    from quant_serve.kernels.w4a16_mma import w4a16_mma
     cfg = select_mma_config(1, h.shape[1], w.out_features, False, silu_mul, device_sms(h.device))
     return w4a16_mma(h, w, bias, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps, cfg.one_launch, silu_mul,
                      norm=norm, max_regs=cfg.max_regs)

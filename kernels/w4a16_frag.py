@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.w4a16_ref import pack_int4_rows, unpack_int4_rows
+from quant_serve.kernels.w4a16_ref import pack_int4_rows, unpack_int4_rows
 
 
 def frag_words(codes: torch.Tensor) -> torch.Tensor:

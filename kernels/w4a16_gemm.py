@@ -6,11 +6,10 @@ SWAP computes acc^T = W^T x^T: the weight tile is the MMA's M side (BN >= 64), t
 small M does not pad the MMA's M to 16/64 rows.
 """
 import torch
-import triton
-import triton.language as tl
+from quant_serve.kernels.triton_compat import tl, triton
 
-from kernels.w4a16_gemv import _dequant, _dequant_words, _interleave4, _load_chunk, _load_words, fast_dequant_ok
-from kernels.w4a16_splitk import _store_result, launch_splitk_reduce, split_buffers, split_plan
+from quant_serve.kernels.w4a16_gemv import _dequant, _dequant_words, _interleave4, _load_chunk, _load_words, fast_dequant_ok
+from quant_serve.kernels.w4a16_splitk import _store_result, launch_splitk_reduce, split_buffers, split_plan
 
 
 @triton.jit(do_not_specialize=["M", "chunks_per_split", "n_splits"])   # M varies every step: one compile
@@ -129,7 +128,7 @@ def w4a16_gemm(x: torch.Tensor, w, bias: torch.Tensor | None, block_m: int, bloc
                one_launch: bool = False) -> torch.Tensor:
     """x: [M, K] (already act-order permuted), w: W4A16Weights -> [M, N] in x's dtype. one_launch: split-K
     summed by the last split of each tile (ticket) instead of a second kernel."""
-    from kernels.w4a16 import weight_bytes
+    from quant_serve.kernels.w4a16 import weight_bytes
     M, K = x.shape
     N = w.qweight.shape[1]
     splits, per = split_plan(K, w.pack_k, split_k)
@@ -155,7 +154,7 @@ def w4a16_gemm(x: torch.Tensor, w, bias: torch.Tensor | None, block_m: int, bloc
 def w4a16_dequantize(w, dtype: torch.dtype, block_n: int = 128) -> torch.Tensor:
     """W4A16Weights -> dense W [K, N] in `dtype`, rows in internal (act-order) order; one rounding of (q - z) * s
     (fp16: the packed-half fast path, bit-identical; otherwise fp32 math)."""
-    from kernels.w4a16 import weight_bytes
+    from quant_serve.kernels.w4a16 import weight_bytes
     K, N = w.in_features, w.qweight.shape[1]
     out = torch.empty((K, N), dtype=dtype, device=w.qweight.device)
     zeros = w.qzeros if w.qzeros is not None else w.qweight

@@ -16,11 +16,10 @@ interpreter, which cannot run inline asm) a plain Triton path computes the same 
 import os
 
 import torch
-import triton
-import triton.language as tl
+from quant_serve.kernels.triton_compat import tl, triton
 
-from kernels.norm_act import silu_and_mul
-from kernels.w4a16_splitk import _store_result, launch_splitk_reduce, split_buffers, split_plan  # noqa: F401
+from quant_serve.kernels.norm_act import silu_and_mul
+from quant_serve.kernels.w4a16_splitk import _store_result, launch_splitk_reduce, split_buffers, split_plan  # noqa: F401
 
 def _dequant_lines(word: int, scale: int, zlo: int, zhi: int) -> str:
     """PTX turning the int32 word $word into 4 fp16x2 registers a0 (low-nibble rows, columns 4j, 4j+1), a2 (4j+2,
@@ -320,7 +319,7 @@ def w4a16_gemv(x: torch.Tensor, w, bias: torch.Tensor | None, block_n: int, spli
     one_launch: split-K summed by the last split (ticket) instead of a second kernel; pipeline: loads in
     tl.range(num_stages) instead of the register prefetch; rows: tile rows per step (0: pack_k/2, a chunk).
     silu_mul (N = 2I, gate | up): -> [M, I] = silu(gate) * up, computed by the split-K reduce when there is one."""
-    from kernels.w4a16 import weight_bytes
+    from quant_serve.kernels.w4a16 import weight_bytes
     M, K = x.shape
     N = w.qweight.shape[1]
     rows = rows or w.pack_k // 2

@@ -9,19 +9,17 @@ kernels/w4a16_splitk.py (SwiGLU fused there), or the one-launch ticket whose las
 from dataclasses import dataclass
 
 import torch
-import triton
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
+from quant_serve.kernels.triton_compat import gl, gluon, triton
 
-from kernels.attention_merge import DecodePartials, _live_splits, _merged_x, merge_args
-from kernels.norm_act import silu_and_mul
-from kernels.pdl import gl_pdl_start, gl_pdl_wait, launch_options, pdl_enabled
-from kernels.w4a16_fold import FoldedNorm, _rms_normed, _write_residual
-from kernels.w4a16_frag import FragWeights, pick_block_k
-from kernels.w4a16_mma_steps import _mma_load, _mma_one, _ring_steps
-from kernels.w4a16_splitk import launch_splitk_reduce, split_buffers
-from kernels.w4a16_tiles import _tile_words, mma_layout, swiglu_tile
-from kernels.w4a16_wgmma import _cta_barrier, _wgmma_steps
+from quant_serve.kernels.attention_merge import DecodePartials, _live_splits, _merged_x, merge_args
+from quant_serve.kernels.norm_act import silu_and_mul
+from quant_serve.kernels.pdl import gl_pdl_start, gl_pdl_wait, launch_options, pdl_enabled
+from quant_serve.kernels.w4a16_fold import FoldedNorm, _rms_normed, _write_residual
+from quant_serve.kernels.w4a16_frag import FragWeights, pick_block_k
+from quant_serve.kernels.w4a16_mma_steps import _mma_load, _mma_one, _ring_steps
+from quant_serve.kernels.w4a16_splitk import launch_splitk_reduce, split_buffers
+from quant_serve.kernels.w4a16_tiles import _tile_words, mma_layout, swiglu_tile
+from quant_serve.kernels.w4a16_wgmma import _cta_barrier, _wgmma_steps
 _ROW1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
 _QUADS: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
 

@@ -6,12 +6,10 @@ step to step and its unrolled steps unconditional. Offline it ran 153 instructio
 78 registers (96), but its weight loads had to go after the step's barrier (before it, ptxas hoists them a step
 further: 138 registers), and the M = 2..16 sums ran 13-19% slower (M = 16: 68.7 against 57.7 us).
 """
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from quant_serve.kernels.triton_compat import gl, gluon, async_copy, mma_v2
 
-from kernels.w4a16_tiles import _dequant_step, _load_step
-from kernels.w4a16_wgmma import _cta_barrier, _x_copy
+from quant_serve.kernels.w4a16_tiles import _dequant_step, _load_step
+from quant_serve.kernels.w4a16_wgmma import _cta_barrier, _x_copy
 
 
 @gluon.jit

@@ -12,10 +12,9 @@ kernel resets the counters it used; kernels on one stream may therefore share it
 two streams must not (they would draw each other's tickets).
 """
 import torch
-import triton
-import triton.language as tl
+from quant_serve.kernels.triton_compat import tl, triton
 
-from kernels.pdl import launch_options, pdl_enabled, pdl_start, pdl_wait
+from quant_serve.kernels.pdl import launch_options, pdl_enabled, pdl_start, pdl_wait
 
 _COUNTER_MIN = 1 << 16                       # int32s: 256 KB covers every tile grid the dispatcher launches
 _COUNTERS: dict[tuple[str, int], list[torch.Tensor]] = {}

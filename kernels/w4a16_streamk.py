@@ -10,10 +10,9 @@ and `_sk_reduce_kernel` sums them in segment order (deterministic, whichever fin
 from dataclasses import dataclass
 
 import torch
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
+from quant_serve.kernels.triton_compat import gl, gluon
 
-from kernels.pdl import gl_pdl_start, gl_pdl_wait, launch_options, pdl_enabled
+from quant_serve.kernels.pdl import gl_pdl_start, gl_pdl_wait, launch_options, pdl_enabled
 
 
 @dataclass(frozen=True)

@@ -7,11 +7,9 @@ Marlin's LOP3 trick on the word (13 instructions per 8 weights, exact). The matm
 kernels/w4a16_mma.py; the dequantize pass here writes the dense W^T for cuBLAS above their M.
 """
 import torch
-import triton
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
+from quant_serve.kernels.triton_compat import gl, gluon, triton
 
-from kernels.w4a16_frag import FragWeights, pick_block_k
+from quant_serve.kernels.w4a16_frag import FragWeights, pick_block_k
 
 def _frag_dq_asm(scaled: bool) -> str:
     """Marlin's LOP3 dequant of one fragment word. Inputs: word $8, then (scaled) the scale pairs of rows g ($9) and

@@ -21,19 +21,15 @@ SMs, else even spans across tiles; kernels/w4a16_streamk.py), their fp32 partial
 one program a tile left a quarter to half of the SMs idle in its last wave (gate_up at M = 64: 59 us; 41 now).
 """
 import torch
-import triton
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma, warpgroup_mma_init,
-                                                              warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from quant_serve.kernels.triton_compat import (gl, gluon, triton, TensorDescriptor, mbarrier, tma, warpgroup_mma,
+                                               warpgroup_mma_init, warpgroup_mma_wait)
 
-from kernels.pdl import gl_pdl_start, gl_pdl_wait, launch_options, pdl_enabled
-from kernels.norm_act import silu_and_mul
-from kernels.w4a16_frag import FragWeights, pick_block_k
-from kernels.w4a16_streamk import _sk_owner, _sk_span, launch_sk_reduce, stream_k_plan
-from kernels.w4a16_tuning import device_sms
-from kernels.w4a16_tiles import _dequant_step, _load_group, _tile_words, mma_layout, word_layout
+from quant_serve.kernels.pdl import gl_pdl_start, gl_pdl_wait, launch_options, pdl_enabled
+from quant_serve.kernels.norm_act import silu_and_mul
+from quant_serve.kernels.w4a16_frag import FragWeights, pick_block_k
+from quant_serve.kernels.w4a16_streamk import _sk_owner, _sk_span, launch_sk_reduce, stream_k_plan
+from quant_serve.kernels.w4a16_tuning import device_sms
+from quant_serve.kernels.w4a16_tiles import _dequant_step, _load_group, _tile_words, mma_layout, word_layout
 
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from quant.calib import ModelSpec, attn_core, attn_input, block_output, chunked, gram, mlp_act, mlp_input
-from quant.rtn import MAXQ, QuantResult, group_params, search_clip
+from quant_serve.quant.calib import ModelSpec, attn_core, attn_input, block_output, chunked, gram, mlp_act, mlp_input
+from quant_serve.quant.rtn import MAXQ, QuantResult, group_params, search_clip
 
 STAGES = [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
           ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]

@@ -3,12 +3,12 @@ checkpoint's separate modules; `load_shard` receives one source module's raw ten
 import torch
 from torch import nn
 
-from kernels.attention_merge import DecodePartials, merge_partials
-from kernels.w4a16_ref import dequantize_w4, pack_int4_cols, pack_int4_rows, w4a16_matmul_ref
-from kernels.norm_act import silu_and_mul
-from kernels.w4a16 import FragWeights, W4A16Weights, prepare_kernel_weights, standard_layout, w4a16_matmul
-from kernels.w4a16_fold import folded_norm_applies, folded_norm_ref, residual_ref, w4a16_normed, w4a16_residual
-from quant.rtn import quantize_rtn
+from quant_serve.kernels.attention_merge import DecodePartials, merge_partials
+from quant_serve.kernels.w4a16_ref import dequantize_w4, pack_int4_cols, pack_int4_rows, w4a16_matmul_ref
+from quant_serve.kernels.norm_act import silu_and_mul
+from quant_serve.kernels.w4a16 import FragWeights, W4A16Weights, prepare_kernel_weights, standard_layout, w4a16_matmul
+from quant_serve.kernels.w4a16_fold import folded_norm_applies, folded_norm_ref, residual_ref, w4a16_normed, w4a16_residual
+from quant_serve.quant.rtn import quantize_rtn
 
 
 class DenseLinear(nn.Module):

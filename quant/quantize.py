@@ -19,12 +19,12 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from quant.awq import AWQSettings, awq_block
-from quant.calib import ModelSpec, gram, rms_norm, rope_tables
-from quant.formats import (awq_quantization_config, ct_quantization_config, gptq_quantization_config,
+from quant_serve.quant.awq import AWQSettings, awq_block
+from quant_serve.quant.calib import ModelSpec, gram, rms_norm, rope_tables
+from quant_serve.quant.formats import (awq_quantization_config, ct_quantization_config, gptq_quantization_config,
                            write_awq_gemm, write_gptq, write_pack_quantized)
-from quant.gptq import GPTQSettings, gptq_block, gptq_quantize
-from quant.rtn import QuantResult, quantize_rtn
+from quant_serve.quant.gptq import GPTQSettings, gptq_block, gptq_quantize
+from quant_serve.quant.rtn import QuantResult, quantize_rtn
 
 logger = logging.getLogger("quant_serve")
 

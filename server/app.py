@@ -11,14 +11,14 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.llm_engine import LLMEngine
-from server.async_engine import AsyncEngine, EngineRequestError
-from server.metrics import ServerMetrics
-from server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+from quant_serve.engine.llm_engine import LLMEngine
+from quant_serve.server.async_engine import AsyncEngine, EngineRequestError
+from quant_serve.server.metrics import ServerMetrics
+from quant_serve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                              TokenizeRequest, error_body)
-from server.serving import ClientDisconnected, ServingContext
-from server.serving_chat import create_chat_completion, render_chat
-from server.serving_completion import create_completion
+from quant_serve.server.serving import ClientDisconnected, ServingContext
+from quant_serve.server.serving_chat import create_chat_completion, render_chat
+from quant_serve.server.serving_completion import create_completion
 
 logger = logging.getLogger("quant_serve.server")
 

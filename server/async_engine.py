@@ -11,10 +11,10 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.sequence import SequenceStatus
+from quant_serve.engine.llm_engine import LLMEngine
+from quant_serve.engine.outputs import RequestOutput
+from quant_serve.engine.sampling_params import SamplingParams
+from quant_serve.engine.sequence import SequenceStatus
 
 logger = logging.getLogger("quant_serve.server")
 

@@ -49,7 +49,7 @@ def random_prompt(length: int, vocab_size: int, special_ids: set[int], rng: rand
 
 def run_offline(engine, num_prompts: int, input_len: int, output_len: int, range_ratio: float = 0.0,
                 seed: int = 0, warmup: int = 1) -> dict:
-    from engine.sampling_params import SamplingParams
+    from quant_serve.engine.sampling_params import SamplingParams
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
     special = set(engine.model_config.eos_token_ids) | set(getattr(engine.tokenizer, "all_special_ids", []))

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from server.bench_offline import percentile, random_prompt, summarize_latencies, synthetic_lengths
+from quant_serve.server.bench_offline import percentile, random_prompt, summarize_latencies, synthetic_lengths
 
 
 @dataclass

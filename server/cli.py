@@ -4,11 +4,11 @@ import logging
 import os
 import sys
 
-from engine.config import OFFLINE_BATCHED_TOKENS, SERVE_BATCHED_TOKENS, CacheConfig, EngineConfig, SchedulerConfig
+from quant_serve.engine.config import OFFLINE_BATCHED_TOKENS, SERVE_BATCHED_TOKENS, CacheConfig, EngineConfig, SchedulerConfig
 
 
 def demo_model_dir() -> str | None:
-    from engine.demo import DEMO_MODEL_DIR
+    from quant_serve.engine.demo import DEMO_MODEL_DIR
     return str(DEMO_MODEL_DIR) if (DEMO_MODEL_DIR / "config.json").is_file() else None
 
 
@@ -79,8 +79,8 @@ def engine_config_from_args(args) -> EngineConfig:
 
 
 def cmd_generate(args) -> int:
-    from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
+    from quant_serve.engine.llm_engine import LLMEngine
+    from quant_serve.engine.sampling_params import SamplingParams
     engine = LLMEngine(engine_config_from_args(args))
     prompt = args.prompt
     if args.chat:
@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to the prompt")
     gen.set_defaults(func=cmd_generate)
 
-    from server import cli_bench, cli_eval, cli_plan, cli_quantize, cli_serve
+    from quant_serve.server import cli_bench, cli_eval, cli_plan, cli_quantize, cli_serve
     for module in (cli_serve, cli_quantize, cli_eval, cli_plan, cli_bench):
         module.register(sub)
     return parser

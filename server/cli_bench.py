@@ -8,7 +8,7 @@ import time
 
 
 def register(sub) -> None:
-    from server.cli import add_engine_args
+    from quant_serve.server.cli import add_engine_args
     p = sub.add_parser("bench", help="measure latency and throughput")
     modes = p.add_subparsers(dest="mode", required=True)
     off = modes.add_parser("offline", help="drive the engine in-process with synthetic requests")
@@ -52,9 +52,9 @@ def _metadata(args) -> dict:
 
 
 def run_offline_cmd(args) -> int:
-    from engine.llm_engine import LLMEngine
-    from server.bench_offline import decode_bytes_per_step, measure_copy_bandwidth, run_offline, write_json
-    from server.cli import engine_config_from_args
+    from quant_serve.engine.llm_engine import LLMEngine
+    from quant_serve.server.bench_offline import decode_bytes_per_step, measure_copy_bandwidth, run_offline, write_json
+    from quant_serve.server.cli import engine_config_from_args
     engine = LLMEngine(engine_config_from_args(args))
     result = {"metadata": _metadata(args), "model": engine.config.model,
               "quantization": engine.quant_config.describe() if engine.quant_config else "none",
@@ -77,8 +77,8 @@ def run_offline_cmd(args) -> int:
 
 def run_serve_cmd(args) -> int:
     import httpx
-    from server.bench_offline import write_json
-    from server.bench_serve import run_load
+    from quant_serve.server.bench_offline import write_json
+    from quant_serve.server.bench_serve import run_load
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     model = args.served_model or httpx.get(f"{args.url}/v1/models", headers=headers).json()["data"][0]["id"]
     vocab = args.vocab_size or httpx.get(f"{args.url}/tokenizer_info", headers=headers).json().get("vocab_size")

@@ -53,8 +53,8 @@ def register(subparsers) -> None:
 
 
 def config_from_args(args):
-    from eval.harness import EvalConfig
-    from eval.tasks import DEFAULT_TASKS
+    from quant_serve.eval.harness import EvalConfig
+    from quant_serve.eval.tasks import DEFAULT_TASKS
     tasks = list(DEFAULT_TASKS) if args.tasks is None else [t for t in args.tasks if t.lower() != "none"]
     return EvalConfig(reference=args.reference, models=args.model, data=args.data,
                       kv_cache_dtype=args.kv_cache_dtype, kv_scale_source=args.kv_scale_source, tasks=tasks,
@@ -95,11 +95,11 @@ def cmd_eval(args) -> int:
 
 
 def _run(args) -> int:
-    from eval.gate import check_gate, load_gate
-    from eval.harness import run_eval
-    from eval.metadata import run_metadata
-    from eval.report import markdown, summary_json, write_reports
-    from eval.report_html import html_report
+    from quant_serve.eval.gate import check_gate, load_gate
+    from quant_serve.eval.harness import run_eval
+    from quant_serve.eval.metadata import run_metadata
+    from quant_serve.eval.report import markdown, summary_json, write_reports
+    from quant_serve.eval.report_html import html_report
 
     gate = load_gate(args.gate)        # a bad gate file fails before hours of evaluation, not after
     cfg = config_from_args(args)

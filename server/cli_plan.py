@@ -22,8 +22,8 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from engine.loader import resolve_model_dir
-    from engine.memory import format_plan, plan_memory
+    from quant_serve.engine.loader import resolve_model_dir
+    from quant_serve.engine.memory import format_plan, plan_memory
     model_dir = resolve_model_dir(args.model)
     plan = plan_memory(model_dir, gpu_mem_gb=args.gpu_mem_gb, gpu_memory_utilization=args.gpu_memory_utilization,
                        kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,

@@ -6,13 +6,13 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.config import ModelConfig
-from engine.loader import list_weight_files, load_model_config, read_tensor_names
-from engine.models.decoder import rope_inv_freq
-from quant.awq import AWQSettings
-from quant.calib import EOT, ModelSpec, calib_tokens, read_calib_file
-from quant.gptq import GPTQSettings
-from quant.quantize import FORMATS, METHODS, QuantizeConfig, SourceModel, quantize_model
+from quant_serve.engine.config import ModelConfig
+from quant_serve.engine.loader import list_weight_files, load_model_config, read_tensor_names
+from quant_serve.engine.models.decoder import rope_inv_freq
+from quant_serve.quant.awq import AWQSettings
+from quant_serve.quant.calib import EOT, ModelSpec, calib_tokens, read_calib_file
+from quant_serve.quant.gptq import GPTQSettings
+from quant_serve.quant.quantize import FORMATS, METHODS, QuantizeConfig, SourceModel, quantize_model
 
 logger = logging.getLogger("quant_serve")
 
@@ -84,9 +84,9 @@ def cmd_quantize(args) -> int:
 
 def write_calibrated_kv_scales(out_dir: Path, calib: torch.Tensor, device: str) -> None:
     """K/V amax of the quantized model on the calibration windows -> out_dir/kv_scales.json."""
-    from engine.config import CacheConfig, EngineConfig
-    from engine.kv_scales import calibrate_kv_scales, write_kv_scales
-    from engine.llm_engine import LLMEngine
+    from quant_serve.engine.config import CacheConfig, EngineConfig
+    from quant_serve.engine.kv_scales import calibrate_kv_scales, write_kv_scales
+    from quant_serve.engine.llm_engine import LLMEngine
     engine = LLMEngine(EngineConfig(model=str(out_dir), device=device, enforce_eager=True,
                                     max_model_len=calib.shape[1] + 1, cache=CacheConfig(kv_cache_memory_gb=0.25)),
                        show_progress=False)

@@ -3,8 +3,8 @@ import argparse
 import logging
 import sys
 
-from server import cli
-from server.app import DEFAULT_MAX_QUEUED_REQUESTS
+from quant_serve.server import cli
+from quant_serve.server.app import DEFAULT_MAX_QUEUED_REQUESTS
 
 logger = logging.getLogger("quant_serve")
 
@@ -53,8 +53,8 @@ def cmd_serve(args) -> int:
         return 2
     import uvicorn
 
-    from engine.llm_engine import LLMEngine
-    from server.app import build_app
+    from quant_serve.engine.llm_engine import LLMEngine
+    from quant_serve.server.app import build_app
 
     config = cli.engine_config_from_args(args)
     engine = LLMEngine(config)

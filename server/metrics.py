@@ -7,8 +7,8 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from engine.outputs import RequestOutput
-from server.async_engine import EngineSnapshot
+from quant_serve.engine.outputs import RequestOutput
+from quant_serve.server.async_engine import EngineSnapshot
 
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0, 640.0, 2560.0]

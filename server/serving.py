@@ -10,11 +10,11 @@ from functools import lru_cache
 from fastapi import Request
 from pydantic import BaseModel
 
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.sequence import Logprob
-from server.async_engine import AsyncEngine, QueueFullError, RequestStream
-from server.protocol import APIError, ChatLogProb, ChatLogProbEntry, CompletionLogProbs, SamplingRequest, error_body
+from quant_serve.engine.llm_engine import LLMEngine
+from quant_serve.engine.sampling_params import SamplingParams
+from quant_serve.engine.sequence import Logprob
+from quant_serve.server.async_engine import AsyncEngine, QueueFullError, RequestStream
+from quant_serve.server.protocol import APIError, ChatLogProb, ChatLogProbEntry, CompletionLogProbs, SamplingRequest, error_body
 
 logger = logging.getLogger("quant_serve.server")
 

@@ -5,10 +5,10 @@ import time
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from server.protocol import (APIError, ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
+from quant_serve.server.protocol import (APIError, ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
                              ChatCompletionStreamResponse, ChatLogProbs, ChatMessage, ChatResponseMessage,
                              ChatStreamChoice, PromptTokensDetails, UsageInfo, random_id)
-from server.serving import SSE_DONE, ServingContext, make_sampling_params, sse, sse_error, unless_disconnected
+from quant_serve.server.serving import SSE_DONE, ServingContext, make_sampling_params, sse, sse_error, unless_disconnected
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict]:

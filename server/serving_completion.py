@@ -6,10 +6,10 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from engine.outputs import CompletionOutput, RequestOutput
-from server.protocol import (APIError, CompletionChoice, CompletionRequest, CompletionResponse,
+from quant_serve.engine.outputs import CompletionOutput, RequestOutput
+from quant_serve.server.protocol import (APIError, CompletionChoice, CompletionRequest, CompletionResponse,
                              PromptTokensDetails, UsageInfo, random_id)
-from server.serving import SSE_DONE, ServingContext, make_sampling_params, sse, sse_error, unless_disconnected
+from quant_serve.server.serving import SSE_DONE, ServingContext, make_sampling_params, sse, sse_error, unless_disconnected
 
 
 @dataclass

@@ -5,9 +5,9 @@ import json
 import shutil
 from pathlib import Path
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.demo import DEMO_MODEL_DIR
-from engine.llm_engine import LLMEngine
+from quant_serve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from quant_serve.engine.demo import DEMO_MODEL_DIR
+from quant_serve.engine.llm_engine import LLMEngine
 
 from conftest import REPO, TINY, TINY_AWQ
 

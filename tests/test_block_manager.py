@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from engine import block_manager as bm_module
-from engine.block_manager import BlockManager, hash_block
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from quant_serve.engine import block_manager as bm_module
+from quant_serve.engine.block_manager import BlockManager, hash_block
+from quant_serve.engine.sampling_params import SamplingParams
+from quant_serve.engine.sequence import Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -313,5 +313,5 @@ def test_copy_on_write_failure_changes_nothing(new_bm):
 
 
 def test_pure_python_modules_never_import_torch():
-    code = "import engine.scheduler, engine.block_manager, engine.sequence, sys; assert 'torch' not in sys.modules"
+    code = "import quant_serve.engine.scheduler, quant_serve.engine.block_manager, quant_serve.engine.sequence, sys; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)

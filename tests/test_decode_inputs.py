@@ -11,11 +11,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")   # before the kernel module is imported (decoration time)
 
-from engine.cuda_graph import GREEDY_MAX_BATCH, DecodeGraphs, DecodeInputs  # noqa: E402
-from engine.demo import DEMO_MODEL_DIR  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from kernels.interpret import patch_triton_interpreter  # noqa: E402
-from kernels.step_inputs import take_carried, take_carried_ref, take_carried_triton  # noqa: E402
+from quant_serve.engine.cuda_graph import GREEDY_MAX_BATCH, DecodeGraphs, DecodeInputs  # noqa: E402
+from quant_serve.engine.demo import DEMO_MODEL_DIR  # noqa: E402
+from quant_serve.engine.sampling_params import SamplingParams  # noqa: E402
+from quant_serve.kernels.interpret import patch_triton_interpreter  # noqa: E402
+from quant_serve.kernels.step_inputs import take_carried, take_carried_ref, take_carried_triton  # noqa: E402
 
 from helpers import assert_all_blocks_free, make_engine  # noqa: E402
 
@@ -58,7 +58,7 @@ def test_take_carried_matches_twin(n):
 @pytest.mark.parametrize("vocab", [7, 64, 1000])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_argmax_rows_matches_torch_ties_included(vocab, dtype, monkeypatch):
-    import kernels.argmax as argmax
+    import quant_serve.kernels.argmax as argmax
     if DEV == "cpu":
         monkeypatch.setattr(argmax, "CHUNK", 64)         # several chunks a row in the interpreter too
     gen = torch.Generator().manual_seed(vocab)

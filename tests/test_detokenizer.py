@@ -3,8 +3,8 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.sampling_params import SamplingParams
+from quant_serve.engine.detokenizer import IncrementalDetokenizer
+from quant_serve.engine.sampling_params import SamplingParams
 
 MODEL = "/work/shared/models/tiny-qwen2"
 PROMPT = [1, 872, 198]       # "<|im_start|>" + a couple of ordinary tokens

@@ -4,7 +4,7 @@ import shutil
 
 import pytest
 
-from engine.sampling_params import SamplingParams
+from quant_serve.engine.sampling_params import SamplingParams
 from helpers import assert_all_blocks_free, make_engine
 
 from conftest import TINY

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from engine.sampling_params import SamplingParams
+from quant_serve.engine.sampling_params import SamplingParams
 from helpers import assert_all_blocks_free, awq_model_dir, fp16_model_dir, make_engine
 
 from conftest import DATA
@@ -98,9 +98,9 @@ def test_batch_one_folds_the_norms_and_matches_the_plain_path(monkeypatch):
     _forward_folded): the fixture takes that path, and its greedy tokens and logprobs are the plain path's (the
     variance is summed in another order: near-ties may flip, the rest agrees). o_proj merges the attention's
     split partials itself: the merge kernel's tokens (QUANT_SERVE_FOLD_MERGE=0)."""
-    from engine.models.decoder import DecoderModel
-    from kernels.attention_merge import DecodePartials
-    from quant.linear import QuantLinear
+    from quant_serve.engine.models.decoder import DecoderModel
+    from quant_serve.kernels.attention_merge import DecodePartials
+    from quant_serve.quant.linear import QuantLinear
     engine = make_engine(awq_model_dir(), dtype="float16", device="cuda", enforce_eager=True)
     model = engine.runner.model.model
     assert model._norms_fold(torch.zeros(1, 8, device="cuda"))
@@ -190,7 +190,7 @@ def test_no_triton_compile_after_startup(kv, monkeypatch):
 
 def test_sample_copy_does_not_wait_for_later_work():
     """The sampled tokens' copy is queued with the step: resolving it must not wait for the step launched after."""
-    from engine.sampler import PendingSample
+    from quant_serve.engine.sampler import PendingSample
     tokens = torch.arange(8, device="cuda")
     pending = PendingSample(tokens, tokens, 8, [])
     torch.cuda._sleep(2_000_000_000)                      # ~1 s of GPU work queued behind the copy: the next step

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine.sampling_params import SamplingParams
+from quant_serve.engine.sampling_params import SamplingParams
 from helpers import assert_all_blocks_free, make_engine
 
 from conftest import TINY

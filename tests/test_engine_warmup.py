@@ -2,8 +2,8 @@
 it must leave no trace: the KV cache untouched, the fp8 scale calibration still pending, outputs unchanged."""
 import torch
 
-from engine.demo import DEMO_MODEL_DIR
-from engine.sampling_params import SamplingParams
+from quant_serve.engine.demo import DEMO_MODEL_DIR
+from quant_serve.engine.sampling_params import SamplingParams
 
 from helpers import assert_all_blocks_free, make_engine
 

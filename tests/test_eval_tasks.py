@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from conftest import TINY
-from engine.sampling_params import SamplingParams
-from eval.tasks import GENERATION, Task, choice_scores, load_task, run_generation
+from quant_serve.engine.sampling_params import SamplingParams
+from quant_serve.eval.tasks import GENERATION, Task, choice_scores, load_task, run_generation
 from helpers import make_engine
 
 
@@ -45,7 +45,7 @@ def test_generation_exact_match(engine):
 
 def test_lm_eval_adapter_matches_the_engine(engine):
     pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install lm-eval)")
-    from eval.lm_eval_adapter import register
+    from quant_serve.eval.lm_eval_adapter import register
     cls = register()
     assert register() is cls                                                  # idempotent
     from lm_eval.api.registry import get_model

@@ -6,13 +6,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from eval.compare import TokenStats, kl_divergence
-from eval.data import make_windows
-from eval.gate import load_gate
-from eval.harness import EvalConfig, EvalResult, ModelResult
-from eval.layer_error import LayerError
-from eval.tasks import GENERATION, MULTIPLE_CHOICE, TaskResult, load_task, wilson_interval
-from server.cli import main
+from quant_serve.eval.compare import TokenStats, kl_divergence
+from quant_serve.eval.data import make_windows
+from quant_serve.eval.gate import load_gate
+from quant_serve.eval.harness import EvalConfig, EvalResult, ModelResult
+from quant_serve.eval.layer_error import LayerError
+from quant_serve.eval.tasks import GENERATION, MULTIPLE_CHOICE, TaskResult, load_task, wilson_interval
+from quant_serve.server.cli import main
 
 
 def test_disjoint_windows_score_all_but_each_first_token():
@@ -101,7 +101,7 @@ def _fake_result(bad: bool) -> EvalResult:
 
 @pytest.mark.parametrize("bad", [False, True])
 def test_cli_exit_codes_and_reports(monkeypatch, tmp_path, capsys, bad):
-    monkeypatch.setattr("eval.harness.run_eval", lambda cfg: _fake_result(bad))
+    monkeypatch.setattr("quant_serve.eval.harness.run_eval", lambda cfg: _fake_result(bad))
     out = tmp_path / "report"
     code = main(["eval", "--reference", "/m/ref", "--model", "/m/good", "--data", "/d/val.txt", "--json",
                  "--out", str(out)])
@@ -132,7 +132,7 @@ def test_cli_error_exit_code(tmp_path, capsys):
 
 
 def test_lm_eval_command_line():
-    from eval.lm_eval_adapter import local_completions_command
+    from quant_serve.eval.lm_eval_adapter import local_completions_command
     argv = local_completions_command("http://127.0.0.1:8000/", "tiny", ["hellaswag", "arc_easy"])
     assert argv[:4] == ["lm_eval", "run", "--model", "local-completions"]
     assert "base_url=http://127.0.0.1:8000/v1/completions" in argv[5] and argv[-1] == "hellaswag,arc_easy"

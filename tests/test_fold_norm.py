@@ -5,11 +5,11 @@ plain path. The kernels themselves: tests/test_kernels_w4a16_mma.py (GPU) and te
 import pytest
 import torch
 
-from engine.models.decoder import DecoderModel
-from engine.sampling_params import SamplingParams
+from quant_serve.engine.models.decoder import DecoderModel
+from quant_serve.engine.sampling_params import SamplingParams
 from helpers import awq_model_dir, make_engine
-from kernels.norm_act import rms_norm_ref
-from kernels.w4a16_fold import FOLD_TILE, FoldedNorm, folded_norm_ref, residual_ref
+from quant_serve.kernels.norm_act import rms_norm_ref
+from quant_serve.kernels.w4a16_fold import FOLD_TILE, FoldedNorm, folded_norm_ref, residual_ref
 
 from conftest import DATA
 

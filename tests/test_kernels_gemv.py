@@ -7,8 +7,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")   # before the kernel module is imported (decoration time)
 
-from kernels.gemv import gemv, gemv_applies  # noqa: E402
-from kernels.interpret import patch_triton_interpreter  # noqa: E402
+from quant_serve.kernels.gemv import gemv, gemv_applies  # noqa: E402
+from quant_serve.kernels.interpret import patch_triton_interpreter  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 patch_triton_interpreter()

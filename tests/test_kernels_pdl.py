@@ -5,14 +5,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kernels.pdl import launch_options, pdl_enabled, set_pdl
+from quant_serve.kernels.pdl import launch_options, pdl_enabled, set_pdl
 from tests.test_kernels_w4a16 import make_weights
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def test_pdl_is_on_only_for_cuda_sm90_outside_the_interpreter(monkeypatch):
-    import kernels.pdl as pdl
+    import quant_serve.kernels.pdl as pdl
     assert not pdl_enabled(torch.zeros(1))                             # CPU tensors: never
     cuda_like = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
     monkeypatch.setattr(pdl, "_device_supports", lambda index: True)
@@ -35,8 +35,8 @@ def _decode_chain(x, layers, norm_w):
     """rms_norm -> qkv-like matmul (one-launch split-K) -> norm -> gate_up + SwiGLU (the reduce pass, or the
     SwiGLU kernel in layer 0, as wide layers at M = 1 run it) -> down, per layer: the kernel kinds of a decode step,
     each reading the previous one's output."""
-    from kernels.norm_act import rms_norm, silu_and_mul
-    from kernels.w4a16 import w4a16_matmul
+    from quant_serve.kernels.norm_act import rms_norm, silu_and_mul
+    from quant_serve.kernels.w4a16 import w4a16_matmul
     residual = x
     h = x
     for i, (qkv, o, gate_up, down) in enumerate(layers):
@@ -53,7 +53,7 @@ def _decode_chain(x, layers, norm_w):
                     reason="PDL needs sm90 (runs on the GPU machine)")
 @pytest.mark.parametrize("m", [1, 16, 48])
 def test_gpu_pdl_chain_in_a_cuda_graph_matches_plain_launches(m):
-    from kernels.w4a16 import prepare_kernel_weights
+    from quant_serve.kernels.w4a16 import prepare_kernel_weights
     torch.manual_seed(0)
     hidden, inter = 1024, 2816
 

@@ -11,11 +11,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")   # before any kernel module is imported (decoration time)
 
-from kernels.interpret import patch_triton_interpreter  # noqa: E402
-from kernels.w4a16 import prepare_w4a16, standard_layout, w4a16_forward, w4a16_matmul  # noqa: E402
-from kernels.w4a16_gemm import w4a16_dequantize  # noqa: E402
-from kernels.w4a16_ref import dequantize_w4, pack_int4_cols, pack_int4_rows, w4a16_matmul_ref  # noqa: E402
-from kernels.w4a16_tuning import W4A16Config  # noqa: E402
+from quant_serve.kernels.interpret import patch_triton_interpreter  # noqa: E402
+from quant_serve.kernels.w4a16 import prepare_w4a16, standard_layout, w4a16_forward, w4a16_matmul  # noqa: E402
+from quant_serve.kernels.w4a16_gemm import w4a16_dequantize  # noqa: E402
+from quant_serve.kernels.w4a16_ref import dequantize_w4, pack_int4_cols, pack_int4_rows, w4a16_matmul_ref  # noqa: E402
+from quant_serve.kernels.w4a16_tuning import W4A16Config  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 patch_triton_interpreter()
@@ -120,7 +120,7 @@ def test_dequant_path_matches_twin():
     (40, -1, True, False, True),
 ])
 def test_gemv_variants_equal_baseline(n, group_size, zeros, act_order, bias):
-    from kernels.w4a16_splitk import tile_counters
+    from quant_serve.kernels.w4a16_splitk import tile_counters
     k = 384                                              # 3 chunks of 128, the last one padded
     qweight, scales, qzeros, gs, perm = make_weights(k, n, group_size, zeros, act_order, torch.float16, seed=n)
     w = prepare_w4a16(qweight, scales, qzeros, gs, perm)
@@ -145,7 +145,7 @@ def test_gemv_variants_equal_baseline(n, group_size, zeros, act_order, bias):
 
 @pytest.mark.parametrize("path,m", [("gemm", 5), ("gemmt", 3)])
 def test_gemm_one_launch_equals_two_launch(path, m):
-    from kernels.w4a16_splitk import tile_counters
+    from quant_serve.kernels.w4a16_splitk import tile_counters
     k, n = 384, 72
     qweight, scales, qzeros, gs, perm = make_weights(k, n, 64, True, True, torch.float16, seed=m)
     w = prepare_w4a16(qweight, scales, qzeros, gs, perm)
@@ -244,7 +244,7 @@ def test_gpu_fast_gemv_variants_bitwise(k, n):
 def test_gpu_one_launch_in_cuda_graph():
     """Several single-launch split-K linears in one captured graph, replayed twice: the counters are allocated
     before capture and every kernel leaves its counters at 0 for the next."""
-    from kernels.w4a16_splitk import tile_counters
+    from quant_serve.kernels.w4a16_splitk import tile_counters
     layers = []
     for k, n in QWEN_SHAPES[:2] + [(512, 200)]:
         qweight, scales, qzeros, gs, _ = make_weights(k, n, 128, True, False, torch.float16, seed=k)
@@ -274,7 +274,7 @@ def test_gpu_one_launch_in_cuda_graph():
 def test_gemv_silu_mul_equals_unfused(split_k, one_launch, bias):
     """gate | up -> silu(gate) * up: fused into the split-K reduce (two launches) or applied after (otherwise),
     bit-identical to the GEMV followed by the silu_and_mul kernel."""
-    from kernels.norm_act import silu_and_mul_triton
+    from quant_serve.kernels.norm_act import silu_and_mul_triton
     k, inter = 384, 48
     qweight, scales, qzeros, gs, _ = make_weights(k, 2 * inter, 128, True, False, torch.float16, seed=split_k)
     w = prepare_w4a16(qweight, scales, qzeros, gs)
@@ -296,7 +296,7 @@ def test_gemv_silu_mul_equals_unfused(split_k, one_launch, bias):
 @pytest.mark.gpu
 def test_gpu_gate_up_silu_mul_fused_bitwise():
     """Qwen2.5-7B gate | up at M=1 with the dispatcher's config: the fused reduce gives the unfused bits."""
-    from kernels.norm_act import silu_and_mul_triton
+    from quant_serve.kernels.norm_act import silu_and_mul_triton
     qweight, scales, qzeros, gs, _ = make_weights(3584, 37888, 128, True, False, torch.float16, seed=7)
     w = prepare_w4a16(qweight, scales, qzeros, gs)
     for m in (1, 4, 64, 300):

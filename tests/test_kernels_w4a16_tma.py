@@ -3,7 +3,7 @@ wheel's ptxas) and, on the GPU machine, its results against the exact dequantize
 import pytest
 import torch
 
-from kernels.w4a16_tuning import TMAConfig, select_tma_config
+from quant_serve.kernels.w4a16_tuning import TMAConfig, select_tma_config
 from tests.test_kernels_w4a16 import make_weights, reference, rel_err
 from tests.test_kernels_w4a16_mma import compiled_in_fresh_process, frag_case
 
@@ -18,7 +18,7 @@ def test_tma_rule_pins_the_sweep_winners():
     rows one x 64 x 128 in 128-row steps, two stages; two x 256 weight rows on gate_up at 128; one x 64 x 128 rows
     (overlap) on narrow short-K layers to 512; else two consumers x 128 x 256. The tail: equal K ranges where they
     fill 84% of a wave, else stream-K."""
-    from kernels.w4a16_streamk import stream_k_plan
+    from quant_serve.kernels.w4a16_streamk import stream_k_plan
     two = TMAConfig(2, 128, 256)
 
     def one(bn, bm):
@@ -81,7 +81,7 @@ def test_stream_k_plan_covers_every_step_once(tiles, steps, slots, sk):
     """Every (tile, K step) is done by exactly one program; a split tile's segments are numbered 0..n-1 in K order
     by programs that agree on n, n <= the plan's max_segs (the workspace's size); no program idles while another
     has more than one step beyond its share; whole tiles where the plan splits none."""
-    from kernels.w4a16_streamk import MIN_SK_STEPS, SK_ALIGNED_FILL, stream_k_plan
+    from quant_serve.kernels.w4a16_streamk import MIN_SK_STEPS, SK_ALIGNED_FILL, stream_k_plan
     plan = stream_k_plan(tiles, steps, slots, sk)
     assert plan.programs <= slots and plan.waves * plan.programs + plan.tail == tiles
     done, segs = {}, {}
@@ -111,8 +111,8 @@ def test_frag_dispatch_takes_the_tma_tile_where_the_rule_and_probe_allow(monkeyp
     """kernels/w4a16.frag_config (what the forward runs and kernels.py records): the TMA tile where the rule has
     one and the probe passed; the wgmma / mma.sync tile where the probe failed, x does not suit TMA or
     QUANT_SERVE_W4A16_TMA=0; dequantize + cuBLAS (None) where neither has a tile."""
-    import kernels.w4a16 as w4
-    from kernels.w4a16_tuning import MMAConfig
+    import quant_serve.kernels.w4a16 as w4
+    from quant_serve.kernels.w4a16_tuning import MMAConfig
     monkeypatch.setattr(w4, "device_sms", lambda device: 132)
     monkeypatch.setattr(w4, "wgmma_works", lambda index: True)
     probe = {"ok": True}
@@ -135,7 +135,7 @@ def test_frag_dispatch_takes_the_tma_tile_where_the_rule_and_probe_allow(monkeyp
 def test_tma_probe_failure_falls_back_with_a_warning(caplog):
     """The TMA kernel serves only where its load probe passes (an sm90 GPU); a failed probe says what serves
     instead."""
-    from kernels.w4a16 import tma_works
+    from quant_serve.kernels.w4a16 import tma_works
     if torch.cuda.is_available():
         assert tma_works(torch.cuda.current_device()) == (torch.cuda.get_device_capability() == (9, 0))
         return
@@ -164,8 +164,8 @@ def test_gpu_tma_matches_twin(k, n, group_size, zeros, m, monkeypatch):
     assumed) whole waves before the tail; one consumer with each step's dequant beside the last wgmma (overlap; spans
     of odd and even step counts); steps of 128 K rows (2 and 4 scale groups a step at groups of 64 and 32, an odd 5
     steps at K = 640; K = 1088 falls back to 64). Twice each: the sum of a split tile's segments has one order."""
-    import kernels.w4a16_tma as tma_module
-    from kernels.w4a16_tma import w4a16_tma
+    import quant_serve.kernels.w4a16_tma as tma_module
+    from quant_serve.kernels.w4a16_tma import w4a16_tma
     fw, x, bias, ref = frag_case(k, n, group_size, zeros, m)
     for sms in (132, 3):
         monkeypatch.setattr(tma_module, "device_sms", lambda device, sms=sms: sms)
@@ -191,11 +191,11 @@ def test_gpu_tma_matches_twin(k, n, group_size, zeros, m, monkeypatch):
 def test_gpu_tma_silu_mul_and_dispatch(monkeypatch):
     """The SwiGLU after the kernel; w4a16_forward takes the TMA kernel where the rule has a tile (a spy counts its
     calls, after the load probe has run as prepare_kernel_weights runs it) and gives the same result."""
-    import kernels.w4a16_tma as tma_module
-    from kernels.norm_act import silu_and_mul
-    from kernels.w4a16 import tma_works, w4a16_forward
-    from kernels.w4a16_frag import prepare_frag
-    from kernels.w4a16_tma import w4a16_tma
+    import quant_serve.kernels.w4a16_tma as tma_module
+    from quant_serve.kernels.norm_act import silu_and_mul
+    from quant_serve.kernels.w4a16 import tma_works, w4a16_forward
+    from quant_serve.kernels.w4a16_frag import prepare_frag
+    from quant_serve.kernels.w4a16_tma import w4a16_tma
     assert tma_works(torch.cuda.current_device())
     qweight, scales, qzeros, gs, _ = make_weights(1024, 512, 128, True, False, torch.float16)
     fw = prepare_frag(qweight, scales, qzeros, gs)
@@ -217,7 +217,7 @@ def compile_tma_cases() -> dict:
     """The dispatcher's TMA tiles compiled for sm90 (a fresh process: see the caller) -> registers, spills, SASS."""
     from triton.experimental.gluon import language as gl
 
-    from kernels.w4a16_tma import _w4a16_tma_kernel, register_budget
+    from quant_serve.kernels.w4a16_tma import _w4a16_tma_kernel, register_budget
     from tests.test_kernels_w4a16_mma import _compile_sm90
     out = {}
     cases = [(1, 64, 64, False, 64, 4, False), (1, 64, 128, True, 64, 4, True), (2, 128, 256, True, 64, 4, False),

@@ -1,11 +1,11 @@
 """The CPU tier in the block manager and the scheduler: exact block ids of both tiers, swaps, LRU across tiers."""
 import pytest
 
-from engine.block_manager import BlockManager, CpuHit
-from engine.config import SchedulerConfig
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus
+from quant_serve.engine.block_manager import BlockManager, CpuHit
+from quant_serve.engine.config import SchedulerConfig
+from quant_serve.engine.sampling_params import SamplingParams
+from quant_serve.engine.scheduler import Scheduler
+from quant_serve.engine.sequence import Sequence, SequenceStatus
 
 TOKEN = 50
 

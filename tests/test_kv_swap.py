@@ -3,8 +3,8 @@ skip recomputation (also when served from the CPU tier)."""
 import pytest
 import torch
 
-from engine.sampling_params import SamplingParams
-from engine.swap import CpuKVTier, block_runs
+from quant_serve.engine.sampling_params import SamplingParams
+from quant_serve.engine.swap import CpuKVTier, block_runs
 from helpers import assert_all_blocks_free, fp16_model_dir, make_engine
 
 from conftest import DATA, TINY

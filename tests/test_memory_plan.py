@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from engine.memory import format_plan, kv_dtype_bytes, plan_memory
+from quant_serve.engine.memory import format_plan, kv_dtype_bytes, plan_memory
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 QWEN = SHARED / "configs" / "qwen2.5-7b-instruct"

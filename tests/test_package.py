@@ -1,5 +1,7 @@
-"""Package hygiene: our top-level names shadow nothing that transformers or other deps import, and the rooms
-import only in the allowed direction (kernels <- quant <- engine <- eval, server)."""
+"""Package hygiene: everything installs under one name, `quant_serve`, so nothing shadows a package that
+transformers or another dependency imports (transformers >= 5.2x imports the Hugging Face `kernels` package), even
+from the checkout's root; and the rooms import only in the allowed direction (kernels <- quant <- engine <- eval,
+server)."""
 import ast
 import importlib.metadata
 import subprocess
@@ -14,31 +16,55 @@ ALLOWED = {"kernels": set(), "quant": {"kernels"}, "engine": {"quant", "kernels"
            "eval": {"engine", "quant", "kernels"}, "server": {"engine", "quant", "kernels", "eval"}}
 
 
-def test_no_installed_distribution_provides_our_top_level_names():
+def test_we_install_one_top_level_name():
     owners = importlib.metadata.packages_distributions()
-    for name in OURS:
-        others = [d for d in owners.get(name, []) if d.lower().replace("_", "-") != "quant-serve"]
-        assert not others, f"top-level package {name!r} is also provided by {others}"
+    ours = sorted(name for name, dists in owners.items()
+                  if any(d.lower().replace("_", "-") == "quant-serve" for d in dists))
+    assert ours == ["quant_serve"], ours
+    others = [d for d in owners["quant_serve"] if d.lower().replace("_", "-") != "quant-serve"]
+    assert not others, f"quant_serve is also provided by {others}"
 
 
-def test_transformers_beside_our_packages():
+@pytest.mark.parametrize("cwd", [REPO, Path("/")], ids=["checkout-root", "elsewhere"])
+def test_transformers_and_its_kernels_package_beside_ours(cwd):
+    """From the checkout's root (the worst case: `python -c` puts the root folders on sys.path) and from elsewhere,
+    our packages, transformers and the Hugging Face `kernels` package (when installed) import side by side."""
     code = (
-        "import engine, kernels, quant, server, eval\n"
+        "import importlib.util, sys\n"
+        "import quant_serve.kernels.attention_ref, quant_serve.engine.llm_engine, quant_serve.server.app\n"
         "import transformers\n"
-        "from transformers.utils import import_utils\n"
-        "assert not import_utils.is_kernels_available(), 'transformers mistakes our kernels for HF kernels'\n"
-        "from transformers import AutoConfig, AutoTokenizer, Qwen2ForCausalLM, LlamaForCausalLM\n"
+        "from transformers import AutoConfig, Qwen2ForCausalLM\n"
         "import torch\n"
         "cfg = AutoConfig.for_model('qwen2', hidden_size=32, intermediate_size=64, num_hidden_layers=1,\n"
         "    num_attention_heads=4, num_key_value_heads=2, vocab_size=64)\n"
         "m = Qwen2ForCausalLM(cfg)\n"
         "assert m(torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, 64)\n"
         "import builtins; assert callable(builtins.eval)\n"
-        "import kernels.attention_ref, engine.llm_engine\n"
-        "print('ok')\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
+        "spec = importlib.util.find_spec('kernels')\n"
+        "if spec is not None and spec.origin is not None:\n"
+        "    import kernels\n"
+        "    assert not kernels.__file__.startswith(%(repo)r), kernels.__file__\n"
+        "    assert hasattr(kernels, 'get_kernel'), 'the Hugging Face kernels package lost its API'\n"
+        "    print('hf-kernels', end=' ')\n"
+        "leaked = [n for n in ('engine', 'kernels', 'quant', 'server', 'eval')\n"
+        "          if str(getattr(sys.modules.get(n), '__file__', None) or '').startswith(%(repo)r)]\n"
+        "assert not leaked, leaked\n"
+        "print('ok')\n") % {"repo": str(REPO)}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip() == "ok"
+    assert result.stdout.strip().endswith("ok")
+
+
+def test_root_folders_are_no_regular_packages():
+    """An __init__.py in a root folder would make it shadow a same-named package from the checkout's root."""
+    for room in OURS:
+        assert not (REPO / room / "__init__.py").exists(), room
+
+
+def _room(module: str) -> str:
+    """quant_serve.engine.config -> engine; anything else -> its top-level name."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "quant_serve" and len(parts) > 1 else parts[0]
 
 
 def _imports(path: Path) -> set[str]:
@@ -46,9 +72,9 @@ def _imports(path: Path) -> set[str]:
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names |= {a.name.split(".")[0] for a in node.names}
+            names |= {_room(a.name) for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module.split(".")[0])
+            names.add(_room(node.module))
     return names
 
 
@@ -62,7 +88,7 @@ def test_import_direction(room):
 
 
 def test_pure_python_scheduling_modules_do_not_import_torch():
-    code = ("import sys, engine.scheduler, engine.block_manager, engine.sequence\n"
+    code = ("import sys, quant_serve.engine.scheduler, quant_serve.engine.block_manager, quant_serve.engine.sequence\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -18,8 +18,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from quant.formats import load_quant_config
-from quant.linear import DenseLinear, QuantLinear
+from quant_serve.quant.formats import load_quant_config
+from quant_serve.quant.linear import DenseLinear, QuantLinear
 
 MODELS = Path("/work/shared/models")
 MODULES = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",

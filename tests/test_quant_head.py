@@ -2,14 +2,14 @@
 candidates with and without it."""
 import torch
 
-from engine.config import HEAD_GROUP_SIZE
-from engine.demo import DEMO_MODEL_DIR
-from engine.memory import plan_memory
-from eval.harness import EvalConfig, plan_candidates
+from quant_serve.engine.config import HEAD_GROUP_SIZE
+from quant_serve.engine.demo import DEMO_MODEL_DIR
+from quant_serve.engine.memory import plan_memory
+from quant_serve.eval.harness import EvalConfig, plan_candidates
 from helpers import make_engine
-from quant.linear import DenseLinear, QuantLinear
-from quant.rtn import dequantize_codes, quantize_rtn
-from server.cli import build_parser
+from quant_serve.quant.linear import DenseLinear, QuantLinear
+from quant_serve.quant.rtn import dequantize_codes, quantize_rtn
+from quant_serve.server.cli import build_parser
 
 from conftest import DATA, SHARED
 

@@ -2,11 +2,11 @@
 import pytest
 import torch
 
-from kernels.w4a16_ref import unpack_int4_rows
-from quant.formats import (awq_quantization_config, ct_quantization_config, gptq_quantization_config,
+from quant_serve.kernels.w4a16_ref import unpack_int4_rows
+from quant_serve.quant.formats import (awq_quantization_config, ct_quantization_config, gptq_quantization_config,
                            load_quant_config, write_awq_gemm, write_gptq, write_pack_quantized)
-from quant.formats.awq import unpack_awq
-from quant.rtn import dequantize_codes, quantize_rtn
+from quant_serve.quant.formats.awq import unpack_awq
+from quant_serve.quant.rtn import dequantize_codes, quantize_rtn
 
 PREFIX = "model.layers.0.self_attn.o_proj"
 

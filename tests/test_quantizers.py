@@ -10,14 +10,14 @@ import torch
 from safetensors.torch import save_file
 
 from helpers import make_engine
-from kernels.w4a16_ref import unpack_int4_cols, unpack_int4_rows
-from quant import quantize as quantize_mod
-from quant.calib import calib_tokens, model_logits, read_calib_file
-from quant.quantize import QuantizeConfig, quantize_model
-from quant.gptq import GPTQSettings
-from quant.rtn import dequantize_codes
-from server.cli import main as cli
-from server.cli_quantize import load_source
+from quant_serve.kernels.w4a16_ref import unpack_int4_cols, unpack_int4_rows
+from quant_serve.quant import quantize as quantize_mod
+from quant_serve.quant.calib import calib_tokens, model_logits, read_calib_file
+from quant_serve.quant.quantize import QuantizeConfig, quantize_model
+from quant_serve.quant.gptq import GPTQSettings
+from quant_serve.quant.rtn import dequantize_codes
+from quant_serve.server.cli import main as cli
+from quant_serve.server.cli_quantize import load_source
 
 from conftest import REPO, TINY
 
@@ -107,7 +107,7 @@ def test_each_format_reads_back_bit_exactly(case, source, tmp_path):
 
 
 def test_rtn_codes_are_the_formula(source, tmp_path):
-    from quant.rtn import quantize_rtn
+    from quant_serve.quant.rtn import quantize_rtn
     sink = {}
     quantize(source, tmp_path / "rtn", sink, method="rtn")
     w = source.read("model.layers.1.mlp.down_proj.weight").float()
@@ -138,8 +138,8 @@ def test_act_order_permuted_path_equals_g_idx_indexing(source, llama_dir, tmp_pa
 def test_awq_folding_keeps_the_fp_block_exact(source):
     """AWQ's smoothing scales are an identity in FP: the folded norms / v rows / up rows undo the scaled inputs
     (the random Llama is MHA, so the v -> o fold runs too)."""
-    from quant.awq import AWQSettings, awq_block
-    from quant.calib import block_forward, rope_tables
+    from quant_serve.quant.awq import AWQSettings, awq_block
+    from quant_serve.quant.calib import block_forward, rope_tables
     w = {k.removeprefix("model.layers.0."): source.read(k).float() for k in source.tensor_names
          if k.startswith("model.layers.0.")}
     before = dict(w)
@@ -200,7 +200,7 @@ def test_quantized_lm_head_writes_loads_and_scores(fmt, sym, source, tmp_path):
     """--lm-head: the head is written as INT4 (GPTQ `lm_head: true`; compressed-tensors with nothing ignored),
     loads as a QuantLinear, and the engine's logits are those of the dequantized head: exactly the dense head's
     logits computed with the round-to-nearest weights."""
-    from quant.linear import DenseLinear, QuantLinear
+    from quant_serve.quant.linear import DenseLinear, QuantLinear
     sink = {}
     with_head = quantize(source, tmp_path / "head", sink, method="rtn", sym=sym, format=fmt, lm_head=True)
     without = quantize(source, tmp_path / "dense", method="rtn", sym=sym, format=fmt)
@@ -223,7 +223,7 @@ def test_quantized_lm_head_writes_loads_and_scores(fmt, sym, source, tmp_path):
 def test_gptq_head_beats_rtn_head_on_held_out_hidden_states(source, tmp_path):
     """--method gptq --lm-head: GPTQ on the calibration text's last hidden states; its head's output error on
     other text is below round-to-nearest's."""
-    from quant.calib import block_forward, rms_norm, rope_tables
+    from quant_serve.quant.calib import block_forward, rms_norm, rope_tables
     heads = {}
     for method in ("rtn", "gptq"):
         sink = {}

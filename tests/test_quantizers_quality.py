@@ -10,13 +10,13 @@ import importlib.util
 import pytest
 import torch
 
-from engine.demo import DEMO_MODEL_DIR
+from quant_serve.engine.demo import DEMO_MODEL_DIR
 from helpers import make_engine
-from quant.awq import AWQSettings
-from quant.calib import calib_tokens, model_logits
-from quant.gptq import GPTQSettings
-from quant.quantize import QuantizeConfig, quantize_model
-from server.cli_quantize import load_source
+from quant_serve.quant.awq import AWQSettings
+from quant_serve.quant.calib import calib_tokens, model_logits
+from quant_serve.quant.gptq import GPTQSettings
+from quant_serve.quant.quantize import QuantizeConfig, quantize_model
+from quant_serve.server.cli_quantize import load_source
 
 from conftest import REPO, TINY
 

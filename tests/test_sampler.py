@@ -3,9 +3,9 @@ import math
 import pytest
 import torch
 
-from engine.sampler import Sampler, apply_min_tokens, apply_penalties, compute_prompt_logprobs
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from quant_serve.engine.sampler import Sampler, apply_min_tokens, apply_penalties, compute_prompt_logprobs
+from quant_serve.engine.sampling_params import SamplingParams
+from quant_serve.engine.sequence import Sequence
 
 VOCAB = 50
 

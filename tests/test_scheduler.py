@@ -1,11 +1,11 @@
 """Scheduler: one token budget, decode-first order, chunked prefill, preemption, abort and stop conditions."""
 import pytest
 
-from engine.block_manager import BlockManager
-from engine.config import SchedulerConfig
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sequence import Sequence, SequenceStatus
+from quant_serve.engine.block_manager import BlockManager
+from quant_serve.engine.config import SchedulerConfig
+from quant_serve.engine.sampling_params import SamplingParams
+from quant_serve.engine.scheduler import Scheduler, SchedulerOutput
+from quant_serve.engine.sequence import Sequence, SequenceStatus
 
 TOKEN = 50          # what the fake model samples unless told otherwise
 

@@ -39,7 +39,7 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         exe = shutil.which("quant-serve")
-        command = [exe] if exe else [sys.executable, "-m", "server.cli"]
+        command = [exe] if exe else [sys.executable, "-m", "quant_serve.server.cli"]
         self.command = command + ["serve", *args, "--host", "127.0.0.1", "--port", str(self.port)]
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import DATA, TINY
-from engine.sampling_params import SamplingParams
+from quant_serve.engine.sampling_params import SamplingParams
 from helpers import make_engine
 from test_server_common import running_server
 

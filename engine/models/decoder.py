@@ -9,13 +9,13 @@ import os
 import torch
 from torch import nn
 
-from engine.attention import AttentionMetadata, paged_attention_forward
-from engine.config import ModelConfig
-from kernels.attention_merge import DecodePartials
-from kernels.gemv import gemv, gemv_applies
-from kernels.norm_act import rms_norm
-from kernels.w4a16_fold import FoldedNorm
-from quant.linear import DenseLinear, make_linear
+from quant_serve.engine.attention import AttentionMetadata, paged_attention_forward
+from quant_serve.engine.config import ModelConfig
+from quant_serve.kernels.attention_merge import DecodePartials
+from quant_serve.kernels.gemv import gemv, gemv_applies
+from quant_serve.kernels.norm_act import rms_norm
+from quant_serve.kernels.w4a16_fold import FoldedNorm
+from quant_serve.quant.linear import DenseLinear, make_linear
 
 
 class RMSNorm(nn.Module):

@@ -3,10 +3,10 @@ builds each linear layer and converts the checkpoint's tensors into the one inte
 import json
 from pathlib import Path
 
-from quant.formats.awq import AWQConfig, awq_quantization_config, write_awq_gemm
-from quant.formats.base import Int4Weights, QuantConfig
-from quant.formats.compressed_tensors import CompressedTensorsConfig, ct_quantization_config, write_pack_quantized
-from quant.formats.gptq import GPTQConfig, gptq_quantization_config, write_gptq
+from quant_serve.quant.formats.awq import AWQConfig, awq_quantization_config, write_awq_gemm
+from quant_serve.quant.formats.base import Int4Weights, QuantConfig
+from quant_serve.quant.formats.compressed_tensors import CompressedTensorsConfig, ct_quantization_config, write_pack_quantized
+from quant_serve.quant.formats.gptq import GPTQConfig, gptq_quantization_config, write_gptq
 
 CONFIG_CLASSES = {"awq": AWQConfig, "gptq": GPTQConfig, "compressed-tensors": CompressedTensorsConfig}
 # What users type (vLLM names included) -> our method name.

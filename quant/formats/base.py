@@ -11,8 +11,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from kernels.w4a16_ref import pack_int4_cols
-from quant.linear import DenseLinear, QuantLinear
+from quant_serve.kernels.w4a16_ref import pack_int4_cols
+from quant_serve.quant.linear import DenseLinear, QuantLinear
 
 # A Linear inside a numbered block (model.layers.3.mlp.up_proj): AutoAWQ and GPTQ quantize only these.
 _IN_BLOCK = re.compile(r"\.\d+\.")

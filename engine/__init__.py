@@ -1,1 +1,0 @@
-"""Model, loader, KV blocks, scheduler, runner, sampler, detokenizer, LLMEngine. Imports quant, kernels."""

@@ -1,1 +1,0 @@
-"""Accuracy evaluation: perplexity, KL divergence, tasks, report, gate. Imports engine, quant."""

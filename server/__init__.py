@@ -1,1 +1,0 @@
-"""OpenAI-compatible server and the quant-serve CLI."""
