@@ -6,6 +6,7 @@ by side, then one program a row picks the best piece. Ties go to the first index
 +inf (torch ranks NaN above +inf: the two differ only on a row that holds both).
 """
 import torch
+
 from quant_serve.kernels.triton_compat import tl, triton
 
 CHUNK = 4096

@@ -9,8 +9,8 @@ fewer (bench/NOTES-kernels.md entry 24). merge_partials_ref is the torch twin of
 from dataclasses import dataclass
 
 import torch
-from quant_serve.kernels.triton_compat import gl, gluon
 
+from quant_serve.kernels.triton_compat import gl, gluon
 from quant_serve.kernels.pdl import launch_options, pdl_enabled
 
 NEG: gl.constexpr = gl.constexpr(-1.0e30)    # attention_triton.NEG: the max an empty split stored

@@ -5,7 +5,6 @@ group. fp8 values are widened to the query dtype exactly; the per-layer scales a
 (k) and the output (v) instead of multiplying every element. Softmax runs in the exp2 domain.
 """
 from quant_serve.kernels.triton_compat import tl, triton
-
 from quant_serve.kernels.pdl import pdl_start, pdl_wait
 
 NEG = tl.constexpr(-1.0e30)   # finite "minus infinity": fully masked rows stay NaN-free

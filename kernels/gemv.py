@@ -10,8 +10,8 @@ runs. The torch twin is F.linear.
 import os
 
 import torch
-from quant_serve.kernels.triton_compat import tl, triton
 
+from quant_serve.kernels.triton_compat import tl, triton
 from quant_serve.kernels.pdl import launch_options, pdl_enabled, pdl_start, pdl_wait
 
 MIN_ROWS = 65536        # vocabulary-wide weights only: the shape the kernel was measured on

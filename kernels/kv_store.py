@@ -4,7 +4,6 @@ One program per token; slot_mapping[t] = -1 skips the store. fp8 caches get clam
 even, like the torch twin (kernels/attention_ref.py). The cos_sin_cache layout is documented there.
 """
 from quant_serve.kernels.triton_compat import tl, triton
-
 from quant_serve.kernels.attention_triton import _quantize
 from quant_serve.kernels.pdl import pdl_start, pdl_wait
 

@@ -7,8 +7,8 @@ the norm runs in fp32, rounds to the model dtype, then multiplies by the weight 
 fp32, rounds, then multiplies `up` in the model dtype.
 """
 import torch
-from quant_serve.kernels.triton_compat import tl, triton
 
+from quant_serve.kernels.triton_compat import tl, triton
 from quant_serve.kernels.pdl import launch_options, pdl_enabled, pdl_start, pdl_wait
 
 

@@ -8,11 +8,11 @@ B * Hkv programs alone cannot fill the GPU, then merges the partial softmaxes in
 depends only on shapes (block_tables.shape[1]), so a CUDA graph captures a fixed launch.
 """
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 
+from quant_serve.kernels.triton_compat import interpreting
 from quant_serve.kernels.attention_merge import DecodePartials, merge_partials, scale_args
 from quant_serve.kernels.attention_ref import paged_attention_ref, rope_store_kv_ref, store_kv_ref
 from quant_serve.kernels.pdl import launch_options, pdl_enabled
@@ -121,7 +121,7 @@ def _fp8_cvt(q: torch.Tensor, cache_dtype: torch.dtype) -> bool:
     """Widen fp8 K/V tiles by inline asm in the decode kernel (attention_triton._widen)? fp16 queries on an sm_89+
     GPU, not under the interpreter (which runs no asm)."""
     if cache_dtype not in FP8 or q.dtype != torch.float16 or not q.is_cuda or \
-            os.environ.get("TRITON_INTERPRET", "0") == "1":
+            interpreting():
         return False
     return _has_fp8_cvt(q.device.index if q.device.index is not None else torch.cuda.current_device())
 

@@ -19,7 +19,8 @@ import functools
 import os
 
 import torch
-from quant_serve.kernels.triton_compat import gl, gluon, tl, triton, gdc_launch_dependents, gdc_wait
+
+from quant_serve.kernels.triton_compat import gl, gluon, tl, triton, gdc_launch_dependents, gdc_wait, interpreting
 
 _ENABLED = [os.environ.get("QUANT_SERVE_PDL", "1") != "0"]
 
@@ -38,7 +39,7 @@ def _device_supports(index: int) -> bool:
 
 def pdl_enabled(t: torch.Tensor) -> bool:
     """Launch the kernels that take `t` with PDL?"""
-    if not (_ENABLED[0] and t.is_cuda) or os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if not (_ENABLED[0] and t.is_cuda) or interpreting():
         return False
     return _device_supports(t.device.index if t.device.index is not None else torch.cuda.current_device())
 

@@ -5,6 +5,7 @@ inputs. ids[i] = tokens[rows[i]] where rows[i] >= 0 (the row of the sequence in 
 stays the host's token. One small program instead of the index / index_put pair and their index copies.
 """
 import torch
+
 from quant_serve.kernels.triton_compat import tl, triton
 
 

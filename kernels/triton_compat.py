@@ -86,6 +86,20 @@ else:
     gdc_launch_dependents = _Missing("triton.language.extra.cuda.gdc_launch_dependents")
     gdc_wait = _Missing("triton.language.extra.cuda.gdc_wait")
 
-__all__ = ["HAS_TRITON", "MissingTritonKernel", "TensorDescriptor", "async_copy", "fence_async_shared",
+
+
+def interpreting() -> bool:
+    """Triton runs its interpreter (TRITON_INTERPRET=1, Triton's own setting, read through its knobs): the CPU
+    tests. Inline asm, PDL and other compiled-only features must then stay off."""
+    if not HAS_TRITON:
+        return False
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    import os
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"   # triton < 3.4 had no knobs
+
+
+__all__ = ["HAS_TRITON", "interpreting", "MissingTritonKernel", "TensorDescriptor", "async_copy", "fence_async_shared",
            "gdc_launch_dependents", "gdc_wait", "gl", "gluon", "mbarrier", "mma_v2", "tl", "tma", "triton",
            "warpgroup_mma", "warpgroup_mma_init", "warpgroup_mma_wait"]

@@ -10,8 +10,8 @@ kernels/w4a16_mma._w4a16_mma_kernel (RESIDUAL / NORM); the torch twins serve the
 from dataclasses import dataclass
 
 import torch
-from quant_serve.kernels.triton_compat import gl, gluon
 
+from quant_serve.kernels.triton_compat import gl, gluon
 from quant_serve.kernels.attention_merge import DecodePartials
 from quant_serve.kernels.w4a16_frag import FragWeights
 from quant_serve.kernels.w4a16_tuning import device_sms, select_mma_config

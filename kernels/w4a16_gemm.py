@@ -6,8 +6,8 @@ SWAP computes acc^T = W^T x^T: the weight tile is the MMA's M side (BN >= 64), t
 small M does not pad the MMA's M to 16/64 rows.
 """
 import torch
-from quant_serve.kernels.triton_compat import tl, triton
 
+from quant_serve.kernels.triton_compat import tl, triton
 from quant_serve.kernels.w4a16_gemv import _dequant, _dequant_words, _interleave4, _load_chunk, _load_words, fast_dequant_ok
 from quant_serve.kernels.w4a16_splitk import _store_result, launch_splitk_reduce, split_buffers, split_plan
 

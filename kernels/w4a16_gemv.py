@@ -13,11 +13,10 @@ Fast dequant (fp16 activations and scales, N % 4 == 0, compiled): Marlin's trick
 2 weights per lane op, bit-identical to rounding (q - z) * s to fp16 once. Elsewhere (bf16, fp32 output, the CPU
 interpreter, which cannot run inline asm) a plain Triton path computes the same values in fp32.
 """
-import os
 
 import torch
-from quant_serve.kernels.triton_compat import tl, triton
 
+from quant_serve.kernels.triton_compat import tl, triton, interpreting
 from quant_serve.kernels.norm_act import silu_and_mul
 from quant_serve.kernels.w4a16_splitk import _store_result, launch_splitk_reduce, split_buffers, split_plan  # noqa: F401
 
@@ -89,7 +88,7 @@ ZHI_BASE = tl.constexpr(0xD400D400 - (1 << 32))     # fp16 pair (-64, -64), as a
 
 def fast_dequant_ok(x: torch.Tensor, w, out_dtype: torch.dtype | None = None) -> bool:
     """The inline-asm fp16 dequant applies: compiled CUDA, fp16 activations and scales, N % 4 == 0."""
-    return (x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1" and w.scales.dtype == torch.float16
+    return (x.is_cuda and not interpreting() and w.scales.dtype == torch.float16
             and not w.slice_groups
             and (out_dtype or x.dtype) == torch.float16 and w.qweight.shape[1] % 4 == 0
             and w.scales.stride(-1) == 1)

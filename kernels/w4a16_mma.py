@@ -9,8 +9,8 @@ kernels/w4a16_splitk.py (SwiGLU fused there), or the one-launch ticket whose las
 from dataclasses import dataclass
 
 import torch
-from quant_serve.kernels.triton_compat import gl, gluon, triton
 
+from quant_serve.kernels.triton_compat import gl, gluon, triton
 from quant_serve.kernels.attention_merge import DecodePartials, _live_splits, _merged_x, merge_args
 from quant_serve.kernels.norm_act import silu_and_mul
 from quant_serve.kernels.pdl import gl_pdl_start, gl_pdl_wait, launch_options, pdl_enabled

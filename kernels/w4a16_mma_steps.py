@@ -7,7 +7,6 @@ step to step and its unrolled steps unconditional. Offline it ran 153 instructio
 further: 138 registers), and the M = 2..16 sums ran 13-19% slower (M = 16: 68.7 against 57.7 us).
 """
 from quant_serve.kernels.triton_compat import gl, gluon, async_copy, mma_v2
-
 from quant_serve.kernels.w4a16_tiles import _dequant_step, _load_step
 from quant_serve.kernels.w4a16_wgmma import _cta_barrier, _x_copy
 

@@ -12,8 +12,8 @@ kernel resets the counters it used; kernels on one stream may therefore share it
 two streams must not (they would draw each other's tickets).
 """
 import torch
-from quant_serve.kernels.triton_compat import tl, triton
 
+from quant_serve.kernels.triton_compat import tl, triton
 from quant_serve.kernels.pdl import launch_options, pdl_enabled, pdl_start, pdl_wait
 
 _COUNTER_MIN = 1 << 16                       # int32s: 256 KB covers every tile grid the dispatcher launches

@@ -10,8 +10,8 @@ and `_sk_reduce_kernel` sums them in segment order (deterministic, whichever fin
 from dataclasses import dataclass
 
 import torch
-from quant_serve.kernels.triton_compat import gl, gluon
 
+from quant_serve.kernels.triton_compat import gl, gluon
 from quant_serve.kernels.pdl import gl_pdl_start, gl_pdl_wait, launch_options, pdl_enabled
 
 

@@ -7,8 +7,8 @@ Marlin's LOP3 trick on the word (13 instructions per 8 weights, exact). The matm
 kernels/w4a16_mma.py; the dequantize pass here writes the dense W^T for cuBLAS above their M.
 """
 import torch
-from quant_serve.kernels.triton_compat import gl, gluon, triton
 
+from quant_serve.kernels.triton_compat import gl, gluon, triton
 from quant_serve.kernels.w4a16_frag import FragWeights, pick_block_k
 
 def _frag_dq_asm(scaled: bool) -> str:

@@ -21,9 +21,9 @@ SMs, else even spans across tiles; kernels/w4a16_streamk.py), their fp32 partial
 one program a tile left a quarter to half of the SMs idle in its last wave (gate_up at M = 64: 59 us; 41 now).
 """
 import torch
+
 from quant_serve.kernels.triton_compat import (gl, gluon, triton, TensorDescriptor, mbarrier, tma, warpgroup_mma,
                                                warpgroup_mma_init, warpgroup_mma_wait)
-
 from quant_serve.kernels.pdl import gl_pdl_start, gl_pdl_wait, launch_options, pdl_enabled
 from quant_serve.kernels.norm_act import silu_and_mul
 from quant_serve.kernels.w4a16_frag import FragWeights, pick_block_k

@@ -3,7 +3,6 @@ weight tile (A) and x^T (B, cp.async into shared memory), and the cp.async copy 
 """
 from quant_serve.kernels.triton_compat import (gl, gluon, async_copy, fence_async_shared, warpgroup_mma,
                                                warpgroup_mma_wait)
-
 from quant_serve.kernels.pdl import gl_pdl_wait
 from quant_serve.kernels.w4a16_tiles import _dequant_step, _load_step
 

@@ -2,27 +2,53 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
-# The kernels' CPU tests run Triton in interpreter mode; it must be set before triton is imported.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# Triton picks compiled or interpreted kernels when a kernel is decorated (at import), so the mode is chosen here,
+# before any kernel module is imported, from what the machine has: with a CUDA GPU the kernel tests put their
+# tensors on it and run compiled; without one they run on CPU tensors under Triton's interpreter. Nobody has to
+# set TRITON_INTERPRET (an explicit value still wins).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
+# The project's shared fixtures (models/tiny-qwen2*, data/, configs/) sit beside the checkout; QUANT_SERVE_SHARED
+# points elsewhere. Tests that need them are skipped with the exact path when they are missing.
+SHARED = Path(os.environ.get("QUANT_SERVE_SHARED", REPO.parent / "shared")).resolve()
 TINY = SHARED / "models" / "tiny-qwen2"
 TINY_AWQ = SHARED / "models" / "tiny-qwen2-awq"
 TINY_CT = SHARED / "models" / "tiny-qwen2-w4a16-ct"
 DATA = SHARED / "data"
 
 
+_SHARED_NAMES = ("SHARED", "TINY", "TINY_AWQ", "TINY_CT", "DATA", '"shared"')
+
+
+def _needs_shared(path: Path) -> bool:
+    text = path.read_text(errors="replace")
+    return (("from conftest import" in text and any(n in text for n in _SHARED_NAMES)) or "from helpers import" in text
+            or "shared_server" in text or "client" in text.split("from test_server_common import", 1)[-1][:300])
+
+
+def pytest_report_header(config):
+    state = "found" if (TINY / "config.json").is_file() else "MISSING: tests that need them are skipped"
+    return f"shared fixtures: {SHARED} ({state}); Triton: " + \
+        ("interpreter (no CUDA GPU)" if os.environ.get("TRITON_INTERPRET") == "1" else "compiled")
+
+
 def pytest_collection_modifyitems(config, items):
-    import torch
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (runs on the GPU machine)")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU (runs on the GPU machine)")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+    if not (TINY / "config.json").is_file():
+        skip = pytest.mark.skip(reason=f"needs the shared fixtures at {SHARED} (models/tiny-qwen2, data/, configs/): "
+                                       "place them beside the checkout or set QUANT_SERVE_SHARED=DIR")
+        for item in items:
+            if _needs_shared(Path(str(item.fspath))):
+                item.add_marker(skip)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -30,7 +56,6 @@ def one_torch_thread():
     """One intra-op thread in every test module: on a busy 2-core machine (and beside the server processes the
     tests start) a second thread turns each small op into a wait for a core (one attention call: 39 ms with two
     threads, 0.15 ms with one)."""
-    import torch
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

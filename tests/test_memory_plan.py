@@ -8,7 +8,8 @@ from safetensors import safe_open
 
 from quant_serve.engine.memory import format_plan, kv_dtype_bytes, plan_memory
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+from conftest import SHARED
+
 QWEN = SHARED / "configs" / "qwen2.5-7b-instruct"
 LLAMA = SHARED / "configs" / "llama-3.1-8b-instruct"
 MODELS = SHARED / "models"
