@@ -1,7 +1,9 @@
 """End-to-end speed on the GPU, in one run: batch-1 decode and throughput under a 24 GiB cap, for the dummy
 INT4 Qwen2.5-7B (AWQ g128) and Llama-3.1-8B (GPTQ g128) configs, next to Hugging Face transformers bf16 generate.
 
-    PYTHONPATH=. python bench/e2e.py --out bench/results/e2e-h200.json [--quick]
+    python bench/e2e.py --out bench/results/e2e-h200.json [--quick] [--profile a10] [--only qwen]
+
+--profile runs the engine under a GPU profile (kernels/gpu.py), e.g. the sm86 plan of an A10 on the H200.
 """
 import argparse
 import gc
@@ -13,12 +15,14 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from quant_serve.engine.config import (OFFLINE_BATCHED_TOKENS, SERVE_BATCHED_TOKENS, CacheConfig, EngineConfig,  # noqa: E402
-                           SchedulerConfig)
-from quant_serve.engine.llm_engine import LLMEngine  # noqa: E402
-from quant_serve.server.bench_offline import decode_bytes_per_step, measure_copy_bandwidth, run_offline  # noqa: E402
-from quant_serve.server.cli_bench import _metadata  # noqa: E402
+from quant_serve.engine.config import (OFFLINE_BATCHED_TOKENS, SERVE_BATCHED_TOKENS, CacheConfig, EngineConfig,
+                                       SchedulerConfig)
+from quant_serve.engine.llm_engine import LLMEngine
+from quant_serve.kernels.gpu import PROFILE_NAMES, KernelOptions
+from quant_serve.server.bench_offline import decode_bytes_per_step, measure_copy_bandwidth, run_offline
+from quant_serve.server.cli_bench import _metadata
+
+PROFILE = ["this"]    # --profile: the GPU profile every engine of this run assumes
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 CONFIGS = {"qwen2.5-7b-awq": SHARED / "configs" / "qwen2.5-7b-instruct",
@@ -32,7 +36,8 @@ def engine_for(config_dir: Path, kv: str, max_num_seqs: int, max_model_len: int,
         model=str(config_dir), tokenizer=str(TOKENIZER), load_format="dummy", max_model_len=max_model_len,
         enforce_eager=enforce_eager, quantize_lm_head=int4_head,
         cache=CacheConfig(kv_cache_dtype=kv, gpu_memory_gb=24.0, gpu_memory_utilization=0.90),
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=batched_tokens)), show_progress=False)
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=batched_tokens),
+        kernels=KernelOptions(profile=PROFILE[0])), show_progress=False)
 
 
 def hf_generate(config_dir: Path, batch: int, prompt_len: int = 128, new_tokens: int = 128) -> float:
@@ -98,7 +103,10 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer requests (smoke run)")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--profile", default="this", choices=PROFILE_NAMES, help="GPU profile (kernels/gpu.py)")
+    parser.add_argument("--only", default="", help="run only the runs whose key contains this")
     args = parser.parse_args()
+    PROFILE[0] = args.profile
     n_conc = 32 if args.quick else 256
     result = {"metadata": _metadata(args), "runs": {}}
     bandwidth = measure_copy_bandwidth()
@@ -111,6 +119,7 @@ def main() -> int:
     plan += [(f"{name}/fp8/serve-budget", name, "fp8", SERVE_BATCHED_TOKENS, False, False) for name in CONFIGS]
     # batch-1 with --quantize-lm-head: the FP16 head (1.09 GB a step) as an INT4 g128 copy
     plan.append(("qwen2.5-7b-awq/auto/int4-head", "qwen2.5-7b-awq", "auto", OFFLINE_BATCHED_TOKENS, True, True))
+    plan = [p for p in plan if args.only in p[0]]
     for key, name, kv, budget, batch1, int4_head in plan:
         try:
             result["runs"][key] = measure(name, CONFIGS[name], kv, n_conc, bandwidth, args.enforce_eager, budget,
@@ -132,21 +141,21 @@ def main() -> int:
             traceback.print_exc()
             result["hf_error"] = repr(e)
     runs = result["runs"]
-    q16, q8 = runs["qwen2.5-7b-awq/auto"], runs["qwen2.5-7b-awq/fp8"]
+    q16, q8 = runs.get("qwen2.5-7b-awq/auto", {}), runs.get("qwen2.5-7b-awq/fp8", {})
     thr = q8.get("throughput", {})
     result["summary"] = {
         "batch1_tok_s": q16.get("batch1_tok_s"), "batch1_fp8_tok_s": q8.get("batch1_tok_s"),
         "roofline_fraction": q16.get("roofline_fraction"), "throughput_tok_s": thr.get("output_tok_s"),
         "ttft_p50_s": thr.get("ttft_p50_s"), "ttft_p99_s": thr.get("ttft_p99_s"),
         "tpot_p50_s": thr.get("tpot_p50_s"), "tpot_p99_s": thr.get("tpot_p99_s"),
-        "llama_batch1_tok_s": runs["llama-3.1-8b-gptq/auto"].get("batch1_tok_s"),
-        "batch1_int4_head_tok_s": runs["qwen2.5-7b-awq/auto/int4-head"].get("batch1_tok_s"),
-        "llama_throughput_tok_s": runs["llama-3.1-8b-gptq/fp8"].get("throughput", {}).get("output_tok_s"),
+        "llama_batch1_tok_s": runs.get("llama-3.1-8b-gptq/auto", {}).get("batch1_tok_s"),
+        "batch1_int4_head_tok_s": runs.get("qwen2.5-7b-awq/auto/int4-head", {}).get("batch1_tok_s"),
+        "llama_throughput_tok_s": runs.get("llama-3.1-8b-gptq/fp8", {}).get("throughput", {}).get("output_tok_s"),
         "kv_cache_tokens_fp8_24gib": q8.get("kv_cache_tokens"), "max_num_batched_tokens": OFFLINE_BATCHED_TOKENS,
-        "throughput_serve_budget_tok_s": runs["qwen2.5-7b-awq/fp8/serve-budget"].get("throughput", {}).get(
+        "throughput_serve_budget_tok_s": runs.get("qwen2.5-7b-awq/fp8/serve-budget", {}).get("throughput", {}).get(
             "output_tok_s"),
         "hf_batch1_tok_s": result.get("hf_batch1_tok_s"), "hf_batch64_tok_s": result.get("hf_batch64_tok_s"),
-        "concurrency": n_conc}
+        "concurrency": n_conc, "profile": args.profile}
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(json.dumps(result["summary"], indent=2))
     return 0

@@ -6,14 +6,18 @@ fp16 vs fp8 e4m3 KV, and torch SDPA on an unpaged fp16 cache. Times (us) are GPU
 captured in a CUDA graph (as the engine's decode steps are) over enough rotated weight copies (>= 256 MB) that no
 weight is served from L2; median of 5 replays. fp16_dobench_us is triton.testing.do_bench (eager, L2 flushed) for
 comparison with the anchors in targets.md. Where kernels/pdl.py launches with PDL (sm90), ours_no_pdl_us times the
-same calls launched plainly (M <= 128; summary "ours_no_pdl"). --tune also times kernels/w4a16_tuning.py's search space.
+same calls launched plainly (M <= 128; summary "ours_no_pdl"). --tune also times kernels/w4a16/rules.py's search space.
 
-  PYTHONPATH=. python bench/kernels.py --out bench/results/kernels-h200.json [--tune] [--awq-sdist F.tar.gz]
+  python bench/kernels.py --out bench/results/kernels-h200.json [--tune] [--awq-sdist F.tar.gz] [--profile a10]
+
+--profile runs every kernel choice under a GPU profile (kernels/gpu.py: a10, 3090, 4090, l4, ...): on the H200 the
+sm86 / sm89 plans (no TMA, wgmma or PDL, their shared memory and SM count). "dequant_us" times the dequantize pass
++ cuBLAS beside ours from M = 64, the alternative the plan may pick where it is faster.
 
 M = 1 sweep (gemv: two/one launch x register prefetch/cp.async 2-4 stages x BLOCK_N x warps x split, ~380
 candidates per shape, every one checked against the exact reference before and after timing; prints the tuning-table
 rows and stores them in the JSON's table_rows):
-  PYTHONPATH=. TRITON_INTERPRET=0 python bench/kernels.py --tune --no-decode --ms 1 --budget-s 270 \
+  python bench/kernels.py --tune --no-decode --ms 1 --budget-s 270 \
       --out bench/results/kernels-tune-gemv-h200.json
 """
 import argparse
@@ -28,7 +32,7 @@ import time
 from pathlib import Path
 from statistics import median
 
-# this file is named kernels.py: its folder must not shadow the repository's kernels package
+# this file is named kernels.py: its folder must not shadow the Hugging Face `kernels` package transformers imports
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
@@ -37,13 +41,16 @@ import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from quant_serve.kernels.paged_attention import DecodeConfig, paged_decode  # noqa: E402
-from quant_serve.kernels.pdl import pdl_enabled, set_pdl  # noqa: E402
-from quant_serve.kernels.w4a16 import (FragWeights, frag_config, prepare_kernel_weights, prepare_w4a16,  # noqa: E402
-                            w4a16_forward)
-from quant_serve.kernels.w4a16_frag import prepare_frag  # noqa: E402
-from quant_serve.kernels.w4a16_ref import dequantize_w4  # noqa: E402
-from quant_serve.kernels.w4a16_tuning import (TMAConfig, W4A16Config, candidate_configs, gpu_family, refinements,  # noqa: E402
-                                  select_config, table_row)
+from quant_serve.kernels.gpu import PROFILE_NAMES, KernelOptions, configure, runtime_for  # noqa: E402
+from quant_serve.kernels.pdl import pdl_enabled  # noqa: E402
+from quant_serve.kernels.w4a16.dispatch import prepare_kernel_weights, w4a16_forward  # noqa: E402
+from quant_serve.kernels.w4a16.frag import FragWeights, prepare_frag  # noqa: E402
+from quant_serve.kernels.w4a16.frag_tiles import frag_dequantize  # noqa: E402
+from quant_serve.kernels.w4a16.plan import plan_w4a16, probed_runtime  # noqa: E402
+from quant_serve.kernels.w4a16.reference import dequantize_w4  # noqa: E402
+from quant_serve.kernels.w4a16.rows import prepare_w4a16  # noqa: E402
+from quant_serve.kernels.w4a16.rules import W4A16Config  # noqa: E402
+from quant_serve.kernels.w4a16.sweep import candidate_configs, refinements, table_row  # noqa: E402
 
 SHAPES = {"qkv": (3584, 4608), "o": (3584, 3584), "gate_up": (3584, 37888), "down": (18944, 3584)}
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
@@ -130,12 +137,10 @@ def load_awq(sdist: str):
 
 
 def ours_config(w, m, k, n) -> dict:
-    """The dispatcher's choice for this call, as recorded in the JSON."""
-    if isinstance(w, FragWeights):
-        cfg = frag_config(m, k, n, torch.device(DEV))
-        path = "tma" if isinstance(cfg, TMAConfig) else "mma"
-        return dict(path=path, **dataclasses.asdict(cfg)) if cfg else {"path": "frag_dequant"}
-    return dataclasses.asdict(select_config(m, k, n, torch.device(DEV)))
+    """The plan's choice for this call (kernels/w4a16/plan.py), as recorded in the JSON."""
+    rt = probed_runtime(torch.device(DEV))
+    p = plan_w4a16(m, k, n, rt.caps, rt.options, "frag" if isinstance(w, FragWeights) else "rows")
+    return {"kernel": p.kernel, "why": p.why, **(dataclasses.asdict(p.config) if p.config else {})}
 
 
 def nbytes(m, k, n, int4=True):
@@ -257,9 +262,12 @@ def bench_linear(name, k, n, awq, tune, deadline, log):
                "fp16_runs_us": runs["fp16"], "ours_runs_us": runs["ours"],
                "fp16_dobench_us": us(lambda: torch.mm(x, dense[0])), "ours_config": ours_config(w, m, k, n)}
         if m <= 128 and pdl_enabled(x):      # the same calls launched without PDL (kernels/pdl.py), for the record
-            set_pdl(False)
+            options = runtime_for(x.device).options
+            configure(x.device, dataclasses.replace(options, pdl=False))
             row["ours_no_pdl_us"] = graph_us([lambda w=w: w4a16_forward(x, w) for w in ws])
-            set_pdl(True)
+            configure(x.device, options)
+        if m >= 64 and isinstance(w, FragWeights):   # the alternative: dequantize once a call, then cuBLAS
+            row["dequant_us"] = graph_us([lambda w=w: torch.mm(x, frag_dequantize(w).t()) for w in ws])
         if tiny is not None:
             xb = x.bfloat16()
             timed(row, "tinygemm", [lambda t=t: torch.ops.aten._weight_int4pack_mm(xb, t[0], GS, t[1]) for t in tiny])
@@ -396,7 +404,10 @@ def main():
     ap.add_argument("--decode-only", action="store_true", help="only the attention section")
     ap.add_argument("--tune-decode", action="store_true",
                     help="also time decode configurations around the defaults (the *_tuned_* keys)")
+    ap.add_argument("--profile", default="this", choices=PROFILE_NAMES,
+                    help="GPU profile the kernel plans assume (kernels/gpu.py); default: the device itself")
     args = ap.parse_args()
+    caps = configure(0, KernelOptions(profile=args.profile)).caps
     if args.ms:
         MS[:] = [int(v) for v in args.ms.split(",")]
     start = time.time()
@@ -404,7 +415,9 @@ def main():
     git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
     commit = git.stdout.strip() if git.returncode == 0 else "uncommitted"
     result = {"command": " ".join(sys.argv), "git_commit": commit, "gpu": torch.cuda.get_device_name(),
-              "gpu_family": gpu_family(0)[0], "sms": gpu_family(0)[1], "torch": torch.__version__,
+              "profile": args.profile, "gpu_family": caps.family, "sms": caps.sms,
+              "smem_per_block": caps.smem_per_block, "tma": caps.tma, "wgmma": caps.wgmma, "pdl": caps.pdl,
+              "torch": torch.__version__,
               "triton": triton.__version__, "group_size": GS,
               "timer": "us per call, CUDA-graph replay over rotated weights (median of 5); fp16 and ours, and fp16 "
                        "and fp8 decode: the median of three such readings taken in turn (*_runs_us); *_dobench_us: "
@@ -423,7 +436,7 @@ def main():
             result["table_rows"][name] = table_row(k, n, winners)
         Path(args.out).write_text(json.dumps(result, indent=1))
     if result["table_rows"]:
-        log("tuning-table rows (kernels/w4a16_tuning.py, _SM90['shapes']):")
+        log("tuning-table rows (kernels/w4a16/rules.py, _SM90['shapes']):")
         for name, text in result["table_rows"].items():
             log(f"    {text}  # {name}")
     if args.no_decode:

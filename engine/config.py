@@ -4,6 +4,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from quant_serve.kernels.gpu import KernelOptions
+
 BLOCK_SIZE = 16
 
 
@@ -82,6 +84,7 @@ class EngineConfig:
     max_model_len: int | None = None       # None = from the model config
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kernels: KernelOptions = field(default_factory=KernelOptions)   # kernel switches and the GPU profile
 
 
 def resolve_max_model_len(model: ModelConfig, wanted: int | None) -> int:

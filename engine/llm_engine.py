@@ -12,13 +12,14 @@ from quant_serve.engine.config import EngineConfig, resolve_max_model_len
 from quant_serve.engine.detokenizer import IncrementalDetokenizer
 from quant_serve.engine.kv_scales import resolve_kv_scales
 from quant_serve.engine.loader import (default_device, load_model, load_model_config, load_tokenizer, pick_dtype,
-                           resolve_model_dir)
+                                       resolve_model_dir)
 from quant_serve.engine.model_runner import Carry, LaunchedStep, ModelRunner
 from quant_serve.engine.outputs import EngineStats, Request, RequestMetrics, RequestOutput
 from quant_serve.engine.sampler import needs_last_token_on_host
 from quant_serve.engine.sampling_params import SamplingParams
 from quant_serve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from quant_serve.engine.sequence import Sequence
+from quant_serve.kernels.gpu import configure
 
 logger = logging.getLogger("quant_serve")
 
@@ -35,6 +36,8 @@ class LLMEngine:
         self.max_model_len = resolve_max_model_len(self.model_config, config.max_model_len)
         config.scheduler.max_model_len = self.max_model_len
         torch.manual_seed(config.seed)
+        if self.device != "cpu":            # before any weight is prepared: the layouts follow the runtime's caps
+            configure(torch.device(self.device), config.kernels)
         self.model, self.quant_config = load_model(self.model_dir, self.model_config, self.dtype, self.device,
                                                    config.load_format, config.quantization, show_progress,
                                                    config.seed, config.quantize_lm_head)

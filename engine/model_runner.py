@@ -229,7 +229,7 @@ class ModelRunner:
         first real step. -> forwards run"""
         budget = max_num_batched_tokens
         shapes: list[tuple[list[int], list[int]]] = [([], [budget])]          # (decode contexts, prompt chunks)
-        # prompt chunks in every band of the W4A16 dispatch (kernels/w4a16_tuning.py), each at a multiple of 16
+        # prompt chunks in every band of the W4A16 dispatch (kernels/w4a16/rules.py), each at a multiple of 16
         # rows and off one (Triton compiles an integer argument's divisibility by 16 into the kernel)
         shapes += [([], [t]) for t in (1, 3, 8, 16, 24, 40, 48, 64, 100, 128, 200, 300, 512, 1000) if t < budget]
         decodes = min(max_num_seqs, 64, budget)

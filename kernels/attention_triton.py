@@ -27,6 +27,38 @@ def _quantize(x, scale_ptr, scale_val, FMAX: tl.constexpr, IS_FP8: tl.constexpr,
 
 
 @triton.jit
+def _e4m3_to_f16(bits):
+    """e4m3fn bit patterns (uint8: a cache viewed as bytes on a GPU without fp8 conversions, sm80 / sm86) -> fp16,
+    exactly: the 7 value bits moved into fp16's exponent and mantissa fields give the value / 2^8 (subnormals too),
+    the sign moves to bit 15."""
+    b = bits.to(tl.uint16)
+    h = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+    return h.to(tl.float16, bitcast=True) * 256.0
+
+
+@triton.jit
+def _f32_to_e4m3(x):
+    """fp32 values within +-448 -> e4m3fn bit patterns (uint8), rounded to nearest even as cvt.rn and torch do.
+    Normal range: the fp32 mantissa rounded to 3 bits (a carry moves into the exponent), the exponent rebiased
+    127 -> 7; below 2^-6: multiples of 2^-9, rounded to nearest even by adding 2^23 (one fp32 rounding)."""
+    sign = (x.to(tl.uint32, bitcast=True) >> 24) & 0x80
+    a = tl.abs(x)
+    ab = a.to(tl.uint32, bitcast=True)
+    normal = ((ab + 0x7FFFF + ((ab >> 20) & 1)) >> 20) - (120 << 3)
+    sub = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.uint32)
+    return (tl.where(a >= 0.015625, normal, sub) | sign).to(tl.uint8)
+
+
+@triton.jit
+def _to_cache(x, cache_ptr):
+    """fp32 values (already scaled and clamped for fp8) -> what the cache holds: its dtype, or e4m3 bit patterns
+    where the cache is viewed as bytes (no fp8 conversion on the GPU)."""
+    if cache_ptr.dtype.element_ty == tl.uint8:
+        return _f32_to_e4m3(x)
+    return x.to(cache_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _kv_tile(cache_ptr, table_row, toks, tok_mask, h, stride_cb, stride_cs, stride_ch, offs_d, d_mask,
              BLOCK_SIZE: tl.constexpr):
     """Gather tokens `toks` of one sequence, kv head h: [BLOCK_N, BLOCK_D] in the cache dtype (0 where masked)."""
@@ -41,6 +73,8 @@ def _widen(x, dtype: tl.constexpr, CVT: tl.constexpr):
     values from one 32-bit register, in the layout the tile was loaded in. Left to Triton, the 1-byte tile takes
     the layout change to the MMA operand first (through shared memory, ~100 narrow loads a 64-token tile) and is
     widened after."""
+    if x.dtype == tl.uint8:            # e4m3 bytes: no fp8 conversion on this GPU (CVT is off there)
+        return _e4m3_to_f16(x).to(dtype)
     if CVT:
         src: tl.constexpr = "e5m2x2" if x.dtype == tl.float8e5 else "e4m3x2"
         return tl.inline_asm_elementwise(
@@ -180,18 +214,18 @@ def _new_token(q, q_rows, m_i, l_i, acc, t, h, seq_len, start, stop, cos, sin, s
     k = _quantize(k.to(k_ptr.dtype.element_ty).to(tl.float32), k_scale_ptr, k_scale_val, FMAX, IS_FP8, SCALE_PTR)
     v = _quantize(tl.load(v_ptr + t * stride_vt + h * stride_vh + offs_d).to(tl.float32), v_scale_ptr, v_scale_val,
                   FMAX, IS_FP8, SCALE_PTR)
-    k = k.to(k_cache.dtype.element_ty)
-    v = v.to(v_cache.dtype.element_ty)
+    k = _to_cache(k, k_cache)
+    v = _to_cache(v, v_cache)
     last = seq_len - 1
     own = ((last >= start) & (last < stop)) != 0  # != 0: a boolean under every interpreter (3.9's & gives int32)
     dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + h * stride_ch + offs_d
     keep = (d_mask & own & (slot >= 0)) != 0
     tl.store(k_cache + dst, k, mask=keep)
     tl.store(v_cache + dst, v, mask=keep)
-    s = tl.sum(q.to(tl.float32) * k.to(q.dtype).to(tl.float32)[None, :], axis=1) * qk_scale       # [GP]
+    s = tl.sum(q.to(tl.float32) * _widen(k, q.dtype, False).to(tl.float32)[None, :], axis=1) * qk_scale  # [GP]
     m_i = tl.where(own, s, m_i)
     l_i = tl.where(own, 1.0, l_i)
-    acc = tl.where(own, v.to(q.dtype).to(tl.float32)[None, :], acc)                             # broadcast
+    acc = tl.where(own, _widen(v, q.dtype, False).to(tl.float32)[None, :], acc)                 # broadcast
     return q, m_i, l_i, acc
 
 
@@ -275,10 +309,10 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, tables_ptr, seq_lens_ptr, qsl_ptr, 
     for n0 in range(0, kv_end, BLOCK_N):
         toks = n0 + tl.arange(0, BLOCK_N)
         tok_mask = toks < kv_end
-        k = _kv_tile(k_cache, table_row, toks, tok_mask, h, stride_cb, stride_cs, stride_ch, offs_d, d_mask,
-                     BLOCK_SIZE).to(q.dtype)
-        v = _kv_tile(v_cache, table_row, toks, tok_mask, h, stride_cb, stride_cs, stride_ch, offs_d, d_mask,
-                     BLOCK_SIZE).to(q.dtype)
+        k = _widen(_kv_tile(k_cache, table_row, toks, tok_mask, h, stride_cb, stride_cs, stride_ch, offs_d, d_mask,
+                            BLOCK_SIZE), q.dtype, False)
+        v = _widen(_kv_tile(v_cache, table_row, toks, tok_mask, h, stride_cb, stride_cs, stride_ch, offs_d, d_mask,
+                            BLOCK_SIZE), q.dtype, False)
         causal = (toks[None, :] <= q_pos[:, None]) & tok_mask[None, :]
         m_i, l_i, acc = _attend_tile(q, k, v, causal, m_i, l_i, acc, qk_scale)
     out = acc / tl.maximum(l_i, 1e-30)[:, None]

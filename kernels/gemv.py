@@ -7,10 +7,9 @@ bench/results/exp-head-gemv-h200.json). It
 sums in fp32 and rounds once, as cuBLAS does, in another order. Under PDL it is launched while the final norm
 runs. The torch twin is F.linear.
 """
-import os
-
 import torch
 
+from quant_serve.kernels.gpu import runtime_for
 from quant_serve.kernels.triton_compat import tl, triton
 from quant_serve.kernels.pdl import launch_options, pdl_enabled, pdl_start, pdl_wait
 
@@ -40,11 +39,11 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, stride_wn, K: tl.constexpr, BLOCK_N: 
 
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """One fp16/bf16 row on CUDA against a vocabulary-wide weight of its dtype with unit column stride
-    (QUANT_SERVE_HEAD_GEMV=0: cuBLAS)."""
+    """One fp16/bf16 row on CUDA against a vocabulary-wide weight of its dtype with unit column stride, where the
+    device's KernelOptions.head_gemv is on (off: cuBLAS)."""
     return (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.float16, torch.bfloat16)
             and weight.dtype == x.dtype and weight.shape[0] >= MIN_ROWS and weight.stride(1) == 1
-            and os.environ.get("QUANT_SERVE_HEAD_GEMV", "1") != "0")
+            and runtime_for(x.device).options.head_gemv)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

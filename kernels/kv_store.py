@@ -1,10 +1,11 @@
 """Triton KV-cache writes: `store_kv` and the fused `rope_store_kv` (neox RoPE on q and k in place, then store).
 
 One program per token; slot_mapping[t] = -1 skips the store. fp8 caches get clamp(x / scale) rounded to nearest
-even, like the torch twin (kernels/attention_ref.py). The cos_sin_cache layout is documented there.
+even, like the torch twin (kernels/attention_ref.py); an e4m3 cache viewed as bytes (a GPU without fp8 conversion)
+gets the same bits from attention_triton._f32_to_e4m3. The cos_sin_cache layout is documented there.
 """
 from quant_serve.kernels.triton_compat import tl, triton
-from quant_serve.kernels.attention_triton import _quantize
+from quant_serve.kernels.attention_triton import _quantize, _to_cache
 from quant_serve.kernels.pdl import pdl_start, pdl_wait
 
 
@@ -12,8 +13,7 @@ from quant_serve.kernels.pdl import pdl_start, pdl_wait
 def _store_token(cache_ptr, slot, x, offs_h, offs_d, mask, stride_cb, stride_cs, stride_ch,
                  BLOCK_SIZE: tl.constexpr):
     dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
-    tl.store(cache_ptr + dst + offs_h[:, None] * stride_ch + offs_d[None, :], x.to(cache_ptr.dtype.element_ty),
-             mask=mask)
+    tl.store(cache_ptr + dst + offs_h[:, None] * stride_ch + offs_d[None, :], _to_cache(x, cache_ptr), mask=mask)
 
 
 @triton.jit

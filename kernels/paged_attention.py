@@ -7,11 +7,11 @@ varlen, any mix of chunk lengths including decodes) otherwise. Decode splits the
 B * Hkv programs alone cannot fill the GPU, then merges the partial softmaxes in a second kernel. The split count
 depends only on shapes (block_tables.shape[1]), so a CUDA graph captures a fixed launch.
 """
-import functools
 from dataclasses import dataclass
 
 import torch
 
+from quant_serve.kernels.gpu import device_sms, runtime_for
 from quant_serve.kernels.triton_compat import interpreting
 from quant_serve.kernels.attention_merge import DecodePartials, merge_partials, scale_args
 from quant_serve.kernels.attention_ref import paged_attention_ref, rope_store_kv_ref, store_kv_ref
@@ -112,23 +112,30 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-@functools.lru_cache(maxsize=None)
-def _has_fp8_cvt(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) >= (8, 9)      # cvt.rn.f16x2.e4m3x2: sm_89 and later
-
-
 def _fp8_cvt(q: torch.Tensor, cache_dtype: torch.dtype) -> bool:
-    """Widen fp8 K/V tiles by inline asm in the decode kernel (attention_triton._widen)? fp16 queries on an sm_89+
-    GPU, not under the interpreter (which runs no asm)."""
-    if cache_dtype not in FP8 or q.dtype != torch.float16 or not q.is_cuda or \
-            interpreting():
+    """Widen fp8 K/V tiles by inline asm in the decode kernel (attention_triton._widen)? fp16 queries on a GPU
+    whose runtime has the fp8 conversion (sm_89+: cvt.rn.f16x2.e4m3x2), not under the interpreter (no asm)."""
+    if cache_dtype not in FP8 or q.dtype != torch.float16 or not q.is_cuda or interpreting():
         return False
-    return _has_fp8_cvt(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    return runtime_for(q.device).caps.fp8_cvt
+
+
+def e4m3_in_software(device: torch.device) -> bool:
+    """Does an e4m3 cache on this device go to the kernels as bytes, converted in software? On a GPU whose runtime
+    has no fp8 conversion (sm80 / sm86, or their profile): Triton has no e4m3 type there."""
+    return device.type == "cuda" and not interpreting() and not runtime_for(device).caps.fp8_cvt
+
+
+def _kernel_view(cache: torch.Tensor) -> torch.Tensor:
+    """The cache as the kernels take it: an e4m3 cache as its bytes where e4m3_in_software (attention_triton's
+    _e4m3_to_f16 / _f32_to_e4m3 convert exactly), else as it is."""
+    if cache.dtype == torch.float8_e4m3fn and e4m3_in_software(cache.device):
+        return cache.view(torch.uint8)
+    return cache
 
 
 def _num_sms(device: torch.device) -> int:
-    from quant_serve.kernels.w4a16_tuning import gpu_family
-    return gpu_family(device.index if device.index is not None else torch.cuda.current_device())[1]
+    return device_sms(device)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -150,9 +157,15 @@ MAX_SPLITS = 128      # the merge kernel holds [splits, head_dim] fp32 partials 
 
 
 def decode_splits(programs: int, max_ctx: int, device: torch.device, cfg: DecodeConfig) -> int:
+    sms = _num_sms(device) if device.type == "cuda" else 8      # the interpreter has no SMs; any count is right
+    return split_count(programs, max_ctx, sms, cfg)
+
+
+def split_count(programs: int, max_ctx: int, sms: int, cfg: DecodeConfig) -> int:
+    """Context splits of a decode launch of B * Hkv programs over max_ctx tokens on `sms` SMs: toward cfg.waves
+    programs an SM, never under cfg.min_split_tokens a split."""
     if cfg.num_splits is not None:
         return cfg.num_splits
-    sms = _num_sms(device) if device.type == "cuda" else 8      # the interpreter has no SMs; any count is right
     want = -(-int(cfg.waves * sms) // programs)
     return max(1, min(want, max_ctx // cfg.min_split_tokens, MAX_SPLITS))
 
@@ -188,8 +201,9 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, s
     if splits > 1:
         part_o = torch.empty((batch, num_q_heads, splits, block_d), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((batch, num_q_heads, splits, 2), dtype=torch.float32, device=q.device)
+    kc, vc = _kernel_view(k_cache), _kernel_view(v_cache)
     _decode_kernel[(batch, num_kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_o, part_ml,
+        q, kc, vc, block_tables, seq_lens, query_start_loc, out, part_o, part_ml,
         ks_ptr, vs_ptr, ks_val, vs_val, softmax_scale * LOG2E, head_dim,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -220,8 +234,9 @@ def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, 
     out = torch.empty_like(q)
     ks_ptr, ks_val, from_ptr = scale_args(k_scale, q)
     vs_ptr, vs_val, _ = scale_args(v_scale, q)
+    kc, vc = _kernel_view(k_cache), _kernel_view(v_cache)
     _prefill_kernel[(num_tokens // block_q + batch, num_kv_heads)](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, ks_ptr, vs_ptr, ks_val, vs_val,
+        q, kc, vc, block_tables, seq_lens, query_start_loc, out, ks_ptr, vs_ptr, ks_val, vs_val,
         softmax_scale * LOG2E, batch, head_dim,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -247,8 +262,9 @@ def store_kv_triton(key, value, k_cache, v_cache, slot_mapping, k_scale=1.0, v_s
     num_tokens, num_heads, head_dim = key.shape
     ks_ptr, ks_val, from_ptr = scale_args(k_scale, key)
     vs_ptr, vs_val, _ = scale_args(v_scale, key)
+    kc, vc = _kernel_view(k_cache), _kernel_view(v_cache)
     _store_kv_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping, ks_ptr, vs_ptr, ks_val, vs_val, num_heads, head_dim,
+        key, value, kc, vc, slot_mapping, ks_ptr, vs_ptr, ks_val, vs_val, num_heads, head_dim,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         BLOCK_H=_next_pow2(num_heads), BLOCK_D=_next_pow2(head_dim), BLOCK_SIZE=k_cache.shape[1],
@@ -277,8 +293,9 @@ def rope_store_kv_triton(q, k, v, positions, cos_sin_cache, k_cache, v_cache, sl
     vs_ptr, vs_val, _ = scale_args(v_scale, k)
     half = head_dim // 2
     pdl = pdl_enabled(q)
+    kc, vc = _kernel_view(k_cache), _kernel_view(v_cache)
     _rope_store_kv_kernel[(num_tokens, 2)](
-        q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, ks_ptr, vs_ptr, ks_val, vs_val,
+        q, k, v, positions, cos_sin_cache, kc, vc, slot_mapping, ks_ptr, vs_ptr, ks_val, vs_val,
         num_q_heads, num_kv_heads, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos_sin_cache.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         BLOCK_HQ=_next_pow2(num_q_heads), BLOCK_HKV=_next_pow2(num_kv_heads), HALF=half,

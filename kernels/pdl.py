@@ -13,35 +13,28 @@ path is launched with the programmatic-serialization attribute and follows three
    for its own predecessor, everything launched before is done too.
 
 Kernels launched without the attribute (torch ops, cuBLAS) wait for their predecessor as usual, so the two kinds mix.
-QUANT_SERVE_PDL=0 (or set_pdl(False)) turns it off; off the GPU, in the interpreter and below sm90 it is off.
+KernelOptions.pdl = False turns it off (kernels/gpu.py); off the GPU, in the interpreter, below sm90 and under the
+profile of a card without it (an A10, a 4090) it is off.
 """
 import functools
-import os
 
 import torch
 
+from quant_serve.kernels.gpu import runtime_for
+
 from quant_serve.kernels.triton_compat import gl, gluon, tl, triton, gdc_launch_dependents, gdc_wait, interpreting
 
-_ENABLED = [os.environ.get("QUANT_SERVE_PDL", "1") != "0"]
-
-
-def set_pdl(enabled: bool) -> None:
-    """Turn PDL on or off for launches from now on (CUDA graphs keep the launches they captured)."""
-    _ENABLED[0] = enabled
-
-
 @functools.cache
-def _device_supports(index: int) -> bool:
+def _triton_launches_pdl() -> bool:
     from triton.backends.nvidia.compiler import CUDAOptions
-    has_option = "launch_pdl" in CUDAOptions.__dataclass_fields__
-    return has_option and torch.cuda.get_device_capability(index)[0] >= 9
+    return "launch_pdl" in CUDAOptions.__dataclass_fields__
 
 
 def pdl_enabled(t: torch.Tensor) -> bool:
-    """Launch the kernels that take `t` with PDL?"""
-    if not (_ENABLED[0] and t.is_cuda) or interpreting():
+    """Launch the kernels that take `t` with PDL? (CUDA graphs keep the launches they captured.)"""
+    if not t.is_cuda or interpreting():
         return False
-    return _device_supports(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    return runtime_for(t.device).pdl and _triton_launches_pdl()
 
 
 def launch_options(pdl: bool) -> dict:

@@ -66,9 +66,8 @@ if HAS_TRITON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
-                                                                   warpgroup_mma, warpgroup_mma_init,
-                                                                   warpgroup_mma_wait)
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_init, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 else:

@@ -4,10 +4,13 @@ import torch
 from torch import nn
 
 from quant_serve.kernels.attention_merge import DecodePartials, merge_partials
-from quant_serve.kernels.w4a16_ref import dequantize_w4, pack_int4_cols, pack_int4_rows, w4a16_matmul_ref
 from quant_serve.kernels.norm_act import silu_and_mul
-from quant_serve.kernels.w4a16 import FragWeights, W4A16Weights, prepare_kernel_weights, standard_layout, w4a16_matmul
-from quant_serve.kernels.w4a16_fold import folded_norm_applies, folded_norm_ref, residual_ref, w4a16_normed, w4a16_residual
+from quant_serve.kernels.w4a16.dispatch import prepare_kernel_weights, standard_layout, w4a16_matmul
+from quant_serve.kernels.w4a16.fold import (folded_norm_applies, folded_norm_ref, residual_ref, w4a16_normed,
+                                            w4a16_residual)
+from quant_serve.kernels.w4a16.frag import FragWeights
+from quant_serve.kernels.w4a16.reference import dequantize_w4, pack_int4_cols, pack_int4_rows, w4a16_matmul_ref
+from quant_serve.kernels.w4a16.rows import W4A16Weights
 from quant_serve.quant.rtn import quantize_rtn
 
 
@@ -54,7 +57,7 @@ class DenseLinear(nn.Module):
 
 
 class QuantLinear(nn.Module):
-    """INT4 weight-only linear in the internal layout (kernels/w4a16_ref.py), N = sum(output_sizes).
+    """INT4 weight-only linear in the internal layout (kernels/w4a16/reference.py), N = sum(output_sizes).
 
     Each shard comes from one source module and is converted by the QuantConfig that built the layer. `finalize`
     concatenates the shards along N; shards whose act-order permutations differ stay separate sub-layers (`parts`)
@@ -210,7 +213,7 @@ class QuantLinear(nn.Module):
 
     def folds_norm(self, silu_mul: bool = False) -> bool:
         """Can a decode step with its RMSNorms folded into the matmuls (engine/models/decoder.py) use this layer:
-        the fragment layout on CUDA (kernels/w4a16_fold.folded_norm_applies, asked once per layer), no act-order
+        the fragment layout on CUDA (kernels/w4a16/fold.py:folded_norm_applies, asked once per layer), no act-order
         parts, no hooks (eval's per-layer error hooks must see the layer called)?"""
         if self._forward_hooks or self._forward_pre_hooks or self.parts is not None or self.packed is None:
             return False

@@ -313,5 +313,6 @@ def test_copy_on_write_failure_changes_nothing(new_bm):
 
 
 def test_pure_python_modules_never_import_torch():
-    code = "import quant_serve.engine.scheduler, quant_serve.engine.block_manager, quant_serve.engine.sequence, sys; assert 'torch' not in sys.modules"
+    code = ("import quant_serve.engine.scheduler, quant_serve.engine.block_manager, quant_serve.engine.sequence, sys; "
+            "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)

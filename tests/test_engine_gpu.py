@@ -97,9 +97,12 @@ def test_batch_one_folds_the_norms_and_matches_the_plain_path(monkeypatch):
     """Batch-1 decode on CUDA folds every RMSNorm into the INT4 matmuls around it (engine/models/decoder.py,
     _forward_folded): the fixture takes that path, and its greedy tokens and logprobs are the plain path's (the
     variance is summed in another order: near-ties may flip, the rest agrees). o_proj merges the attention's
-    split partials itself: the merge kernel's tokens (QUANT_SERVE_FOLD_MERGE=0)."""
+    split partials itself: the merge kernel's tokens (KernelOptions.fold_merge off)."""
+    from dataclasses import replace
+
     from quant_serve.engine.models.decoder import DecoderModel
     from quant_serve.kernels.attention_merge import DecodePartials
+    from quant_serve.kernels.gpu import configure, runtime_for
     from quant_serve.quant.linear import QuantLinear
     engine = make_engine(awq_model_dir(), dtype="float16", device="cuda", enforce_eager=True)
     model = engine.runner.model.model
@@ -115,8 +118,12 @@ def test_batch_one_folds_the_norms_and_matches_the_plain_path(monkeypatch):
     monkeypatch.setattr(QuantLinear, "forward_residual", spy)
     folded = [engine.generate([p], params)[0].outputs[0] for p in prompts]
     assert DecodePartials in inputs                       # o_proj merged the decode's split partials itself
-    monkeypatch.setenv("QUANT_SERVE_FOLD_MERGE", "0")
-    merged_apart = [engine.generate([p], params)[0].outputs[0] for p in prompts]
+    options = runtime_for(torch.device("cuda")).options
+    configure(torch.device("cuda"), replace(options, fold_merge=False))
+    try:
+        merged_apart = [engine.generate([p], params)[0].outputs[0] for p in prompts]
+    finally:
+        configure(torch.device("cuda"), options)
     agree = sum(a == b for f, m in zip(folded, merged_apart) for a, b in zip(f.token_ids, m.token_ids)) / (16 * 4)
     assert agree >= 0.95, agree                    # the fp32 sum over splits in another order: a near-tie may flip
     monkeypatch.setattr(DecoderModel, "_norms_fold", lambda self, x: False)

@@ -9,7 +9,7 @@ from quant_serve.engine.models.decoder import DecoderModel
 from quant_serve.engine.sampling_params import SamplingParams
 from helpers import awq_model_dir, make_engine
 from quant_serve.kernels.norm_act import rms_norm_ref
-from quant_serve.kernels.w4a16_fold import FOLD_TILE, FoldedNorm, folded_norm_ref, residual_ref
+from quant_serve.kernels.w4a16.fold import FOLD_TILE, FoldedNorm, folded_norm_ref, residual_ref
 
 from conftest import DATA
 

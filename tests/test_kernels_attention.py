@@ -11,11 +11,15 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")   # before any kernel module is imported (decoration time)
 
-from quant_serve.kernels.attention_ref import (build_cos_sin_cache, paged_attention_ref, rope_store_kv_ref,  # noqa: E402
-                                   store_kv_ref)
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from quant_serve.kernels.attention_ref import (build_cos_sin_cache, paged_attention_ref,  # noqa: E402
+                                               rope_store_kv_ref, store_kv_ref)
+from quant_serve.kernels.attention_triton import _e4m3_to_f16, _f32_to_e4m3  # noqa: E402
 from quant_serve.kernels.interpret import patch_triton_interpreter  # noqa: E402
 from quant_serve.kernels.paged_attention import (DecodeConfig, NewTokens, paged_attention, paged_decode,  # noqa: E402
-                                     paged_prefill, rope_store_kv_triton, store_kv_triton)
+                                                 paged_prefill, rope_store_kv_triton, store_kv_triton)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 patch_triton_interpreter()
@@ -354,3 +358,62 @@ def test_decode_graph_contexts(monkeypatch):
     assert not graphs.wide[16] and graphs.wide[24]            # the fine rule over each width, the coarse one above
     short = DecodeGraphs(None, 8, 512, 16, torch.device("cpu"), num_kv_heads=4)       # one width, yet few programs
     assert short.widths[1] == [32] and not short.wide[1]
+
+@triton.jit
+def _convert_e4m3(bits_ptr, wide_ptr, x_ptr, out_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(wide_ptr + i, _e4m3_to_f16(tl.load(bits_ptr + i)))
+    tl.store(out_ptr + i, _f32_to_e4m3(tl.load(x_ptr + i)))
+
+
+def test_software_e4m3_conversions_are_exact():
+    """The byte path of GPUs without fp8 conversion (sm80 / sm86): every finite e4m3 pattern widens to its exact
+    value, and fp32 values (normals, subnormals, ties, the clamp bound, signed zeros) round as torch rounds."""
+    bits = torch.arange(256, dtype=torch.uint8)
+    bits[bits.bitwise_and(0x7F) == 0x7F] = 0                                  # the two NaN patterns
+    gen = torch.Generator().manual_seed(0)
+    grid = torch.arange(1, 512, dtype=torch.float32) / 512                   # every subnormal step and tie
+    values = torch.cat([grid * 2 ** -6, grid * 2 ** -6 + 2 ** -10, torch.randn(2048, generator=gen) * 40,
+                        torch.rand(512, generator=gen) * 2 ** -8, torch.tensor([448.0, -448.0, 0.0, -0.0, 1.0])])
+    values = torch.cat([values, -values])[:4096].clamp(-448, 448)
+    n = values.numel()
+    bits_in = bits.repeat(n // 256).to(DEV)
+    wide = torch.empty(n, dtype=torch.float16, device=DEV)
+    out = torch.empty(n, dtype=torch.uint8, device=DEV)
+    _convert_e4m3[(1,)](bits_in, wide, values.to(DEV), out, N=n)
+    exact = bits_in.cpu().view(E4M3).to(torch.float16)
+    assert torch.equal(wide.cpu(), exact)
+    assert torch.equal(out.cpu(), values.to(E4M3).view(torch.uint8))
+
+
+def test_software_e4m3_cache_path_matches_the_fp8_type(monkeypatch):
+    """An e4m3 cache handed to the kernels as bytes (paged_attention.e4m3_in_software: no fp8 conversion on the
+    GPU) stores the same bytes and attends to the same values as the fp8-typed path: store, fused RoPE + store,
+    decode with new tokens, prefill."""
+    import quant_serve.kernels.paged_attention as pa
+    gen = torch.Generator().manual_seed(9)
+    hq, hkv, d, seq_lens = 4, 2, 32, [1, 17, 40, 5]
+    caches = make_cache(12, hkv, d, E4M3, 0.3, gen)
+    tables, lens, qsl = make_batch(seq_lens, [1, 1, 1, 1], 12, gen)
+    positions = (lens - 1).long()
+    slots = tables.long().gather(1, (positions // BS)[:, None])[:, 0] * BS + positions % BS
+    cos_sin = build_cos_sin_cache(64, d, base=10000.0, device=DEV)
+    q, k, v = (torch.randn(4, h, d, generator=gen).half().to(DEV) * 3 for h in (hq, hkv, hkv))
+    s = as_scale(0.3, True)
+
+    def run(software: bool):
+        monkeypatch.setattr(pa, "e4m3_in_software", lambda device: software)
+        cs = tuple(c.clone() for c in caches)
+        store_kv_triton(k, v, *cs, slots.flip(0), s, s)
+        qr, kr = q.clone(), k.clone()
+        rope_store_kv_triton(qr, kr, v, positions, cos_sin, *cs, slots, s, s)
+        dec = paged_decode(q, *cs, tables, lens, qsl, d ** -0.5, s, s, DecodeConfig(block_n=16, num_splits=3),
+                           new=NewTokens(k, v, positions, cos_sin, slots))
+        pre = paged_prefill(q, *cs, tables, lens, torch.arange(5, dtype=torch.int32, device=DEV), d ** -0.5, s, s)
+        return cs, qr, dec, pre
+
+    typed, software = run(False), run(True)
+    for a, b in zip(typed[0], software[0]):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    for a, b in zip(typed[1:], software[1:]):
+        assert torch.equal(a, b)

@@ -38,7 +38,7 @@ def test_gemv_rule_and_errors():
 @pytest.mark.gpu
 def test_gpu_gemv_on_the_qwen_head_and_its_rule(monkeypatch):
     """The Qwen2.5-7B head shape: the GEMV's logits are cuBLAS's up to the fp32 summation order; the rule takes one
-    fp16/bf16 row against a vocabulary-wide weight only, and QUANT_SERVE_HEAD_GEMV=0 turns it off."""
+    fp16/bf16 row against a vocabulary-wide weight only, and KernelOptions.head_gemv = False turns it off."""
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(1, 3584, generator=gen).half().cuda()
     w = (torch.randn(152064, 3584, generator=gen) * 0.02).half().cuda()
@@ -48,5 +48,9 @@ def test_gpu_gemv_on_the_qwen_head_and_its_rule(monkeypatch):
     assert (got.argmax() == want.argmax()).item()
     assert gemv_applies(x, w) and not gemv_applies(x.repeat(2, 1), w) and not gemv_applies(x, w[:4096])
     assert not gemv_applies(x.float(), torch.empty(70000, 3584, device="cuda"))                # fp32
-    monkeypatch.setenv("QUANT_SERVE_HEAD_GEMV", "0")
-    assert not gemv_applies(x, w)
+    from quant_serve.kernels.gpu import KernelOptions, configure, reset_runtime
+    configure(x.device, KernelOptions(head_gemv=False))
+    try:
+        assert not gemv_applies(x, w)
+    finally:
+        reset_runtime(x.device)

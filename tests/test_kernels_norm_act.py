@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
 
 from quant_serve.kernels.interpret import patch_triton_interpreter  # noqa: E402
 from quant_serve.kernels.norm_act import (rms_norm, rms_norm_ref, rms_norm_triton, silu_and_mul_ref,  # noqa: E402
-                              silu_and_mul_triton)
+                                          silu_and_mul_triton)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 patch_triton_interpreter()

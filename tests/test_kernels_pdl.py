@@ -5,7 +5,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from quant_serve.kernels.pdl import launch_options, pdl_enabled, set_pdl
+from quant_serve.kernels.gpu import PROFILES, KernelOptions, KernelRuntime, configure, reset_runtime
+from quant_serve.kernels.pdl import launch_options, pdl_enabled
 from tests.test_kernels_w4a16 import make_weights
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -15,18 +16,21 @@ def test_pdl_is_on_only_for_cuda_sm90_outside_the_interpreter(monkeypatch):
     import quant_serve.kernels.pdl as pdl
     assert not pdl_enabled(torch.zeros(1))                             # CPU tensors: never
     cuda_like = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
-    monkeypatch.setattr(pdl, "_device_supports", lambda index: True)
+    runtime = {"now": KernelRuntime(PROFILES["h200"])}
+    monkeypatch.setattr(pdl, "runtime_for", lambda device: runtime["now"])
+    monkeypatch.setattr(pdl, "_triton_launches_pdl", lambda: True)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert pdl_enabled(cuda_like)
-    set_pdl(False)
-    try:
-        assert not pdl_enabled(cuda_like)                              # QUANT_SERVE_PDL=0 / set_pdl(False)
-    finally:
-        set_pdl(True)
+    runtime["now"] = KernelRuntime(PROFILES["h200"], KernelOptions(pdl=False))
+    assert not pdl_enabled(cuda_like)                                  # KernelOptions.pdl = False
+    for card in ("a10", "4090", "a100"):                               # no PDL below sm90: the cards' profiles
+        runtime["now"] = KernelRuntime(PROFILES[card])
+        assert not pdl_enabled(cuda_like), card
+    runtime["now"] = KernelRuntime(PROFILES["h200"])
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not pdl_enabled(cuda_like)                                  # the interpreter has no griddepcontrol
-    monkeypatch.setattr(pdl, "_device_supports", lambda index: False)  # below sm90, or a Triton without the option
     monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setattr(pdl, "_triton_launches_pdl", lambda: False)   # a Triton without the launch option
     assert not pdl_enabled(cuda_like)
     assert launch_options(False) == {} and launch_options(True) == {"launch_pdl": True}
 
@@ -36,7 +40,7 @@ def _decode_chain(x, layers, norm_w):
     SwiGLU kernel in layer 0, as wide layers at M = 1 run it) -> down, per layer: the kernel kinds of a decode step,
     each reading the previous one's output."""
     from quant_serve.kernels.norm_act import rms_norm, silu_and_mul
-    from quant_serve.kernels.w4a16 import w4a16_matmul
+    from quant_serve.kernels.w4a16.dispatch import w4a16_matmul
     residual = x
     h = x
     for i, (qkv, o, gate_up, down) in enumerate(layers):
@@ -53,7 +57,7 @@ def _decode_chain(x, layers, norm_w):
                     reason="PDL needs sm90 (runs on the GPU machine)")
 @pytest.mark.parametrize("m", [1, 16, 48])
 def test_gpu_pdl_chain_in_a_cuda_graph_matches_plain_launches(m):
-    from quant_serve.kernels.w4a16 import prepare_kernel_weights
+    from quant_serve.kernels.w4a16.dispatch import prepare_kernel_weights
     torch.manual_seed(0)
     hidden, inter = 1024, 2816
 
@@ -64,12 +68,12 @@ def test_gpu_pdl_chain_in_a_cuda_graph_matches_plain_launches(m):
               for _ in range(3)]
     norm_w = torch.rand(hidden, dtype=torch.float16, device=DEV) + 0.5
     x = torch.randn(m, hidden, dtype=torch.float16, device=DEV)
-    set_pdl(False)
+    configure(x.device, KernelOptions(pdl=False))
     try:
         plain = _decode_chain(x, layers, norm_w)
         plain_flipped = _decode_chain(x.flip(0), layers, norm_w)
     finally:
-        set_pdl(True)
+        reset_runtime(x.device)
     assert pdl_enabled(x)
     assert torch.equal(_decode_chain(x, layers, norm_w), plain)          # eager PDL launches
     static_x = x.clone()

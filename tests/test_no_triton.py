@@ -24,7 +24,7 @@ def test_cli_generate_and_server_app_without_triton():
         "from quant_serve.kernels import triton_compat\n"
         "assert not triton_compat.HAS_TRITON\n"
         "from quant_serve.server.cli import main\n"
-        "import quant_serve.server.app, quant_serve.kernels.w4a16_tma, quant_serve.kernels.w4a16_mma\n"
+        "import quant_serve.server.app, quant_serve.kernels.w4a16.tma, quant_serve.kernels.w4a16.mma\n"
         "out = io.StringIO()\n"
         "with contextlib.redirect_stdout(out):\n"
         "    rc = main(['generate', '--chat', '--prompt', 'What does \"lantern\" mean?', '--max-tokens', '8',\n"

@@ -7,8 +7,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from quant_serve.quant.formats import (AWQConfig, CompressedTensorsConfig, GPTQConfig, awq_quantization_config,
-                           ct_quantization_config, gptq_quantization_config, load_quant_config, write_awq_gemm,
-                           write_gptq, write_pack_quantized)
+                                       ct_quantization_config, gptq_quantization_config, load_quant_config,
+                                       write_awq_gemm, write_gptq, write_pack_quantized)
 from quant_serve.quant.linear import DenseLinear, QuantLinear, make_linear
 from quant_serve.quant.rtn import quantize_rtn
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from quant_serve.quant.formats import (awq_quantization_config, ct_quantization_config, load_quant_config, write_awq_gemm,
-                           write_gptq, write_pack_quantized)
+from quant_serve.quant.formats import (awq_quantization_config, ct_quantization_config, load_quant_config,
+                                       write_awq_gemm, write_gptq, write_pack_quantized)
 from quant_serve.quant.rtn import dequantize_codes, quantize_rtn
 
 PREFIX = "model.layers.0.mlp.up_proj"

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from quant_serve.kernels.w4a16_ref import unpack_int4_rows
+from quant_serve.kernels.w4a16.reference import unpack_int4_rows
 from quant_serve.quant.formats import (awq_quantization_config, ct_quantization_config, gptq_quantization_config,
-                           load_quant_config, write_awq_gemm, write_gptq, write_pack_quantized)
+                                       load_quant_config, write_awq_gemm, write_gptq, write_pack_quantized)
 from quant_serve.quant.formats.awq import unpack_awq
 from quant_serve.quant.rtn import dequantize_codes, quantize_rtn
 

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from helpers import make_engine
-from quant_serve.kernels.w4a16_ref import unpack_int4_cols, unpack_int4_rows
+from quant_serve.kernels.w4a16.reference import unpack_int4_cols, unpack_int4_rows
 from quant_serve.quant import quantize as quantize_mod
 from quant_serve.quant.calib import calib_tokens, model_logits, read_calib_file
 from quant_serve.quant.quantize import QuantizeConfig, quantize_model

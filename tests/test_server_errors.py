@@ -135,7 +135,8 @@ def test_serve_takes_vllm_flag_names():
 def test_token_budget_defaults_follow_vllm():
     """Serving keeps 2048-token steps (inter-token latency); offline commands take 8192 (throughput)."""
     parse = quant_serve.server.cli.build_parser().parse_args
-    budget = lambda argv: quant_serve.server.cli.engine_config_from_args(parse(argv)).scheduler.max_num_batched_tokens  # noqa
+    config = quant_serve.server.cli.engine_config_from_args
+    budget = lambda argv: config(parse(argv)).scheduler.max_num_batched_tokens  # noqa: E731
     assert budget(["serve", "m"]) == 2048
     assert budget(["bench", "offline", "--model", "m"]) == 8192
     assert budget(["generate", "--model", "m", "--prompt", "hi"]) == 8192

@@ -4,7 +4,6 @@ Differences between the families are data in ModelConfig (q/k/v biases, tied emb
 Tokens of all sequences in a step are flattened: hidden states are [T, hidden].
 """
 import math
-import os
 
 import torch
 from torch import nn
@@ -13,8 +12,9 @@ from quant_serve.engine.attention import AttentionMetadata, paged_attention_forw
 from quant_serve.engine.config import ModelConfig
 from quant_serve.kernels.attention_merge import DecodePartials
 from quant_serve.kernels.gemv import gemv, gemv_applies
+from quant_serve.kernels.gpu import options_for
 from quant_serve.kernels.norm_act import rms_norm
-from quant_serve.kernels.w4a16_fold import FoldedNorm
+from quant_serve.kernels.w4a16.fold import FoldedNorm
 from quant_serve.quant.linear import DenseLinear, make_linear
 
 
@@ -152,8 +152,9 @@ class DecoderModel(nn.Module):
         return self.norm(x, residual)[0]
 
     def _norms_fold(self, x: torch.Tensor) -> bool:
-        """On CUDA, every INT4 matmul of the model can fold the RMSNorms around it (QuantLinear.folds_norm)."""
-        if not x.is_cuda or os.environ.get("QUANT_SERVE_FOLD_NORMS", "1") == "0":
+        """On CUDA with KernelOptions.fold_norms, every INT4 matmul of the model can fold the RMSNorms around it
+        (QuantLinear.folds_norm)."""
+        if not x.is_cuda or not options_for(x.device).fold_norms:
             return False
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -168,8 +169,8 @@ class DecoderModel(nn.Module):
         residual in their epilogue and leave the stream's sums of squares by 64 columns; qkv_proj and gate_up_proj
         normalize the stream as they stage it. Two launches a layer fewer than forward's path (its norm kernels),
         same roundings; the variance is summed in another order (fp32). o_proj also merges the decode kernel's
-        split partials as it stages them (one launch a layer fewer; QUANT_SERVE_FOLD_MERGE=0: the merge kernel)."""
-        merge = os.environ.get("QUANT_SERVE_FOLD_MERGE", "1") == "0"
+        split partials as it stages them (one launch a layer fewer; KernelOptions.fold_merge off: the merge kernel)."""
+        merge = not options_for(x.device).fold_merge
         residual = x
         qkv = self.layers[0].self_attn.qkv_proj(self.layers[0].input_layernorm(x))
         ss = None

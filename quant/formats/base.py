@@ -1,6 +1,6 @@
 """What every INT4 format shares: the QuantConfig base (per-module decisions) and the internal-layout record.
 
-Internal layout (kernels/w4a16_ref.py): qweight int32 [K/8, N] packed along K; scales [G, N]; qzeros int32 [G, N/8]
+Internal layout (kernels/w4a16/reference.py): qweight int32 [K/8, N] packed along K; scales [G, N]; qzeros int32 [G, N/8]
 packed along N holding REAL zeros, or None when every zero is 8 (symmetric); perm int64 [K] or None (act-order).
 """
 import math
@@ -11,7 +11,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from quant_serve.kernels.w4a16_ref import pack_int4_cols
+from quant_serve.kernels.w4a16.reference import pack_int4_cols
 from quant_serve.quant.linear import DenseLinear, QuantLinear
 
 # A Linear inside a numbered block (model.layers.3.mlp.up_proj): AutoAWQ and GPTQ quantize only these.

@@ -1,4 +1,4 @@
-"""The fragment layout of INT4 weights (made once at load; read by the Gluon kernels in kernels/w4a16_mma.py).
+"""The fragment layout of INT4 weights (made once at load; read by the Gluon kernels in kernels/w4a16/mma.py).
 
 Each int32 word holds the 8 codes one thread of an mma.m16n8k16 holds in one A fragment of W^T (rows = output
 columns n, columns = input rows k): lane 4g + t of a 16 x 16 tile holds (n, k) = (g + 8 b1, 2t + b0 + 8 b2) in
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quant_serve.kernels.w4a16_ref import pack_int4_rows, unpack_int4_rows
+from quant_serve.kernels.w4a16.reference import pack_int4_rows, unpack_int4_rows
 
 
 def frag_words(codes: torch.Tensor) -> torch.Tensor:
@@ -51,7 +51,7 @@ class FragWeights:
 
 def prepare_frag(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None, group_size: int,
                  perm: torch.Tensor | None = None) -> FragWeights:
-    """Standard internal layout (kernels/w4a16_ref.py) -> FragWeights, once at load on the weights' device."""
+    """Standard internal layout (kernels/w4a16/reference.py) -> FragWeights, once at load on the weights' device."""
     k, n = qweight.shape[0] * 8, qweight.shape[1]
     if n % 16:
         raise ValueError(f"the fragment layout needs out_features % 16 == 0, got {n}")

@@ -1,10 +1,10 @@
-"""The Hopper (sm90) main loops of the Gluon W4A16 matmul (kernels/w4a16_mma.py): wgmma over the dequantized
+"""The Hopper (sm90) main loops of the Gluon W4A16 matmul (kernels/w4a16/mma.py): wgmma over the dequantized
 weight tile (A) and x^T (B, cp.async into shared memory), and the cp.async copy of x tiles both kernels' loops use.
 """
 from quant_serve.kernels.triton_compat import (gl, gluon, async_copy, fence_async_shared, warpgroup_mma,
                                                warpgroup_mma_wait)
 from quant_serve.kernels.pdl import gl_pdl_wait
-from quant_serve.kernels.w4a16_tiles import _dequant_step, _load_step
+from quant_serve.kernels.w4a16.frag_tiles import _dequant_step, _load_step
 
 # names across Triton releases (Gluon is experimental): 3.6 thread_barrier / async_copy_global_to_shared,
 # 3.9 barrier / async_load

@@ -1,4 +1,4 @@
-"""The mma.sync steps of the Gluon W4A16 matmul (kernels/w4a16_mma.py): a step's weight loads, its dequant + MMA,
+"""The mma.sync steps of the Gluon W4A16 matmul (kernels/w4a16/mma.py): a step's weight loads, its dequant + MMA,
 and the M > 1 loop over x tiles copied into three shared buffers.
 
 Measured and not kept (bench/results/exp-ring-ab-h200.json): the M > 1 loop with its load pointers carried from
@@ -7,8 +7,8 @@ step to step and its unrolled steps unconditional. Offline it ran 153 instructio
 further: 138 registers), and the M = 2..16 sums ran 13-19% slower (M = 16: 68.7 against 57.7 us).
 """
 from quant_serve.kernels.triton_compat import gl, gluon, async_copy, mma_v2
-from quant_serve.kernels.w4a16_tiles import _dequant_step, _load_step
-from quant_serve.kernels.w4a16_wgmma import _cta_barrier, _x_copy
+from quant_serve.kernels.w4a16.frag_tiles import _dequant_step, _load_step
+from quant_serve.kernels.w4a16.wgmma import _cta_barrier, _x_copy
 
 
 @gluon.jit

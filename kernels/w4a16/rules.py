@@ -4,9 +4,6 @@ Tables come from bench/kernels.py --tune on the GPU named in each entry (see ben
 in a table use the family's heuristic, whose constants were measured on the same runs.
 """
 from dataclasses import dataclass
-from functools import lru_cache
-
-import torch
 
 
 @dataclass(frozen=True)
@@ -45,21 +42,15 @@ _SM90 = {
                         (64, _c("gemmt", 64, 128, 8, 4, 4)), (128, _c("gemm", 128, 256, 8, 8))],
     },
 }
+# family -> (its table, where it was measured). Families with no table of their own use the sm90 heuristic's
+# constants (not its per-shape winners, which were timed on the H200 only): derived, and configure() says so.
 TABLES: dict[str, dict] = {"sm90": _SM90, "default": dict(_SM90, shapes={})}
+MEASURED_ON = {"sm90": "H200 (bench/results/kernels-tune-h200.json, kernels-tune-gemv-h200.json)"}
 
 
-@lru_cache(maxsize=None)
-def gpu_family(device_index: int) -> tuple[str, int]:
-    """('sm90', number of SMs) for the CUDA device."""
-    major, minor = torch.cuda.get_device_capability(device_index)
-    return f"sm{major}{minor}", torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def device_sms(device: torch.device) -> int:
-    """The SM count of a CUDA device (132 elsewhere: the H200 the rules were fitted on)."""
-    if device.type != "cuda":
-        return 132
-    return gpu_family(device.index if device.index is not None else torch.cuda.current_device())[1]
+def measured_on(family: str) -> str | None:
+    """Where the W4A16 rules of a GPU family were measured, or None: derived from another family's."""
+    return MEASURED_ON.get(family)
 
 
 def _pow2_split(target_programs: int, tiles: int, max_split: int) -> int:
@@ -90,8 +81,9 @@ def _warps(bm: int, bn: int) -> int:
     return 8 if bn >= 256 or bm * bn > 64 * 128 else 4
 
 
-def select_config(m: int, k: int, n: int, device: torch.device) -> W4A16Config:
-    family, sms = gpu_family(device.index if device.index is not None else torch.cuda.current_device())
+def select_config(m: int, k: int, n: int, family: str, sms: int) -> W4A16Config:
+    """The row-layout kernel for [M, K] x [K, N] on a GPU family with `sms` SMs: the family's measured table, else
+    its heuristic."""
     table = TABLES.get(family, TABLES["default"])
     for m_max, cfg in table["shapes"].get((k, n), ()):
         if m <= m_max:
@@ -101,7 +93,7 @@ def select_config(m: int, k: int, n: int, device: torch.device) -> W4A16Config:
 
 @dataclass(frozen=True)
 class MMAConfig:
-    """Tile of the fragment-layout tensor-core kernel (kernels/w4a16_mma.py): mma.sync up to M = 64, any M with
+    """Tile of the fragment-layout tensor-core kernel (kernels/w4a16/mma.py): mma.sync up to M = 64, any M with
     wgmma (128-row tiles)."""
     block_n: int = 64
     block_k: int = 128
@@ -184,7 +176,7 @@ def select_mma_config(m: int, k: int, n: int, wgmma: bool = False, silu_mul: boo
 
 @dataclass(frozen=True)
 class TMAConfig:
-    """Tile of the TMA-fed Hopper kernel (kernels/w4a16_tma.py): consumer warpgroups a program (1: two programs an
+    """Tile of the TMA-fed Hopper kernel (kernels/w4a16/tma.py): consumer warpgroups a program (1: two programs an
     SM), weight rows and x rows a program, (one consumer) each step's dequant beside the last step's wgmma, K rows a
     step and the ring's stages. How the last partial wave is cut is the kernel's stream_k_plan."""
     consumers: int = 1
@@ -239,65 +231,3 @@ def _mma_split(n: int, bn: int) -> int:
     while split < 8 and tiles * split * 2 <= _MMA_PROGRAMS:
         split *= 2
     return split
-
-
-def candidate_configs(m: int, k: int, n: int, pack_k: int = 128) -> list[W4A16Config]:
-    """The search space bench/kernels.py --tune times for one (M, K, N); the winners fill TABLES."""
-    chunks = -(-k // pack_k)
-    splits = [s for s in (1, 2, 4, 8, 16) if s <= chunks]
-    out = []
-    if m == 1:
-        out += gemv_sweep(splits)
-    elif m <= 4:
-        out += [_c("gemv", 1, bn, s, 4 if bn < 256 else 8, 3) for bn in (64, 128, 256) for s in splits]
-    if m <= 64:
-        bm = 16 if m <= 16 else 32 if m <= 32 else 64
-        out += [_c("gemmt", bm, bn, s, 4 if bn < 256 else 8, 3) for bn in (64, 128, 256) for s in splits]
-    if 8 <= m <= 128:
-        bm = 16 if m <= 16 else 32 if m <= 32 else 64
-        out += [_c("gemm", bm, bn, s, 4 if bn < 256 else 8, 3) for bn in (128, 256) for s in splits[::2]]
-    if m >= 128:
-        out += [_c("gemm", bm, bn, s, 8, 3) for bm in (64, 128) for bn in (128, 256) for s in (1, 2)]
-        out += [_c("gemmt", bm, 128, s, 8, 3) for bm in (64, 128) for s in (1, 2)]
-        out.append(_c("dequant"))
-    return out
-
-
-def gemv_sweep(splits: list[int]) -> list[W4A16Config]:
-    """M = 1: {register prefetch, cp.async pipeline of 2/3/4 stages} x BLOCK_N x warps x split, each split > 1
-    with two launches and with one; plus wide tiles (BLOCK_N 256 in 16/32-row steps: 1 KB/512 B rows per program).
-    Compiles: one per (loop, BLOCK_N, warps, rows, split > 1, one_launch); split_k itself only changes the grid."""
-    loops = [dict(pipeline=False, ns=3)] + [dict(pipeline=True, ns=ns) for ns in (2, 3, 4)]
-    out = []
-    for lp in loops:
-        for bn in (32, 64, 128):
-            for nw in (2, 4, 8):
-                for s in splits:
-                    for one in ((False, True) if s > 1 else (False,)):
-                        out.append(_c("gemv", 1, bn, s, nw, lp["ns"], pipeline=lp["pipeline"], one_launch=one))
-    for lp in loops[:1] + loops[2:3]:
-        for rows in (16, 32):
-            for nw in (4, 8):
-                for s in splits:
-                    out.append(_c("gemv", 1, 256, s, nw, lp["ns"], pipeline=lp["pipeline"], one_launch=s > 1,
-                                  rows=rows))
-    return out
-
-
-def table_row(k: int, n: int, winners: list[tuple[int, W4A16Config]]) -> str:
-    """A `shapes` entry of the tables above, e.g. '(3584, 4608): [(1, _c("gemv", 1, 64, 8, 4, 3, pipeline=True))],'"""
-    def call(c: W4A16Config) -> str:
-        extra = "".join(f", {f}={getattr(c, f)!r}" for f in ("one_launch", "pipeline", "rows")
-                        if getattr(c, f) != W4A16Config.__dataclass_fields__[f].default)
-        return f'_c("{c.path}", {c.block_m}, {c.block_n}, {c.split_k}, {c.num_warps}, {c.num_stages}{extra})'
-    return f"({k}, {n}): [" + ", ".join(f"({m}, {call(c)})" for m, c in winners) + "],"
-
-
-def refinements(cfg: W4A16Config) -> list[W4A16Config]:
-    """Pipelining depth and warp count around a winner."""
-    if cfg.path == "dequant":
-        return []
-    from dataclasses import replace
-    out = [replace(cfg, num_stages=s) for s in (2, 4)]
-    out.append(replace(cfg, num_warps=8 if cfg.num_warps == 4 else 4))
-    return out

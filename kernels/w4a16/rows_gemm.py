@@ -1,6 +1,6 @@
 """Triton W4A16 tiled GEMM (tensor cores, split-K) and the dequantize kernel for the dequantize + cuBLAS path.
 
-Both read the byte layout described in kernels/w4a16_gemv.py: a chunk of PACK_K rows is one [P2, BN] byte tile,
+Both read the byte layout described in kernels/w4a16/rows_gemv.py: a chunk of PACK_K rows is one [P2, BN] byte tile,
 dequantized (fp16 inline-asm fast path, or plain fp32) into two [P2, BN] weight tiles -> two dots of K = P2.
 SWAP computes acc^T = W^T x^T: the weight tile is the MMA's M side (BN >= 64), the activations its N side, so a
 small M does not pad the MMA's M to 16/64 rows.
@@ -8,8 +8,10 @@ small M does not pad the MMA's M to 16/64 rows.
 import torch
 
 from quant_serve.kernels.triton_compat import tl, triton
-from quant_serve.kernels.w4a16_gemv import _dequant, _dequant_words, _interleave4, _load_chunk, _load_words, fast_dequant_ok
-from quant_serve.kernels.w4a16_splitk import _store_result, launch_splitk_reduce, split_buffers, split_plan
+from quant_serve.kernels.w4a16.rows_gemv import (_dequant, _dequant_words, _interleave4, _load_chunk, _load_words,
+                                                 fast_dequant_ok)
+from quant_serve.kernels.w4a16.splitk import _store_result, launch_splitk_reduce, split_buffers, split_plan
+from quant_serve.kernels.w4a16.rows import weight_bytes
 
 
 @triton.jit(do_not_specialize=["M", "chunks_per_split", "n_splits"])   # M varies every step: one compile
@@ -128,7 +130,6 @@ def w4a16_gemm(x: torch.Tensor, w, bias: torch.Tensor | None, block_m: int, bloc
                one_launch: bool = False) -> torch.Tensor:
     """x: [M, K] (already act-order permuted), w: W4A16Weights -> [M, N] in x's dtype. one_launch: split-K
     summed by the last split of each tile (ticket) instead of a second kernel."""
-    from quant_serve.kernels.w4a16 import weight_bytes
     M, K = x.shape
     N = w.qweight.shape[1]
     splits, per = split_plan(K, w.pack_k, split_k)
@@ -154,7 +155,6 @@ def w4a16_gemm(x: torch.Tensor, w, bias: torch.Tensor | None, block_m: int, bloc
 def w4a16_dequantize(w, dtype: torch.dtype, block_n: int = 128) -> torch.Tensor:
     """W4A16Weights -> dense W [K, N] in `dtype`, rows in internal (act-order) order; one rounding of (q - z) * s
     (fp16: the packed-half fast path, bit-identical; otherwise fp32 math)."""
-    from quant_serve.kernels.w4a16 import weight_bytes
     K, N = w.in_features, w.qweight.shape[1]
     out = torch.empty((K, N), dtype=dtype, device=w.qweight.device)
     zeros = w.qzeros if w.qzeros is not None else w.qweight

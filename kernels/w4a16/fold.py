@@ -4,52 +4,17 @@ A layer's two norms each cost a launch and a dependent round of loads between tw
 that writes the residual stream (o_proj, down_proj) adds the residual in its epilogue and leaves the stream's sums
 of squares by FOLD_TILE columns; the next matmul (qkv_proj, gate_up_proj) sums them (fixed order: deterministic)
 and normalizes the stream while it stages x (M = 1). Roundings are those of the unfused kernels
-(kernels/norm_act.py); only the variance is summed in another order. The Gluon pieces below run inside
-kernels/w4a16_mma._w4a16_mma_kernel (RESIDUAL / NORM); the torch twins serve the CPU.
+(kernels/norm_act.py); only the variance is summed in another order. The Gluon pieces (fold_tiles.py) run inside
+the mma kernel (RESIDUAL / NORM); the torch twins below serve the CPU.
 """
-from dataclasses import dataclass
-
 import torch
 
-from quant_serve.kernels.triton_compat import gl, gluon
 from quant_serve.kernels.attention_merge import DecodePartials
-from quant_serve.kernels.w4a16_frag import FragWeights
-from quant_serve.kernels.w4a16_tuning import device_sms, select_mma_config
-
-FOLD_TILE = 64          # the residual epilogue sums squares by this many columns (its tile)
-
-
-@dataclass
-class FoldedNorm:
-    """An RMSNorm for a matmul to apply to its x: ss [M, tiles] fp32, the sums of squares of x by `tile` columns
-    (the residual epilogue's output), weight [K] and eps of the norm."""
-    ss: torch.Tensor
-    weight: torch.Tensor
-    eps: float
-    tile: int = FOLD_TILE
-
-
-@gluon.jit
-def _write_residual(acc, r, out_ptr, bias_ptr, ss_ptr, on, om, M, N, mask, stride_om, pid_n, tiles,
-                    HAS_BIAS: gl.constexpr):
-    """acc fp32 [BLOCK_N, BLOCK_M] (y^T), r the residual's tile -> out = round(round(y) + r) (the matmul's output,
-    then torch's add, as _rms_norm_kernel rounds them); ss[m, pid_n] = sum of out^2 over the tile's columns."""
-    if HAS_BIAS:
-        acc += gl.load(bias_ptr + on, mask=on < N, other=0.0).to(gl.float32)[:, None]
-    h = (acc.to(out_ptr.dtype.element_ty).to(gl.float32) + r.to(gl.float32)).to(out_ptr.dtype.element_ty)
-    gl.store(out_ptr + om[None, :] * stride_om + on[:, None], h, mask=mask)
-    hf = gl.where(mask, h.to(gl.float32), 0.0)
-    gl.store(ss_ptr + om * tiles + pid_n, gl.sum(hf * hf, axis=0), mask=om < M)
-
-
-@gluon.jit
-def _rms_normed(h, gamma, ss_ptr, ss_count, eps, K, SS_P2: gl.constexpr, num_warps: gl.constexpr):
-    """h: a row segment of the stream [X] (fp16), gamma the norm weight's same segment, ss[:ss_count] the row's sums
-    of squares by tile -> RMSNorm(h) * gamma, rounded as _rms_norm_kernel rounds (fp16 normed, then the product)."""
-    sl = gl.arange(0, SS_P2, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
-    variance = gl.sum(gl.load(ss_ptr + sl, mask=sl < ss_count, other=0.0), axis=0) / K
-    normed = (h.to(gl.float32) * gl.rsqrt(variance + eps)).to(h.dtype)
-    return (normed.to(gl.float32) * gamma.to(gl.float32)).to(h.dtype)
+from quant_serve.kernels.gpu import device_sms
+from quant_serve.kernels.w4a16.fold_tiles import FOLD_TILE, FoldedNorm  # noqa: F401 - FoldedNorm: callers' type
+from quant_serve.kernels.w4a16.frag import FragWeights
+from quant_serve.kernels.w4a16.mma import mma_variant, w4a16_mma
+from quant_serve.kernels.w4a16.rules import select_mma_config
 
 
 def folded_norm_applies(w, silu_mul: bool = False) -> bool:
@@ -57,7 +22,6 @@ def folded_norm_applies(w, silu_mul: bool = False) -> bool:
     (w4a16_residual / w4a16_normed)? The fragment layout without act-order, and a one-launch M = 1 configuration of
     64-column tiles with x staged, which both the residual epilogue (sums of squares by 64 columns) and the norm
     (applied while x is staged) need."""
-    from quant_serve.kernels.w4a16_mma import mma_variant
     if not isinstance(w, FragWeights) or w.perm is not None:
         return False
     k, kp, n = w.in_features, w.words.shape[1] // 2, w.out_features
@@ -88,7 +52,6 @@ def w4a16_residual(x: torch.Tensor | DecodePartials, w: FragWeights, residual: t
     torch's add round; ss [1, N / 64] fp32 the sums of h^2 by 64 columns (a FoldedNorm's ss). Where
     folded_norm_applies. x may be a batch-1 decode's split partials (kernels/attention_merge.DecodePartials),
     merged while the kernel stages them."""
-    from quant_serve.kernels.w4a16_mma import w4a16_mma
     k, device = (x.features, x.o.device) if isinstance(x, DecodePartials) else (x.shape[1], x.device)
     cfg = select_mma_config(1, k, w.out_features, False, False, device_sms(device))
     return w4a16_mma(x, w, bias, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps, cfg.one_launch,
@@ -99,7 +62,6 @@ def w4a16_normed(h: torch.Tensor, w: FragWeights, norm, bias: torch.Tensor | Non
                  silu_mul: bool = False) -> torch.Tensor:
     """h [1, K] (a w4a16_residual output), norm a FoldedNorm of its sums -> RMSNorm(h) * weight
     @ W (+ bias), or its SwiGLU with silu_mul. Where folded_norm_applies."""
-    from quant_serve.kernels.w4a16_mma import w4a16_mma
     cfg = select_mma_config(1, h.shape[1], w.out_features, False, silu_mul, device_sms(h.device))
     return w4a16_mma(h, w, bias, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps, cfg.one_launch, silu_mul,
                      norm=norm, max_regs=cfg.max_regs)

@@ -1,7 +1,7 @@
 """The W4A16 matmul for M = 17..4096 on Hopper (sm90): TMA feeds a shared ring, warpgroups dequantize and issue wgmma.
 
-y^T = W^T x^T as in kernels/w4a16_mma.py: the dequantized weight tile [BLOCK_N, BLOCK_K] is wgmma's A operand
-straight from registers (the fragment layout's words dequantize into it, kernels/w4a16_tiles.py), x^T its B
+y^T = W^T x^T as in kernels/w4a16/mma.py: the dequantized weight tile [BLOCK_N, BLOCK_K] is wgmma's A operand
+straight from registers (the fragment layout's words dequantize into it, kernels/w4a16/frag_tiles.py), x^T its B
 operand from shared memory. One producer warp only issues TMA copies: a step's fragment words (one box of
 [BLOCK_N / 16, 2 BLOCK_K] int32) and x's [BLOCK_M, BLOCK_K] tile land in a ring stage and signal `ready` with their
 bytes; the consumers (one or two warpgroups, each a partition of its own with 64 or 128 weight rows) wait for it,
@@ -17,7 +17,7 @@ ahead as the ring has stages, and the scales (one row a group) are the only load
 ahead.
 The grid is persistent (stream-K, bench/NOTES-kernels.md entry 26): whole tiles in waves of the resident programs,
 then the tiles of the last, partial wave cut by K steps over all of them (equal ranges a tile where that fills the
-SMs, else even spans across tiles; kernels/w4a16_streamk.py), their fp32 partials summed in fixed order. A grid of
+SMs, else even spans across tiles; kernels/w4a16/streamk.py), their fp32 partials summed in fixed order. A grid of
 one program a tile left a quarter to half of the SMs idle in its last wave (gate_up at M = 64: 59 us; 41 now).
 """
 import torch
@@ -26,10 +26,10 @@ from quant_serve.kernels.triton_compat import (gl, gluon, triton, TensorDescript
                                                warpgroup_mma_init, warpgroup_mma_wait)
 from quant_serve.kernels.pdl import gl_pdl_start, gl_pdl_wait, launch_options, pdl_enabled
 from quant_serve.kernels.norm_act import silu_and_mul
-from quant_serve.kernels.w4a16_frag import FragWeights, pick_block_k
-from quant_serve.kernels.w4a16_streamk import _sk_owner, _sk_span, launch_sk_reduce, stream_k_plan
-from quant_serve.kernels.w4a16_tuning import device_sms
-from quant_serve.kernels.w4a16_tiles import _dequant_step, _load_group, _tile_words, mma_layout, word_layout
+from quant_serve.kernels.w4a16.frag import FragWeights, pick_block_k
+from quant_serve.kernels.w4a16.streamk import _sk_owner, _sk_span, launch_sk_reduce, stream_k_plan
+from quant_serve.kernels.gpu import device_sms
+from quant_serve.kernels.w4a16.frag_tiles import _dequant_step, _load_group, _tile_words, mma_layout, word_layout
 
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 
@@ -141,7 +141,7 @@ def _consume(tile, k0, k1, r, seg, nseg, t_sk, w_ring, x_ring, ready, empty, s_p
              CONSUMERS: gl.constexpr, OVERLAP: gl.constexpr):
     """Steps [k0, k1) of `tile` for warpgroup WG's HALF rows, from ring slot r on: y, or where the tile is split
     in nseg > 1 stream-K segments, this one's fp32 partial into workspace slot seg of the tile, which
-    kernels/w4a16_streamk.py sums. -> the next ring slot."""
+    kernels/w4a16/streamk.py sums. -> the next ring slot."""
     HALF: gl.constexpr = BLOCK_N // CONSUMERS
     MMA: gl.constexpr = mma_layout(True, 4, BLOCK_M)
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)

@@ -1,10 +1,10 @@
-"""Gluon W4A16 tensor-core matmul over the fragment layout (tiles: kernels/w4a16_tiles.py).
+"""Gluon W4A16 tensor-core matmul over the fragment layout (tiles: kernels/w4a16/frag_tiles.py).
 
 y^T = W^T x^T: the dequantized weight tile [BLOCK_N, BLOCK_K] is the A operand in registers, x^T [BLOCK_K,
 BLOCK_M] the B operand. mma.sync m16n8k16 serves M = 1..64 (x staged in shared memory or straight into registers at
 M = 1, above by cp.async into a ring of shared tiles and ldmatrix); Hopper's wgmma (sm90) serves any M by 128-row
-tiles (kernels/w4a16_wgmma.py). Split-K partials go through the workspace: the reduce pass of
-kernels/w4a16_splitk.py (SwiGLU fused there), or the one-launch ticket whose last split sums them.
+tiles (kernels/w4a16/wgmma.py). Split-K partials go through the workspace: the reduce pass of
+kernels/w4a16/splitk.py (SwiGLU fused there), or the one-launch ticket whose last split sums them.
 """
 from dataclasses import dataclass
 
@@ -14,12 +14,12 @@ from quant_serve.kernels.triton_compat import gl, gluon, triton
 from quant_serve.kernels.attention_merge import DecodePartials, _live_splits, _merged_x, merge_args
 from quant_serve.kernels.norm_act import silu_and_mul
 from quant_serve.kernels.pdl import gl_pdl_start, gl_pdl_wait, launch_options, pdl_enabled
-from quant_serve.kernels.w4a16_fold import FoldedNorm, _rms_normed, _write_residual
-from quant_serve.kernels.w4a16_frag import FragWeights, pick_block_k
-from quant_serve.kernels.w4a16_mma_steps import _mma_load, _mma_one, _ring_steps
-from quant_serve.kernels.w4a16_splitk import launch_splitk_reduce, split_buffers
-from quant_serve.kernels.w4a16_tiles import _tile_words, mma_layout, swiglu_tile
-from quant_serve.kernels.w4a16_wgmma import _cta_barrier, _wgmma_steps
+from quant_serve.kernels.w4a16.fold_tiles import FoldedNorm, _rms_normed, _write_residual
+from quant_serve.kernels.w4a16.frag import FragWeights, pick_block_k
+from quant_serve.kernels.w4a16.mma_steps import _mma_load, _mma_one, _ring_steps
+from quant_serve.kernels.w4a16.splitk import launch_splitk_reduce, split_buffers
+from quant_serve.kernels.w4a16.frag_tiles import _tile_words, mma_layout, swiglu_tile
+from quant_serve.kernels.w4a16.wgmma import _cta_barrier, _wgmma_steps
 _ROW1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
 _QUADS: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
 
@@ -169,7 +169,7 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
             if it0 + 3 < it1:
                 acc = _mma_one(acc, p3, x_ptrs, m_mask, k_row, x_smem, 3, (it0 + 3) * BLOCK_K, K, n_lo, n_hi,
                                HAS_ZEROS, EVEN_K, X_SMEM, X_STEPS, SCALE_AFTER, BLOCK_M, BLOCK_N, BLOCK_K, A_L, B_L)
-        elif X_SMEM:                  # M > 1: x tiles by cp.async, two steps ahead (kernels/w4a16_mma_steps.py)
+        elif X_SMEM:                  # M > 1: x tiles by cp.async, two steps ahead (kernels/w4a16/mma_steps.py)
             acc = _ring_steps(acc, cur, x_ptrs, m_mask, k_row, K, it0, it1, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo,
                               n_hi, k_in, s_rows, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, EVEN_K, SCALE_AFTER,
                               BLOCK_M, BLOCK_N, BLOCK_K, A_L, B_L)
@@ -188,7 +188,7 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
     tile = pid_n + gl.num_programs(0) * gl.program_id(2)
     mask = (om < M)[None, :] & (on < N)[:, None]
     offs_out = om[None, :] * N + on[:, None]                                      # [BLOCK_N, BLOCK_M]: y^T
-    # the split-K protocol of kernels/w4a16_splitk.py (_store_result, the Triton kernels' side): same workspace,
+    # the split-K protocol of kernels/w4a16/splitk.py (_store_result, the Triton kernels' side): same workspace,
     # counters and split order, so both kinds of kernel share the reduce pass and the counter buffer
     if RESIDUAL:
         r = gl.load(r_ptr + offs_out, mask=mask, other=0.0)       # [BLOCK_N, BLOCK_M], before the ticket's wait
@@ -293,7 +293,7 @@ def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None
     The decode step's RMSNorm folded into its neighbours (M = 1): residual [M, N] -> (h, ss): h = y + residual
     rounded as the unfused pair rounds, ss [M, tiles] fp32 its sums of squares by output tile; norm (x is such an h,
     x staged: M = 1 and 64-column tiles): the matmul of RMSNorm(x) * norm.weight. max_regs: ptxas's register cap
-    a thread (kernels/w4a16_tuning.one_wave_regs; 0: none). preload (M = 1 with x staged, under PDL): a split of at
+    a thread (kernels/w4a16/rules.py:one_wave_regs; 0: none). preload (M = 1 with x staged, under PDL): a split of at
     most four steps requests all its weights before it waits for the previous kernel. x_once: mma_variant's.
     x may be a batch-1 decode's split partials (kernels/attention_merge.DecodePartials, fp16 attention output):
     the attention merge is read by the x staging (M = 1, x staged, no norm)."""

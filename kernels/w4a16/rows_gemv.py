@@ -18,7 +18,9 @@ import torch
 
 from quant_serve.kernels.triton_compat import tl, triton, interpreting
 from quant_serve.kernels.norm_act import silu_and_mul
-from quant_serve.kernels.w4a16_splitk import _store_result, launch_splitk_reduce, split_buffers, split_plan  # noqa: F401
+from quant_serve.kernels.w4a16.splitk import (_store_result, launch_splitk_reduce, split_buffers,  # noqa: F401
+                                              split_plan)
+from quant_serve.kernels.w4a16.rows import weight_bytes
 
 def _dequant_lines(word: int, scale: int, zlo: int, zhi: int) -> str:
     """PTX turning the int32 word $word into 4 fp16x2 registers a0 (low-nibble rows, columns 4j, 4j+1), a2 (4j+2,
@@ -318,7 +320,6 @@ def w4a16_gemv(x: torch.Tensor, w, bias: torch.Tensor | None, block_n: int, spli
     one_launch: split-K summed by the last split (ticket) instead of a second kernel; pipeline: loads in
     tl.range(num_stages) instead of the register prefetch; rows: tile rows per step (0: pack_k/2, a chunk).
     silu_mul (N = 2I, gate | up): -> [M, I] = silu(gate) * up, computed by the split-K reduce when there is one."""
-    from quant_serve.kernels.w4a16 import weight_bytes
     M, K = x.shape
     N = w.qweight.shape[1]
     rows = rows or w.pack_k // 2

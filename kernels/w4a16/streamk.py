@@ -1,4 +1,4 @@
-"""Stream-K for the TMA kernel (kernels/w4a16_tma.py): which programs do which K steps of which tiles, and the pass
+"""Stream-K for the TMA kernel (kernels/w4a16/tma.py): which programs do which K steps of which tiles, and the pass
 that sums the split tiles' partials.
 
 A persistent grid of P resident programs does the first waves * P tiles whole (program p: p, p + P, ...); the
@@ -17,7 +17,7 @@ from quant_serve.kernels.pdl import gl_pdl_start, gl_pdl_wait, launch_options, p
 
 @dataclass(frozen=True)
 class StreamKPlan:
-    """A persistent grid for kernels/w4a16_tma.py: `programs` programs; the first waves * programs tiles whole
+    """A persistent grid for kernels/w4a16/tma.py: `programs` programs; the first waves * programs tiles whole
     (program p: p, p + programs, ...), the `tail` tiles after them split by K steps over the first `sk_programs`
     (each tile in at most `max_segs` segments; 1: none split, no workspace)."""
     programs: int

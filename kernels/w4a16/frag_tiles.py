@@ -1,21 +1,21 @@
-"""Gluon building blocks of the fragment layout (kernels/w4a16_frag.py) and its dequantize pass.
+"""Gluon building blocks of the fragment layout (kernels/w4a16/frag.py) and its dequantize pass.
 
 A program's weight tile [BLOCK_N, BLOCK_K] of W^T is loaded as int32 words in `word_layout`: each word holds the
 8 codes one thread holds in one mma.sync m16n8k16 A fragment, so the dequantized values ARE the MMA's A operand
 (`convert_layout(..., assert_trivial=True)` checks it at compile time): no shared memory, no shuffles. Dequant is
 Marlin's LOP3 trick on the word (13 instructions per 8 weights, exact). The matmul kernels are in
-kernels/w4a16_mma.py; the dequantize pass here writes the dense W^T for cuBLAS above their M.
+kernels/w4a16/mma.py; the dequantize pass here writes the dense W^T for cuBLAS above their M.
 """
 import torch
 
 from quant_serve.kernels.triton_compat import gl, gluon, triton
-from quant_serve.kernels.w4a16_frag import FragWeights, pick_block_k
+from quant_serve.kernels.w4a16.frag import FragWeights, pick_block_k
 
 def _frag_dq_asm(scaled: bool) -> str:
     """Marlin's LOP3 dequant of one fragment word. Inputs: word $8, then (scaled) the scale pairs of rows g ($9) and
     g + 8 ($10), then the (1024 + z) pair of row g and the -(64 + z) pair of row g + 8. Outputs (.b16): value index
     b0 + 2 b1 + 4 b2 = (k + b0 + 8 b2, n + 8 b1) of the thread's fragment. Unscaled: q - z, exact, for steps inside
-    one scale group, whose scales multiply the MMA's partial sums instead (kernels/w4a16_mma.py)."""
+    one scale group, whose scales multiply the MMA's partial sums instead (kernels/w4a16/mma.py)."""
     zl, zh = ("$11", "$12") if scaled else ("$9", "$10")
     scale = ("mul.rn.f16x2 a0, a0, $9;\nmul.rn.f16x2 a2, a2, $9;\n"
              "mul.rn.f16x2 a1, a1, $10;\nmul.rn.f16x2 a3, a3, $10;\n") if scaled else ""

@@ -1,0 +1,181 @@
+"""What the kernels may assume about a GPU (a capability record), the options the engine sets for them, and the
+record each CUDA device runs under.
+
+Every kernel choice reads `runtime_for(device)`: the GPU's `GPUCaps` (measured from the device, or a named profile
+of the cards our users own, which the H200 can run to emulate them: no TMA / wgmma / PDL, a 99 KB shared-memory
+budget, grids sized for their SM count) and the engine's `KernelOptions`. The engine sets both once at build
+(`configure`); nothing in kernels/ reads the environment. Torch-only: importing this needs no Triton and no GPU.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from quant_serve.kernels.w4a16.rules import measured_on
+
+KB = 1024
+
+
+@dataclass(frozen=True)
+class GPUCaps:
+    """One GPU as the kernel plan sees it. smem_per_block: the most shared memory one block may opt in to."""
+    name: str
+    arch: tuple[int, int]          # compute capability
+    sms: int
+    smem_per_block: int            # bytes
+    l2_bytes: int
+    bandwidth_gbs: float           # DRAM bandwidth, GB/s (datasheet for profiles)
+    memory_gib: float
+    tma: bool                      # bulk tensor copies (sm90)
+    wgmma: bool                    # warpgroup MMA (sm90a)
+    pdl: bool                      # programmatic dependent launch (sm90+)
+    fp8_cvt: bool                  # hardware fp8 <-> fp16 conversion (cvt.*.e4m3x2: sm89+)
+    profile: str = "this"          # the named profile these caps came from, or "this" (the device itself)
+
+    @property
+    def family(self) -> str:
+        return f"sm{self.arch[0]}{self.arch[1]}"
+
+    @property
+    def tensor_cores(self) -> bool:
+        """mma.sync with fp16 operands and fp32 accumulators (sm80+)."""
+        return self.arch >= (8, 0)
+
+
+def _caps(name, arch, sms, smem_kb, l2_mb, gbs, gib, profile) -> GPUCaps:
+    hopper = arch >= (9, 0)
+    return GPUCaps(name, arch, sms, smem_kb * KB, l2_mb * KB * KB, gbs, gib, tma=hopper, wgmma=arch == (9, 0),
+                   pdl=hopper, fp8_cvt=arch >= (8, 9), profile=profile)
+
+
+# Datasheet figures of the cards our users own (and the ones we measure on). smem: the per-block opt-in maximum
+# (sm86 / sm89: 99 KB, sm80: 163 KB, sm90: 227 KB).
+PROFILES: dict[str, GPUCaps] = {
+    "a10": _caps("NVIDIA A10", (8, 6), 72, 99, 6, 600, 24, "a10"),
+    "3090": _caps("NVIDIA GeForce RTX 3090", (8, 6), 82, 99, 6, 936, 24, "3090"),
+    "4090": _caps("NVIDIA GeForce RTX 4090", (8, 9), 128, 99, 72, 1008, 24, "4090"),
+    "l4": _caps("NVIDIA L4", (8, 9), 58, 99, 48, 300, 24, "l4"),
+    "a100": _caps("NVIDIA A100-SXM4-80GB", (8, 0), 108, 163, 40, 2039, 80, "a100"),
+    "h100": _caps("NVIDIA H100 80GB HBM3", (9, 0), 132, 227, 50, 3350, 80, "h100"),
+    "h200": _caps("NVIDIA H200", (9, 0), 132, 227, 60, 4800, 141, "h200"),
+}
+PROFILE_NAMES = ("this", *PROFILES)
+
+
+def caps_of_device(index: int) -> GPUCaps:
+    """The capability record of a CUDA device, read off the device (bandwidth from the closest profile of its
+    architecture, which the device does not report)."""
+    props = torch.cuda.get_device_properties(index)
+    arch = (props.major, props.minor)
+    smem = getattr(props, "shared_memory_per_block_optin", 0) or 48 * KB
+    l2 = getattr(props, "L2_cache_size", 0)
+    known = [c for c in PROFILES.values() if c.arch == arch and c.name == props.name] or \
+            [c for c in PROFILES.values() if c.arch == arch]
+    gbs = known[0].bandwidth_gbs if known else 0.0
+    return _caps(props.name, arch, props.multi_processor_count, smem // KB, l2 // (KB * KB), gbs,
+                 props.total_memory / KB ** 3, "this")
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """The engine's kernel switches, set at build from EngineConfig (each on by default where the GPU has it).
+    profile: "this" (the device as it is) or a name in PROFILES, whose caps the kernels then assume (a profile of
+    an older card on a newer GPU emulates it: no TMA / wgmma / PDL, its shared memory and SM count)."""
+    profile: str = "this"
+    pdl: bool = True               # programmatic dependent launch on the decode path (sm90)
+    tma: bool = True               # the TMA-fed W4A16 kernel for M = 17..4096 (sm90)
+    frag_layout: bool = True       # fp16 INT4 layers in the fragment layout (tensor-core kernels from M = 1)
+    fold_norms: bool = True        # batch 1: RMSNorms folded into the INT4 matmuls around them
+    fold_merge: bool = True        # batch 1: o_proj merges the decode attention's split partials
+    head_gemv: bool = True         # one-row FP16 lm_head through the Triton GEMV instead of cuBLAS
+
+    def __post_init__(self):
+        if self.profile not in PROFILE_NAMES:
+            raise ValueError(f"unknown GPU profile {self.profile!r}; choose one of {', '.join(PROFILE_NAMES)}")
+
+
+@dataclass(frozen=True)
+class KernelRuntime:
+    """What the kernels of one device run under: its capabilities (as the profile makes them) and the options."""
+    caps: GPUCaps
+    options: KernelOptions = field(default_factory=KernelOptions)
+
+    @property
+    def pdl(self) -> bool:
+        return self.caps.pdl and self.options.pdl
+
+    @property
+    def tma(self) -> bool:
+        return self.caps.tma and self.options.tma
+
+
+def resolve_caps(device_caps: GPUCaps, profile: str) -> GPUCaps:
+    """The caps the kernels assume on a device: its own, or the profile's where the device can run that profile's
+    kernels (a profile never claims features the device lacks)."""
+    if profile == "this":
+        return device_caps
+    p = PROFILES[profile]
+    if p.arch > device_caps.arch:
+        raise ValueError(f"the {profile} profile (sm{p.arch[0]}{p.arch[1]}) needs a newer GPU than "
+                         f"{device_caps.name} ({device_caps.family})")
+    return replace(p, tma=p.tma and device_caps.tma, wgmma=p.wgmma and device_caps.wgmma,
+                   pdl=p.pdl and device_caps.pdl, fp8_cvt=p.fp8_cvt and device_caps.fp8_cvt,
+                   smem_per_block=min(p.smem_per_block, device_caps.smem_per_block))
+
+
+_RUNTIMES: dict[int, KernelRuntime] = {}
+_logger = logging.getLogger("quant_serve")
+
+
+def configure(device: torch.device | int, options: KernelOptions) -> KernelRuntime:
+    """Set the runtime of a CUDA device from the engine's options (at build, before any weight is prepared)."""
+    index = _index(device)
+    runtime = KernelRuntime(resolve_caps(caps_of_device(index), options.profile), options)
+    _RUNTIMES[index] = runtime
+    family = runtime.caps.family
+    where = measured_on(family)
+    if options.profile != "this":
+        _logger.info("kernels on cuda:%d assume the %s profile (%s, %d SMs, %d KB shared memory a block; TMA %s, "
+                     "wgmma %s, PDL %s)", index, options.profile, family, runtime.caps.sms,
+                     runtime.caps.smem_per_block // KB, runtime.caps.tma, runtime.caps.wgmma, runtime.caps.pdl)
+    if where is None:
+        _logger.warning("no kernel table was measured on %s (%s): the W4A16 rules for it are derived, not measured",
+                        runtime.caps.name, family)
+    return runtime
+
+
+def runtime_for(device: torch.device | int) -> KernelRuntime:
+    """The runtime of a CUDA device: as configured, else the device's own caps with the default options."""
+    index = _index(device)
+    runtime = _RUNTIMES.get(index)
+    if runtime is None:
+        runtime = _RUNTIMES[index] = KernelRuntime(caps_of_device(index))
+    return runtime
+
+
+def options_for(device: torch.device) -> KernelOptions:
+    """The kernel options a tensor's device runs under (the defaults off the GPU)."""
+    return runtime_for(device).options if device.type == "cuda" else KernelOptions()
+
+
+def reset_runtime(device: torch.device | int | None = None) -> None:
+    """Forget the configured runtime(s) (tests, benchmarks that switch profiles in one process)."""
+    if device is None:
+        _RUNTIMES.clear()
+    else:
+        _RUNTIMES.pop(_index(device), None)
+
+
+def _index(device: torch.device | int) -> int:
+    if isinstance(device, int):
+        return device
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def device_sms(device: torch.device) -> int:
+    """SMs the kernels size their grids for: the runtime's (a profile's on an emulating GPU); 132 off the GPU."""
+    if device.type != "cuda":
+        return 132
+    return runtime_for(device).caps.sms

@@ -1,0 +1,120 @@
+"""W4A16 entry points: the kernel layouts (`prepare_kernel_weights`, at load) and the matmul (`w4a16_matmul`).
+
+On CPU tensors everything runs the torch twin (reference.py) on the standard internal layout. On CUDA the weights
+are prepared once at load into one of two layouts (plan.layout_for); passing standard tensors on CUDA repacks on
+every call (correct, slow). Each call runs the kernel plan.plan_w4a16 names for its shape on the device's runtime:
+Fragment layout (frag.py; fp16 layers with N % 16 == 0, the common case): the Gluon tensor-core kernel (mma.py;
+mma.sync up to M = 64, on sm90 wgmma from M = 17 to 128); on sm90 the TMA-fed kernel (tma.py) from M = 17 to 4096;
+then a dequantize pass + cuBLAS.
+Row layout (rows.py; bf16 and other layers): the Triton kernels of rows_gemv.py / rows_gemm.py:
+  gemv     one row per program, CUDA-core FMAs, split-K                      (M = 1..few)
+  gemm     tensor-core tiles, split-K when the tiles alone cannot fill the GPU (M = 2..mid); "gemmt" computes
+           y^T = W^T x^T (the weight tile is the MMA's M side)
+  dequant  Triton dequantize to a dense W, then cuBLAS                          (large M)
+"""
+import torch
+
+from quant_serve.kernels.norm_act import silu_and_mul, silu_and_mul_ref
+from quant_serve.kernels.w4a16.frag import FragWeights, frag_standard, prepare_frag
+from quant_serve.kernels.w4a16.plan import KernelPlan, frag_layout_works, layout_for, plan_w4a16, probed_runtime
+from quant_serve.kernels.w4a16.reference import w4a16_matmul_ref
+from quant_serve.kernels.w4a16.rows import W4A16Weights, prepare_w4a16, rows_standard
+from quant_serve.kernels.w4a16.rules import MMAConfig, TMAConfig, W4A16Config
+
+
+def prepare_kernel_weights(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
+                           group_size: int, perm: torch.Tensor | None = None) -> "W4A16Weights | FragWeights":
+    """Standard internal layout -> the layout the GPU kernels read (plan.layout_for on the device's runtime). Run
+    once at load, on the weights' device; also runs the device's kernel probes (never first inside a graph)."""
+    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    if qweight.device.type != "cuda":
+        return prepare_w4a16(qweight, scales, qzeros, group_size, perm)
+    runtime = probed_runtime(qweight.device)
+    layout, _ = layout_for(k, n, group_size, scales.dtype, runtime.caps, runtime.options)
+    if layout == "frag" and frag_layout_works(qweight.device):
+        return prepare_frag(qweight, scales, qzeros, group_size, perm)
+    return prepare_w4a16(qweight, scales, qzeros, group_size, perm)
+
+
+def standard_layout(w: "W4A16Weights | FragWeights") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+    """Kernel layout -> (qweight [K/8, N], scales, qzeros, group_size) in the standard layout (the twin's input)."""
+    return frag_standard(w) if isinstance(w, FragWeights) else rows_standard(w)
+
+
+def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor | W4A16Weights | FragWeights,
+                 scales: torch.Tensor | None = None,
+                 qzeros: torch.Tensor | None = None, group_size: int = -1, perm: torch.Tensor | None = None,
+                 bias: torch.Tensor | None = None, config: W4A16Config | None = None,
+                 silu_mul: bool = False) -> torch.Tensor:
+    """x: [..., K] fp16/bf16 -> [..., N] in x's dtype. qweight: standard int32 [K/8, N] (with scales, qzeros,
+    group_size, perm) or a prepared layout (the other weight arguments are then ignored). config overrides the
+    plan (benchmarks, tests). silu_mul (N = 2I, gate | up): -> [..., I] = silu(gate) * up."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])                                                  # [M, K]
+    if not x.is_cuda:
+        if isinstance(qweight, (W4A16Weights, FragWeights)):
+            perm = qweight.perm
+            qweight, scales, qzeros, group_size = standard_layout(qweight)
+        y = w4a16_matmul_ref(x2, qweight, scales, qzeros, group_size, perm, bias)
+        y = silu_and_mul_ref(y) if silu_mul else y
+        return y.reshape(*lead, y.shape[-1])
+    w = qweight if isinstance(qweight, (W4A16Weights, FragWeights)) else \
+        prepare_kernel_weights(qweight, scales, qzeros, group_size, perm)
+    y = w4a16_forward(x2, w, bias, config, silu_mul)
+    return y.reshape(*lead, y.shape[-1])
+
+
+def call_plan(x: torch.Tensor, w: "W4A16Weights | FragWeights", silu_mul: bool = False) -> KernelPlan:
+    """The plan a CUDA call of w4a16_forward runs for x [M, K] (after act-order's permutation)."""
+    from quant_serve.kernels.w4a16.tma import tma_works_for
+    runtime = probed_runtime(x.device)
+    m, k = x.shape
+    if isinstance(w, FragWeights):
+        return plan_w4a16(m, k, w.out_features, runtime.caps, runtime.options, "frag", x.dtype, silu_mul,
+                          tma_works_for(x, w))
+    return plan_w4a16(m, k, w.out_features, runtime.caps, runtime.options, "rows", x.dtype, silu_mul)
+
+
+def w4a16_forward(x: torch.Tensor, w: W4A16Weights | FragWeights, bias: torch.Tensor | None = None,
+                  config: W4A16Config | MMAConfig | TMAConfig | None = None, silu_mul: bool = False) -> torch.Tensor:
+    """CUDA path. x: [M, K] -> [M, N], or [M, N/2] = silu(gate) * up with silu_mul (fused into the split-K
+    reduce where the kernel has one, else the silu_and_mul kernel after the matmul)."""
+    if w.perm is not None:
+        x = x[:, w.perm]
+    elif x.stride(-1) != 1 or isinstance(w, FragWeights):
+        x = x.contiguous()
+    if config is None:
+        config = call_plan(x, w, silu_mul).config
+    if isinstance(w, FragWeights):
+        return _frag_forward(x, w, bias, config, silu_mul)
+    return _rows_forward(x, w, bias, config, silu_mul)
+
+
+def _frag_forward(x: torch.Tensor, w: FragWeights, bias: torch.Tensor | None,
+                  cfg: MMAConfig | TMAConfig | None, silu_mul: bool) -> torch.Tensor:
+    from quant_serve.kernels.w4a16.frag_tiles import frag_dequantize
+    from quant_serve.kernels.w4a16.mma import w4a16_mma
+    from quant_serve.kernels.w4a16.tma import w4a16_tma
+    if x.dtype == torch.float16 and isinstance(cfg, TMAConfig):
+        return w4a16_tma(x, w, bias, cfg.block_n, cfg.block_m, cfg.block_k, cfg.stages, cfg.consumers,
+                         silu_mul=silu_mul, overlap=cfg.overlap)
+    if x.dtype == torch.float16 and isinstance(cfg, MMAConfig):
+        return w4a16_mma(x, w, bias, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps, cfg.one_launch,
+                         silu_mul, cfg.wgmma, max_regs=cfg.max_regs)
+    y = torch.nn.functional.linear(x, frag_dequantize(w).to(x.dtype), bias)
+    return silu_and_mul(y) if silu_mul else y
+
+
+def _rows_forward(x: torch.Tensor, w: W4A16Weights, bias: torch.Tensor | None, cfg: W4A16Config | None,
+                  silu_mul: bool) -> torch.Tensor:
+    from quant_serve.kernels.w4a16.rows_gemm import w4a16_dequant_matmul, w4a16_gemm
+    from quant_serve.kernels.w4a16.rows_gemv import w4a16_gemv
+    if cfg is not None and cfg.path == "gemv":
+        return w4a16_gemv(x, w, bias, cfg.block_n, cfg.split_k, cfg.num_warps, cfg.num_stages, cfg.one_launch,
+                          cfg.pipeline, cfg.rows, silu_mul)
+    if cfg is not None and cfg.path in ("gemm", "gemmt"):
+        y = w4a16_gemm(x, w, bias, cfg.block_m, cfg.block_n, cfg.split_k, cfg.num_warps, cfg.num_stages,
+                       swap=cfg.path == "gemmt", one_launch=cfg.one_launch)
+    else:
+        y = w4a16_dequant_matmul(x, w, bias)
+    return silu_and_mul(y) if silu_mul else y

@@ -1,0 +1,156 @@
+"""Which W4A16 kernel runs, with which configuration, and why: one pure function of the shape, the GPU's
+capability record and the engine's kernel options (`plan_w4a16`), plus the layout a layer is stored in
+(`layout_for`). The forward pass (dispatch.py), `quant-serve kernels --explain`, the benchmarks and the offline
+fit test all ask here, so what they report is what runs.
+
+On a real device the caps are narrowed once by probes (`probed_runtime`): one tiny call of each Gluon kernel
+family, so that a Triton release that broke one costs speed (the next kernel serves, with a warning), never a
+forward pass.
+"""
+import logging
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+import torch
+
+from quant_serve.kernels.gpu import GPUCaps, KernelOptions, KernelRuntime, runtime_for
+from quant_serve.kernels.w4a16.rules import (MMA_MAX_M, TMA_MAX_M, TMA_MIN_M, WGMMA_MAX_M, MMAConfig, TMAConfig,
+                                             W4A16Config, measured_on, select_config, select_mma_config,
+                                             select_tma_config)
+
+_logger = logging.getLogger("quant_serve")
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """kernel: "mma.sync" | "wgmma" | "tma" (fragment layout), "gemv" | "gemm" | "gemmt" (row layout),
+    "dequant+cublas" (either layout) or "torch" (the CPU twin); config: that kernel's tile; why: one line."""
+    kernel: str
+    config: MMAConfig | TMAConfig | W4A16Config | None
+    why: str
+
+
+def layout_for(k: int, n: int, group_size: int, scales_dtype: torch.dtype, caps: GPUCaps,
+               options: KernelOptions) -> tuple[str, str]:
+    """-> ("frag" | "rows", why): the layout a layer's weights are prepared in at load."""
+    gs = k if group_size <= 0 else group_size
+    if not caps.tensor_cores:
+        return "rows", f"{caps.family} has no mma.sync tensor cores (sm80+)"
+    if not options.frag_layout:
+        return "rows", "the fragment layout is turned off (KernelOptions.frag_layout)"
+    if scales_dtype != torch.float16:
+        return "rows", f"{str(scales_dtype).removeprefix('torch.')} scales: the fragment kernels are fp16"
+    if n % 16:
+        return "rows", f"N = {n} is not a multiple of 16"
+    if gs < k and gs % 16:
+        return "rows", f"group size {gs} is not a multiple of 16"
+    return "frag", "fp16, N % 16 == 0: tensor-core kernels from M = 1"
+
+
+@lru_cache(maxsize=4096)
+def plan_w4a16(m: int, k: int, n: int, caps: GPUCaps, options: KernelOptions = KernelOptions(),
+               layout: str = "frag", dtype: torch.dtype = torch.float16, silu_mul: bool = False,
+               tma_fits: bool = True) -> KernelPlan:
+    """The kernel for x [M, K] @ W [K, N] (INT4) on a GPU with `caps`, the weights in `layout`. silu_mul: the call
+    also applies SwiGLU to the output (gate | up). tma_fits: the call's x suits TMA (16-byte aligned rows)."""
+    if layout == "rows":
+        return _plan_rows(m, k, n, caps)
+    if dtype != torch.float16:
+        return KernelPlan("dequant+cublas", None, f"{str(dtype).removeprefix('torch.')} activations: the "
+                                                  "fragment kernels take fp16")
+    why_not_tma = ""
+    if TMA_MIN_M <= m <= TMA_MAX_M:
+        if caps.tma and options.tma and tma_fits:
+            tc = select_tma_config(m, k, n, caps.sms)
+            if tc is not None:
+                return KernelPlan("tma", tc, f"M = {TMA_MIN_M}..{TMA_MAX_M} on {caps.family}: TMA-fed wgmma, "
+                                             f"stream-K over {caps.sms} SMs (rules.select_tma_config, {_where(caps)})")
+        why_not_tma = " (no TMA)" if not caps.tma else " (TMA off)" if not options.tma else \
+            " (x rows not 16-byte aligned for TMA)" if not tma_fits else ""
+    cfg = select_mma_config(m, k, n, caps.wgmma, silu_mul, caps.sms)
+    if cfg is None:
+        top = WGMMA_MAX_M if caps.wgmma else MMA_MAX_M
+        return KernelPlan("dequant+cublas", None, f"M = {m} > {top}{why_not_tma}: dequantize the fragment layout "
+                                                  "once, then cuBLAS")
+    kind = "wgmma" if cfg.wgmma else "mma.sync"
+    band = "M = 17.." + str(WGMMA_MAX_M) if cfg.wgmma else f"M <= {MMA_MAX_M}"
+    return KernelPlan(kind, cfg, f"{band}{why_not_tma}: {kind} over the fragment layout, {cfg.split_k} K "
+                                 f"split(s) for {caps.sms} SMs (rules.select_mma_config, {_where(caps)})")
+
+
+def _plan_rows(m: int, k: int, n: int, caps: GPUCaps) -> KernelPlan:
+    cfg = select_config(m, k, n, caps.family, caps.sms)
+    kernel = "dequant+cublas" if cfg.path == "dequant" else cfg.path
+    return KernelPlan(kernel, None if cfg.path == "dequant" else cfg,
+                      f"row layout, M = {m}: {cfg.path} (rules.select_config, {_where(caps)})")
+
+
+def _where(caps: GPUCaps) -> str:
+    measured = measured_on(caps.family)
+    return f"measured on {measured.split(' (')[0]}" if measured else f"derived for {caps.family}, not measured"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The device: probes narrow the caps once per device.
+
+_PROBED: dict[int, tuple[KernelRuntime, KernelRuntime]] = {}   # device -> (its runtime, that runtime probed)
+
+
+def probed_runtime(device: torch.device) -> KernelRuntime:
+    """The device's runtime with the caps its probes left: wgmma / TMA off where their kernels fail there."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    runtime = runtime_for(index)
+    seen = _PROBED.get(index)
+    if seen is not None and seen[0] is runtime:
+        return seen[1]
+    caps = runtime.caps
+    wgmma = caps.wgmma and _wgmma_works(index)
+    tma = caps.tma and runtime.options.tma and _tma_works(index)
+    probed = runtime if (wgmma, tma) == (caps.wgmma, caps.tma) else \
+        KernelRuntime(replace(caps, wgmma=wgmma, tma=tma), runtime.options)
+    _PROBED[index] = (runtime, probed)
+    return probed
+
+
+def frag_layout_works(device: torch.device) -> bool:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _mma_kernels_work(index)
+
+
+def _probe(device_index: int, kernel: str, cols: int, rows: int, call, fallback: str) -> bool:
+    """One tiny call of a Gluon kernel before any layer relies on it: `call(x, fw)` over x = ones [rows, 64] and
+    codes 0, symmetric (z = 8), scale 1 must give 64 x (0 - 8) = -512 everywhere."""
+    from quant_serve.kernels.w4a16.frag import prepare_frag
+    try:
+        dev = torch.device("cuda", device_index)
+        fw = prepare_frag(torch.zeros(8, cols, dtype=torch.int32, device=dev),
+                          torch.ones(1, cols, dtype=torch.float16, device=dev), None, -1)
+        y = call(torch.ones(rows, 64, dtype=torch.float16, device=dev), fw)
+        if bool((y == -512).all()):
+            return True
+        reason = f"wrong result {y.flatten()[:4].tolist()}"
+    except Exception as e:  # noqa: BLE001 - any compile or launch failure means: the fallback serves
+        reason = repr(e)[:300]
+    _logger.warning("W4A16 %s unavailable on cuda:%d (%s); %s", kernel, device_index, reason, fallback)
+    return False
+
+
+@lru_cache(maxsize=None)
+def _mma_kernels_work(device_index: int) -> bool:
+    from quant_serve.kernels.w4a16.mma import w4a16_mma
+    return _probe(device_index, "tensor-core kernel", 16, 1, w4a16_mma, "using the row-layout kernels")
+
+
+@lru_cache(maxsize=None)
+def _wgmma_works(device_index: int) -> bool:
+    from quant_serve.kernels.w4a16.mma import w4a16_mma
+    return _probe(device_index, "wgmma kernel", 64, 17, lambda x, fw: w4a16_mma(x, fw, block_n=64, wgmma=True),
+                  "M > 16 uses mma.sync up to 64 rows, then dequantize + cuBLAS")
+
+
+@lru_cache(maxsize=None)
+def _tma_works(device_index: int) -> bool:
+    """Probed at load (never first inside a CUDA graph capture)."""
+    from quant_serve.kernels.w4a16.tma import w4a16_tma
+    return _probe(device_index, "TMA kernel", 128, 40, lambda x, fw: w4a16_tma(x, fw, block_n=64, consumers=1),
+                  "M > 32 uses the wgmma kernel up to 128 rows, then dequantize + cuBLAS")

@@ -1,0 +1,120 @@
+"""`quant-serve kernels --explain`: per layer and batch size, which kernel runs on a GPU, its configuration and why.
+
+The answer comes from the same functions the forward pass asks (kernels/w4a16/plan.py, kernels/paged_attention.py)
+under the GPU's capability record (kernels/gpu.py): a named card's profile, or `this` GPU. Nothing is loaded but
+config.json; it runs on a machine without a GPU.
+"""
+import dataclasses
+import json
+import sys
+
+DEFAULT_MS = "1,2,8,16,32,64,128,256,1024,4096"
+
+
+def register(sub) -> None:
+    from quant_serve.kernels.gpu import PROFILE_NAMES
+    p = sub.add_parser("kernels", help="which kernel runs for each layer and batch size on a GPU, and why")
+    p.add_argument("--explain", action="store_true", help="print the kernel plan (the only action, for now)")
+    p.add_argument("--gpu", default="a10", choices=PROFILE_NAMES,
+                   help="the card to plan for (a named profile), or `this` GPU (default: a10)")
+    p.add_argument("--model", default=None, help="model directory with config.json (default: the bundled demo "
+                                                 "model)")
+    p.add_argument("--m", default=DEFAULT_MS, help=f"rows (tokens) per matmul to plan for (default: {DEFAULT_MS})")
+    p.add_argument("--group-size", type=int, default=None, help="INT4 group size (default: the checkpoint's, "
+                                                                "else 128)")
+    p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"], help="activation dtype")
+    p.add_argument("--context", type=int, default=4096, help="decode context (tokens) for the attention rows")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=run)
+
+
+def layer_shapes(cfg) -> dict[str, tuple[int, int]]:
+    """(K, N) of the merged linear layers the decoder builds (engine/models/decoder.py)."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return {"qkv_proj": (cfg.hidden_size, q + 2 * kv), "o_proj": (q, cfg.hidden_size),
+            "gate_up_proj": (cfg.hidden_size, 2 * cfg.intermediate_size),
+            "down_proj": (cfg.intermediate_size, cfg.hidden_size)}
+
+
+def explain(caps, options, cfg, ms: list[int], group_size: int, dtype, context: int) -> dict:
+    """The whole plan as a dict: the GPU, the W4A16 layers (layout, then kernel per M), decode attention."""
+    from quant_serve.kernels.paged_attention import decode_config, split_count
+    from quant_serve.kernels.w4a16.plan import layout_for, plan_w4a16
+    from quant_serve.kernels.w4a16.rules import measured_on
+    out = {"gpu": dataclasses.asdict(caps), "options": dataclasses.asdict(options),
+           "rules": measured_on(caps.family) or f"derived for {caps.family} (no table measured on this family)",
+           "layers": [], "attention": []}
+    for name, (k, n) in layer_shapes(cfg).items():
+        layout, why = layout_for(k, n, group_size, dtype, caps, options)
+        rows = []
+        for m in ms:
+            p = plan_w4a16(m, k, n, caps, options, layout, dtype, name == "gate_up_proj")
+            rows.append({"m": m, "kernel": p.kernel, "why": p.why,
+                         "config": dataclasses.asdict(p.config) if p.config else None})
+        out["layers"].append({"name": name, "k": k, "n": n, "layout": layout, "layout_why": why, "plans": rows})
+    for kv in ("fp16", "fp8_e4m3", "fp8_e5m2"):
+        for batch in (1, 8, 64, 256):
+            programs = batch * cfg.num_kv_heads
+            dc = decode_config(kv != "fp16", programs, context)
+            fp8_note = "" if kv == "fp16" else (" widened by cvt.e4m3x2 asm" if dc.fp8_asm and caps.fp8_cvt else
+                                               " widened in software (no fp8 cvt)" if not caps.fp8_cvt else "")
+            out["attention"].append({"kv": kv, "batch": batch, "context": context, "programs": programs,
+                                     "splits": split_count(programs, context, caps.sms, dc),
+                                     "config": dataclasses.asdict(dc), "note": fp8_note.strip()})
+    return out
+
+
+def _config_text(cfg: dict | None) -> str:
+    if not cfg:
+        return "-"
+    defaults_dropped = {k: v for k, v in cfg.items() if v not in (False, 0, None)}
+    return " ".join(f"{k}={v}" for k, v in defaults_dropped.items())
+
+
+def format_explain(plan: dict, model_name: str) -> str:
+    g = plan["gpu"]
+    lines = [f"GPU: {g['name']} ({'profile ' + g['profile'] if g['profile'] != 'this' else 'this device'}: "
+             f"sm{g['arch'][0]}{g['arch'][1]}, {g['sms']} SMs, {g['smem_per_block'] // 1024} KB shared memory a "
+             f"block, {g['bandwidth_gbs']:.0f} GB/s; TMA {'yes' if g['tma'] else 'no'}, wgmma "
+             f"{'yes' if g['wgmma'] else 'no'}, PDL {'yes' if g['pdl'] else 'no'}, fp8 cvt "
+             f"{'yes' if g['fp8_cvt'] else 'no'})",
+             f"W4A16 rules: {plan['rules']}", f"model: {model_name}", ""]
+    for layer in plan["layers"]:
+        lines.append(f"{layer['name']}  K={layer['k']} N={layer['n']}  layout {layer['layout']}: "
+                     f"{layer['layout_why']}")
+        for r in layer["plans"]:
+            lines.append(f"  M={r['m']:<5} {r['kernel']:<15} {_config_text(r['config']):<60} {r['why']}")
+        lines.append("")
+    lines.append(f"decode attention at {plan['attention'][0]['context']} tokens of context:")
+    for a in plan["attention"]:
+        c = a["config"]
+        lines.append(f"  {a['kv']:<9} batch {a['batch']:<4} {a['programs']:>5} programs  {a['splits']:>3} split(s)  "
+                     f"block_n={c['block_n']} stages={c['num_stages']}"
+                     f"{' fp8_asm' if c['fp8_asm'] else ''}{'  ' + a['note'] if a['note'] else ''}")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    import torch
+
+    from quant_serve.engine.loader import load_model_config, resolve_model_dir
+    from quant_serve.kernels.gpu import PROFILES, KernelOptions, caps_of_device, resolve_caps
+    from quant_serve.server.cli import demo_model_dir
+    if args.gpu == "this":
+        if not torch.cuda.is_available():
+            raise ValueError("no CUDA GPU here: name the card to plan for, e.g. --gpu a10")
+        caps = resolve_caps(caps_of_device(torch.cuda.current_device()), "this")
+    else:
+        caps = PROFILES[args.gpu]
+    model_dir = resolve_model_dir(args.model or demo_model_dir())
+    cfg, _ = load_model_config(model_dir)
+    q = cfg.quantization_config or {}
+    group_size = args.group_size or q.get("group_size") or q.get("q_group_size") or 128
+    ms = [int(v) for v in args.m.split(",") if v.strip()]
+    plan = explain(caps, KernelOptions(), cfg, ms, group_size, getattr(torch, args.dtype), args.context)
+    if args.json:
+        json.dump(plan, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        print(format_explain(plan, f"{model_dir} ({cfg.architecture}, group size {group_size})"))
+    return 0

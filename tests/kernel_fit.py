@@ -1,0 +1,246 @@
+"""Compile, for a GPU profile and without that GPU, every kernel the plan picks there, and read what each needs.
+
+`fit_report(profile)` runs in a fresh process (Triton must not be in interpreter mode): Triton's driver is replaced
+by one that names the profile's target (sm80 / sm86 / sm89 / sm90), every launch compiles instead of running, and
+the kernels' device queries answer from the profile's capability record (kernels/gpu.py). The W4A16 plan is walked
+over the Qwen2.5-7B and Llama-3.1-8B layer shapes for M = 1..8192 (one compile per distinct kernel and
+configuration, at the smallest M that picks it), then the attention, KV-store and the other decode-step kernels
+are launched on fp16 / fp8 e4m3 / fp8 e5m2 caches. Each compiled kernel is reported with its shared memory,
+registers, spill stack and the Hopper / fp8 instructions its SASS holds (the wheel's cuobjdump).
+"""
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SHAPES = {  # (K, N) per merged layer, hidden / intermediate / heads of the real configs
+    "qwen2.5-7b": {"qkv": (3584, 4608), "o": (3584, 3584), "gate_up": (3584, 37888), "down": (18944, 3584)},
+    "llama-3.1-8b": {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)},
+}
+HEADS = {"qwen2.5-7b": (28, 4), "llama-3.1-8b": (32, 8)}     # (query heads, kv heads), head_dim 128
+M_VALUES = sorted({*range(1, 129), *range(128, 8193, 64), 256, 1024, 4096, 8192})
+HOPPER_SASS = ("HGMMA", "UTMALDG", "UTMASTG", "SYNCS.", "USETMAXREG", "ACQBULK")
+FP8_CVT_SASS = ("F2FP.F16.E4M3", "F2FP.F16.E5M2", "F2FP.SATFINITE.E4M3", "F2FP.SATFINITE.E5M2", "E4M3.UNPACK",
+                "E5M2.UNPACK")
+
+
+def in_fresh_process(profile: str) -> dict:
+    """fit_report(profile) in a new Python (the test process runs Triton's interpreter)."""
+    code = f"import json, kernel_fit; print(json.dumps(kernel_fit.fit_report({profile!r})))"
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(REPO / "tests"))
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
+    assert run.returncode == 0 and lines, run.stderr[-4000:]
+    return json.loads(lines[-1])
+
+
+def _cuobjdump(cubin: bytes) -> tuple[int, int, str]:
+    import triton
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([tool, "-res-usage", "-sass", f.name], capture_output=True, text=True).stdout
+    regs, stack = map(int, re.search(r"REG:(\d+) STACK:(\d+)", sass).groups())
+    return regs, stack, sass
+
+
+class _CompileOnlyDriver:
+    """Triton's active driver, as far as JITFunction.run asks it, for a target with no device present."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return self.target.arch        # a cache key per target
+
+    def get_current_stream(self, device=None):
+        return 0
+
+
+def _install(caps, records: list) -> None:
+    """Compile-only launches for caps' target; the kernels' device queries answered from caps."""
+    import torch
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.jit import JITFunction
+
+    from quant_serve.kernels import gpu
+    driver = importlib.import_module("triton.runtime.driver").driver
+    driver.set_active(_CompileOnlyDriver(GPUTarget("cuda", caps.arch[0] * 10 + caps.arch[1], 32)))
+    run = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        records.append((self.fn.__name__, kwargs.get("num_warps", 4), kernel))
+    JITFunction.run = compile_only
+    runtime = gpu.KernelRuntime(caps)
+    answers = {"runtime_for": lambda device: runtime, "device_sms": lambda device: caps.sms,
+               "pdl_enabled": lambda t: caps.pdl,
+               "e4m3_in_software": lambda device: not caps.fp8_cvt,
+               "_fp8_cvt": lambda q, dtype: caps.fp8_cvt and dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+               and q.dtype == torch.float16,
+               "probed_runtime": lambda device: runtime, "interpreting": lambda: False}
+    import quant_serve.kernels.paged_attention  # noqa: F401 - the modules whose globals are answered below
+    import quant_serve.kernels.w4a16.dispatch  # noqa: F401
+    import quant_serve.kernels.w4a16.fold  # noqa: F401
+    for name, module in list(sys.modules.items()):
+        if name.startswith("quant_serve.kernels"):
+            for attr, answer in answers.items():
+                if hasattr(module, attr):
+                    setattr(module, attr, answer)
+
+
+def _w4a16_cases(caps) -> list[tuple]:
+    """(model, layer, M, dtype, layout, plan) at the smallest M of each distinct (layer shape, layout, kernel,
+    config): fp16 models (the fragment layout) and bf16 ones (the row layout)."""
+    import torch
+
+    from quant_serve.kernels.gpu import KernelOptions
+    from quant_serve.kernels.w4a16.plan import layout_for, plan_w4a16
+    seen, cases = set(), []
+    for dtype in (torch.float16, torch.bfloat16):
+        for model, shapes in SHAPES.items():
+            for layer, (k, n) in shapes.items():
+                layout, _ = layout_for(k, n, 128, dtype, caps, KernelOptions())
+                for m in M_VALUES:
+                    plan = plan_w4a16(m, k, n, caps, KernelOptions(), layout, dtype, layer == "gate_up")
+                    key = (k, n, layout, layer == "gate_up", plan.kernel, plan.config)
+                    if key not in seen:
+                        seen.add(key)
+                        cases.append((model, layer, m, dtype, layout, plan))
+    return cases
+
+
+def _frag(k: int, n: int):
+    """Fragment-layout weights of the shape [K, N] (values unread: launches only compile)."""
+    import torch
+
+    from quant_serve.kernels.w4a16.frag import FragWeights
+    kp = -(-k // 64) * 64
+    return FragWeights(torch.zeros(n // 16, kp // 64 * 128, dtype=torch.int32),
+                       torch.ones(k // 128, n, dtype=torch.float16), torch.zeros(k // 128, n // 8, dtype=torch.int32),
+                       128, k, n)
+
+
+def _launch_w4a16(model, layer, m, dtype, layout, plan) -> None:
+    import torch
+
+    from quant_serve.kernels.w4a16.dispatch import _frag_forward, _rows_forward
+    from quant_serve.kernels.w4a16.rows import DEFAULT_PACK_K, W4A16Weights
+    from quant_serve.kernels.w4a16.fold import FoldedNorm, w4a16_normed, w4a16_residual
+    from quant_serve.kernels.w4a16.frag_tiles import frag_dequantize
+    k, n = SHAPES[model][layer]
+    if layout == "rows":
+        kp = -(-k // DEFAULT_PACK_K) * DEFAULT_PACK_K
+        w = W4A16Weights(torch.zeros(kp // 8, n, dtype=torch.int32), torch.ones(k // 128, n, dtype=dtype),
+                         torch.zeros(k // 128, n // 8, dtype=torch.int32), 128, k, DEFAULT_PACK_K, None)
+        if plan.kernel == "dequant+cublas":
+            from quant_serve.kernels.w4a16.rows_gemm import w4a16_dequantize
+            w4a16_dequantize(w, dtype)
+        else:
+            _rows_forward(torch.empty(m, k, dtype=dtype), w, None, plan.config, layer == "gate_up")
+        return
+    fw = _frag(k, n)
+    x = torch.empty(m, k, dtype=torch.float16)
+    if plan.kernel == "dequant+cublas":
+        frag_dequantize(fw)
+        return
+    _frag_forward(x, fw, None, plan.config, layer == "gate_up")
+    if m == 1 and layer in ("o", "down"):          # the batch-1 decode step's folded norms (engine decoder)
+        w4a16_residual(x, fw, torch.empty(1, n, dtype=torch.float16))
+    if m == 1 and layer in ("qkv", "gate_up"):
+        ss = torch.empty(1, -(-k // 64), dtype=torch.float32)
+        w4a16_normed(x, fw, FoldedNorm(ss, torch.ones(k, dtype=torch.float16), 1e-6), silu_mul=layer == "gate_up")
+
+
+def _launch_attention(model, kv_dtype, batch, context) -> None:
+    import torch
+
+    from quant_serve.kernels.attention_ref import build_cos_sin_cache
+    from quant_serve.kernels.paged_attention import (NewTokens, paged_decode, paged_prefill, rope_store_kv_triton,
+                                                     store_kv_triton)
+    from quant_serve.kernels.w4a16.fold import w4a16_residual
+    hq, hkv = HEADS[model]
+    blocks = -(-context // 16)
+    k_cache = torch.empty(blocks * batch, 16, hkv, 128, dtype=kv_dtype)
+    v_cache = torch.empty_like(k_cache)
+    tables = torch.arange(blocks * batch, dtype=torch.int32).view(batch, blocks)
+    lens = torch.full((batch,), context, dtype=torch.int32)
+    qsl = torch.arange(batch + 1, dtype=torch.int32)
+    q, k, v = (torch.empty(batch, h, 128, dtype=torch.float16) for h in (hq, hkv, hkv))
+    positions, slots = torch.zeros(batch, dtype=torch.long), torch.zeros(batch, dtype=torch.long)
+    cos_sin = build_cos_sin_cache(context, 128, base=10000.0)
+    scale = torch.ones((), dtype=torch.float32)
+    new = NewTokens(k, v, positions, cos_sin, slots)
+    out = paged_decode(q, k_cache, v_cache, tables, lens, qsl, 0.088, scale, scale, new=new, merge=False)
+    if batch == 1 and not isinstance(out, torch.Tensor):      # o_proj merging the split partials (batch 1)
+        hidden = SHAPES[model]["o"][1]
+        w4a16_residual(out, _frag(hq * 128, hidden), torch.empty(1, hidden, dtype=torch.float16))
+    paged_decode(q, k_cache, v_cache, tables, lens, qsl, 0.088, scale, scale)
+    chunk = min(context, 512)
+    qp, kp, vp = (torch.empty(chunk, h, 128, dtype=torch.float16) for h in (hq, hkv, hkv))
+    paged_prefill(qp, k_cache, v_cache, tables[:1], torch.tensor([chunk], dtype=torch.int32),
+                  torch.tensor([0, chunk], dtype=torch.int32), 0.088, scale, scale)
+    store_kv_triton(kp, vp, k_cache, v_cache, torch.zeros(chunk, dtype=torch.long), scale, scale)
+    rope_store_kv_triton(qp, kp, vp, torch.zeros(chunk, dtype=torch.long), cos_sin, k_cache, v_cache,
+                         torch.zeros(chunk, dtype=torch.long), scale, scale)
+
+
+def _launch_step_kernels(model) -> None:
+    import torch
+
+    from quant_serve.kernels.argmax import argmax_rows_triton
+    from quant_serve.kernels.gemv import gemv
+    from quant_serve.kernels.norm_act import rms_norm_triton, silu_and_mul_triton
+    from quant_serve.kernels.step_inputs import take_carried_triton
+    hidden, inter = SHAPES[model]["o"][1], SHAPES[model]["down"][0]
+    vocab = 152064 if model.startswith("qwen") else 128256
+    for tokens in (1, 256):
+        x = torch.empty(tokens, hidden, dtype=torch.float16)
+        rms_norm_triton(x, torch.ones(hidden, dtype=torch.float16), 1e-6, x)
+        silu_and_mul_triton(torch.empty(tokens, 2 * inter, dtype=torch.float16))
+    gemv(torch.empty(1, hidden, dtype=torch.float16), torch.empty(vocab, hidden, dtype=torch.float16))
+    argmax_rows_triton(torch.empty(8, vocab, dtype=torch.float32))
+    take_carried_triton(torch.zeros(8, dtype=torch.long), torch.zeros(8, dtype=torch.long),
+                        torch.zeros(8, dtype=torch.long))
+
+
+def fit_report(profile: str) -> dict:
+    import torch
+
+    from quant_serve.kernels.gpu import PROFILES
+    caps = PROFILES[profile]
+    records: list = []
+    _install(caps, records)
+    cases = _w4a16_cases(caps)
+    launched = []
+    for model, layer, m, dtype, layout, plan in cases:
+        _launch_w4a16(model, layer, m, dtype, layout, plan)
+        launched.append({"model": model, "layer": layer, "m": m, "dtype": str(dtype).removeprefix("torch."),
+                         "layout": layout, "kernel": plan.kernel,
+                         "config": None if plan.config is None else repr(plan.config)})
+    for model in SHAPES:
+        for kv in (torch.float16, torch.float8_e4m3fn, torch.float8_e5m2):
+            for batch, context in ((1, 512), (1, 4096), (64, 4096)):
+                _launch_attention(model, kv, batch, context)
+        _launch_step_kernels(model)
+    kernels, seen = [], set()
+    for name, warps, compiled in records:
+        if compiled is None or id(compiled) in seen:
+            continue
+        seen.add(id(compiled))
+        regs, stack, sass = _cuobjdump(compiled.asm["cubin"])
+        kernels.append({"name": name, "num_warps": compiled.metadata.num_warps, "shared": compiled.metadata.shared,
+                        "regs": regs, "stack": stack,
+                        "hopper_sass": sorted({op for op in HOPPER_SASS if op in sass}),
+                        "fp8_cvt_sass": sorted({op for op in FP8_CVT_SASS if op in sass})})
+    return {"profile": profile, "arch": list(caps.arch), "smem_per_block": caps.smem_per_block,
+            "w4a16_plans": launched, "kernels": kernels}
