@@ -83,8 +83,11 @@ def measure(name: str, config_dir: Path, kv: str, n_conc: int, bandwidth: float,
         run["batch1_tok_s"] = b1["decode_tok_s"]
         run["roofline_tok_s"] = bandwidth / run["decode_bytes_per_step"]
         run["roofline_fraction"] = b1["decode_tok_s"] / run["roofline_tok_s"]
+        b32 = run_offline(engine, 32, 128, 256)        # 32 chats at once: the batch plan --gpu projects too
+        run["batch32"] = b32
+        run["batch32_tok_s"] = 32 / b32["tpot_p50_s"]
         print(f"{name} kv={kv}: batch-1 {b1['decode_tok_s']:.1f} tok/s ({run['roofline_fraction']:.0%} of "
-              f"roofline), KV {run['kv_cache_tokens']} tokens", flush=True)
+              f"roofline), batch-32 {run['batch32_tok_s']:.0f} tok/s, KV {run['kv_cache_tokens']} tokens", flush=True)
     if kv == "fp8":
         thr = run_offline(engine, n_conc, 512, 256)
         run["throughput"] = thr
@@ -145,6 +148,7 @@ def main() -> int:
     thr = q8.get("throughput", {})
     result["summary"] = {
         "batch1_tok_s": q16.get("batch1_tok_s"), "batch1_fp8_tok_s": q8.get("batch1_tok_s"),
+        "batch32_tok_s": q16.get("batch32_tok_s"), "batch32_fp8_tok_s": q8.get("batch32_tok_s"),
         "roofline_fraction": q16.get("roofline_fraction"), "throughput_tok_s": thr.get("output_tok_s"),
         "ttft_p50_s": thr.get("ttft_p50_s"), "ttft_p99_s": thr.get("ttft_p99_s"),
         "tpot_p50_s": thr.get("tpot_p50_s"), "tpot_p99_s": thr.get("tpot_p99_s"),

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from quant_serve.engine.attention import AttentionMetadata
 from quant_serve.kernels.argmax import argmax_rows
@@ -101,16 +102,31 @@ class DecodeGraphs:
                                  max_seq_len=width * self.block_size, max_query_len=1,
                                  wide_table=self.wide[bs])
 
+    @property
+    def shapes(self) -> list[tuple[int, int]]:
+        """(batch bucket, table width) of every graph, largest first: smaller graphs reuse its memory pool."""
+        return [(bs, width) for bs in reversed(self.buckets) for width in reversed(self.widths[bs])]
+
     @torch.inference_mode()
-    def capture(self) -> None:
+    def run_eagerly(self) -> None:
+        """Every graph's step once, outside any capture (parallel_compile compiles their kernels this way)."""
+        for bs, width in self.shapes:
+            args = (self.input_ids[:bs], self.positions[:bs], self._meta(bs, width))
+            self.model(*args)
+            if bs <= GREEDY_MAX_BATCH:
+                self._greedy_step(args)
+        for bs in self.buckets:
+            take_carried(self.input_ids[:bs], self.carry_rows[:bs], self.input_ids)
+
+    @torch.inference_mode()
+    def capture(self, show_progress: bool = False) -> None:
         pool = None
-        for bs in reversed(self.buckets):       # largest first: smaller graphs reuse its memory pool
-            for width in reversed(self.widths[bs]):
-                args = (self.input_ids[:bs], self.positions[:bs], self._meta(bs, width))
-                self.graphs[bs, width], self.outputs[bs, width], pool = _capture(lambda: self.model(*args), pool)
-                if bs <= GREEDY_MAX_BATCH:
-                    self.greedy[bs, width], self.greedy_outputs[bs, width], pool = _capture(
-                        lambda: self._greedy_step(args), pool)
+        for bs, width in tqdm(self.shapes, desc="Capturing decode graphs", unit="graph", disable=not show_progress):
+            args = (self.input_ids[:bs], self.positions[:bs], self._meta(bs, width))
+            self.graphs[bs, width], self.outputs[bs, width], pool = _capture(lambda: self.model(*args), pool)
+            if bs <= GREEDY_MAX_BATCH:
+                self.greedy[bs, width], self.greedy_outputs[bs, width], pool = _capture(
+                    lambda: self._greedy_step(args), pool)
         for bs in self.buckets:                 # the carried-token gather, every BLOCK it takes (rows: all -1)
             take_carried(self.input_ids[:bs], self.carry_rows[:bs], self.input_ids)
         torch.cuda.synchronize()

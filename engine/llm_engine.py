@@ -20,6 +20,7 @@ from quant_serve.engine.sampling_params import SamplingParams
 from quant_serve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from quant_serve.engine.sequence import Sequence
 from quant_serve.kernels.gpu import configure
+from quant_serve.kernels.precompile import parallel_compile
 
 logger = logging.getLogger("quant_serve")
 
@@ -49,14 +50,8 @@ class LLMEngine:
         self.runner.set_kv_scales(resolve_kv_scales(
             config.cache.kv_scale_source, self.runner.kv_dtype, self.model_dir,
             getattr(self.model, "checkpoint_kv_scales", {}), self.model_config.num_layers))
-        if self.device != "cpu" and not config.enforce_eager:
-            self.runner.capture_decode_graphs(min(config.scheduler.max_num_seqs, 512), self.max_model_len)
         if self.device != "cpu":                # the CPU path runs the torch twins: nothing to compile
-            start = time.perf_counter()
-            forwards = self.runner.warmup(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
-                                          self.max_model_len)
-            logger.info("warm-up: %d throwaway forwards in %.1f s (kernel compilation)", forwards,
-                        time.perf_counter() - start)
+            self._start_kernels(config, show_progress)
         self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                                           num_cpu_blocks)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
@@ -91,6 +86,28 @@ class LLMEngine:
         if num_prompt_tokens >= self.max_model_len:
             raise ValueError(f"the prompt has {num_prompt_tokens} tokens, but max_model_len is "
                              f"{self.max_model_len}: it must leave room for at least one generated token")
+
+    def _start_kernels(self, config: EngineConfig, show_progress: bool) -> None:
+        """Compile every kernel variant the step shapes reach (in parallel where Triton can), capture the decode
+        graphs, and run the warm-up forwards, so that no request waits for a compile."""
+        start = time.perf_counter()
+        sched = config.scheduler
+        graphs = None if config.enforce_eager else \
+            self.runner.plan_decode_graphs(min(sched.max_num_seqs, 512), self.max_model_len)
+
+        def warmup(progress: bool) -> int:
+            return self.runner.warmup(sched.max_num_batched_tokens, sched.max_num_seqs, self.max_model_len, progress)
+        with parallel_compile(config.kernels.compile_workers) as compiling:
+            if compiling:
+                logger.info("compiling kernels on %d threads", config.kernels.compile_workers)
+                warmup(False)
+                if graphs is not None:
+                    graphs.run_eagerly()
+        if graphs is not None:
+            self.runner.capture_decode_graphs(show_progress)
+        forwards = warmup(show_progress)
+        logger.info("kernels ready in %.1f s: %d decode graphs, %d warm-up forwards", time.perf_counter() - start,
+                    0 if graphs is None else len(graphs.graphs), forwards)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None, n: int = 1) -> None:

@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from quant_serve.engine.attention import AttentionMetadata
 from quant_serve.engine.config import CacheConfig, ModelConfig
@@ -89,11 +90,15 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         self.cpu_tier = CpuKVTier(self.k_caches + self.v_caches, num_cpu_blocks) if num_cpu_blocks else None
 
-    def capture_decode_graphs(self, max_batch: int, max_model_len: int) -> None:
-        """CUDA only; the first forward (scale calibration / range check) still runs eagerly."""
+    def plan_decode_graphs(self, max_batch: int, max_model_len: int) -> DecodeGraphs:
+        """The decode graphs this engine will capture (CUDA only); capture_decode_graphs captures them."""
         self.decode_graphs = DecodeGraphs(self.model, max_batch, max_model_len, self.block_size, self.device,
                                           self.model_config.num_kv_heads, self.kv_dtype in FP8_DTYPES)
-        self.decode_graphs.capture()
+        return self.decode_graphs
+
+    def capture_decode_graphs(self, show_progress: bool = False) -> None:
+        """CUDA only; the first forward (scale calibration / range check) still runs eagerly."""
+        self.decode_graphs.capture(show_progress)
 
     @property
     def observes_kv(self) -> bool:
@@ -221,7 +226,8 @@ class ModelRunner:
         return hidden, starts, sampled
 
     @torch.inference_mode()
-    def warmup(self, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> int:
+    def warmup(self, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
+               show_progress: bool = False) -> int:
         """Throwaway forwards over the step shapes serving meets: a full-budget prompt chunk, short prompts in every
         W4A16 dispatch band, decodes (few and many, short and long contexts) alone and mixed with a chunk. Triton
         then compiles (and cuBLAS and the allocator settle) before the first request instead of inside its time to
@@ -244,7 +250,7 @@ class ModelRunner:
                 shapes.append(([ctx] * d, []))
                 if max_num_seqs > d and budget > d + 16:
                     shapes.append(([ctx] * d, [16]))
-        for contexts, chunks in shapes:
+        for contexts, chunks in tqdm(shapes, desc="Warming up", unit="step", disable=not show_progress):
             chunks = [min(c, max_model_len) for c in chunks]
             self._warmup_forward(contexts, chunks)
         # the first real step may hand its K/V to the scale calibration, which stores them through store_kv

@@ -90,6 +90,7 @@ class KernelOptions:
     fold_norms: bool = True        # batch 1: RMSNorms folded into the INT4 matmuls around them
     fold_merge: bool = True        # batch 1: o_proj merges the decode attention's split partials
     head_gemv: bool = True         # one-row FP16 lm_head through the Triton GEMV instead of cuBLAS
+    compile_workers: int = 16      # threads compiling kernels at start (kernels/precompile.py); < 2: one by one
 
     def __post_init__(self):
         if self.profile not in PROFILE_NAMES:

@@ -22,6 +22,29 @@ TINY_CT = SHARED / "models" / "tiny-qwen2-w4a16-ct"
 DATA = SHARED / "data"
 
 
+def pytest_addoption(parser):
+    parser.addoption("--gpu-profile", default="this",
+                     help="run the GPU tests under a GPU profile (kernels/gpu.py), e.g. a10: the sm86 kernel plan "
+                          "on this GPU (no TMA / wgmma / PDL, 99 KB shared memory, e4m3 KV in software)")
+
+
+GPU_PROFILE = ["this"]   # --gpu-profile, read by helpers.make_engine and the session fixture below
+
+
+def pytest_configure(config):
+    GPU_PROFILE[0] = config.getoption("--gpu-profile")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def kernels_under_gpu_profile():
+    """Every CUDA device runs the kernels under --gpu-profile (engines the tests build pass it too)."""
+    if torch.cuda.is_available():
+        from quant_serve.kernels.gpu import KernelOptions, configure
+        for index in range(torch.cuda.device_count()):
+            configure(index, KernelOptions(profile=GPU_PROFILE[0]))
+    yield
+
+
 _SHARED_NAMES = ("SHARED", "TINY", "TINY_AWQ", "TINY_CT", "DATA", '"shared"')
 
 
@@ -34,7 +57,8 @@ def _needs_shared(path: Path) -> bool:
 def pytest_report_header(config):
     state = "found" if (TINY / "config.json").is_file() else "MISSING: tests that need them are skipped"
     return f"shared fixtures: {SHARED} ({state}); Triton: " + \
-        ("interpreter (no CUDA GPU)" if os.environ.get("TRITON_INTERPRET") == "1" else "compiled")
+        ("interpreter (no CUDA GPU)" if os.environ.get("TRITON_INTERPRET") == "1" else "compiled") + \
+        f"; GPU profile: {config.getoption('--gpu-profile')}"
 
 
 def pytest_collection_modifyitems(config, items):

@@ -8,8 +8,9 @@ from pathlib import Path
 from quant_serve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from quant_serve.engine.demo import DEMO_MODEL_DIR
 from quant_serve.engine.llm_engine import LLMEngine
+from quant_serve.kernels.gpu import KernelOptions
 
-from conftest import REPO, TINY, TINY_AWQ
+from conftest import GPU_PROFILE, REPO, TINY, TINY_AWQ
 
 
 def make_engine(model, *, num_blocks=256, chunk=2048, prefix_caching=True, max_num_seqs=64, dtype="float32",
@@ -20,7 +21,8 @@ def make_engine(model, *, num_blocks=256, chunk=2048, prefix_caching=True, max_n
         cache=CacheConfig(num_gpu_blocks=num_blocks, enable_prefix_caching=prefix_caching,
                           kv_cache_dtype=kv_cache_dtype, num_cpu_blocks=num_cpu_blocks,
                           kv_scale_source=kv_scale_source),
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=chunk), **kw)
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=chunk),
+        **{"kernels": KernelOptions(profile=GPU_PROFILE[0]), **kw})
     return LLMEngine(config, show_progress=False)
 
 

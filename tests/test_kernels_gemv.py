@@ -48,9 +48,12 @@ def test_gpu_gemv_on_the_qwen_head_and_its_rule(monkeypatch):
     assert (got.argmax() == want.argmax()).item()
     assert gemv_applies(x, w) and not gemv_applies(x.repeat(2, 1), w) and not gemv_applies(x, w[:4096])
     assert not gemv_applies(x.float(), torch.empty(70000, 3584, device="cuda"))                # fp32
-    from quant_serve.kernels.gpu import KernelOptions, configure, reset_runtime
-    configure(x.device, KernelOptions(head_gemv=False))
+    import dataclasses
+
+    from quant_serve.kernels.gpu import configure, runtime_for
+    options = runtime_for(x.device).options
+    configure(x.device, dataclasses.replace(options, head_gemv=False))
     try:
         assert not gemv_applies(x, w)
     finally:
-        reset_runtime(x.device)
+        configure(x.device, options)

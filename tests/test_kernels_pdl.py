@@ -1,11 +1,12 @@
 """Programmatic dependent launch (kernels/pdl.py): off where it cannot run, and on the GPU a decode-like chain of
 PDL kernels replayed from a CUDA graph gives the bits of the same chain launched plainly."""
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from quant_serve.kernels.gpu import PROFILES, KernelOptions, KernelRuntime, configure, reset_runtime
+from quant_serve.kernels.gpu import PROFILES, KernelOptions, KernelRuntime, configure, runtime_for
 from quant_serve.kernels.pdl import launch_options, pdl_enabled
 from tests.test_kernels_w4a16 import make_weights
 
@@ -68,12 +69,15 @@ def test_gpu_pdl_chain_in_a_cuda_graph_matches_plain_launches(m):
               for _ in range(3)]
     norm_w = torch.rand(hidden, dtype=torch.float16, device=DEV) + 0.5
     x = torch.randn(m, hidden, dtype=torch.float16, device=DEV)
-    configure(x.device, KernelOptions(pdl=False))
+    if not runtime_for(x.device).pdl:
+        pytest.skip(f"the {runtime_for(x.device).caps.profile} GPU profile has no PDL")
+    options = runtime_for(x.device).options
+    configure(x.device, dataclasses.replace(options, pdl=False))
     try:
         plain = _decode_chain(x, layers, norm_w)
         plain_flipped = _decode_chain(x.flip(0), layers, norm_w)
     finally:
-        reset_runtime(x.device)
+        configure(x.device, options)
     assert pdl_enabled(x)
     assert torch.equal(_decode_chain(x, layers, norm_w), plain)          # eager PDL launches
     static_x = x.clone()
