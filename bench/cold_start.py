@@ -16,7 +16,7 @@ from pathlib import Path
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 CONFIG = SHARED / "configs" / "qwen2.5-7b-instruct"
-TOKENIZER = SHARED / "models" / "tiny-qwen2"
+TOKENIZER = Path(__file__).resolve().parents[1] / "engine" / "demo_model"   # any tokenizer: prompts are random ids
 
 CHILD = """
 import json, sys, time

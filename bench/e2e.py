@@ -27,7 +27,7 @@ PROFILE = ["this"]    # --profile: the GPU profile every engine of this run assu
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 CONFIGS = {"qwen2.5-7b-awq": SHARED / "configs" / "qwen2.5-7b-instruct",
            "llama-3.1-8b-gptq": SHARED / "configs" / "llama-3.1-8b-instruct"}
-TOKENIZER = SHARED / "models" / "tiny-qwen2"   # any tokenizer: prompts are random token ids
+TOKENIZER = Path(__file__).resolve().parents[1] / "engine" / "demo_model"   # any tokenizer: prompts are random ids
 
 
 def engine_for(config_dir: Path, kv: str, max_num_seqs: int, max_model_len: int, enforce_eager: bool,
