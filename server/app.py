@@ -139,6 +139,7 @@ def build_app(engine: LLMEngine, served_model_names: list[str], api_key: str | N
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
+        body.reject_unsupported()
         ctx.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
@@ -154,6 +155,7 @@ def build_app(engine: LLMEngine, served_model_names: list[str], api_key: str | N
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
+        body.reject_unsupported()
         ctx.check_model(body.model)
         vocab = min(engine.model_config.vocab_size, len(engine.tokenizer))
         bad = [t for t in body.tokens if not 0 <= t < vocab]

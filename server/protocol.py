@@ -1,5 +1,6 @@
-"""OpenAI-compatible request and response models. Requests accept unknown fields, so clients written for vLLM
-(or newer OpenAI fields we ignore) work unchanged; the vLLM extras we implement are declared."""
+"""OpenAI-compatible request and response models. The OpenAI fields and the vLLM extras we implement are declared;
+a field we do not implement is a 400 naming it unless its value asks for nothing (reject_unsupported), so no request
+is silently answered as if it had not asked."""
 import time
 import uuid
 from typing import Any, Literal
@@ -32,8 +33,48 @@ def error_body(message: str, type: str, param: str | None = None, code: str | in
 
 
 # ---- requests ----------------------------------------------------------------------------------------------
+_ANY = object()
+# Fields OpenAI or vLLM define that this server does not implement, with the values that ask for nothing (accepted
+# as if absent); any other value is a 400 naming the field. _ANY: the field does not change what is generated.
+UNIMPLEMENTED_FIELDS: dict[str, object] = {
+    # OpenAI
+    "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none", "auto"),
+    "functions": (None, []), "function_call": (None, "none", "auto"), "audio": (None,), "modalities": (None, ["text"]),
+    "prediction": (None,), "web_search_options": (None,), "reasoning_effort": (None,), "verbosity": (None,),
+    "parallel_tool_calls": _ANY, "store": _ANY, "metadata": _ANY, "service_tier": _ANY, "prompt_cache_key": _ANY,
+    "safety_identifier": _ANY,
+    # vLLM extras
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,), "structured_outputs": (None,),
+    "allowed_token_ids": (None,), "bad_words": (None, []), "use_beam_search": (None, False),
+    "length_penalty": (None, 1.0), "truncate_prompt_tokens": (None,), "prompt_logprobs": (None,),
+    "spaces_between_special_tokens": (None, True), "priority": (None, 0), "logits_processors": (None,),
+    "return_tokens_as_token_ids": (None, False), "documents": (None,), "mm_processor_kwargs": (None,),
+    "cache_salt": (None,), "kv_transfer_params": (None,), "vllm_xargs": (None,), "echo": (None, False),
+    "continuous_usage_stats": (None, False), "include_obfuscation": _ANY, "request_id": _ANY,
+}
+
+
 class OpenAIBaseModel(BaseModel):
+    # Unknown fields are kept (not dropped) so that reject_unsupported can name them.
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    def reject_unsupported(self, prefix: str = "") -> None:
+        """400 for a field this model does not declare, unless UNIMPLEMENTED_FIELDS accepts its value. Checks the
+        nested request models too (stream_options)."""
+        for name, value in (self.model_extra or {}).items():
+            accepted = UNIMPLEMENTED_FIELDS.get(name)
+            if accepted is _ANY or (accepted is not None and value in accepted):
+                continue
+            param = prefix + name
+            if accepted is None:
+                raise APIError(400, f"Unrecognized request argument supplied: {param}", param=param)
+            raise APIError(400, f"{param}={value!r} is not supported by this server", param=param,
+                           code="unsupported_parameter")
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if isinstance(value, OpenAIBaseModel) and name != "messages":
+                value.reject_unsupported(prefix=f"{prefix}{name}.")
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -81,7 +122,9 @@ class ContentPart(OpenAIBaseModel):
 
 
 class ChatMessage(OpenAIBaseModel):
-    role: str
+    """Fields beyond these (tool_calls, reasoning_content, ...) go to the chat template as the client sent them,
+    as transformers and vLLM pass them."""
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
 

@@ -44,6 +44,11 @@ class ServingContext:
         return self.engine.tokenizer
 
     @property
+    def vocab_size(self) -> int:
+        """The model's (the logits' width): token ids in prompts and logit_bias must be below it."""
+        return self.engine.model_config.vocab_size
+
+    @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
@@ -117,10 +122,26 @@ class ServingContext:
                 for lp in logprobs]
 
 
-def make_sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None = None,
+def parse_logit_bias(logit_bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+    """OpenAI sends token ids as JSON object keys (strings)."""
+    if not logit_bias:
+        return None
+    parsed = {}
+    for key, value in logit_bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+        if not 0 <= token_id < vocab_size:
+            raise APIError(400, f"logit_bias token id {token_id} is outside the vocabulary [0, {vocab_size})",
+                           param="logit_bias")
+        parsed[token_id] = value
+    return parsed
+
+
+def make_sampling_params(req: SamplingRequest, max_tokens: int, vocab_size: int, logprobs: int | None = None,
                          prompt_logprobs: int | None = None) -> SamplingParams:
-    if req.logit_bias:
-        raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    logit_bias = parse_logit_bias(req.logit_bias, vocab_size)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     try:
         return SamplingParams(
@@ -131,7 +152,8 @@ def make_sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | 
             min_tokens=req.min_tokens,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens)
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
+            logit_bias=logit_bias)
     except ValueError as e:
         # SamplingParams messages start with the field name
         name = str(e).split(" ", 1)[0]

@@ -23,7 +23,7 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict]:
                                    param=f"messages.{i}.content")
                 parts.append(part.text)
             content = "\n".join(parts)
-        message = {"role": m.role, "content": content or ""}
+        message = {**(m.model_extra or {}), "role": m.role, "content": content or ""}
         if m.name is not None:
             message["name"] = m.name
         out.append(message)
@@ -53,6 +53,7 @@ def render_chat(ctx: ServingContext, messages: list[ChatMessage], add_generation
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request):
     arrival = time.time()
+    req.reject_unsupported()
     model = ctx.check_model(req.model)
     ctx.check_n(req.n)
     if req.top_logprobs and not req.logprobs:
@@ -64,7 +65,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = ctx.resolve_max_tokens(requested, len(token_ids), "messages")
     num_top = req.top_logprobs or 0
-    params = make_sampling_params(req, max_tokens, logprobs=num_top if req.logprobs else None)
+    params = make_sampling_params(req, max_tokens, ctx.vocab_size, logprobs=num_top if req.logprobs else None)
     request_id = random_id("chatcmpl")
     stream = ctx.submit([(request_id, token_ids, params)], req.n, arrival)
     if req.stream:

@@ -27,7 +27,7 @@ def _prompts(ctx: ServingContext, req: CompletionRequest, base_id: str) -> list[
         items = list(prompt)
     if not items:
         raise APIError(400, "prompt must not be empty", param="prompt")
-    vocab = ctx.engine.model_config.vocab_size
+    vocab = ctx.vocab_size
     prompts = []
     for i, item in enumerate(items):
         if isinstance(item, str):
@@ -44,6 +44,7 @@ def _prompts(ctx: ServingContext, req: CompletionRequest, base_id: str) -> list[
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Request):
     arrival = time.time()
+    req.reject_unsupported()
     model = ctx.check_model(req.model)
     if req.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
@@ -68,7 +69,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     for p in prompts:
         # The engine generates at least one token; for max_tokens=0 it is dropped from the answer.
         max_tokens = ctx.resolve_max_tokens(1 if scoring_only else req.max_tokens, len(p.token_ids), "prompt")
-        params = make_sampling_params(req, max_tokens, logprobs, prompt_logprobs)
+        params = make_sampling_params(req, max_tokens, ctx.vocab_size, logprobs, prompt_logprobs)
         submissions.append((p.request_id, p.token_ids, params))
     stream = ctx.submit(submissions, best_of, arrival)
     builder = _ChoiceBuilder(ctx, req, prompts, n, scoring_only)
