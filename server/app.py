@@ -4,6 +4,8 @@ import logging
 import secrets
 import time
 from contextlib import asynccontextmanager
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as distribution_version
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,6 +25,13 @@ from quant_serve.server.serving_completion import create_completion
 logger = logging.getLogger("quant_serve.server")
 
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
+
+
+def package_version() -> str:
+    try:
+        return distribution_version("quant-serve")
+    except PackageNotFoundError:     # run from a checkout that was never installed
+        return "unknown"
 
 
 class APIKeyMiddleware:
@@ -88,7 +97,8 @@ def build_app(engine: LLMEngine, served_model_names: list[str], api_key: str | N
     if not served_model_names:
         raise ValueError("at least one served model name is needed")
     # the snapshot is read at scrape time, when async_engine exists
-    metrics = ServerMetrics(served_model_names[0], snapshot=lambda: async_engine.snapshot)
+    metrics = ServerMetrics(served_model_names[0], snapshot=lambda: async_engine.snapshot,
+                            max_model_len=engine.max_model_len)
     async_engine = AsyncEngine(engine, max_queued_requests, on_output=metrics.observe, on_abort=metrics.forget)
     ctx = ServingContext(engine, async_engine, list(served_model_names))
     created = int(time.time())
@@ -122,12 +132,24 @@ def build_app(engine: LLMEngine, served_model_names: list[str], api_key: str | N
     async def prometheus_metrics():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "quant-serve",
+                "root": str(engine.model_dir), "parent": None, "max_model_len": engine.max_model_len,
+                "permission": []}
+
     @app.get("/v1/models")
     async def list_models():
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "quant-serve",
-             "root": str(engine.model_dir), "parent": None, "max_model_len": engine.max_model_len,
-             "permission": []} for name in served_model_names]}
+        return {"object": "list", "data": [model_card(name) for name in served_model_names]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str):
+        if model_id not in served_model_names:
+            raise APIError(404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
+        return model_card(model_id)
+
+    @app.get("/version")
+    async def version():
+        return {"version": package_version()}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):

@@ -45,7 +45,7 @@ class EngineSnapshot:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_queued_requests: int | None = None,
                  on_output: Callable[[RequestOutput, float], None] | None = None,
-                 on_abort: Callable[[str], None] | None = None):
+                 on_abort: Callable[[str, int], None] | None = None):
         self.engine = engine
         self.max_queued_requests = max_queued_requests
         self._on_output = on_output        # metrics hook, called in the engine thread
@@ -178,9 +178,13 @@ class AsyncEngine:
             self._publish()
 
     def _abort_now(self, request_id: str) -> None:
+        request = self.engine.requests.get(request_id)
+        if request is None:         # finished (or never added): nothing to abort, nothing to count
+            return
+        unfinished = sum(not seq.is_finished for seq in request.seqs)
         self.engine.abort(request_id)
         if self._on_abort is not None:
-            self._on_abort(request_id)
+            self._on_abort(request_id, unfinished)
 
     def _deliver(self, request_id: str, item) -> None:
         stream = self._streams.get(request_id)

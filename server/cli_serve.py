@@ -10,8 +10,7 @@ logger = logging.getLogger("quant_serve")
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server",
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     cli.add_engine_args(p, model_positional=True)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=8000)

@@ -105,6 +105,12 @@ class SamplingRequest(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
+    def validate_request(self) -> None:
+        """The checks pydantic cannot name a parameter for: 400 naming it."""
+        self.reject_unsupported()
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options can only be given with stream=true", param="stream_options")
+
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -231,7 +237,7 @@ class ChatCompletionResponse(BaseModel):
 
 class ChatStreamChoice(BaseModel):
     index: int
-    delta: dict[str, str]          # {"role": "assistant", "content": ...} in a choice's first chunk, then content
+    delta: dict[str, str]          # {"role": "assistant", "content": ""} in a choice's first chunk, then content
     logprobs: ChatLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -1,5 +1,5 @@
-"""POST /v1/chat/completions: the tokenizer's chat template, n, stop, logprobs / top_logprobs, streaming with the
-role in each choice's first content chunk."""
+"""POST /v1/chat/completions: the tokenizer's chat template, n, stop, logprobs / top_logprobs, streaming that opens
+each choice with the role."""
 import time
 
 from fastapi import Request
@@ -53,7 +53,7 @@ def render_chat(ctx: ServingContext, messages: list[ChatMessage], add_generation
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request):
     arrival = time.time()
-    req.reject_unsupported()
+    req.validate_request()
     model = ctx.check_model(req.model)
     ctx.check_n(req.n)
     if req.top_logprobs and not req.logprobs:
@@ -96,10 +96,13 @@ async def _last(stream):
 async def _stream(ctx: ServingContext, req: ChatCompletionRequest, model: str, request_id: str, stream):
     created = int(time.time())
     num_top = req.top_logprobs or 0
-    started: set[int] = set()
     done: set[int] = set()
     usage = UsageInfo(prompt_tokens_details=PromptTokensDetails())
     try:
+        # Each choice opens with the role and empty content, as OpenAI and vLLM send it.
+        for index in range(req.n):
+            choice = ChatStreamChoice(index=index, delta={"role": "assistant", "content": ""})
+            yield sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice]))
         async for out in stream:
             for c in out.outputs:
                 if c.index in done:
@@ -109,9 +112,6 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, model: str, r
                 if not (c.delta_text or c.finished or carries_logprobs):
                     continue    # text held back by a possible stop string: no empty (or role-only) chunk
                 delta = {"content": c.delta_text}
-                if c.index not in started:
-                    delta = {"role": "assistant", **delta}
-                    started.add(c.index)
                 if c.finished:
                     done.add(c.index)
                 logprobs = ChatLogProbs(content=ctx.chat_logprobs(c.delta_logprobs or [], num_top)) \

@@ -44,7 +44,7 @@ def _prompts(ctx: ServingContext, req: CompletionRequest, base_id: str) -> list[
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Request):
     arrival = time.time()
-    req.reject_unsupported()
+    req.validate_request()
     model = ctx.check_model(req.model)
     if req.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
