@@ -4,7 +4,8 @@ import logging
 import os
 import sys
 
-from quant_serve.engine.config import OFFLINE_BATCHED_TOKENS, SERVE_BATCHED_TOKENS, CacheConfig, EngineConfig, SchedulerConfig
+from quant_serve.engine.config import (OFFLINE_BATCHED_TOKENS, SERVE_BATCHED_TOKENS, CacheConfig, EngineConfig,
+                                      SchedulerConfig)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

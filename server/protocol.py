@@ -5,7 +5,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 SEED_RANGE = (-2**63, 2**63 - 1)    # int64, as in vLLM; torch seeds take it (children add their index)
 MAX_LOGPROBS = 20
@@ -77,11 +77,53 @@ class OpenAIBaseModel(BaseModel):
                 value.reject_unsupported(prefix=f"{prefix}{name}.")
 
 
+def _unpaired_surrogate(value: Any, path: str) -> tuple[str, int] | None:
+    """(path, index) of the first string under value (keys included) holding an unpaired UTF-16 surrogate, which
+    JSON's \\uXXXX escapes can carry but no UTF-8 text (or tokenizer) can."""
+    if isinstance(value, str):
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                return path, e.start
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            name = str(key).encode("utf-8", "backslashreplace").decode("utf-8")   # the error names it: no surrogate
+            where = f"{path}.{name}" if path else name
+            found = _unpaired_surrogate(key, where) or _unpaired_surrogate(item, where)
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if not isinstance(item, (int, float)):
+                found = _unpaired_surrogate(item, f"{path}.{i}")
+                if found:
+                    return found
+    return None
+
+
+class RequestModel(OpenAIBaseModel):
+    """A request body: its strings must be valid Unicode (400 naming the parameter otherwise). The published schema
+    lists only the declared fields (reject_unsupported refuses the rest, but for the values that ask for nothing)."""
+    model_config = ConfigDict(json_schema_extra={"additionalProperties": False})
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        found = _unpaired_surrogate(data, "")
+        if found:
+            param, index = found
+            raise APIError(400, f"{param} holds an unpaired UTF-16 surrogate at character {index}: strings must be "
+                                "valid Unicode", param=param)
+        return data
+
+
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool | None = False
 
 
-class SamplingRequest(OpenAIBaseModel):
+class SamplingRequest(RequestModel):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI names, then vLLM extras)."""
     model: str | None = None
     n: int = Field(1, ge=1)
@@ -144,10 +186,11 @@ class ChatCompletionRequest(SamplingRequest):
     # vLLM extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: str | None = None            # the client's own Jinja template (--allow-client-chat-template)
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(RequestModel):
     """vLLM's /tokenize: either a prompt or chat messages."""
     model: str | None = None
     prompt: str | None = None
@@ -155,10 +198,12 @@ class TokenizeRequest(OpenAIBaseModel):
     add_special_tokens: bool | None = None       # default: True for a prompt, False for messages
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int]
 

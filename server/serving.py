@@ -2,9 +2,11 @@
 logprob formatting, SSE framing and cancellation when the client goes away."""
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 from fastapi import Request
@@ -14,7 +16,9 @@ from quant_serve.engine.llm_engine import LLMEngine
 from quant_serve.engine.sampling_params import SamplingParams
 from quant_serve.engine.sequence import Logprob
 from quant_serve.server.async_engine import AsyncEngine, QueueFullError, RequestStream
-from quant_serve.server.protocol import APIError, ChatLogProb, ChatLogProbEntry, CompletionLogProbs, SamplingRequest, error_body
+from quant_serve.server.chat_template import ChatEncoder
+from quant_serve.server.protocol import (APIError, ChatLogProb, ChatLogProbEntry, CompletionLogProbs, SamplingRequest,
+                                         error_body, random_id)
 
 logger = logging.getLogger("quant_serve.server")
 
@@ -32,12 +36,20 @@ class ServingContext:
     engine: LLMEngine
     async_engine: AsyncEngine
     served_model_names: list[str]
+    chat: ChatEncoder
+    # Tokenizing, rendering templates and checking long token lists take the GIL-free tokenizer or plain CPU time:
+    # they run here, so that one large request never holds up the event loop (health checks, other streams).
+    executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(4, "request-cpu"))
 
     def __post_init__(self):
         tokenizer = self.engine.tokenizer
         # per-token strings for logprobs; special tokens shown, as vLLM does
         self.token_str = lru_cache(maxsize=65536)(
             lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False))
+
+    async def run(self, fn, *args):
+        """fn(*args) in the request thread pool; its exceptions (APIError included) come back here."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args))
 
     @property
     def tokenizer(self):
@@ -83,8 +95,15 @@ class ServingContext:
                                 "completion.", param="max_tokens", code="context_length_exceeded")
         return requested
 
-    def submit(self, prompts: list[tuple[str, list[int], SamplingParams]], n: int,
-               arrival_time: float) -> RequestStream:
+    def submit(self, prompts: list[tuple[str, list[int], SamplingParams]], n: int, arrival_time: float,
+               n_param: str) -> RequestStream:
+        """Queue the request's len(prompts) x n sequences. The waiting queue's cap counts sequences: a request that
+        alone holds more than the cap is a 400 (n_param names what to lower); one that does not fit now, a 503."""
+        limit, num_seqs = self.async_engine.max_queued_requests, len(prompts) * n
+        if limit is not None and num_seqs > limit:
+            param = "prompt" if len(prompts) > 1 else n_param
+            raise APIError(400, f"this request holds {num_seqs} sequences (prompts x n), more than the server's "
+                                f"waiting queue takes ({limit}, --max-queued-requests); split it", param=param)
         try:
             return self.async_engine.add_requests(prompts, n=n, arrival_time=arrival_time)
         except QueueFullError as e:
@@ -169,12 +188,20 @@ def sse(payload: BaseModel | dict) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
+def internal_error_body(e: BaseException, where: str) -> dict:
+    """A 5xx never shows the exception to the client (it may hold paths, prompts of other requests, internals):
+    the log gets it under an error id, the client gets the id."""
+    error_id = random_id("err")
+    logger.error("%s failed (error id %s): %r", where, error_id, e, exc_info=e)
+    return error_body(f"internal server error (error id {error_id}; the server log has the details)",
+                      "server_error", code="internal_error")
+
+
 def sse_error(e: Exception) -> str:
     """An error after the stream started (the status line is gone): an error event, then [DONE]."""
     if isinstance(e, APIError):
         return sse(error_body(e.message, e.type, e.param, e.code))
-    logger.exception("request failed mid-stream")
-    return sse(error_body(f"internal error: {e!r}", "server_error", code="internal_error"))
+    return sse(internal_error_body(e, "a streamed request"))
 
 
 async def _wait_for_disconnect(raw: Request) -> None:

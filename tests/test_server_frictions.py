@@ -103,7 +103,8 @@ def test_help_reads_right():
     assert "--async-scheduling, --no-async-scheduling" in serve and "(default: on)" in serve
     assert "(default: True)" not in serve and "(default: False)" not in serve
     parse = cli.build_parser().parse_args
-    assert parse(["serve", "m"]).async_scheduling and not parse(["serve", "m", "--no-async-scheduling"]).async_scheduling
+    assert parse(["serve", "m"]).async_scheduling
+    assert not parse(["serve", "m", "--no-async-scheduling"]).async_scheduling
 
 
 def test_plan_takes_gpu_memory_gb_like_every_command():
