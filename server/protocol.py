@@ -56,8 +56,9 @@ UNIMPLEMENTED_FIELDS: dict[str, object] = {
 
 
 class OpenAIBaseModel(BaseModel):
-    # Unknown fields are kept (not dropped) so that reject_unsupported can name them.
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    # Unknown fields are kept (not dropped) so that reject_unsupported can name them. Strict types, as OpenAI checks
+    # them: "n": "2", "n": 2.0 or "echo": 1 are a 400, not quietly converted.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
 
     def reject_unsupported(self, prefix: str = "") -> None:
         """400 for a field this model does not declare, unless UNIMPLEMENTED_FIELDS accepts its value. Checks the

@@ -100,3 +100,14 @@ def test_logit_bias_is_per_request_in_one_batch(server):
 def test_bad_logit_bias_is_400(server, bias):
     error = assert_error_shape(post(server, COMPLETIONS, {"prompt": "x", "max_tokens": 1, "logit_bias": bias}), 400)
     assert error["param"].startswith("logit_bias"), error
+
+
+@pytest.mark.parametrize("path, body, param", [
+    (COMPLETIONS, {"prompt": "x", "n": 2.0}, "n"),
+    (COMPLETIONS, {"prompt": "x", "max_tokens": "3"}, "max_tokens"),
+    (COMPLETIONS, {"prompt": "x", "echo": 1}, "echo"),
+    ("/detokenize", {"tokens": [True]}, "tokens.0"),
+])
+def test_types_are_checked_strictly_as_openai_does(server, path, body, param):
+    error = assert_error_shape(post(server, path, body), 400)
+    assert error["param"] == param, error
