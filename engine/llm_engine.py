@@ -118,6 +118,10 @@ class LLMEngine:
             raise ValueError(f"n must be at least 1, got {n}")
         text, ids = self.encode_prompt(prompt)
         self.check_prompt_length(len(ids), params)
+        outside = [t for t in params.logit_bias or {} if t >= self.model_config.vocab_size]
+        if outside:
+            raise ValueError(f"logit_bias token id {outside[0]} is outside the vocabulary "
+                             f"[0, {self.model_config.vocab_size})")
         now = time.time() if arrival_time is None else arrival_time
         seqs, detoks = [], []
         for i in range(n):

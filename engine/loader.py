@@ -288,6 +288,11 @@ def pick_dtype(requested: str, cfg: ModelConfig, device: str, quantized: bool) -
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
     try:
-        return AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as e:
         raise ValueError(f"cannot load a tokenizer from {path}: {e}") from e
+    # without tokenizer files transformers may build an empty tokenizer, which turns every prompt into no tokens
+    if not tokenizer.encode("hello world", add_special_tokens=False):
+        raise ValueError(f"no usable tokenizer in {path} (tokenizer.json, tokenizer.model or vocab.json is "
+                         "missing): add the tokenizer files or pass --tokenizer DIR")
+    return tokenizer

@@ -1,6 +1,7 @@
-"""Next-token sampling: penalties, min_tokens, temperature, min-p / top-k / top-p, seeds, logprobs.
+"""Next-token sampling: logit bias, penalties, min_tokens, temperature, min-p / top-k / top-p, seeds, logprobs.
 
-Order per row follows vLLM: penalties -> min_tokens masking -> temperature -> min_p -> top_k -> top_p -> sample.
+Order per row follows vLLM: logit_bias -> penalties -> min_tokens masking -> temperature -> min_p -> top_k -> top_p
+-> sample.
 Logprobs are taken from the raw model logits (vLLM's default "raw_logprobs"), not from the processed ones.
 """
 from dataclasses import dataclass
@@ -60,6 +61,10 @@ def _has_penalties(seq: Sequence) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
+def _has_logit_bias(seq: Sequence) -> bool:
+    return bool(seq.params.logit_bias)
+
+
 def _min_tokens_active(seq: Sequence) -> bool:
     return seq.num_output_tokens < seq.params.min_tokens
 
@@ -71,14 +76,32 @@ def needs_last_token_on_host(seq: Sequence) -> bool:
 
 
 def only_argmax(seqs: list[Sequence]) -> bool:
-    """Every row takes the argmax of its raw logits: greedy, no penalties, no min_tokens, no logprobs."""
-    return all(_is_greedy(s) and not _has_penalties(s) and not _min_tokens_active(s) and s.params.logprobs is None
-               for s in seqs)
+    """Every row takes the argmax of its raw logits: greedy, no bias, no penalties, no min_tokens, no logprobs."""
+    return all(_is_greedy(s) and not _has_logit_bias(s) and not _has_penalties(s) and not _min_tokens_active(s)
+               and s.params.logprobs is None for s in seqs)
 
 
 def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
     width = max(1, max(len(r) for r in rows))
     return to_device([r + [pad] * (width - len(r)) for r in rows], torch.long, device)
+
+
+def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Adds each row's params.logit_bias (token id -> value) to its logits: one index_add_ over the flat [S * V]
+    view for the whole batch. Token ids were checked against the vocabulary when the request was added."""
+    vocab = logits.shape[1]
+    flat_ids, values = [], []          # row * vocab + token, bias
+    for i, seq in enumerate(seqs):
+        bias = seq.params.logit_bias
+        if bias:
+            flat_ids += [i * vocab + t for t in bias]
+            values += bias.values()
+    if not flat_ids:
+        return logits
+    logits = logits.clone()                                                                      # contiguous [S, V]
+    logits.view(-1).index_add_(0, to_device(flat_ids, torch.long, logits.device),
+                               to_device(values, torch.float32, logits.device).to(logits.dtype))
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -218,11 +241,12 @@ class Sampler:
         want_logprobs = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None                     # [S, V]
 
-        simple = all(_is_greedy(s) and not _has_penalties(s) and not _min_tokens_active(s) for s in seqs)
+        simple = all(_is_greedy(s) and not _has_logit_bias(s) and not _has_penalties(s) and
+                     not _min_tokens_active(s) for s in seqs)
         if simple:
             sampled = logits.argmax(dim=-1)                                                      # [S]
         else:
-            logits = apply_min_tokens(apply_penalties(logits, seqs), seqs)
+            logits = apply_min_tokens(apply_penalties(apply_logit_bias(logits, seqs), seqs), seqs)
             sampled = logits.argmax(dim=-1)          # the answer for greedy rows
             random_rows = [i for i, s in enumerate(seqs) if not _is_greedy(s)]
             if random_rows:

@@ -1,5 +1,8 @@
 """Per-request generation settings, named as in vLLM / the OpenAI API."""
+import math
 from dataclasses import dataclass, field
+
+LOGIT_BIAS_LIMIT = 100.0     # OpenAI's range for logit_bias values; larger ones are clamped to it, as vLLM does
 
 
 @dataclass
@@ -21,6 +24,7 @@ class SamplingParams:
     logprobs: int | None = None          # top-k alternatives per sampled token (0 = sampled token only)
     prompt_logprobs: int | None = None   # same for prompt tokens (needed for echo)
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None   # token id -> added to its logit before sampling (clamped to +-100)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -29,6 +33,12 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k is None or self.top_k < 0:
             self.top_k = 0
+        if self.logit_bias:
+            bad = [v for v in self.logit_bias.values() if not math.isfinite(v)]
+            if bad:
+                raise ValueError(f"logit_bias values must be finite, got {bad[0]}")
+            self.logit_bias = {int(t): min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, float(v)))
+                               for t, v in self.logit_bias.items()}
         self.validate()
 
     def validate(self) -> None:
@@ -51,6 +61,9 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        negative = [t for t in (self.logit_bias or {}) if t < 0]
+        if negative:
+            raise ValueError(f"logit_bias token ids must be non-negative, got {negative[0]}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 20:

@@ -41,13 +41,16 @@ def ppl_kld_figure(summary: dict) -> str:
                "#55a868")]
     for i, (ax, (title, values, errors, color)) in enumerate(zip(axes, panels)):
         ax.barh(y, values, xerr=errors, color=color, capsize=3)
-        for yi, v in zip(y, values):
-            ax.annotate(f"{v:.3g}", (v, yi), xytext=(4, 0), textcoords="offset points", va="center", fontsize=8)
+        for yi, v, err in zip(y, values, errors):
+            # beyond the error bar's cap, on the side the bar grows to, so the number never sits on the bar
+            side = 1 if v >= 0 else -1
+            ax.annotate(f"{v:.3g}", (v + side * err, yi), xytext=(side * 5, 0), textcoords="offset points",
+                        va="center", ha="left" if side > 0 else "right", fontsize=8)
         ax.set_title(title, fontsize=10)
         ax.set_yticks(y, names if i == 0 else [""] * len(names))
         ax.set_ylim(len(names) - 0.5, -0.5)
         ax.grid(axis="x", alpha=0.3)
-        ax.margins(x=0.15)
+        ax.margins(x=0.25)      # room for the labels beyond the error bars
     axes[2].set_xlim(max(0, min(100 * c["top1"] for c in cands) - 10), 100.5)
     return to_base64(fig)
 

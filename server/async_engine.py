@@ -20,7 +20,7 @@ logger = logging.getLogger("quant_serve.server")
 
 
 class QueueFullError(Exception):
-    """The waiting queue already holds --max-queued-requests requests."""
+    """The waiting queue cannot take the request's sequences (--max-queued-requests counts sequences)."""
 
 
 class EngineRequestError(Exception):
@@ -45,19 +45,22 @@ class EngineSnapshot:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_queued_requests: int | None = None,
                  on_output: Callable[[RequestOutput, float], None] | None = None,
-                 on_abort: Callable[[str], None] | None = None):
+                 on_abort: Callable[[str, int], None] | None = None):
         self.engine = engine
-        self.max_queued_requests = max_queued_requests
+        self.max_queued_requests = max_queued_requests     # waiting sequences (prompts x n), not HTTP requests
         self._on_output = on_output        # metrics hook, called in the engine thread
         self._on_abort = on_abort
         self._lock = threading.RLock()
         self._inbox: list[tuple] = []
-        self._num_pending_adds = 0
+        self._num_pending_adds = 0          # requests in the inbox
+        self._num_pending_seqs = 0          # their sequences
+        self._closing: Callable[[], BaseException] | None = None   # set by fail_all: new requests get its error
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
         self._stopped = False
         self._thread: threading.Thread | None = None
         self._engine_waiting = 0          # waiting requests inside the engine, as of the last publish
+        self._engine_waiting_seqs = 0     # their unfinished sequences that are not running
         self.snapshot = EngineSnapshot()
         with self._lock:
             self._publish()
@@ -91,17 +94,22 @@ class AsyncEngine:
         QueueFullError before anything is queued, so the handler can still answer 503. Call from the event loop."""
         if self.started and not self.is_alive:
             raise EngineRequestError("the engine loop is not running; see the server log")
+        if self._closing is not None:
+            raise self._closing()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         arrival_time = time.time() if arrival_time is None else arrival_time
+        num_seqs = len(prompts) * n
         with self._lock:
-            queued = self._num_pending_adds + self._engine_waiting
-            if self.max_queued_requests is not None and queued >= self.max_queued_requests:
-                raise QueueFullError(f"the server's waiting queue is full ({queued} requests); retry later")
+            queued = self._num_pending_seqs + self._engine_waiting_seqs
+            if self.max_queued_requests is not None and queued + num_seqs > self.max_queued_requests:
+                raise QueueFullError(f"the server's waiting queue is full ({queued} sequences wait, this request "
+                                     f"adds {num_seqs}, the limit is {self.max_queued_requests}); retry later")
             for request_id, token_ids, params in prompts:
                 self._streams[request_id] = (loop, queue)
                 self._inbox.append(("add", request_id, token_ids, params, n, arrival_time))
             self._num_pending_adds += len(prompts)
+            self._num_pending_seqs += num_seqs
         self.start()
         self._wake.set()
         return RequestStream(self, [request_id for request_id, _, _ in prompts], queue)
@@ -110,6 +118,22 @@ class AsyncEngine:
         with self._lock:
             self._inbox.append(("abort", request_id))
         self._wake.set()
+
+    def fail_all(self, make_error: Callable[[], BaseException]) -> int:
+        """End every open request with make_error() (a stream answers it with an error event and [DONE]) and refuse
+        new ones with it; their engine requests are aborted. For shutdown. Returns how many requests it ended."""
+        with self._lock:
+            self._closing = make_error
+            request_ids = list(self._streams)
+            for request_id in request_ids:
+                self._fail(request_id, make_error())
+                self._inbox.append(("abort", request_id))
+        self._wake.set()
+        return len(request_ids)
+
+    @property
+    def num_open_requests(self) -> int:
+        return len(self._streams)
 
     def _close_stream(self, request_id: str, finished: bool) -> None:
         with self._lock:
@@ -147,7 +171,7 @@ class AsyncEngine:
                         self._fail(request_id, e)
                 else:
                     self._abort_now(request_id)
-            self._num_pending_adds = 0
+            self._num_pending_adds = self._num_pending_seqs = 0
             self._publish()
 
     def _step(self) -> None:
@@ -178,9 +202,13 @@ class AsyncEngine:
             self._publish()
 
     def _abort_now(self, request_id: str) -> None:
+        request = self.engine.requests.get(request_id)
+        if request is None:         # finished (or never added): nothing to abort, nothing to count
+            return
+        unfinished = sum(not seq.is_finished for seq in request.seqs)
         self.engine.abort(request_id)
         if self._on_abort is not None:
-            self._on_abort(request_id)
+            self._on_abort(request_id, unfinished)
 
     def _deliver(self, request_id: str, item) -> None:
         stream = self._streams.get(request_id)
@@ -198,13 +226,14 @@ class AsyncEngine:
     def _publish(self) -> None:
         """Called with the lock held, from the engine thread (and once from __init__)."""
         engine, bm = self.engine, self.engine.block_manager
-        running = waiting = 0
+        running = waiting = waiting_seqs = 0
         for request in engine.requests.values():
             if any(seq.status == SequenceStatus.RUNNING for seq in request.seqs):
                 running += 1
             elif not all(seq.is_finished for seq in request.seqs):
                 waiting += 1
-        self._engine_waiting = waiting
+            waiting_seqs += sum(seq.status != SequenceStatus.RUNNING and not seq.is_finished for seq in request.seqs)
+        self._engine_waiting, self._engine_waiting_seqs = waiting, waiting_seqs
         stats = engine.stats
         self.snapshot = EngineSnapshot(
             num_running=running, num_waiting=waiting + self._num_pending_adds, kv_cache_usage=bm.usage,

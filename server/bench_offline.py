@@ -142,6 +142,37 @@ def decode_bytes_per_step(model) -> int:
     return total - rope.numel() * rope.element_size()
 
 
+_LATENCIES = [("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
+              ("itl", "Inter-token Latency"), ("e2e", "End-to-end Latency")]
+
+
+def format_summary(title: str, result: dict) -> str:
+    """The human-readable table vLLM's benchmarks print, from a run_offline / run_load result."""
+    width = 50
+    lines = [f" {title} ".center(width, "=")]
+
+    def row(label: str, value, fmt: str = "{:.2f}"):
+        if value is not None:
+            lines.append(f"{label + ':':<40}{fmt.format(value) if not isinstance(value, str) else value:>10}")
+
+    row("Successful requests", result.get("completed", result.get("num_prompts")), "{:d}")
+    row("Failed requests", result.get("errors"), "{:d}")
+    row("Benchmark duration (s)", result.get("elapsed_s"))
+    row("Request throughput (req/s)", result.get("requests_per_s"))
+    row("Output token throughput (tok/s)", result.get("output_tok_s"))
+    row("Total token throughput (tok/s)", result.get("total_tok_s"))
+    row("Batch-1 decode (tok/s)", result.get("decode_tok_s"))
+    for key, name in _LATENCIES:
+        if result.get(f"{key}_mean_s") is None:
+            continue
+        lines.append(f" {name} ".center(width, "-"))
+        for stat, label in (("mean", "Mean"), ("p50", "Median"), ("p90", "P90"), ("p99", "P99")):
+            value = result.get(f"{key}_{stat}_s")
+            row(f"{label} {key.upper()} (ms)", None if value is None else 1e3 * value)
+    lines.append("=" * width)
+    return "\n".join(lines)
+
+
 def write_json(path: str, payload: dict) -> None:
     with open(path, "w") as f:
         json.dump(payload, f, indent=2)

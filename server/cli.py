@@ -4,7 +4,29 @@ import logging
 import os
 import sys
 
-from quant_serve.engine.config import OFFLINE_BATCHED_TOKENS, SERVE_BATCHED_TOKENS, CacheConfig, EngineConfig, SchedulerConfig
+from quant_serve.engine.config import (OFFLINE_BATCHED_TOKENS, SERVE_BATCHED_TOKENS, CacheConfig, EngineConfig,
+                                      SchedulerConfig)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends a default only where it says something: not for options without one (None), not for store_true /
+    store_false flags (their help says what they do); --x/--no-x pairs read "(default: on)" or "(default: off)"."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help = action.help or ""
+        if isinstance(action, argparse.BooleanOptionalAction) and help:
+            return help + (" (default: on)" if action.default else " (default: off)")
+        if ("%(default)" in help or action.default is None or action.default is argparse.SUPPRESS
+                or not action.option_strings or action.nargs == 0):
+            return help
+        return help + " (default: %(default)s)"
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """Every subcommand's parser: HelpFormatter unless a command picks its own."""
+
+    def __init__(self, *args, formatter_class=HelpFormatter, **kwargs):
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
 
 
 def demo_model_dir() -> str | None:
@@ -27,12 +49,14 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--quantize-lm-head", action="store_true",
                    help="INT4 g128 copy of the output head at load (round-to-nearest): the largest matrix a decode "
                         "step reads; quant-serve eval --quantize-lm-head measures what it costs")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + completion in tokens (default: the model's max_position_embeddings)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences in one step's batch")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help=f"token budget per step (default: {SERVE_BATCHED_TOKENS} for serve, "
                         f"{OFFLINE_BATCHED_TOKENS} for offline commands, as vLLM on cards under 70 GiB)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.90,
+                   help="fraction of the card's memory the engine may plan for")
     p.add_argument("--kv-cache-dtype", default="auto",
                    choices=["auto", "fp16", "bf16", "fp8", "fp8_e4m3", "fp8_e5m2"])
     p.add_argument("--gpu-memory-gb", type=float, default=None,
@@ -45,12 +69,14 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--cpu-kv-gb", type=float, default=0.0,
                    help="host-memory tier for KV blocks of preempted sequences and evicted prefix blocks")
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
-                   help="resolve every step before scheduling the next (by default the next step is scheduled and "
-                        "launched while the previous one still runs)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks of a prompt prefix seen before")
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="split long prompts over several steps' token budgets")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="schedule and launch each step while the previous one still runs "
+                        "(--no-async-scheduling: resolve every step before scheduling the next)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -95,9 +121,9 @@ def cmd_generate(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="quant-serve", description="Quantization-first LLM inference engine")
+    parser = ArgumentParser(prog="quant-serve", description="Quantization-first LLM inference engine")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt and print it")
     add_engine_args(gen)

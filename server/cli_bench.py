@@ -1,4 +1,4 @@
-"""`quant-serve bench {offline,serve}`: latency and throughput, written as JSON."""
+"""`quant-serve bench {offline,serve}`: latency and throughput, as JSON on stdout and a table on stderr."""
 import asyncio
 import json
 import platform
@@ -53,7 +53,8 @@ def _metadata(args) -> dict:
 
 def run_offline_cmd(args) -> int:
     from quant_serve.engine.llm_engine import LLMEngine
-    from quant_serve.server.bench_offline import decode_bytes_per_step, measure_copy_bandwidth, run_offline, write_json
+    from quant_serve.server.bench_offline import (decode_bytes_per_step, format_summary, measure_copy_bandwidth,
+                                                  run_offline, write_json)
     from quant_serve.server.cli import engine_config_from_args
     engine = LLMEngine(engine_config_from_args(args))
     result = {"metadata": _metadata(args), "model": engine.config.model,
@@ -70,6 +71,7 @@ def run_offline_cmd(args) -> int:
         if "decode_tok_s" in result:
             result["roofline_fraction"] = result["decode_tok_s"] / result["roofline_tok_s"]
     print(json.dumps(result, indent=2))
+    print(format_summary("Offline Benchmark Result", result), file=sys.stderr)   # stdout stays JSON for pipes
     if args.output_json:
         write_json(args.output_json, result)
     return 0
@@ -77,7 +79,7 @@ def run_offline_cmd(args) -> int:
 
 def run_serve_cmd(args) -> int:
     import httpx
-    from quant_serve.server.bench_offline import write_json
+    from quant_serve.server.bench_offline import format_summary, write_json
     from quant_serve.server.bench_serve import run_load
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     model = args.served_model or httpx.get(f"{args.url}/v1/models", headers=headers).json()["data"][0]["id"]
@@ -88,6 +90,7 @@ def run_serve_cmd(args) -> int:
         args.slo_ttft_ms / 1e3 if args.slo_ttft_ms else None, args.slo_tpot_ms / 1e3 if args.slo_tpot_ms else None))
     result = {"metadata": _metadata(args), "url": args.url, "model": model, **result}
     print(json.dumps(result, indent=2))
+    print(format_summary("Serving Benchmark Result", result), file=sys.stderr)
     if args.output_json:
         write_json(args.output_json, result)
     return 0 if result["server_errors_5xx"] == 0 else 1

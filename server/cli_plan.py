@@ -1,4 +1,5 @@
 """`quant-serve plan MODEL`: what fits on this card, from config.json (and safetensors headers) alone."""
+import argparse
 import json
 import sys
 
@@ -6,14 +7,16 @@ import sys
 def register(sub) -> None:
     p = sub.add_parser("plan", help="plan GPU memory (weights, activations, KV capacity) without loading the model")
     p.add_argument("model", help="model directory (config.json is enough) or hub id")
-    p.add_argument("--gpu-mem-gb", type=float, default=24.0, help="card memory in GiB (default 24)")
+    p.add_argument("--gpu-memory-gb", type=float, default=24.0, help="card memory in GiB (as serve --gpu-memory-gb)")
+    p.add_argument("--gpu-mem-gb", dest="gpu_memory_gb", type=float, default=argparse.SUPPRESS,
+                   help=argparse.SUPPRESS)       # the old name, kept for scripts that use it
     p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
     p.add_argument("--kv-cache-dtype", default="auto",
                    choices=["auto", "fp16", "bf16", "fp8", "fp8_e4m3", "fp8_e5m2"])
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--dtype", default="auto", help="weights dtype (default: as stored)")
+    p.add_argument("--dtype", default="auto", help="weights dtype (auto: as stored)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graph reserve")
     p.add_argument("--quantize-lm-head", action="store_true",
                    help="plan for serve --quantize-lm-head (an INT4 g128 head instead of the float one)")
@@ -25,7 +28,7 @@ def run(args) -> int:
     from quant_serve.engine.loader import resolve_model_dir
     from quant_serve.engine.memory import format_plan, plan_memory
     model_dir = resolve_model_dir(args.model)
-    plan = plan_memory(model_dir, gpu_mem_gb=args.gpu_mem_gb, gpu_memory_utilization=args.gpu_memory_utilization,
+    plan = plan_memory(model_dir, gpu_mem_gb=args.gpu_memory_gb, gpu_memory_utilization=args.gpu_memory_utilization,
                        kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
                        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                        enforce_eager=args.enforce_eager, weights_dtype=args.dtype, int4_head=args.quantize_lm_head)

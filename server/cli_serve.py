@@ -1,29 +1,69 @@
 """`quant-serve serve [MODEL]`: the OpenAI-compatible HTTP server, with vLLM's flag names."""
-import argparse
 import logging
+import os
 import sys
+from pathlib import Path
 
 from quant_serve.server import cli
 from quant_serve.server.app import DEFAULT_MAX_QUEUED_REQUESTS
+
+API_KEY_ENV = ("QUANT_SERVE_API_KEY", "VLLM_API_KEY")
 
 logger = logging.getLogger("quant_serve")
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server",
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     cli.add_engine_args(p, model_positional=True)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="names the API accepts in `model`; the first one labels the metrics (default: MODEL)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* and the tokenizer endpoints (visible in ps: "
+                        f"prefer --api-key-file or {' / '.join(API_KEY_ENV)})")
+    p.add_argument("--api-key-file", default=None, metavar="FILE", help="read the API key from FILE")
     p.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
-                   help="requests allowed to wait for a slot; more get 503 with Retry-After")
+                   help="sequences (prompts x n) allowed to wait for a slot; more get 503 with Retry-After")
+    p.add_argument("--max-request-bytes", type=int, default=None,
+                   help="largest request body; larger ones get 413 (default: 64 bytes a token of --max-model-len, "
+                        "at least 2 MiB)")
+    p.add_argument("--allow-client-chat-template", action="store_true",
+                   help="accept a client's own Jinja template (chat_template, chat_template_kwargs.chat_template), "
+                        "rendered in a sandbox process with a time and size limit; for trusted clients")
+    p.add_argument("--chat-template-timeout", type=float, default=5.0,
+                   help="seconds a client's chat template may take to render")
+    p.add_argument("--shutdown-timeout", type=float, default=5.0,
+                   help="seconds the requests in flight get to finish on SIGTERM before each one still open ends "
+                        "with an error (streams: an error event and [DONE])")
+    p.add_argument("--timeout-keep-alive", type=int, default=5, help="seconds an idle connection stays open")
+    p.add_argument("--header-read-timeout", type=float, default=10.0,
+                   help="seconds a connection has to send a complete request head")
+    p.add_argument("--body-read-timeout", type=float, default=30.0,
+                   help="seconds a request has to send its body")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["debug", "info", "warning", "error", "critical"])
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
     p.set_defaults(func=cmd_serve)
+
+
+def resolve_api_key(args, environ=os.environ) -> tuple[str | None, str]:
+    """The key and where it came from: --api-key, --api-key-file, then the first of API_KEY_ENV that is set. Read once
+    at start-up."""
+    if args.api_key is not None and args.api_key_file is not None:
+        raise ValueError("give --api-key or --api-key-file, not both")
+    if args.api_key is not None:
+        key, source = args.api_key, "--api-key"
+    elif args.api_key_file is not None:
+        key, source = Path(args.api_key_file).read_text().strip(), args.api_key_file
+    else:
+        name = next((n for n in API_KEY_ENV if environ.get(n)), None)
+        if name is None:
+            return None, "none"
+        key, source = environ[name].strip(), name
+    if not key:
+        raise ValueError(f"the API key from {source} is empty")
+    return key, source
 
 
 def startup_report(engine) -> list[str]:
@@ -54,15 +94,27 @@ def cmd_serve(args) -> int:
     import uvicorn
 
     from quant_serve.engine.llm_engine import LLMEngine
-    from quant_serve.server.app import build_app
+    from quant_serve.server.app import ServerOptions, build_app
+    from quant_serve.server.http_limits import h11_protocol
+    from quant_serve.server.shutdown import GracefulServer
 
+    api_key, key_source = resolve_api_key(args)
     config = cli.engine_config_from_args(args)
     engine = LLMEngine(config)
     for line in startup_report(engine):
         logger.info(line)
     names = args.served_model_name or [args.model_tag or args.model or "quant-serve-demo"]
-    app = build_app(engine, names, api_key=args.api_key, max_queued_requests=args.max_queued_requests)
-    logger.info("serving %s on http://%s:%d", ", ".join(names), args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                access_log=not args.disable_uvicorn_access_log, timeout_graceful_shutdown=5)
+    options = ServerOptions(api_key=api_key, max_queued_requests=args.max_queued_requests,
+                            max_request_bytes=args.max_request_bytes, body_read_timeout_s=args.body_read_timeout,
+                            allow_client_chat_template=args.allow_client_chat_template,
+                            chat_template_timeout_s=args.chat_template_timeout)
+    app = build_app(engine, names, options)
+    logger.info("serving %s on http://%s:%d (API key: %s)", ", ".join(names), args.host, args.port,
+                f"from {key_source}" if api_key else "none")
+    server = GracefulServer(
+        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                       access_log=not args.disable_uvicorn_access_log, timeout_keep_alive=args.timeout_keep_alive,
+                       http=h11_protocol(args.header_read_timeout)),
+        app.state.async_engine, args.shutdown_timeout)
+    server.run()
     return 0

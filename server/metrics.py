@@ -4,7 +4,7 @@ are observed by the engine thread as outputs arrive."""
 import threading
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from quant_serve.engine.outputs import RequestOutput
@@ -16,6 +16,17 @@ ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                80.0]
 REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                    480.0, 960.0, 1920.0, 7680.0]
+
+
+def buckets_1_2_5(max_value: int) -> list[int]:
+    """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to max_value (max_model_len)."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return buckets
+            buckets.append(mantissa * scale)
+        scale *= 10
 
 
 class _SnapshotCollector:
@@ -45,9 +56,13 @@ class _SnapshotCollector:
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, snapshot: Callable[[], EngineSnapshot]):
+    """As in vLLM V1, each of a request's n sequences counts as a request in request_success and the per-request
+    token histograms; the latency histograms count engine requests."""
+
+    def __init__(self, model_name: str, snapshot: Callable[[], EngineSnapshot], max_model_len: int):
         self.registry = CollectorRegistry()
         self.registry.register(_SnapshotCollector(model_name, snapshot))
+        self.model_name = model_name
 
         def histogram(name: str, doc: str, buckets: list[float]):
             return Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.registry).labels(model_name)
@@ -55,9 +70,18 @@ class ServerMetrics:
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         self.itl = histogram("vllm:inter_token_latency_seconds", "Time between two tokens of a sequence.",
                              ITL_BUCKETS)
+        # vLLM's older name for the same observations, which its Grafana dashboard reads
+        self.tpot = histogram("vllm:time_per_output_token_seconds", "Time per output token (inter-token latency).",
+                              ITL_BUCKETS)
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.", REQUEST_BUCKETS)
         self.queue_time = histogram("vllm:request_queue_time_seconds", "Arrival to first scheduling.",
                                     REQUEST_BUCKETS)
+        token_buckets = buckets_1_2_5(max_model_len)
+        self.prompt_tokens = histogram("vllm:request_prompt_tokens", "Prompt tokens per request.", token_buckets)
+        self.generation_tokens = histogram("vllm:request_generation_tokens", "Generated tokens per request.",
+                                           token_buckets)
+        self.success = Counter("vllm:request_success", "Finished requests by finish reason (stop, length, abort).",
+                               ["model_name", "finished_reason"], registry=self.registry)
         self._lock = threading.Lock()
         self._last_token_time: dict[tuple[str, int], float] = {}   # (request id, choice index) -> time
         self._started: set[str] = set()                            # requests whose first token was observed
@@ -76,16 +100,24 @@ class ServerMetrics:
                 last = self._last_token_time.get(key)
                 if last is not None:
                     self.itl.observe(now - last)
+                    self.tpot.observe(now - last)
                 self._last_token_time[key] = now
             if out.finished:
+                for choice in out.outputs:
+                    self.success.labels(self.model_name, choice.finish_reason).inc()
+                    self.prompt_tokens.observe(len(out.prompt_token_ids))
+                    self.generation_tokens.observe(len(choice.token_ids))
                 if m is not None:
                     self.e2e.observe((m.finished_time or now) - m.arrival_time)
                     if m.first_scheduled_time is not None:
                         self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
                 self._forget(out.request_id, len(out.outputs))
 
-    def forget(self, request_id: str) -> None:
+    def forget(self, request_id: str, num_aborted: int = 0) -> None:
+        """An aborted request (its client went away, or it failed): num_aborted of its sequences had not finished."""
         with self._lock:
+            if num_aborted:
+                self.success.labels(self.model_name, "abort").inc(num_aborted)
             self._forget(request_id, None)
 
     def _forget(self, request_id: str, num_choices: int | None) -> None:

@@ -1,10 +1,11 @@
-"""OpenAI-compatible request and response models. Requests accept unknown fields, so clients written for vLLM
-(or newer OpenAI fields we ignore) work unchanged; the vLLM extras we implement are declared."""
+"""OpenAI-compatible request and response models. The OpenAI fields and the vLLM extras we implement are declared;
+a field we do not implement is a 400 naming it unless its value asks for nothing (reject_unsupported), so no request
+is silently answered as if it had not asked."""
 import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 SEED_RANGE = (-2**63, 2**63 - 1)    # int64, as in vLLM; torch seeds take it (children add their index)
 MAX_LOGPROBS = 20
@@ -32,15 +33,98 @@ def error_body(message: str, type: str, param: str | None = None, code: str | in
 
 
 # ---- requests ----------------------------------------------------------------------------------------------
+_ANY = object()
+# Fields OpenAI or vLLM define that this server does not implement, with the values that ask for nothing (accepted
+# as if absent); any other value is a 400 naming the field. _ANY: the field does not change what is generated.
+UNIMPLEMENTED_FIELDS: dict[str, object] = {
+    # OpenAI
+    "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none", "auto"),
+    "functions": (None, []), "function_call": (None, "none", "auto"), "audio": (None,), "modalities": (None, ["text"]),
+    "prediction": (None,), "web_search_options": (None,), "reasoning_effort": (None,), "verbosity": (None,),
+    "parallel_tool_calls": _ANY, "store": _ANY, "metadata": _ANY, "service_tier": _ANY, "prompt_cache_key": _ANY,
+    "safety_identifier": _ANY,
+    # vLLM extras
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,), "structured_outputs": (None,),
+    "allowed_token_ids": (None,), "bad_words": (None, []), "use_beam_search": (None, False),
+    "length_penalty": (None, 1.0), "truncate_prompt_tokens": (None,), "prompt_logprobs": (None,),
+    "spaces_between_special_tokens": (None, True), "priority": (None, 0), "logits_processors": (None,),
+    "return_tokens_as_token_ids": (None, False), "documents": (None,), "mm_processor_kwargs": (None,),
+    "cache_salt": (None,), "kv_transfer_params": (None,), "vllm_xargs": (None,), "echo": (None, False),
+    "continuous_usage_stats": (None, False), "include_obfuscation": _ANY, "request_id": _ANY,
+}
+
+
 class OpenAIBaseModel(BaseModel):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    # Unknown fields are kept (not dropped) so that reject_unsupported can name them. Strict types, as OpenAI checks
+    # them: "n": "2", "n": 2.0 or "echo": 1 are a 400, not quietly converted.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
+
+    def reject_unsupported(self, prefix: str = "") -> None:
+        """400 for a field this model does not declare, unless UNIMPLEMENTED_FIELDS accepts its value. Checks the
+        nested request models too (stream_options)."""
+        for name, value in (self.model_extra or {}).items():
+            accepted = UNIMPLEMENTED_FIELDS.get(name)
+            if accepted is _ANY or (accepted is not None and value in accepted):
+                continue
+            param = prefix + name
+            if accepted is None:
+                raise APIError(400, f"Unrecognized request argument supplied: {param}", param=param)
+            raise APIError(400, f"{param}={value!r} is not supported by this server", param=param,
+                           code="unsupported_parameter")
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if isinstance(value, OpenAIBaseModel) and name != "messages":
+                value.reject_unsupported(prefix=f"{prefix}{name}.")
+
+
+def _unpaired_surrogate(value: Any, path: str) -> tuple[str, int] | None:
+    """(path, index) of the first string under value (keys included) holding an unpaired UTF-16 surrogate, which
+    JSON's \\uXXXX escapes can carry but no UTF-8 text (or tokenizer) can."""
+    if isinstance(value, str):
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                return path, e.start
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            name = str(key).encode("utf-8", "backslashreplace").decode("utf-8")   # the error names it: no surrogate
+            where = f"{path}.{name}" if path else name
+            found = _unpaired_surrogate(key, where) or _unpaired_surrogate(item, where)
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if not isinstance(item, (int, float)):
+                found = _unpaired_surrogate(item, f"{path}.{i}")
+                if found:
+                    return found
+    return None
+
+
+class RequestModel(OpenAIBaseModel):
+    """A request body: its strings must be valid Unicode (400 naming the parameter otherwise). The published schema
+    lists only the declared fields (reject_unsupported refuses the rest, but for the values that ask for nothing)."""
+    model_config = ConfigDict(json_schema_extra={"additionalProperties": False})
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        found = _unpaired_surrogate(data, "")
+        if found:
+            param, index = found
+            raise APIError(400, f"{param} holds an unpaired UTF-16 surrogate at character {index}: strings must be "
+                                "valid Unicode", param=param)
+        return data
 
 
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool | None = False
 
 
-class SamplingRequest(OpenAIBaseModel):
+class SamplingRequest(RequestModel):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI names, then vLLM extras)."""
     model: str | None = None
     n: int = Field(1, ge=1)
@@ -64,6 +148,12 @@ class SamplingRequest(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
+    def validate_request(self) -> None:
+        """The checks pydantic cannot name a parameter for: 400 naming it."""
+        self.reject_unsupported()
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options can only be given with stream=true", param="stream_options")
+
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -81,7 +171,9 @@ class ContentPart(OpenAIBaseModel):
 
 
 class ChatMessage(OpenAIBaseModel):
-    role: str
+    """Fields beyond these (tool_calls, reasoning_content, ...) go to the chat template as the client sent them,
+    as transformers and vLLM pass them."""
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
@@ -95,10 +187,11 @@ class ChatCompletionRequest(SamplingRequest):
     # vLLM extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: str | None = None            # the client's own Jinja template (--allow-client-chat-template)
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(RequestModel):
     """vLLM's /tokenize: either a prompt or chat messages."""
     model: str | None = None
     prompt: str | None = None
@@ -106,10 +199,12 @@ class TokenizeRequest(OpenAIBaseModel):
     add_special_tokens: bool | None = None       # default: True for a prompt, False for messages
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int]
 
@@ -188,7 +283,7 @@ class ChatCompletionResponse(BaseModel):
 
 class ChatStreamChoice(BaseModel):
     index: int
-    delta: dict[str, str]          # {"role": "assistant", "content": ...} in a choice's first chunk, then content
+    delta: dict[str, str]          # {"role": "assistant", "content": ""} in a choice's first chunk, then content
     logprobs: ChatLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -2,9 +2,11 @@
 logprob formatting, SSE framing and cancellation when the client goes away."""
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 from fastapi import Request
@@ -14,7 +16,9 @@ from quant_serve.engine.llm_engine import LLMEngine
 from quant_serve.engine.sampling_params import SamplingParams
 from quant_serve.engine.sequence import Logprob
 from quant_serve.server.async_engine import AsyncEngine, QueueFullError, RequestStream
-from quant_serve.server.protocol import APIError, ChatLogProb, ChatLogProbEntry, CompletionLogProbs, SamplingRequest, error_body
+from quant_serve.server.chat_template import ChatEncoder
+from quant_serve.server.protocol import (APIError, ChatLogProb, ChatLogProbEntry, CompletionLogProbs, SamplingRequest,
+                                         error_body, random_id)
 
 logger = logging.getLogger("quant_serve.server")
 
@@ -32,6 +36,10 @@ class ServingContext:
     engine: LLMEngine
     async_engine: AsyncEngine
     served_model_names: list[str]
+    chat: ChatEncoder
+    # Tokenizing, rendering templates and checking long token lists take the GIL-free tokenizer or plain CPU time:
+    # they run here, so that one large request never holds up the event loop (health checks, other streams).
+    executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(4, "request-cpu"))
 
     def __post_init__(self):
         tokenizer = self.engine.tokenizer
@@ -39,9 +47,18 @@ class ServingContext:
         self.token_str = lru_cache(maxsize=65536)(
             lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False))
 
+    async def run(self, fn, *args):
+        """fn(*args) in the request thread pool; its exceptions (APIError included) come back here."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args))
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's (the logits' width): token ids in prompts and logit_bias must be below it."""
+        return self.engine.model_config.vocab_size
 
     @property
     def max_model_len(self) -> int:
@@ -78,8 +95,15 @@ class ServingContext:
                                 "completion.", param="max_tokens", code="context_length_exceeded")
         return requested
 
-    def submit(self, prompts: list[tuple[str, list[int], SamplingParams]], n: int,
-               arrival_time: float) -> RequestStream:
+    def submit(self, prompts: list[tuple[str, list[int], SamplingParams]], n: int, arrival_time: float,
+               n_param: str) -> RequestStream:
+        """Queue the request's len(prompts) x n sequences. The waiting queue's cap counts sequences: a request that
+        alone holds more than the cap is a 400 (n_param names what to lower); one that does not fit now, a 503."""
+        limit, num_seqs = self.async_engine.max_queued_requests, len(prompts) * n
+        if limit is not None and num_seqs > limit:
+            param = "prompt" if len(prompts) > 1 else n_param
+            raise APIError(400, f"this request holds {num_seqs} sequences (prompts x n), more than the server's "
+                                f"waiting queue takes ({limit}, --max-queued-requests); split it", param=param)
         try:
             return self.async_engine.add_requests(prompts, n=n, arrival_time=arrival_time)
         except QueueFullError as e:
@@ -117,10 +141,26 @@ class ServingContext:
                 for lp in logprobs]
 
 
-def make_sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None = None,
+def parse_logit_bias(logit_bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+    """OpenAI sends token ids as JSON object keys (strings)."""
+    if not logit_bias:
+        return None
+    parsed = {}
+    for key, value in logit_bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+        if not 0 <= token_id < vocab_size:
+            raise APIError(400, f"logit_bias token id {token_id} is outside the vocabulary [0, {vocab_size})",
+                           param="logit_bias")
+        parsed[token_id] = value
+    return parsed
+
+
+def make_sampling_params(req: SamplingRequest, max_tokens: int, vocab_size: int, logprobs: int | None = None,
                          prompt_logprobs: int | None = None) -> SamplingParams:
-    if req.logit_bias:
-        raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    logit_bias = parse_logit_bias(req.logit_bias, vocab_size)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     try:
         return SamplingParams(
@@ -131,7 +171,8 @@ def make_sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | 
             min_tokens=req.min_tokens,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens)
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
+            logit_bias=logit_bias)
     except ValueError as e:
         # SamplingParams messages start with the field name
         name = str(e).split(" ", 1)[0]
@@ -147,12 +188,20 @@ def sse(payload: BaseModel | dict) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
+def internal_error_body(e: BaseException, where: str) -> dict:
+    """A 5xx never shows the exception to the client (it may hold paths, prompts of other requests, internals):
+    the log gets it under an error id, the client gets the id."""
+    error_id = random_id("err")
+    logger.error("%s failed (error id %s): %r", where, error_id, e, exc_info=e)
+    return error_body(f"internal server error (error id {error_id}; the server log has the details)",
+                      "server_error", code="internal_error")
+
+
 def sse_error(e: Exception) -> str:
     """An error after the stream started (the status line is gone): an error event, then [DONE]."""
     if isinstance(e, APIError):
         return sse(error_body(e.message, e.type, e.param, e.code))
-    logger.exception("request failed mid-stream")
-    return sse(error_body(f"internal error: {e!r}", "server_error", code="internal_error"))
+    return sse(internal_error_body(e, "a streamed request"))
 
 
 async def _wait_for_disconnect(raw: Request) -> None:

@@ -1,72 +1,33 @@
-"""POST /v1/chat/completions: the tokenizer's chat template, n, stop, logprobs / top_logprobs, streaming with the
-role in each choice's first content chunk."""
+"""POST /v1/chat/completions: the chat template (chat_template.py), n, stop, logprobs / top_logprobs, streaming that
+opens each choice with the role."""
 import time
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from quant_serve.server.protocol import (APIError, ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
-                             ChatCompletionStreamResponse, ChatLogProbs, ChatMessage, ChatResponseMessage,
-                             ChatStreamChoice, PromptTokensDetails, UsageInfo, random_id)
-from quant_serve.server.serving import SSE_DONE, ServingContext, make_sampling_params, sse, sse_error, unless_disconnected
-
-
-def message_dicts(messages: list[ChatMessage]) -> list[dict]:
-    out = []
-    for i, m in enumerate(messages):
-        content = m.content
-        if isinstance(content, list):
-            parts = []
-            for part in content:
-                if part.type != "text" or part.text is None:
-                    raise APIError(400, f"content part type {part.type!r} is not supported (only text)",
-                                   param=f"messages.{i}.content")
-                parts.append(part.text)
-            content = "\n".join(parts)
-        message = {"role": m.role, "content": content or ""}
-        if m.name is not None:
-            message["name"] = m.name
-        out.append(message)
-    return out
-
-
-def render_chat(ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                continue_final_message: bool = False, template_kwargs: dict | None = None) -> str:
-    if ctx.tokenizer.chat_template is None:
-        raise APIError(400, "the model has no chat template; use /v1/completions", param="messages")
-    if add_generation_prompt and continue_final_message:
-        raise APIError(400, "add_generation_prompt and continue_final_message cannot both be true",
-                       param="continue_final_message")
-    try:
-        text = ctx.tokenizer.apply_chat_template(
-            message_dicts(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, **(template_kwargs or {}))
-    except APIError:
-        raise
-    except Exception as e:    # the template raised (jinja raise_exception, a bad role, a missing field)
-        raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from e
-    if not isinstance(text, str):   # chat_template_kwargs asked for something else (tokenize=True, ...)
-        raise APIError(400, "chat_template_kwargs must leave the template's output as text",
-                       param="chat_template_kwargs")
-    return text
+                                         ChatCompletionStreamResponse, ChatLogProbs, ChatResponseMessage,
+                                         ChatStreamChoice, PromptTokensDetails, UsageInfo, random_id)
+from quant_serve.server.serving import (SSE_DONE, ServingContext, make_sampling_params, sse, sse_error,
+                                        unless_disconnected)
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request):
     arrival = time.time()
+    req.validate_request()
     model = ctx.check_model(req.model)
     ctx.check_n(req.n)
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
-    prompt = render_chat(ctx, req.messages, req.add_generation_prompt, req.continue_final_message,
-                         req.chat_template_kwargs)
     # The template already holds any special tokens the model wants.
-    token_ids = ctx.tokenizer.encode(prompt, add_special_tokens=False)
+    token_ids = await ctx.run(ctx.chat.encode, req.messages, req.add_generation_prompt, req.continue_final_message,
+                              req.chat_template, req.chat_template_kwargs)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = ctx.resolve_max_tokens(requested, len(token_ids), "messages")
     num_top = req.top_logprobs or 0
-    params = make_sampling_params(req, max_tokens, logprobs=num_top if req.logprobs else None)
+    params = make_sampling_params(req, max_tokens, ctx.vocab_size, logprobs=num_top if req.logprobs else None)
     request_id = random_id("chatcmpl")
-    stream = ctx.submit([(request_id, token_ids, params)], req.n, arrival)
+    stream = ctx.submit([(request_id, token_ids, params)], req.n, arrival, "n")
     if req.stream:
         return StreamingResponse(_stream(ctx, req, model, request_id, stream), media_type="text/event-stream")
     try:
@@ -95,10 +56,13 @@ async def _last(stream):
 async def _stream(ctx: ServingContext, req: ChatCompletionRequest, model: str, request_id: str, stream):
     created = int(time.time())
     num_top = req.top_logprobs or 0
-    started: set[int] = set()
     done: set[int] = set()
     usage = UsageInfo(prompt_tokens_details=PromptTokensDetails())
     try:
+        # Each choice opens with the role and empty content, as OpenAI and vLLM send it.
+        for index in range(req.n):
+            choice = ChatStreamChoice(index=index, delta={"role": "assistant", "content": ""})
+            yield sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice]))
         async for out in stream:
             for c in out.outputs:
                 if c.index in done:
@@ -108,9 +72,6 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, model: str, r
                 if not (c.delta_text or c.finished or carries_logprobs):
                     continue    # text held back by a possible stop string: no empty (or role-only) chunk
                 delta = {"content": c.delta_text}
-                if c.index not in started:
-                    delta = {"role": "assistant", **delta}
-                    started.add(c.index)
                 if c.finished:
                     done.add(c.index)
                 logprobs = ChatLogProbs(content=ctx.chat_logprobs(c.delta_logprobs or [], num_top)) \

@@ -4,12 +4,13 @@ import time
 from dataclasses import dataclass
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from quant_serve.engine.outputs import CompletionOutput, RequestOutput
 from quant_serve.server.protocol import (APIError, CompletionChoice, CompletionRequest, CompletionResponse,
-                             PromptTokensDetails, UsageInfo, random_id)
-from quant_serve.server.serving import SSE_DONE, ServingContext, make_sampling_params, sse, sse_error, unless_disconnected
+                                         PromptTokensDetails, UsageInfo, random_id)
+from quant_serve.server.serving import (SSE_DONE, ServingContext, make_sampling_params, sse, sse_error,
+                                        unless_disconnected)
 
 
 @dataclass
@@ -27,7 +28,7 @@ def _prompts(ctx: ServingContext, req: CompletionRequest, base_id: str) -> list[
         items = list(prompt)
     if not items:
         raise APIError(400, "prompt must not be empty", param="prompt")
-    vocab = ctx.engine.model_config.vocab_size
+    vocab = ctx.vocab_size
     prompts = []
     for i, item in enumerate(items):
         if isinstance(item, str):
@@ -44,6 +45,7 @@ def _prompts(ctx: ServingContext, req: CompletionRequest, base_id: str) -> list[
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Request):
     arrival = time.time()
+    req.validate_request()
     model = ctx.check_model(req.model)
     if req.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
@@ -63,14 +65,14 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     prompt_logprobs = req.logprobs if echo and req.logprobs is not None else None
 
     request_id = random_id("cmpl")
-    prompts = _prompts(ctx, req, request_id)
+    prompts = await ctx.run(_prompts, ctx, req, request_id)
     submissions = []
     for p in prompts:
         # The engine generates at least one token; for max_tokens=0 it is dropped from the answer.
         max_tokens = ctx.resolve_max_tokens(1 if scoring_only else req.max_tokens, len(p.token_ids), "prompt")
-        params = make_sampling_params(req, max_tokens, logprobs, prompt_logprobs)
+        params = make_sampling_params(req, max_tokens, ctx.vocab_size, logprobs, prompt_logprobs)
         submissions.append((p.request_id, p.token_ids, params))
-    stream = ctx.submit(submissions, best_of, arrival)
+    stream = ctx.submit(submissions, best_of, arrival, "best_of" if req.best_of else "n")
     builder = _ChoiceBuilder(ctx, req, prompts, n, scoring_only)
     if req.stream:
         return StreamingResponse(_stream(ctx, req, model, request_id, stream, builder),
@@ -79,6 +81,13 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
         finals = await unless_disconnected(raw, _collect(stream))
     finally:
         stream.close()
+    # echoed prompts and their logprobs can be long: the answer and its JSON are built in the thread pool
+    return await ctx.run(_response, builder, finals, request_id, model, best_of)
+
+
+def _response(builder: "_ChoiceBuilder", finals: dict[str, RequestOutput], request_id: str, model: str,
+              best_of: int) -> Response:
+    prompts, n = builder.prompts, builder.n
     choices, usage = [], UsageInfo(prompt_tokens_details=PromptTokensDetails())
     for i, p in enumerate(prompts):
         out = finals[p.request_id]
@@ -92,7 +101,8 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
         usage.prompt_tokens += len(p.token_ids)
         usage.prompt_tokens_details.cached_tokens += out.num_cached_tokens
     usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
-    return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+    response = CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+    return Response(response.model_dump_json(), media_type="application/json")
 
 
 async def _collect(stream) -> dict[str, RequestOutput]:
@@ -169,7 +179,10 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, model: str, reque
                 if not (c.delta_text or c.finished or (first and req.echo) or
                         (has_tokens and req.logprobs is not None)):
                     continue    # nothing to show yet (text held back by a possible stop string)
-                choice, _ = builder.choice(i, c.index, c, out, first=first, final=False)
+                if first and req.echo:      # the echoed prompt and its logprobs: in the thread pool
+                    choice, _ = await ctx.run(builder.choice, i, c.index, c, out, first, False)
+                else:
+                    choice, _ = builder.choice(i, c.index, c, out, first=first, final=False)
                 started.add(index)
                 if c.finished:
                     done.add(index)

@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from quant_serve.engine.sampler import Sampler, apply_min_tokens, apply_penalties, compute_prompt_logprobs
+from quant_serve.engine.sampler import (Sampler, apply_logit_bias, apply_min_tokens, apply_penalties,
+                                         compute_prompt_logprobs)
 from quant_serve.engine.sampling_params import SamplingParams
 from quant_serve.engine.sequence import Sequence
 
@@ -216,3 +217,38 @@ def test_compute_prompt_logprobs():
         assert [t for t, _ in lp.top] == top_ids
         assert [v for _, v in lp.top] == pytest.approx(raw[j, top_ids].tolist(), abs=1e-6)
     assert all(lp.top == [] for lp in compute_prompt_logprobs(logits, targets, k=0))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_logit_bias_is_added_per_row_in_one_batch(device):
+    logits = torch.tensor([[1.0, 2.0, 3.0, 0.0]] * 3, device=device)
+    seqs = [make_seq("a", temperature=0.0, logit_bias={0: 5.0, 3: -1.0}),
+            make_seq("b", temperature=0.0),                              # no bias: untouched
+            make_seq("c", temperature=0.0, logit_bias={1: 0.5})]
+    biased = apply_logit_bias(logits, seqs)
+    assert biased.tolist() == [[6.0, 2.0, 3.0, -1.0], [1.0, 2.0, 3.0, 0.0], [1.0, 2.5, 3.0, 0.0]]
+    assert logits[0, 0].item() == 1.0           # the caller's tensor is not modified
+    assert Sampler()(logits, seqs).token_ids == [0, 2, 2]
+
+
+def test_logit_bias_steers_sampled_rows_and_is_clamped():
+    logits = random_logits(64)
+    seqs = [make_seq(f"r{i}", temperature=1.0, logit_bias={7: 1e9}) for i in range(64)]
+    assert seqs[0].params.logit_bias == {7: 100.0}           # OpenAI's range
+    assert Sampler(seed=1)(logits, seqs).token_ids == [7] * 64
+    banned = [make_seq(f"g{i}", temperature=0.0, logit_bias={t: -100.0 for t in range(VOCAB) if t != 3})
+              for i in range(2)]
+    assert Sampler()(random_logits(2), banned).token_ids == [3, 3]
+
+
+def test_logit_bias_keeps_raw_logprobs():
+    logits = random_logits(1)
+    out = Sampler()(logits, [make_seq(temperature=0.0, logprobs=1, logit_bias={5: 100.0})])
+    assert out.token_ids == [5]
+    assert out.logprobs[0].logprob == pytest.approx(torch.log_softmax(logits, -1)[0, 5].item(), abs=1e-6)
+
+
+@pytest.mark.parametrize("bias, message", [({3: float("nan")}, "finite"), ({-2: 1.0}, "non-negative")])
+def test_bad_logit_bias_is_refused(bias, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(logit_bias=bias)

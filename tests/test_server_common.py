@@ -35,8 +35,9 @@ def wait_until(predicate, timeout: float, interval: float = 0.05):
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], log_path: Path):
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None):
         self.port = free_port()
+        self.extra_env = env or {}
         self.url = f"http://127.0.0.1:{self.port}"
         exe = shutil.which("quant-serve")
         command = [exe] if exe else [sys.executable, "-m", "quant_serve.server.cli"]
@@ -47,7 +48,7 @@ class ServerProcess:
     def start(self, timeout: float = 180.0) -> "ServerProcess":
         # One intra-op thread: the tiny model gains nothing from more on 2 cores, and oversubscription with the
         # test process (lm-eval, an offline engine) slows both down a lot.
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **self.extra_env}
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(self.command, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
@@ -100,8 +101,8 @@ class ServerProcess:
 
 
 @contextlib.contextmanager
-def running_server(args: list[str], log_path: Path):
-    server = ServerProcess(args, log_path).start()
+def running_server(args: list[str], log_path: Path, env: dict[str, str] | None = None):
+    server = ServerProcess(args, log_path, env).start()
     try:
         yield server
     finally:
@@ -125,14 +126,17 @@ _shared: list[ServerProcess] = []
 
 @pytest.fixture(scope="session")
 def shared_server(tmp_path_factory):
-    """The server that test_server_openai.py and test_server_http.py share: API key, two names, 256 blocks.
-    Each module that imports this fixture gets its own fixture instance, so the process itself is cached here."""
+    """The server that most server test modules share: API key (from a file), two names, 256 blocks. Each module
+    that imports this fixture gets its own fixture instance, so the process itself is cached here."""
     if _shared:
         yield _shared[0]
         return
+    directory = tmp_path_factory.mktemp("server")
+    (directory / "api-key").write_text(KEY + "\n")
     args = [str(TINY), "--num-gpu-blocks-override", "256", "--max-model-len", "512", "--max-num-seqs", "16",
-            "--dtype", "float32", "--served-model-name", "tiny", "tiny-alias", "--api-key", KEY]
-    with running_server(args, tmp_path_factory.mktemp("server") / "server.log") as server:
+            "--dtype", "float32", "--served-model-name", "tiny", "tiny-alias", "--api-key-file",
+            str(directory / "api-key")]
+    with running_server(args, directory / "server.log") as server:
         _shared.append(server)
         yield server
         _shared.clear()

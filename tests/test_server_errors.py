@@ -20,27 +20,31 @@ LONG = {"prompt": "Once upon a time", "max_tokens": 240, "ignore_eos": True, "te
 @pytest.fixture(scope="module")
 def queue_server(tmp_path_factory):
     args = [str(TINY), "--num-gpu-blocks-override", "64", "--max-model-len", "256", "--max-num-seqs", "1",
-            "--max-queued-requests", "1", "--dtype", "float32"]
+            "--max-queued-requests", "2", "--dtype", "float32"]
     with running_server(args, tmp_path_factory.mktemp("queue") / "server.log") as s:
         yield s
 
 
 def test_full_waiting_queue_is_503_with_retry_after(queue_server):
+    """The cap counts sequences (2 here): a request of two prompts fills it."""
     url = queue_server.url + "/v1/completions"
     with httpx.Client(timeout=60) as http:
+        too_many = http.post(url, json={**LONG, "prompt": ["a", "b", "c"]})     # more than the cap: never fits
+        assert assert_error_shape(too_many, 400)["param"] == "prompt"
         with http.stream("POST", url, json={**LONG, "stream": True}) as running:
             assert running.status_code == 200
             lines = running.iter_lines()     # keep a reference: a dropped iterator closes the connection
             assert next(lines).startswith("data: ")
             assert wait_until(lambda: queue_server.health()["num_requests_running"] == 1, 10)
-            with http.stream("POST", url, json={**LONG, "stream": True}) as waiting:
+            two = {**LONG, "prompt": [LONG["prompt"], "Twice upon a time"], "stream": True}
+            with http.stream("POST", url, json=two) as waiting:
                 assert waiting.status_code == 200
-                assert wait_until(lambda: queue_server.health()["num_requests_waiting"] == 1, 10)
+                assert wait_until(lambda: queue_server.health()["num_requests_waiting"] == 2, 10)
                 for stream in (False, True):    # a stream is refused before it starts, not with 200 + error event
                     refused = http.post(url, json={**LONG, "stream": stream})
                     error = assert_error_shape(refused, 503, "queue_full")
                     assert refused.headers["retry-after"] == "1" and error["type"] == "server_error"
-                assert queue_server.health()["num_requests_waiting"] == 1
+                assert queue_server.health()["num_requests_waiting"] == 2
     assert wait_until(queue_server.pool_is_whole, 10), queue_server.health()
     again = httpx.post(url, json={**LONG, "max_tokens": 2}, timeout=60)
     assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 2
@@ -56,7 +60,7 @@ def _completion(client, prompt: str, max_tokens: int, **kw):
                                                 "temperature": 0, **kw})
 
 
-def test_failure_in_one_requests_output_is_500_and_spares_the_others(engine, monkeypatch):
+def test_failure_in_one_requests_output_is_500_and_spares_the_others(engine, monkeypatch, caplog):
     bad_prompt = engine.tokenizer.encode("BOOM goes this request")
     real_step = engine.step
 
@@ -80,13 +84,16 @@ def test_failure_in_one_requests_output_is_500_and_spares_the_others(engine, mon
             bad, good = bad.result(), good.result()
         assert started
         error = assert_error_shape(bad, 500, "internal_error")
-        assert "boom while processing this output" in error["message"]
+        assert "boom" not in error["message"], "a 5xx never echoes the exception"
+        error_id = error["message"].split("error id ")[1].split(";")[0]
+        assert any(error_id in r.getMessage() and "boom while processing this output" in r.getMessage()
+                   for r in caplog.records), "the log has the details under the id"
         assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 60
 
         streamed = _completion(client, "BOOM goes this request", 60, stream=True)
         assert streamed.status_code == 200
         events = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: ")]
-        assert '"error"' in events[-2] and "boom" in events[-2] and events[-1] == "[DONE]"
+        assert '"internal_error"' in events[-2] and "boom" not in events[-2] and events[-1] == "[DONE]"
 
         assert _completion(client, "Once upon a time", 5).status_code == 200
         assert client.get("/health").status_code == 200
@@ -109,7 +116,7 @@ def test_failed_step_fails_the_requests_in_flight_and_the_server_lives_on(engine
     monkeypatch.setattr(engine.runner, "launch", launch)
     with TestClient(build_app(engine, ["tiny"]), raise_server_exceptions=False) as client:
         error = assert_error_shape(_completion(client, "Once upon a time", 20), 500, "internal_error")
-        assert "kernel exploded" in error["message"]
+        assert "kernel exploded" not in error["message"] and "error id err-" in error["message"]
         after = _completion(client, "Once upon a time", 5)
         assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 5
     assert_all_blocks_free(engine)

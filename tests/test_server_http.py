@@ -31,8 +31,12 @@ def test_api_key(server):
         bad.chat.completions.create(model="tiny", messages=chat_messages(), max_tokens=2)
     assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
     # open, as in vLLM
-    for path in ("/health", "/metrics", "/tokenizer_info"):
+    for path in ("/health", "/metrics", "/version"):
         assert httpx.get(server.url + path).status_code == 200
+    # the tokenizer endpoints need the key too (a large unauthenticated /tokenize used to cost everyone)
+    assert_error_shape(httpx.get(server.url + "/tokenizer_info"), 401, "invalid_api_key")
+    for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):
+        assert_error_shape(post(server, path, body, key=None), 401, "invalid_api_key")
     assert httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
 
 
@@ -89,7 +93,7 @@ def test_context_length_exceeded(server, client):
 
 def test_tokenizer_endpoints(server, tokenizer):
     text = "The Python documentation is good."
-    body = post(server, "/tokenize", {"prompt": text, "return_token_strs": True}, key=None).json()
+    body = post(server, "/tokenize", {"prompt": text, "return_token_strs": True}).json()
     assert body["tokens"] == tokenizer.encode(text) and body["count"] == len(body["tokens"])
     assert body["token_strs"] == tokenizer.convert_ids_to_tokens(body["tokens"]) and body["max_model_len"] == 512
     chat = post(server, "/tokenize", {"messages": chat_messages()}).json()["tokens"]
@@ -98,7 +102,7 @@ def test_tokenizer_endpoints(server, tokenizer):
     assert post(server, "/detokenize", {"tokens": body["tokens"]}).json()["prompt"] == text
     assert_error_shape(post(server, "/detokenize", {"tokens": [1, -5]}), 400)
     assert_error_shape(post(server, "/tokenize", {"prompt": "x", "model": "nope"}), 404, "model_not_found")
-    info = httpx.get(server.url + "/tokenizer_info").json()
+    info = httpx.get(server.url + "/tokenizer_info", headers={"Authorization": f"Bearer {KEY}"}).json()
     assert info["eos_token"] == tokenizer.eos_token and info["chat_template"] == tokenizer.chat_template
     assert info["tokenizer_class"] == type(tokenizer).__name__
 
