@@ -13,13 +13,15 @@ from quant_serve.quant.awq import AWQSettings
 from quant_serve.quant.calib import EOT, ModelSpec, calib_tokens, read_calib_file
 from quant_serve.quant.gptq import GPTQSettings
 from quant_serve.quant.quantize import FORMATS, METHODS, QuantizeConfig, SourceModel, quantize_model
+from quant_serve.server.cli_calib import sample_token_windows
 
 logger = logging.getLogger("quant_serve")
 
 COPY_PATTERNS = ["tokenizer*", "special_tokens_map.json", "vocab.json", "vocab.txt", "merges.txt",
                  "added_tokens.json", "*.jinja", "chat_template.json", "generation_config.json"]
-CALIB_HELP = ("pass --calib FILE: plain text (documents separated by blank lines or <|endoftext|>) or JSONL with a "
-              "\"text\" field, e.g. from `python bench/make_calib.py calib.jsonl`; quant-serve never downloads "
+CALIB_HELP = ("plain text (documents separated by blank lines or <|endoftext|>) or JSONL with a \"text\" field, "
+              "e.g. from `quant-serve make-calib calib.jsonl`; default: --calib-samples sequences of --calib-seq-len "
+              "tokens sampled from the model itself (temperature 1, --calib-seed); quant-serve never downloads "
               "calibration data")
 
 
@@ -39,6 +41,8 @@ def register(subparsers) -> None:
     p.add_argument("--calib", default=None, metavar="FILE", help="calibration text (awq, gptq): " + CALIB_HELP)
     p.add_argument("--calib-samples", type=int, default=128, help="calibration windows")
     p.add_argument("--calib-seq-len", type=int, default=512, help="tokens per calibration window")
+    p.add_argument("--calib-seed", type=int, default=0, help="seed of the calibration text sampled from the model "
+                                                             "(without --calib)")
     p.add_argument("--act-order", action="store_true", help="gptq: quantize columns by descending Hessian diagonal")
     p.add_argument("--static-groups", action="store_true",
                    help="gptq --act-order: keep groups in the original order (g_idx = k // G; vLLM-friendly)")
@@ -69,10 +73,13 @@ def cmd_quantize(args) -> int:
     calib = None
     if args.method != "rtn" or args.kv_scales:
         if args.calib is None:
-            raise ValueError(f"--method {args.method}{' --kv-scales' if args.kv_scales else ''} needs calibration "
-                             f"text: {CALIB_HELP}")
-        calib = tokenize_calib(model_dir, args.calib, args.calib_samples, args.calib_seq_len)
-        logger.info("calibration: %d windows of %d tokens from %s", calib.shape[0], calib.shape[1], args.calib)
+            calib, _ = sample_token_windows(model_dir, args.calib_samples, args.calib_seq_len, args.calib_seed,
+                                            device)
+            logger.info("calibration: %d sequences x %d tokens sampled from the model (seed %d); pass --calib FILE "
+                        "for your own data", calib.shape[0], calib.shape[1], args.calib_seed)
+        else:
+            calib = tokenize_calib(model_dir, args.calib, args.calib_samples, args.calib_seq_len)
+            logger.info("calibration: %d windows of %d tokens from %s", calib.shape[0], calib.shape[1], args.calib)
     logger.info("quantizing %s with %s (%s, group %d) on %s into %s format", model_dir, args.method,
                 "sym" if sym else "asym", args.group_size, device, fmt)
     quantize_model(source, calib, cfg, args.out_dir, overwrite=args.overwrite)
