@@ -12,6 +12,7 @@ from quant_serve.engine.models.decoder import rope_inv_freq
 from quant_serve.quant.awq import AWQSettings
 from quant_serve.quant.calib import EOT, ModelSpec, calib_tokens, read_calib_file
 from quant_serve.quant.gptq import GPTQSettings
+from quant_serve.quant.output import check_output_dir
 from quant_serve.quant.quantize import FORMATS, METHODS, QuantizeConfig, SourceModel, quantize_model
 from quant_serve.server.cli_calib import sample_token_windows
 
@@ -70,6 +71,7 @@ def cmd_quantize(args) -> int:
         raise ValueError("--act-order and --static-groups apply to --method gptq only")
     model_dir = Path(args.model_dir)
     source = load_source(model_dir)
+    check_output_dir(args.out_dir, model_dir, args.overwrite)      # before sampling calibration text
     calib = None
     if args.method != "rtn" or args.kv_scales:
         if args.calib is None:
@@ -82,15 +84,15 @@ def cmd_quantize(args) -> int:
             logger.info("calibration: %d windows of %d tokens from %s", calib.shape[0], calib.shape[1], args.calib)
     logger.info("quantizing %s with %s (%s, group %d) on %s into %s format", model_dir, args.method,
                 "sym" if sym else "asym", args.group_size, device, fmt)
-    quantize_model(source, calib, cfg, args.out_dir, overwrite=args.overwrite)
-    if args.kv_scales:
-        write_calibrated_kv_scales(Path(args.out_dir), calib, device)
+    kv_scales = (lambda tmp: write_calibrated_kv_scales(tmp, calib, device)) if args.kv_scales else None
+    quantize_model(source, calib, cfg, args.out_dir, overwrite=args.overwrite, finish=kv_scales)
     print(f"wrote {args.out_dir} ({fmt}); run it with: quant-serve generate --model {args.out_dir} --prompt ...")
     return 0
 
 
 def write_calibrated_kv_scales(out_dir: Path, calib: torch.Tensor, device: str) -> None:
-    """K/V amax of the quantized model on the calibration windows -> out_dir/kv_scales.json."""
+    """K/V amax of the quantized model on the calibration windows -> out_dir/kv_scales.json (out_dir: the
+    finished checkpoint before it is moved into place)."""
     from quant_serve.engine.config import CacheConfig, EngineConfig
     from quant_serve.engine.kv_scales import calibrate_kv_scales, write_kv_scales
     from quant_serve.engine.llm_engine import LLMEngine
@@ -98,7 +100,7 @@ def write_calibrated_kv_scales(out_dir: Path, calib: torch.Tensor, device: str) 
                                     max_model_len=calib.shape[1] + 1, cache=CacheConfig(kv_cache_memory_gb=0.25)),
                        show_progress=False)
     path = write_kv_scales(out_dir, calibrate_kv_scales(engine, calib.tolist()))
-    logger.info("wrote FP8 KV scales for %d layers to %s", engine.model_config.num_layers, path)
+    logger.info("calibrated FP8 KV scales for %d layers (%s)", engine.model_config.num_layers, path.name)
 
 
 def model_spec(cfg: ModelConfig) -> ModelSpec:
@@ -120,7 +122,7 @@ def load_source(model_dir: Path) -> SourceModel:
             return f.get_tensor(name)
 
     extra = sorted({p for pattern in COPY_PATTERNS for p in Path(model_dir).glob(pattern) if p.is_file()})
-    return SourceModel(model_spec(cfg), raw, list(names), read, extra)
+    return SourceModel(model_spec(cfg), raw, list(names), read, extra, Path(model_dir))
 
 
 def tokenize_calib(model_dir: Path, path: str, samples: int, seq_len: int) -> torch.Tensor:
