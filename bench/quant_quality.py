@@ -126,7 +126,8 @@ FIXTURES = {"autoawq-g128": SHARED / "models" / "tiny-qwen2-awq",
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--calib", default=None, help="calibration file (default: quant-serve make-calib --samples-from)")
+    parser.add_argument("--calib", default=None,
+                        help="calibration file (default: quant-serve make-calib --samples-from)")
     parser.add_argument("--work", default="/tmp/quant-quality", help="where the quantized checkpoints go")
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--only", nargs="*", default=None, help="subset of our configs to (re)run")

@@ -7,7 +7,8 @@ import torch
 from safetensors import safe_open
 
 from quant_serve.engine.config import ModelConfig
-from quant_serve.engine.loader import list_weight_files, load_model_config, read_tensor_names
+from quant_serve.engine.checkpoint import INDEX, check_finite, list_weight_files, read_tensor_names
+from quant_serve.engine.loader import load_model_config
 from quant_serve.engine.models.decoder import rope_inv_freq
 from quant_serve.quant.awq import AWQSettings
 from quant_serve.quant.calib import EOT, ModelSpec, calib_tokens, read_calib_file
@@ -115,11 +116,13 @@ def model_spec(cfg: ModelConfig) -> ModelSpec:
 
 def load_source(model_dir: Path) -> SourceModel:
     cfg, raw = load_model_config(model_dir)
-    names = read_tensor_names(list_weight_files(model_dir))
+    names = read_tensor_names(list_weight_files(model_dir), Path(model_dir) / INDEX)
 
     def read(name: str) -> torch.Tensor:
         with safe_open(str(names[name]), framework="pt") as f:
-            return f.get_tensor(name)
+            tensor = f.get_tensor(name)
+        check_finite(name, names[name], tensor)              # NaN in, NaN scales out
+        return tensor
 
     extra = sorted({p for pattern in COPY_PATTERNS for p in Path(model_dir).glob(pattern) if p.is_file()})
     return SourceModel(model_spec(cfg), raw, list(names), read, extra, Path(model_dir))

@@ -57,7 +57,8 @@ def test_make_calib_is_a_subcommand(tmp_path, capsys):
                 "--sample-len", "16", "--device", "cpu"]) == 0
     assert "wrote 11 documents" in capsys.readouterr().out
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert "stdlib docstrings" in rows[0]["source"] and "4 WordNet 3.0 entries (wordnet), 50% as chat" in rows[0]["source"]
+    assert "stdlib docstrings" in rows[0]["source"]
+    assert "4 WordNet 3.0 entries (wordnet), 50% as chat turns" in rows[0]["source"]
     assert "2 samples of 16 tokens from tiny-qwen2" in rows[0]["source"]
     docs = read_calib_file(out)
     assert len(docs) == 11 and docs[0].startswith("abc")       # 5 docstrings, 2 samples, 4 glosses
