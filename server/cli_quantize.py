@@ -50,7 +50,8 @@ def register(subparsers) -> None:
                    help="gptq --act-order: keep groups in the original order (g_idx = k // G; vLLM-friendly)")
     p.add_argument("--damp-percent", type=float, default=0.01, help="gptq: damping, fraction of mean diag(H)")
     p.add_argument("--device", default="auto", help="compute device: auto (cuda if available), cuda, cpu, cuda:1")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace OUT_DIR if it holds a checkpoint quant-serve wrote (and nothing else)")
     p.add_argument("--lm-head", action="store_true",
                    help="also quantize the output head (GPTQ on the last hidden states with --method gptq, else "
                         "round-to-nearest; gptq, gptq_v2 and compressed-tensors formats; untied heads only): a "
