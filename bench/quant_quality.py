@@ -6,7 +6,7 @@ dequantized to FP32 by our format readers and run through the plain-torch forwar
 
 Quantizes the fixture with our RTN / AWQ / GPTQ through the `quant-serve quantize` CLI and measures them beside
 the AutoAWQ and llm-compressor fixtures. Calibration (never val.txt): --calib, or by default 160 documents of 512
-tokens sampled from the FP16 fixture itself (bench/make_calib.py --samples-from).
+tokens sampled from the FP16 fixture itself (`quant-serve make-calib --samples-from`).
 """
 import argparse
 import json
@@ -126,7 +126,8 @@ FIXTURES = {"autoawq-g128": SHARED / "models" / "tiny-qwen2-awq",
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--calib", default=None, help="calibration file (default: build one with make_calib.py)")
+    parser.add_argument("--calib", default=None,
+                        help="calibration file (default: quant-serve make-calib --samples-from)")
     parser.add_argument("--work", default="/tmp/quant-quality", help="where the quantized checkpoints go")
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--only", nargs="*", default=None, help="subset of our configs to (re)run")
@@ -138,9 +139,9 @@ def main() -> int:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     calib = args.calib or str(work / "calib.jsonl")
-    calib_command = f"python bench/make_calib.py {calib} --samples-from {TINY} --samples 160 --sample-len 512"
-    if args.calib is None:
-        subprocess.run([sys.executable, *calib_command.split()[1:]], check=True, cwd=REPO)
+    calib_command = f"quant-serve make-calib {calib} --samples-from {TINY} --samples 160 --sample-len 512"
+    if args.calib is None and cli(calib_command.split()[1:]) != 0:
+        raise SystemExit(f"failed: {calib_command}")
     commands, timings = {}, {}
     for name, flags in OURS.items():
         if args.only is not None and name not in args.only:

@@ -1,12 +1,13 @@
 """Find a model (local directory or hub id), read its config, build the decoder and fill it from safetensors."""
-import json
 import logging
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from tqdm import tqdm
 
+from quant_serve.engine.checkpoint import (INDEX, check_finite, check_float_tensor, check_layer_count,
+                                           check_model_config, check_raw_config, list_weight_files, open_weights,
+                                           read_json_object, read_tensor_names)
 from quant_serve.engine.config import HEAD_GROUP_SIZE, ModelConfig
 from quant_serve.engine.kv_scales import checkpoint_scale_value, parse_kv_scale_name
 from quant_serve.engine.models.decoder import DecoderForCausalLM
@@ -38,14 +39,18 @@ def load_model_config(model_dir: Path) -> tuple[ModelConfig, dict]:
     config_file = Path(model_dir) / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"no config.json in {model_dir}")
-    raw = json.loads(config_file.read_text())
+    raw = read_json_object(config_file)
+    check_raw_config(raw, config_file)
     archs = raw.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
         raise ValueError(f"unsupported architecture {archs or raw.get('model_type')!r} in {config_file}; "
                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     from transformers import AutoConfig
-    hf = AutoConfig.from_pretrained(str(model_dir))
+    try:
+        hf = AutoConfig.from_pretrained(str(model_dir))
+    except Exception as e:                  # transformers' errors for malformed values are of many types
+        raise ValueError(f"cannot read {config_file} with transformers: {type(e).__name__}: {e}") from e
     rope = dict(getattr(hf, "rope_parameters", None) or {})
     theta = rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
     scaling = rope if rope.get("rope_type", "default") != "default" else getattr(hf, "rope_scaling", None)
@@ -56,7 +61,7 @@ def load_model_config(model_dir: Path) -> tuple[ModelConfig, dict]:
     eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
     gen_file = Path(model_dir) / "generation_config.json"
     if gen_file.is_file():
-        gen_eos = json.loads(gen_file.read_text()).get("eos_token_id")
+        gen_eos = read_json_object(gen_file).get("eos_token_id")
         gen_eos = gen_eos if isinstance(gen_eos, list) else ([gen_eos] if gen_eos is not None else [])
         eos = tuple(dict.fromkeys([*eos, *gen_eos]))
     dtype = getattr(hf, "dtype", None) or raw.get("torch_dtype") or "float16"
@@ -75,6 +80,7 @@ def load_model_config(model_dir: Path) -> tuple[ModelConfig, dict]:
         eos_token_ids=eos, bos_token_id=getattr(hf, "bos_token_id", None), torch_dtype=dtype,
         quantization_config=raw.get("quantization_config"),
         sliding_window=_sliding_window(hf))
+    check_model_config(cfg, config_file, getattr(hf, "head_dim", None) is not None)
     return cfg, raw
 
 
@@ -83,40 +89,6 @@ def _sliding_window(hf) -> int | None:
     if hf.model_type == "qwen2" and not getattr(hf, "use_sliding_window", False):
         return None
     return window
-
-
-def list_weight_files(model_dir: Path) -> list[Path]:
-    model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        missing = [s for s in shards if not (model_dir / s).is_file()]
-        if missing:
-            raise FileNotFoundError(f"{index} lists shards that are missing: {', '.join(missing)}")
-        return [model_dir / s for s in shards]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        present = ", ".join(sorted(p.name for p in model_dir.iterdir())) or "nothing"
-        raise FileNotFoundError(f"no *.safetensors weights in {model_dir} (found: {present}); "
-                                "only safetensors checkpoints are supported")
-    return files
-
-
-def _open(file: Path):
-    try:
-        return safe_open(str(file), framework="pt")
-    except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
-        raise ValueError(f"cannot read weights file {file}: {e} (truncated or not a safetensors file?)") from e
-
-
-def read_tensor_names(files: list[Path]) -> dict[str, Path]:
-    """tensor name -> file, from the safetensors headers only."""
-    names = {}
-    for file in files:
-        with _open(file) as f:
-            for key in f.keys():
-                names[key] = file
-    return names
 
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device, quant_config) -> DecoderForCausalLM:
@@ -138,50 +110,54 @@ def load_weights(model: DecoderForCausalLM, names: dict[str, Path],
         by_file.setdefault(file, []).append(name)
     source_tensors: dict[tuple[str, int], dict] = {}
     kv_scales: dict[int, dict[str, float]] = {}
-    bar = tqdm(total=len(names), desc="Loading weights", unit="tensor", disable=not show_progress)
-    for file, keys in by_file.items():
-        with _open(file) as f:
-            for key in keys:
-                bar.update(1)
-                if key.endswith("rotary_emb.inv_freq") or (key == "lm_head.weight" and model.lm_head is None):
-                    continue
+    with tqdm(total=len(names), desc="Loading weights", unit="tensor", disable=not show_progress) as bar:
+        for file, keys in by_file.items():
+            with open_weights(file) as f:
+                for key in keys:
+                    bar.update(1)
+                    if key.endswith("rotary_emb.inv_freq") or (key == "lm_head.weight" and model.lm_head is None):
+                        continue
+                    try:
+                        tensor = f.get_tensor(key)
+                    except Exception as e:
+                        raise ValueError(f"cannot read tensor {key} from {file}: {e} (truncated file?)") from e
+                    check_finite(key, file, tensor)
+                    # Before the module routing: k_proj.k_scale would otherwise reach qkv_proj's shard loader.
+                    kv_target = parse_kv_scale_name(key)
+                    if kv_target is not None:
+                        layer, which = kv_target
+                        for w in which:
+                            kv_scales.setdefault(layer, {})[f"{w}_scale"] = checkpoint_scale_value(key, tensor)
+                        continue
+                    module_name, suffix = key.rsplit(".", 1)
+                    parent, _, leaf = module_name.rpartition(".")
+                    if leaf in model.packed_modules:
+                        merged, shard = model.packed_modules[leaf]
+                        module_name = f"{parent}.{merged}"
+                    else:
+                        shard = 0
+                    module = modules.get(module_name)
+                    if module is not None and hasattr(module, "load_shard"):
+                        source_tensors.setdefault((module_name, shard), {})[suffix] = tensor
+                        continue
+                    if key in params:
+                        param = params[key]
+                        check_float_tensor(key, file, tensor)
+                        if tuple(param.shape) != tuple(tensor.shape):
+                            raise ValueError(f"{key} in {file} has shape {tuple(tensor.shape)}, "
+                                             f"expected {tuple(param.shape)}")
+                        param.data.copy_(tensor)
+                        loaded_params.add(key)
+                    else:
+                        logger.warning("ignoring unexpected tensor %s in %s", key, file)
+            for (module_name, shard), tensors in list(source_tensors.items()):
+                prefix = _source_prefix(model, module_name, shard)
                 try:
-                    tensor = f.get_tensor(key)
-                except Exception as e:
-                    raise ValueError(f"cannot read tensor {key} from {file}: {e} (truncated file?)") from e
-                # Before the module routing: k_proj.k_scale would otherwise reach qkv_proj's shard loader.
-                kv_target = parse_kv_scale_name(key)
-                if kv_target is not None:
-                    layer, which = kv_target
-                    for w in which:
-                        kv_scales.setdefault(layer, {})[f"{w}_scale"] = checkpoint_scale_value(key, tensor)
-                    continue
-                module_name, suffix = key.rsplit(".", 1)
-                parent, _, leaf = module_name.rpartition(".")
-                if leaf in model.packed_modules:
-                    merged, shard = model.packed_modules[leaf]
-                    module_name = f"{parent}.{merged}"
-                else:
-                    shard = 0
-                module = modules.get(module_name)
-                if module is not None and hasattr(module, "load_shard"):
-                    source_tensors.setdefault((module_name, shard), {})[suffix] = tensor
-                    continue
-                if key in params:
-                    param = params[key]
-                    if tuple(param.shape) != tuple(tensor.shape):
-                        raise ValueError(f"{key} in {file} has shape {tuple(tensor.shape)}, "
-                                         f"expected {tuple(param.shape)}")
-                    param.data.copy_(tensor)
-                    loaded_params.add(key)
-                else:
-                    logger.warning("ignoring unexpected tensor %s in %s", key, file)
-        for (module_name, shard), tensors in list(source_tensors.items()):
-            prefix = _source_prefix(model, module_name, shard)
-            modules[module_name].load_shard(shard, tensors, prefix)
-            loaded_shards.add((module_name, shard))
-        source_tensors.clear()
-    bar.close()
+                    modules[module_name].load_shard(shard, tensors, prefix)
+                except ValueError as e:
+                    raise ValueError(f"{e} (in {file})") from e
+                loaded_shards.add((module_name, shard))
+            source_tensors.clear()
     for m in modules.values():
         if hasattr(m, "finalize"):
             m.finalize()
@@ -250,7 +226,7 @@ def _load_model(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device, l
                 quantization: str | None, show_progress: bool, seed: int):
     from quant_serve.quant.formats import load_quant_config
     if load_format == "dummy":
-        raw = json.loads((Path(model_dir) / "config.json").read_text())
+        raw = read_json_object(Path(model_dir) / "config.json")
         quant_config = load_quant_config(raw, model_dir, None, quantization)
         model = build_model(cfg, dtype, device, quant_config)
         init_dummy_weights(model, seed)
@@ -259,8 +235,9 @@ def _load_model(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device, l
     if load_format not in ("auto", "safetensors"):
         raise ValueError(f"unsupported load format {load_format!r} (supported: auto, safetensors, dummy)")
     files = list_weight_files(model_dir)
-    names = read_tensor_names(files)
-    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    names = read_tensor_names(files, Path(model_dir) / INDEX)
+    check_layer_count(names, cfg.num_layers, Path(model_dir) / "config.json")
+    raw = read_json_object(Path(model_dir) / "config.json")
     quant_config = load_quant_config(raw, model_dir, set(names), quantization)
     model = build_model(cfg, dtype, device, quant_config)
     # Handed to the KV cache setup (engine/kv_scales.py resolve_kv_scales), which decides whether to use them.

@@ -14,6 +14,16 @@ from quant_serve.kernels.w4a16.rows import W4A16Weights
 from quant_serve.quant.rtn import quantize_rtn
 
 
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_float(t: torch.Tensor, name: str) -> None:
+    """Weights, scales and biases that become float parameters: an integer tensor would be cast silently."""
+    if t.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name} has dtype {str(t.dtype).removeprefix('torch.')}, expected a float dtype "
+                         "(float16, bfloat16 or float32)")
+
+
 class DenseLinear(nn.Module):
     """FP16/BF16/FP32 linear: weight [N, K] with N = sum(output_sizes)."""
 
@@ -40,13 +50,18 @@ class DenseLinear(nn.Module):
                              "(is this a quantized checkpoint without a quantization_config?)")
         weight = tensors["weight"]
         expected = (self.output_sizes[shard_id], self.in_features)
+        check_float(weight, f"{prefix}.weight")
         if tuple(weight.shape) != expected:
             raise ValueError(f"{prefix}.weight has shape {tuple(weight.shape)}, expected {expected}")
         self.weight.data[rows].copy_(weight)
         if "bias" in tensors:
             if self.bias is None:
                 raise ValueError(f"{prefix}.bias present but the config says this layer has no bias")
-            self.bias.data[rows].copy_(tensors["bias"])
+            bias = tensors["bias"]
+            check_float(bias, f"{prefix}.bias")
+            if tuple(bias.shape) != (expected[0],):
+                raise ValueError(f"{prefix}.bias has shape {tuple(bias.shape)}, expected {(expected[0],)}")
+            self.bias.data[rows].copy_(bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(x, self.weight, self.bias)
@@ -98,6 +113,9 @@ class QuantLinear(nn.Module):
             raise ValueError(f"{prefix}.bias is missing: the config says this layer has a bias")
         if w.bias is not None and tuple(w.bias.shape) != (n,):
             raise ValueError(f"{prefix}.bias has shape {tuple(w.bias.shape)}, expected {(n,)}")
+        check_float(w.scales, f"{prefix} scales")
+        if w.bias is not None:
+            check_float(w.bias, f"{prefix}.bias")
         w.qweight = w.qweight.to(self.device).contiguous()
         w.scales = w.scales.to(self.device, scale_dtype(w.scales.dtype, self.dtype)).contiguous()
         w.qzeros = None if w.qzeros is None else w.qzeros.to(self.device).contiguous()

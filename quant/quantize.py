@@ -4,19 +4,15 @@ checkpoint, standard INT4 checkpoints (AWQ gemm, GPTQ v1/v2, compressed-tensors)
 The caller (server/cli_quantize.py) reads the source config and safetensors through engine/ helpers and hands
 in a SourceModel of plain tensors and callables: quant does not import engine.
 """
-import contextlib
 import json
 import logging
-import os
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors.torch import save_file
 from tqdm import tqdm
 
 from quant_serve.quant.awq import AWQSettings, awq_block
@@ -24,6 +20,7 @@ from quant_serve.quant.calib import ModelSpec, gram, rms_norm, rope_tables
 from quant_serve.quant.formats import (awq_quantization_config, ct_quantization_config, gptq_quantization_config,
                            write_awq_gemm, write_gptq, write_pack_quantized)
 from quant_serve.quant.gptq import GPTQSettings, gptq_block, gptq_quantize
+from quant_serve.quant.output import ShardWriter, atomic_output_dir
 from quant_serve.quant.rtn import QuantResult, quantize_rtn
 
 logger = logging.getLogger("quant_serve")
@@ -78,13 +75,16 @@ class SourceModel:
     tensor_names: list[str]
     read: Callable[[str], torch.Tensor]   # name -> tensor as stored (CPU)
     extra_files: list[Path] = field(default_factory=list)   # tokenizer, chat template, generation config
+    source_dir: Path | None = None        # where it lives: the output may never be, hold or lie inside it
 
 
 def quantize_model(source: SourceModel, calib: torch.Tensor | None, cfg: QuantizeConfig, out_dir: str | Path,
                    overwrite: bool = False, show_progress: bool = True,
-                   results_sink: dict[str, QuantResult] | None = None) -> Path:
+                   results_sink: dict[str, QuantResult] | None = None,
+                   finish: Callable[[Path], None] | None = None) -> Path:
     """Quantize every decoder-block Linear; calib [S, L] token ids (needed by awq and gptq).
-    results_sink: filled with each module's QuantResult (on CPU), for tests."""
+    results_sink: filled with each module's QuantResult (on CPU), for tests. finish: called with the complete
+    temporary checkpoint before it becomes OUT_DIR (to add files that need the quantized model, kv_scales.json)."""
     sym, fmt = cfg.resolved()
     if source.config.get("quantization_config"):
         raise ValueError("the source model is already quantized (config.json has a quantization_config)")
@@ -99,7 +99,9 @@ def quantize_model(source: SourceModel, calib: torch.Tensor | None, cfg: Quantiz
     if cfg.method != "rtn":
         x = source.read("model.embed_tokens.weight")[calib].to(device, torch.float32)     # [S, L, H]
         rope = rope_tables(spec, calib.shape[1], device)
-    with atomic_output_dir(out_dir, overwrite) as tmp:
+    info = {"source": str(source.source_dir) if source.source_dir else None, "method": cfg.method,
+            "group_size": cfg.group_size, "sym": sym, "format": fmt}
+    with atomic_output_dir(out_dir, overwrite, source.source_dir, info) as tmp:
         writer = ShardWriter(tmp, cfg.max_shard_bytes)
         bar = tqdm(range(spec.num_layers), desc=f"Quantizing ({cfg.method}, g{cfg.group_size})", unit="block",
                    disable=not show_progress)
@@ -134,7 +136,9 @@ def quantize_model(source: SourceModel, calib: torch.Tensor | None, cfg: Quantiz
         config = dict(source.config) | {"quantization_config": quantization_config(cfg, sym, fmt)}
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for f in source.extra_files:
-            shutil.copy2(f, tmp / Path(f).name)
+            shutil.copyfile(f, tmp / Path(f).name)
+        if finish is not None:
+            finish(tmp)
     logger.info("quantized %d blocks (%s, %s, g%d) in %.1f s -> %s", spec.num_layers, cfg.method,
                 "sym" if sym else "asym", cfg.group_size, time.time() - start, out_dir)
     return Path(out_dir)
@@ -191,71 +195,3 @@ def quantization_config(cfg: QuantizeConfig, sym: bool, fmt: str) -> dict:
     return gptq_quantization_config(cfg.group_size, sym, act_order and not static, fmt) | {
         "damp_percent": cfg.gptq.damp_percent, "static_groups": act_order and static,
         "true_sequential": cfg.method == "gptq", "lm_head": cfg.lm_head}
-
-
-@contextlib.contextmanager
-def atomic_output_dir(out_dir: str | Path, overwrite: bool):
-    """Yield a temporary directory next to out_dir and rename it to out_dir on success; on any exception
-    (KeyboardInterrupt included) remove it and leave out_dir as it was."""
-    out = Path(out_dir).resolve()
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"output path {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise ValueError(f"output directory {out} exists and is not empty; pass --overwrite to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
-        yield tmp
-        old = None
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.rename(out, old / "d")
-        os.rename(tmp, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-class ShardWriter:
-    """Tensors -> model.safetensors, or model-0000i-of-0000N.safetensors + index when over max_bytes."""
-
-    def __init__(self, out_dir: Path, max_bytes: int):
-        self.out_dir, self.max_bytes = Path(out_dir), max_bytes
-        self.pending: dict[str, torch.Tensor] = {}
-        self.pending_bytes = 0
-        self.shards: list[list[str]] = []
-        self.seen: set[str] = set()
-        self.total_bytes = 0
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        if name in self.seen:
-            raise ValueError(f"tensor {name} written twice")
-        self.seen.add(name)
-        t = tensor.detach().to("cpu").contiguous()
-        self.total_bytes += t.nbytes
-        if self.pending and self.pending_bytes + t.nbytes > self.max_bytes:
-            self._flush()
-        self.pending[name] = t
-        self.pending_bytes += t.nbytes
-
-    def _flush(self) -> None:
-        save_file(self.pending, str(self.out_dir / f"shard-{len(self.shards)}.tmp"), metadata={"format": "pt"})
-        self.shards.append(list(self.pending))
-        self.pending, self.pending_bytes = {}, 0
-
-    def close(self) -> None:
-        if self.pending or not self.shards:
-            self._flush()
-        n = len(self.shards)
-        if n == 1:
-            os.rename(self.out_dir / "shard-0.tmp", self.out_dir / "model.safetensors")
-            return
-        weight_map = {}
-        for i, names in enumerate(self.shards):
-            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            os.rename(self.out_dir / f"shard-{i}.tmp", self.out_dir / final)
-            weight_map |= {name: final for name in names}
-        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-        (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")

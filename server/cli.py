@@ -137,8 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to the prompt")
     gen.set_defaults(func=cmd_generate)
 
-    from quant_serve.server import cli_bench, cli_eval, cli_kernels, cli_plan, cli_quantize, cli_serve
-    for module in (cli_serve, cli_quantize, cli_eval, cli_plan, cli_bench, cli_kernels):
+    from quant_serve.server import cli_bench, cli_calib, cli_eval, cli_kernels, cli_plan, cli_quantize, cli_serve
+    for module in (cli_serve, cli_quantize, cli_calib, cli_eval, cli_plan, cli_bench, cli_kernels):
         module.register(sub)
     return parser
 

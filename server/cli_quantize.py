@@ -7,19 +7,23 @@ import torch
 from safetensors import safe_open
 
 from quant_serve.engine.config import ModelConfig
-from quant_serve.engine.loader import list_weight_files, load_model_config, read_tensor_names
+from quant_serve.engine.checkpoint import INDEX, check_finite, list_weight_files, read_tensor_names
+from quant_serve.engine.loader import load_model_config
 from quant_serve.engine.models.decoder import rope_inv_freq
 from quant_serve.quant.awq import AWQSettings
 from quant_serve.quant.calib import EOT, ModelSpec, calib_tokens, read_calib_file
 from quant_serve.quant.gptq import GPTQSettings
+from quant_serve.quant.output import check_output_dir
 from quant_serve.quant.quantize import FORMATS, METHODS, QuantizeConfig, SourceModel, quantize_model
+from quant_serve.server.cli_calib import sample_token_windows
 
 logger = logging.getLogger("quant_serve")
 
 COPY_PATTERNS = ["tokenizer*", "special_tokens_map.json", "vocab.json", "vocab.txt", "merges.txt",
                  "added_tokens.json", "*.jinja", "chat_template.json", "generation_config.json"]
-CALIB_HELP = ("pass --calib FILE: plain text (documents separated by blank lines or <|endoftext|>) or JSONL with a "
-              "\"text\" field, e.g. from `python bench/make_calib.py calib.jsonl`; quant-serve never downloads "
+CALIB_HELP = ("plain text (documents separated by blank lines or <|endoftext|>) or JSONL with a \"text\" field, "
+              "e.g. from `quant-serve make-calib calib.jsonl`; default: --calib-samples sequences of --calib-seq-len "
+              "tokens sampled from the model itself (temperature 1, --calib-seed); quant-serve never downloads "
               "calibration data")
 
 
@@ -39,12 +43,15 @@ def register(subparsers) -> None:
     p.add_argument("--calib", default=None, metavar="FILE", help="calibration text (awq, gptq): " + CALIB_HELP)
     p.add_argument("--calib-samples", type=int, default=128, help="calibration windows")
     p.add_argument("--calib-seq-len", type=int, default=512, help="tokens per calibration window")
+    p.add_argument("--calib-seed", type=int, default=0, help="seed of the calibration text sampled from the model "
+                                                             "(without --calib)")
     p.add_argument("--act-order", action="store_true", help="gptq: quantize columns by descending Hessian diagonal")
     p.add_argument("--static-groups", action="store_true",
                    help="gptq --act-order: keep groups in the original order (g_idx = k // G; vLLM-friendly)")
     p.add_argument("--damp-percent", type=float, default=0.01, help="gptq: damping, fraction of mean diag(H)")
     p.add_argument("--device", default="auto", help="compute device: auto (cuda if available), cuda, cpu, cuda:1")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace OUT_DIR if it holds a checkpoint quant-serve wrote (and nothing else)")
     p.add_argument("--lm-head", action="store_true",
                    help="also quantize the output head (GPTQ on the last hidden states with --method gptq, else "
                         "round-to-nearest; gptq, gptq_v2 and compressed-tensors formats; untied heads only): a "
@@ -66,24 +73,28 @@ def cmd_quantize(args) -> int:
         raise ValueError("--act-order and --static-groups apply to --method gptq only")
     model_dir = Path(args.model_dir)
     source = load_source(model_dir)
+    check_output_dir(args.out_dir, model_dir, args.overwrite)      # before sampling calibration text
     calib = None
     if args.method != "rtn" or args.kv_scales:
         if args.calib is None:
-            raise ValueError(f"--method {args.method}{' --kv-scales' if args.kv_scales else ''} needs calibration "
-                             f"text: {CALIB_HELP}")
-        calib = tokenize_calib(model_dir, args.calib, args.calib_samples, args.calib_seq_len)
-        logger.info("calibration: %d windows of %d tokens from %s", calib.shape[0], calib.shape[1], args.calib)
+            calib, _ = sample_token_windows(model_dir, args.calib_samples, args.calib_seq_len, args.calib_seed,
+                                            device)
+            logger.info("calibration: %d sequences x %d tokens sampled from the model (seed %d); pass --calib FILE "
+                        "for your own data", calib.shape[0], calib.shape[1], args.calib_seed)
+        else:
+            calib = tokenize_calib(model_dir, args.calib, args.calib_samples, args.calib_seq_len)
+            logger.info("calibration: %d windows of %d tokens from %s", calib.shape[0], calib.shape[1], args.calib)
     logger.info("quantizing %s with %s (%s, group %d) on %s into %s format", model_dir, args.method,
                 "sym" if sym else "asym", args.group_size, device, fmt)
-    quantize_model(source, calib, cfg, args.out_dir, overwrite=args.overwrite)
-    if args.kv_scales:
-        write_calibrated_kv_scales(Path(args.out_dir), calib, device)
+    kv_scales = (lambda tmp: write_calibrated_kv_scales(tmp, calib, device)) if args.kv_scales else None
+    quantize_model(source, calib, cfg, args.out_dir, overwrite=args.overwrite, finish=kv_scales)
     print(f"wrote {args.out_dir} ({fmt}); run it with: quant-serve generate --model {args.out_dir} --prompt ...")
     return 0
 
 
 def write_calibrated_kv_scales(out_dir: Path, calib: torch.Tensor, device: str) -> None:
-    """K/V amax of the quantized model on the calibration windows -> out_dir/kv_scales.json."""
+    """K/V amax of the quantized model on the calibration windows -> out_dir/kv_scales.json (out_dir: the
+    finished checkpoint before it is moved into place)."""
     from quant_serve.engine.config import CacheConfig, EngineConfig
     from quant_serve.engine.kv_scales import calibrate_kv_scales, write_kv_scales
     from quant_serve.engine.llm_engine import LLMEngine
@@ -91,7 +102,7 @@ def write_calibrated_kv_scales(out_dir: Path, calib: torch.Tensor, device: str) 
                                     max_model_len=calib.shape[1] + 1, cache=CacheConfig(kv_cache_memory_gb=0.25)),
                        show_progress=False)
     path = write_kv_scales(out_dir, calibrate_kv_scales(engine, calib.tolist()))
-    logger.info("wrote FP8 KV scales for %d layers to %s", engine.model_config.num_layers, path)
+    logger.info("calibrated FP8 KV scales for %d layers (%s)", engine.model_config.num_layers, path.name)
 
 
 def model_spec(cfg: ModelConfig) -> ModelSpec:
@@ -106,14 +117,16 @@ def model_spec(cfg: ModelConfig) -> ModelSpec:
 
 def load_source(model_dir: Path) -> SourceModel:
     cfg, raw = load_model_config(model_dir)
-    names = read_tensor_names(list_weight_files(model_dir))
+    names = read_tensor_names(list_weight_files(model_dir), Path(model_dir) / INDEX)
 
     def read(name: str) -> torch.Tensor:
         with safe_open(str(names[name]), framework="pt") as f:
-            return f.get_tensor(name)
+            tensor = f.get_tensor(name)
+        check_finite(name, names[name], tensor)              # NaN in, NaN scales out
+        return tensor
 
     extra = sorted({p for pattern in COPY_PATTERNS for p in Path(model_dir).glob(pattern) if p.is_file()})
-    return SourceModel(model_spec(cfg), raw, list(names), read, extra)
+    return SourceModel(model_spec(cfg), raw, list(names), read, extra, Path(model_dir))
 
 
 def tokenize_calib(model_dir: Path, path: str, samples: int, seq_len: int) -> torch.Tensor:

@@ -33,7 +33,9 @@ def test_quantize_with_kv_scales_then_serve_fp8(tmp_path, caplog):
     assert got == pytest.approx([data["layers"][str(i)]["k_scale"] for i in range(8)])
 
 
-def test_kv_scales_need_calibration_text(tmp_path, capsys):
-    assert main(["quantize", str(TINY), str(tmp_path / "x"), "--method", "rtn", "--kv-scales"]) == 2
-    assert "--kv-scales needs calibration text" in capsys.readouterr().err
-    assert not (tmp_path / "x").exists()
+def test_kv_scales_without_calib_sample_the_model(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="quant_serve"):
+        assert main(["quantize", str(TINY), str(tmp_path / "x"), "--method", "rtn", "--kv-scales",
+                     "--calib-samples", "2", "--calib-seq-len", "32", "--device", "cpu"]) == 0
+    assert "calibration: 2 sequences x 32 tokens sampled from the model (seed 0)" in caplog.text
+    assert len(json.loads((tmp_path / "x" / "kv_scales.json").read_text())["layers"]) == 8

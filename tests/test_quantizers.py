@@ -173,13 +173,13 @@ def test_interrupted_run_leaves_nothing(error, source, tmp_path, monkeypatch):
 
 def test_refuses_to_overwrite_unless_asked(source, tmp_path):
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "keep.txt").write_text("x")
+    quantize(source, out, method="rtn")
     with pytest.raises(ValueError, match="--overwrite"):
         quantize(source, out, method="rtn")
+    before = (out / "model.safetensors").stat().st_ino
     quantize_model(source, None, QuantizeConfig(method="rtn", group_size=GS), out, overwrite=True,
                    show_progress=False)
-    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+    assert (out / "model.safetensors").stat().st_ino != before          # replaced
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
@@ -284,7 +284,5 @@ def test_cli_quantize_then_generate(tmp_path, capsys):
     capsys.readouterr()
     assert cli(["generate", "--model", str(out), "--prompt", "The Python", "--max-tokens", "4"]) == 0
     assert capsys.readouterr().out.strip()
-    assert cli(["quantize", str(TINY), str(tmp_path / "x"), "--method", "awq"]) == 2
-    assert "--calib FILE" in capsys.readouterr().err
     assert cli(["quantize", str(TINY), str(tmp_path / "y"), "--method", "gptq", "--asym", "--format", "gptq"]) == 2
-    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+    assert "gptq_v2" in capsys.readouterr().err and not (tmp_path / "y").exists()

@@ -1,7 +1,7 @@
 """tiny-qwen2 at g128: our AWQ and GPTQ beat RTN in perplexity and KL divergence on held-out val.txt windows.
 
-Calibration is 32 documents of 256 tokens sampled from the FP16 model itself (bench/make_calib.py
---samples-from), never val.txt; 16 eval windows of 512 keep this fast. The full targets.md protocol (32,768 tokens)
+Calibration is 32 documents of 256 tokens sampled from the FP16 model itself (`quant-serve make-calib
+--samples-from`), never val.txt; 16 eval windows of 512 keep this fast. The full targets.md protocol (32,768 tokens)
 is bench/quant_quality.py, whose figures are in bench/results/quant-quality-tiny-qwen2.json. Also: the plain-torch
 forward the quantizers and the bench use matches the engine, and the bundled demo model (our AWQ) beats RTN too.
 """
@@ -16,6 +16,7 @@ from quant_serve.quant.awq import AWQSettings
 from quant_serve.quant.calib import calib_tokens, model_logits
 from quant_serve.quant.gptq import GPTQSettings
 from quant_serve.quant.quantize import QuantizeConfig, quantize_model
+from quant_serve.server.cli_calib import model_samples
 from quant_serve.server.cli_quantize import load_source
 
 from conftest import REPO, TINY
@@ -28,7 +29,7 @@ def _bench(name):
     return module
 
 
-quant_quality, make_calib = _bench("quant_quality"), _bench("make_calib")
+quant_quality = _bench("quant_quality")
 WINDOWS = 16
 CONFIGS = {
     "rtn": QuantizeConfig(method="rtn", sym=False),
@@ -46,7 +47,7 @@ def source():
 def quality(source, tmp_path_factory):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(str(TINY))
-    docs = make_calib.model_samples(str(TINY), 32, 256)
+    docs = model_samples(str(TINY), 32, 256, device="cpu")
     calib = calib_tokens(docs, lambda t: tok.encode(t, add_special_tokens=False), 32, 256,
                          [tok.convert_tokens_to_ids("<|endoftext|>")])
     windows = quant_quality.val_windows(TINY, WINDOWS * 512)

@@ -24,20 +24,43 @@ def normalize_method(name: str) -> str:
 
 
 def find_quantization_config(hf_config: dict, model_dir: str | Path | None) -> tuple[dict | None, str]:
-    """-> (raw quantization config, where it was found) or (None, "") for an unquantized model."""
-    for where, cfg in (("config.json", hf_config), ("config.json text_config", hf_config.get("text_config") or {})):
+    """-> (raw quantization config, where it was found) or (None, "") for an unquantized model. A side file
+    (quant_config.json, quantize_config.json) that names another method than config.json is an error."""
+    found, where = None, ""
+    config_file = str(Path(model_dir) / "config.json") if model_dir is not None else "config.json"
+    for place, cfg in ((config_file, hf_config), (f"{config_file} text_config", hf_config.get("text_config") or {})):
         for key in ("quantization_config", "compression_config"):
-            if cfg.get(key):
-                return dict(cfg[key]), f"{where} {key}"
-    if model_dir is not None:
-        for name, implied in (("quant_config.json", "awq"), ("quantize_config.json", "gptq")):
-            path = Path(model_dir) / name
-            if path.is_file():
-                raw = json.loads(path.read_text())
-                # Old AutoAWQ / AutoGPTQ files carry no quant_method: the file name says which tool wrote it.
-                raw.setdefault("quant_method", implied)
-                return raw, str(path)
-    return None, ""
+            if found is None and cfg.get(key):
+                if not isinstance(cfg[key], dict):
+                    raise ValueError(f"{place} {key} must be an object like {{\"quant_method\": \"awq\", ...}}, "
+                                     f"found {cfg[key]!r}")
+                found, where = dict(cfg[key]), f"{place} {key}"
+    for path, raw in _side_files(model_dir):
+        if found is None:
+            return raw, str(path)
+        if "quant_method" in found and normalize_method(raw["quant_method"]) != normalize_method(
+                found["quant_method"]):
+            raise ValueError(f"{path} says quant_method {raw['quant_method']!r} but {where} says "
+                             f"{found['quant_method']!r}: the checkpoint mixes two formats")
+    return found, where
+
+
+def _side_files(model_dir: str | Path | None) -> list[tuple[Path, dict]]:
+    out = []
+    for name, implied in (("quant_config.json", "awq"), ("quantize_config.json", "gptq")):
+        path = Path(model_dir) / name if model_dir is not None else None
+        if path is None or not path.is_file():
+            continue
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from e
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path} must hold a JSON object, found {type(raw).__name__}")
+        # Old AutoAWQ / AutoGPTQ files carry no quant_method: the file name says which tool wrote it.
+        raw.setdefault("quant_method", implied)
+        out.append((path, raw))
+    return out
 
 
 def load_quant_config(hf_config: dict, model_dir: str | Path | None, tensor_names: set[str] | None,

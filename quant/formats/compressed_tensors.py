@@ -64,6 +64,9 @@ class CompressedTensorsConfig(QuantConfig):
             schemes.append(WeightScheme(bool(w.get("symmetric", True)), group_size, list(group.get("targets", []))))
         if not schemes:
             raise ValueError(f"{source}: compressed-tensors config has no config_groups")
+        if top_format not in (None, FORMAT, "mixed-precision"):    # the groups' formats say pack-quantized
+            raise ValueError(f"{source}: compressed-tensors format {top_format!r} disagrees with its config_groups "
+                             f"({FORMAT!r}); only {FORMAT!r} (W4A16) is supported")
         sizes = {s.group_size for s in schemes}
         return cls("compressed-tensors", 4, sizes.pop() if len(sizes) == 1 else schemes[0].group_size, source,
                    tensor_names, schemes=schemes, ignore=list(raw.get("ignore") or []))
