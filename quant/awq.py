@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from quant_serve.quant.calib import (ModelSpec, attn_core, attn_input, attn_module, block_forward, chunked, gram, mlp_act,
-                         mlp_input, mlp_module)
+from quant_serve.quant.calib import (ModelSpec, attn_core, attn_input, attn_module, block_forward, chunked, gram,
+                                     mlp_act, mlp_input, mlp_module)
 from quant_serve.quant.rtn import QuantResult, fake_quantize, quantize_rtn, search_clip
 
 QKV = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]

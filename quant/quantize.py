@@ -18,7 +18,7 @@ from tqdm import tqdm
 from quant_serve.quant.awq import AWQSettings, awq_block
 from quant_serve.quant.calib import ModelSpec, gram, rms_norm, rope_tables
 from quant_serve.quant.formats import (awq_quantization_config, ct_quantization_config, gptq_quantization_config,
-                           write_awq_gemm, write_gptq, write_pack_quantized)
+                                       write_awq_gemm, write_gptq, write_pack_quantized)
 from quant_serve.quant.gptq import GPTQSettings, gptq_block, gptq_quantize
 from quant_serve.quant.output import ShardWriter, atomic_output_dir
 from quant_serve.quant.rtn import QuantResult, quantize_rtn

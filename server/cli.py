@@ -5,7 +5,7 @@ import os
 import sys
 
 from quant_serve.engine.config import (OFFLINE_BATCHED_TOKENS, SERVE_BATCHED_TOKENS, CacheConfig, EngineConfig,
-                                      SchedulerConfig)
+                                       SchedulerConfig)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from quant_serve.engine.sampler import (Sampler, apply_logit_bias, apply_min_tokens, apply_penalties,
-                                         compute_prompt_logprobs)
+                                        compute_prompt_logprobs)
 from quant_serve.engine.sampling_params import SamplingParams
 from quant_serve.engine.sequence import Sequence
 

@@ -64,7 +64,7 @@ def weight_bytes(w: "W4A16Weights") -> torch.Tensor:
 
 def prepare_w4a16(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None, group_size: int,
                   perm: torch.Tensor | None = None, pack_k: int = DEFAULT_PACK_K) -> W4A16Weights:
-    """Standard internal layout (kernels/w4a16/reference.py) -> W4A16Weights. Run once at load, on the weights' device."""
+    """Standard internal layout (reference.py) -> W4A16Weights. Run once at load, on the weights' device."""
     k = qweight.shape[0] * 8
     n = qweight.shape[1]
     gs = k if group_size <= 0 else group_size

@@ -1,11 +1,13 @@
 """Checkpoint format readers and writers. `load_quant_config` finds a checkpoint's INT4 format; its QuantConfig
-builds each linear layer and converts the checkpoint's tensors into the one internal layout (kernels/w4a16/reference.py)."""
+builds each linear layer and converts the checkpoint's tensors into the one internal layout
+(kernels/w4a16/reference.py)."""
 import json
 from pathlib import Path
 
 from quant_serve.quant.formats.awq import AWQConfig, awq_quantization_config, write_awq_gemm
 from quant_serve.quant.formats.base import Int4Weights, QuantConfig
-from quant_serve.quant.formats.compressed_tensors import CompressedTensorsConfig, ct_quantization_config, write_pack_quantized
+from quant_serve.quant.formats.compressed_tensors import (CompressedTensorsConfig, ct_quantization_config,
+                                                          write_pack_quantized)
 from quant_serve.quant.formats.gptq import GPTQConfig, gptq_quantization_config, write_gptq
 
 CONFIG_CLASSES = {"awq": AWQConfig, "gptq": GPTQConfig, "compressed-tensors": CompressedTensorsConfig}

@@ -5,8 +5,9 @@ from dataclasses import dataclass, field
 import torch
 
 from quant_serve.kernels.w4a16.reference import pack_int4_cols, pack_int4_rows, unpack_int4_cols
-from quant_serve.quant.formats.base import (Int4Weights, QuantConfig, check_codes, check_dtype, check_features, check_groups,
-                                check_shape, get_tensor, num_groups, pack_zeros, trivial_g_idx)
+from quant_serve.quant.formats.base import (Int4Weights, QuantConfig, check_codes, check_dtype, check_features,
+                                            check_groups, check_shape, get_tensor, num_groups, pack_zeros,
+                                            trivial_g_idx)
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]          # nibble i of a word holds column 8j + AWQ_ORDER[i]
 AWQ_REVERSE_ORDER = [0, 4, 1, 5, 2, 6, 3, 7]  # column 8j + c sits in nibble AWQ_REVERSE_ORDER[c]

@@ -1,7 +1,7 @@
 """What every INT4 format shares: the QuantConfig base (per-module decisions) and the internal-layout record.
 
-Internal layout (kernels/w4a16/reference.py): qweight int32 [K/8, N] packed along K; scales [G, N]; qzeros int32 [G, N/8]
-packed along N holding REAL zeros, or None when every zero is 8 (symmetric); perm int64 [K] or None (act-order).
+Internal layout (kernels/w4a16/reference.py): qweight int32 [K/8, N] packed along K; scales [G, N]; qzeros int32
+[G, N/8] packed along N holding REAL zeros, or None when every zero is 8 (symmetric); perm int64 [K] or None (act-order).
 """
 import math
 import re
