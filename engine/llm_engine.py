@@ -39,9 +39,11 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         if self.device != "cpu":            # before any weight is prepared: the layouts follow the runtime's caps
             configure(torch.device(self.device), config.kernels)
+        start = time.perf_counter()
         self.model, self.quant_config = load_model(self.model_dir, self.model_config, self.dtype, self.device,
                                                    config.load_format, config.quantization, show_progress,
                                                    config.seed, config.quantize_lm_head)
+        logger.info("weights loaded and prepared in %.1f s", time.perf_counter() - start)
         num_blocks, self.memory_plan = kv_pool.num_gpu_blocks(config, self.model_config, self.model_dir,
                                                               self.device, self.dtype, self.max_model_len)
         num_cpu_blocks = kv_pool.num_cpu_blocks(config, self.model_config, self.dtype)
