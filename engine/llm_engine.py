@@ -28,6 +28,7 @@ logger = logging.getLogger("quant_serve")
 class LLMEngine:
     def __init__(self, config: EngineConfig, show_progress: bool = True):
         self.config = config
+        begin = time.perf_counter()
         self.model_dir = resolve_model_dir(config.model, config.revision)
         self.model_config, _ = load_model_config(self.model_dir)
         self.tokenizer = load_tokenizer(config.tokenizer or str(self.model_dir))
@@ -40,6 +41,7 @@ class LLMEngine:
         if self.device != "cpu":            # before any weight is prepared: the layouts follow the runtime's caps
             configure(torch.device(self.device), config.kernels)
         start = time.perf_counter()
+        logger.info("config, tokenizer and GPU ready in %.1f s", start - begin)
         self.model, self.quant_config = load_model(self.model_dir, self.model_config, self.dtype, self.device,
                                                    config.load_format, config.quantization, show_progress,
                                                    config.seed, config.quantize_lm_head)
@@ -99,7 +101,7 @@ class LLMEngine:
 
         def warmup(progress: bool) -> int:
             return self.runner.warmup(sched.max_num_batched_tokens, sched.max_num_seqs, self.max_model_len, progress)
-        with parallel_compile(config.kernels.compile_workers) as compiling:
+        with parallel_compile(config.kernels.compile_workers) as compiling, self.model.model.first_layers(2):
             if compiling:
                 logger.info("compiling kernels on %d threads", config.kernels.compile_workers)
                 warmup(False)

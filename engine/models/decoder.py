@@ -3,6 +3,7 @@
 Differences between the families are data in ModelConfig (q/k/v biases, tied embeddings, rope scaling).
 Tokens of all sequences in a step are flattened: hidden states are [T, hidden].
 """
+import contextlib
 import math
 
 import torch
@@ -142,6 +143,17 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
                                       device)
+
+    @contextlib.contextmanager
+    def first_layers(self, n: int):
+        """Inside, the model runs its first n layers only: every kernel variant of a step is launched by the first
+        two (the first layer of the folded path is special), so compiling them needs no more."""
+        layers = self.layers
+        self.layers = layers[:n]
+        try:
+            yield
+        finally:
+            self.layers = layers
 
     def forward(self, input_ids, positions, meta):
         x, residual = self.embed_tokens(input_ids), None
