@@ -17,7 +17,8 @@ from quant_serve.engine.sequence import Logprob
 from quant_serve.engine.swap import CpuKVTier
 from quant_serve.engine.transfer import to_device
 from quant_serve.kernels.argmax import argmax_rows
-from quant_serve.kernels.paged_attention import store_kv
+from quant_serve.kernels.attention_merge import DecodePartials, merge_partials
+from quant_serve.kernels.paged_attention import MAX_SPLITS, store_kv
 
 KV_CACHE_DTYPES = {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16,
                    "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
@@ -258,7 +259,22 @@ class ModelRunner:
         kv = torch.zeros((1, cfg.num_kv_heads, cfg.head_dim), dtype=self.dtype, device=self.device)
         store_kv(kv, kv, attn.k_cache, attn.v_cache, torch.full((1,), -1, dtype=torch.long, device=self.device),
                  attn.k_scale, attn.v_scale)
+        self._warmup_split_merges()
         return len(shapes)
+
+    def _warmup_split_merges(self) -> None:
+        """The merge of an eager decode's context splits (mixed steps) is compiled per power of two of splits; the
+        warm-up contexts reach only some of the counts the decode rule gives on this GPU (they follow its SM count),
+        so every one up to MAX_SPLITS is compiled here."""
+        cfg, dev, attn = self.model_config, self.device, self.model.attention_layers[0]
+        block_d = 1 << (cfg.head_dim - 1).bit_length()
+        out = torch.empty((1, cfg.num_heads, cfg.head_dim), dtype=self.dtype, device=dev)
+        for splits in (1 << i for i in range(1, MAX_SPLITS.bit_length())):
+            merge_partials(DecodePartials(
+                torch.zeros((1, cfg.num_heads, splits, block_d), dtype=torch.float32, device=dev),
+                torch.zeros((1, cfg.num_heads, splits, 2), dtype=torch.float32, device=dev),
+                torch.ones(1, dtype=torch.int32, device=dev), torch.tensor([0, 1], dtype=torch.int32, device=dev),
+                out, 64, attn.v_scale if self.kv_is_fp8 else None))
 
     def _warmup_forward(self, contexts: list[int], chunks: list[int]) -> None:
         q_lens = [1] * len(contexts) + chunks

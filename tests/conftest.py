@@ -45,17 +45,25 @@ def kernels_under_gpu_profile():
     yield
 
 
-_SHARED_NAMES = ("SHARED", "TINY", "TINY_AWQ", "TINY_CT", "DATA", '"shared"')
-
-
-def _needs_shared(path: Path) -> bool:
+def _missing_fixtures(path: Path) -> list[Path]:
+    """The shared fixtures a test file needs that are not here: the folders its `from conftest import` names
+    (TINY, TINY_AWQ, TINY_CT, DATA, SHARED); the whole folder for files that reach it through helpers or the
+    shared server (those fall back to the bundled demo model when only the models are missing)."""
+    import re
     text = path.read_text(errors="replace")
-    return (("from conftest import" in text and any(n in text for n in _SHARED_NAMES)) or "from helpers import" in text
-            or "shared_server" in text or "client" in text.split("from test_server_common import", 1)[-1][:300])
+    named = {"TINY": TINY, "TINY_AWQ": TINY_AWQ, "TINY_CT": TINY_CT, "DATA": DATA, "SHARED": SHARED}
+    wanted = [named[n] for line in re.findall(r"^from conftest import (.+)$", text, re.M)
+              for n in (x.strip() for x in line.split(",")) if n in named]
+    if "from helpers import" in text or "shared_server" in text or \
+            "client" in text.split("from test_server_common import", 1)[-1][:300]:
+        wanted.append(SHARED)
+    return [p for p in dict.fromkeys(wanted) if not p.exists()]
 
 
 def pytest_report_header(config):
-    state = "found" if SHARED.is_dir() else "MISSING: tests that need them are skipped"
+    state = "found" if (TINY / "config.json").is_file() else \
+        "partial: tests that need what is missing are skipped" if SHARED.is_dir() else \
+        "MISSING: tests that need them are skipped"
     return f"shared fixtures: {SHARED} ({state}); Triton: " + \
         ("interpreter (no CUDA GPU)" if os.environ.get("TRITON_INTERPRET") == "1" else "compiled") + \
         f"; GPU profile: {config.getoption('--gpu-profile')}"
@@ -67,12 +75,15 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
-    if not SHARED.is_dir():      # a partial copy (data/ and configs/ only) runs: the tests fall back to the demo model
-        skip = pytest.mark.skip(reason=f"needs the shared fixtures at {SHARED} (models/tiny-qwen2, data/, configs/): "
-                                       "place them beside the checkout or set QUANT_SERVE_SHARED=DIR")
-        for item in items:
-            if _needs_shared(Path(str(item.fspath))):
-                item.add_marker(skip)
+    missing: dict[Path, list[Path]] = {}
+    for item in items:
+        path = Path(str(item.fspath))
+        if path not in missing:
+            missing[path] = _missing_fixtures(path)
+        if missing[path]:
+            item.add_marker(pytest.mark.skip(
+                reason=f"needs the shared fixtures {', '.join(map(str, missing[path]))}: place the project's shared/ "
+                       "beside the checkout or set QUANT_SERVE_SHARED=DIR"))
 
 
 @pytest.fixture(scope="module", autouse=True)
