@@ -265,7 +265,9 @@ class ModelRunner:
     def _warmup_split_merges(self) -> None:
         """The merge of an eager decode's context splits (mixed steps) is compiled per power of two of splits; the
         warm-up contexts reach only some of the counts the decode rule gives on this GPU (they follow its SM count),
-        so every one up to MAX_SPLITS is compiled here."""
+        so every one up to MAX_SPLITS is compiled here. (The CPU path merges with the torch twin: nothing to do.)"""
+        if self.device.type != "cuda":
+            return
         cfg, dev, attn = self.model_config, self.device, self.model.attention_layers[0]
         block_d = 1 << (cfg.head_dim - 1).bit_length()
         out = torch.empty((1, cfg.num_heads, cfg.head_dim), dtype=self.dtype, device=dev)
