@@ -73,6 +73,8 @@ class MemoryPlan:
     max_model_len_fit: int
     fits: bool
     int4_head: bool = False          # --quantize-lm-head: the head counted as its INT4 copy
+    embedding_bytes: int = 0         # the input embedding table (a decode step reads a row of it, unless tied)
+    tied_embeddings: bool = False    # the head is the embedding table: read whole every step
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -276,7 +278,8 @@ def plan_memory(model_dir_or_config: str | Path | dict, gpu_mem_gb: float = 24.0
         kv_cache_bytes=tokens * kv_per_token, max_model_len=max_model_len, max_position_embeddings=a.max_position,
         max_concurrency=tokens / max_model_len,
         max_model_len_fit=min(tokens, a.max_position // block_size * block_size),
-        fits=num_blocks >= math.ceil(max_model_len / block_size), int4_head=int4_head)
+        fits=num_blocks >= math.ceil(max_model_len / block_size), int4_head=int4_head,
+        embedding_bytes=a.vocab * a.hidden * float_b, tied_embeddings=a.tied)
 
 
 def format_plan(plan: MemoryPlan) -> str:
