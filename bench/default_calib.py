@@ -19,15 +19,14 @@ from pathlib import Path
 
 import torch
 
-# bench/ holds a kernels.py: keep this folder off sys.path so that it never shadows the Hugging Face `kernels`
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-
 from quant_serve.engine.loader import load_model_config  # noqa: E402
 from quant_serve.quant.quantize import QuantizeConfig, quantize_model  # noqa: E402
 from quant_serve.server.cli import main as cli  # noqa: E402
 from quant_serve.server.cli_calib import sample_token_windows  # noqa: E402
 from quant_serve.server.cli_quantize import load_source, model_spec, tokenize_calib  # noqa: E402
+
+
+_HERE = Path(__file__).resolve().parent
 
 
 def _bench_module(name: str):

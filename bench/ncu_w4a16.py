@@ -26,8 +26,6 @@ import tempfile
 import time
 from pathlib import Path
 
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 CASES = ["gate_up:1:ours", "gate_up:1:fp16", "down:1:ours", "qkv:1:ours", "gate_up:16:ours", "down:16:ours",
          "gate_up:64:tma:2,256,64", "gate_up:64:tma:1,128,64", "gate_up:64:tma:1,128,64,overlap",
@@ -47,7 +45,7 @@ METRICS = [r"regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio"
 def run_cases(cases: list[str]):
     """The worker (under ncu): each case warmed up, then one call inside the profiled range."""
     import torch
-    from bench.kernels import SHAPES, random_int4, GS
+    from bench.kernel_speed import SHAPES, random_int4, GS
     from quant_serve.kernels.w4a16.dispatch import w4a16_forward
     from quant_serve.kernels.w4a16.frag import prepare_frag
     from quant_serve.kernels.w4a16.tma import w4a16_tma

@@ -20,9 +20,6 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-# bench/ holds a kernels.py: keep this folder off sys.path so that the repository's kernels package wins
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"

@@ -20,5 +20,5 @@ capability record (kernels/gpu.py) and the engine's kernel options; `quant-serve
     streamk.py     the stream-K plan and its reduce pass
     fold_tiles.py  the decode step's RMSNorm / residual pieces that run inside the mma kernel
     fold.py        batch-1 launchers of the matmul with the norm folded in (w4a16_residual / w4a16_normed)
-    sweep.py       the search space bench/kernels.py --tune times
+    sweep.py       the search space bench/kernel_speed.py --tune times
 """

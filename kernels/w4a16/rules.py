@@ -1,6 +1,6 @@
 """Measured W4A16 dispatch: which path and tile per (M, K, N), per GPU family.
 
-Tables come from bench/kernels.py --tune on the GPU named in each entry (see bench/NOTES-kernels.md); shapes not
+Tables come from bench/kernel_speed.py --tune on the GPU named in each entry (see bench/NOTES-kernels.md); shapes not
 in a table use the family's heuristic, whose constants were measured on the same runs.
 """
 from dataclasses import dataclass

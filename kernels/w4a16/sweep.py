@@ -1,4 +1,4 @@
-"""The search space `bench/kernels.py --tune` times for the row-layout kernels, and how its winners are written
+"""The search space `bench/kernel_speed.py --tune` times for the row-layout kernels, and how its winners are written
 back into rules.py's tables."""
 from dataclasses import replace
 
@@ -6,7 +6,7 @@ from quant_serve.kernels.w4a16.rules import W4A16Config, _c
 
 
 def candidate_configs(m: int, k: int, n: int, pack_k: int = 128) -> list[W4A16Config]:
-    """The search space bench/kernels.py --tune times for one (M, K, N); the winners fill TABLES."""
+    """The search space bench/kernel_speed.py --tune times for one (M, K, N); the winners fill TABLES."""
     chunks = -(-k // pack_k)
     splits = [s for s in (1, 2, 4, 8, 16) if s <= chunks]
     out = []

@@ -8,7 +8,7 @@ weight is served from L2; median of 5 replays. fp16_dobench_us is triton.testing
 comparison with the anchors in targets.md. Where kernels/pdl.py launches with PDL (sm90), ours_no_pdl_us times the
 same calls launched plainly (M <= 128; summary "ours_no_pdl"). --tune also times kernels/w4a16/rules.py's search space.
 
-  python bench/kernels.py --out bench/results/kernels-h200.json [--tune] [--awq-sdist F.tar.gz] [--profile a10]
+  python bench/kernel_speed.py --out bench/results/kernels-h200.json [--tune] [--awq-sdist F.tar.gz] [--profile a10]
 
 --profile runs every kernel choice under a GPU profile (kernels/gpu.py: a10, 3090, 4090, l4, ...): on the H200 the
 sm86 / sm89 plans (no TMA, wgmma or PDL, their shared memory and SM count). "dequant_us" times the dequantize pass
@@ -17,7 +17,7 @@ sm86 / sm89 plans (no TMA, wgmma or PDL, their shared memory and SM count). "deq
 M = 1 sweep (gemv: two/one launch x register prefetch/cp.async 2-4 stages x BLOCK_N x warps x split, ~380
 candidates per shape, every one checked against the exact reference before and after timing; prints the tuning-table
 rows and stores them in the JSON's table_rows):
-  python bench/kernels.py --tune --no-decode --ms 1 --budget-s 270 \
+  python bench/kernel_speed.py --tune --no-decode --ms 1 --budget-s 270 \
       --out bench/results/kernels-tune-gemv-h200.json
 """
 import argparse
@@ -32,9 +32,6 @@ import time
 from pathlib import Path
 from statistics import median
 
-# this file is named kernels.py: its folder must not shadow the Hugging Face `kernels` package transformers imports
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 import torch  # noqa: E402
 import triton  # noqa: E402
