@@ -4,6 +4,7 @@ The cache stores fp8(clamp(x / scale)) and reads fp8 * scale (kernels/attention_
 `--kv-scale-source auto` tries them:
   checkpoint    scalars in the safetensors (the names vLLM reads; see parse_kv_scale_name), all layers present
   file          `kv_scales.json` next to the weights, written by write_kv_scales from calibrate_kv_scales
+                (engine/kv_calibration.py)
   first-prompt  computed once, inside the first forward, from that step's own K and V (before they are stored)
   unit          1.0: only when asked for; warns
 Rule for computed scales: scale = amax(|x|) * KV_SCALE_MARGIN / fp8_max, so the largest value seen lands one
@@ -91,7 +92,7 @@ def validate_kv_scales(data: dict, where: str, num_layers: int | None = None) ->
 
 
 def write_kv_scales(model_dir, scales: dict) -> Path:
-    """Write `scales` (from calibrate_kv_scales) to model_dir/kv_scales.json atomically."""
+    """Write `scales` (from kv_calibration.calibrate_kv_scales) to model_dir/kv_scales.json atomically."""
     path = Path(model_dir) / FILE_NAME
     validate_kv_scales(scales, str(path))
     tmp = path.with_suffix(".json.tmp")
@@ -198,61 +199,3 @@ class KVRangeObserver:
                                    "(max %.4g): values are clamped; calibrate KV scales (kv_scales.json) or use "
                                    "--kv-scale-source first-prompt", name, i, which, amax, which, scale,
                                    fp8_max * scale)
-
-
-# ---- calibration --------------------------------------------------------------------------------------
-def calibrate_kv_scales(engine_or_model, token_id_batches, dtype_max: float = E4M3_MAX,
-                        margin: float = KV_SCALE_MARGIN, chunk: int = 2048) -> dict:
-    """Run the calibration text through the model and return the kv_scales.json content (see the module doc).
-
-    engine_or_model: an LLMEngine (call it while no request runs) or a DecoderForCausalLM. token_id_batches:
-    token-id lists, or batches of them. The forward runs over a temporary cache in the model's dtype, so the
-    engine's own cache (fp8 or not), its scales and its prefix cache play no part and are left as they were."""
-    from quant_serve.engine.block_manager import BlockManager
-    from quant_serve.engine.config import CacheConfig
-    from quant_serve.engine.model_runner import ModelRunner
-
-    seqs = []
-    for batch in token_id_batches:
-        seqs += [list(batch)] if batch and isinstance(batch[0], int) else [list(s) for s in batch]
-    if not seqs:
-        raise ValueError("calibrate_kv_scales: no calibration tokens")
-    model = engine_or_model
-    if hasattr(engine_or_model, "runner"):                  # an LLMEngine: its token budget bounds activations
-        model = engine_or_model.model
-        chunk = min(chunk, engine_or_model.config.scheduler.max_num_batched_tokens)
-    layers = model.attention_layers
-    saved = [(attn.k_cache, attn.v_cache) for attn in layers]
-    embed = model.model.embed_tokens.weight          # the model's dtype and device (linears may be packed ints)
-    cache = CacheConfig()
-    num_blocks = -(-max(len(s) for s in seqs) // cache.block_size)
-    runner = ModelRunner(model, model.config, cache, num_blocks, embed.device, embed.dtype)
-    bm = BlockManager(num_blocks, cache.block_size, enable_prefix_caching=False)
-    observer = runner.kv_observer = KVRangeObserver(layers)
-    try:
-        for ids in seqs:
-            _prefill(runner, bm, ids, chunk)
-    finally:
-        for attn, (k_cache, v_cache) in zip(layers, saved):
-            attn.k_cache, attn.v_cache = k_cache, v_cache
-    scales = make_kv_scales(observer.k_amax, observer.v_amax, observer.num_tokens, dtype_max, margin)
-    beyond = [i for i, (k, v) in enumerate(zip(observer.k_amax, observer.v_amax)) if max(k, v) > dtype_max]
-    if beyond:
-        logger.info("KV calibration: layers %s have |K| or |V| beyond %g; an unscaled fp8 cache would clamp them",
-                    beyond, dtype_max)
-    return scales
-
-
-def _prefill(runner, bm, token_ids: list[int], chunk: int) -> None:
-    from quant_serve.engine.sampling_params import SamplingParams
-    from quant_serve.engine.scheduler import ScheduledSeq, SchedulerOutput
-    from quant_serve.engine.sequence import Sequence
-    seq = Sequence("kv-calibration", token_ids, SamplingParams(max_tokens=None))
-    try:
-        while seq.num_computed_tokens < seq.num_tokens:
-            n = min(chunk, seq.num_tokens - seq.num_computed_tokens)
-            assert bm.allocate_slots(seq, n)        # the cache was sized for the longest sequence
-            runner.forward(SchedulerOutput([ScheduledSeq(seq, n)], n))
-            seq.num_computed_tokens += n
-    finally:
-        bm.free(seq)

@@ -8,7 +8,7 @@ import time
 
 
 def register(sub) -> None:
-    from quant_serve.server.cli import add_engine_args
+    from quant_serve.server.cli_args import add_engine_args
     p = sub.add_parser("bench", help="measure latency and throughput")
     modes = p.add_subparsers(dest="mode", required=True)
     off = modes.add_parser("offline", help="drive the engine in-process with synthetic requests")
@@ -55,7 +55,7 @@ def run_offline_cmd(args) -> int:
     from quant_serve.engine.llm_engine import LLMEngine
     from quant_serve.server.bench_offline import (decode_bytes_per_step, format_summary, measure_copy_bandwidth,
                                                   run_offline, write_json)
-    from quant_serve.server.cli import engine_config_from_args
+    from quant_serve.server.cli_args import engine_config_from_args
     engine = LLMEngine(engine_config_from_args(args))
     result = {"metadata": _metadata(args), "model": engine.config.model,
               "quantization": engine.quant_config.describe() if engine.quant_config else "none",

@@ -99,7 +99,7 @@ def run(args) -> int:
 
     from quant_serve.engine.loader import load_model_config, resolve_model_dir
     from quant_serve.kernels.gpu import PROFILES, KernelOptions, caps_of_device, resolve_caps
-    from quant_serve.server.cli import demo_model_dir
+    from quant_serve.server.cli_args import demo_model_dir
     if args.gpu == "this":
         if not torch.cuda.is_available():
             raise ValueError("no CUDA GPU here: name the card to plan for, e.g. --gpu a10")

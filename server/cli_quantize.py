@@ -96,7 +96,8 @@ def write_calibrated_kv_scales(out_dir: Path, calib: torch.Tensor, device: str) 
     """K/V amax of the quantized model on the calibration windows -> out_dir/kv_scales.json (out_dir: the
     finished checkpoint before it is moved into place)."""
     from quant_serve.engine.config import CacheConfig, EngineConfig
-    from quant_serve.engine.kv_scales import calibrate_kv_scales, write_kv_scales
+    from quant_serve.engine.kv_calibration import calibrate_kv_scales
+    from quant_serve.engine.kv_scales import write_kv_scales
     from quant_serve.engine.llm_engine import LLMEngine
     engine = LLMEngine(EngineConfig(model=str(out_dir), device=device, enforce_eager=True,
                                     max_model_len=calib.shape[1] + 1, cache=CacheConfig(kv_cache_memory_gb=0.25)),

@@ -4,7 +4,7 @@ import os
 import sys
 from pathlib import Path
 
-from quant_serve.server import cli
+from quant_serve.server import cli_args
 from quant_serve.server.app import DEFAULT_MAX_QUEUED_REQUESTS
 
 API_KEY_ENV = ("QUANT_SERVE_API_KEY", "VLLM_API_KEY")
@@ -14,7 +14,7 @@ logger = logging.getLogger("quant_serve")
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
-    cli.add_engine_args(p, model_positional=True)
+    cli_args.add_engine_args(p, model_positional=True)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", nargs="+", default=None,
@@ -87,7 +87,7 @@ def startup_report(engine) -> list[str]:
 
 
 def cmd_serve(args) -> int:
-    if not (args.model_tag or args.model or cli.demo_model_dir()):
+    if not (args.model_tag or args.model or cli_args.demo_model_dir()):
         print("error: no MODEL given and the bundled demo model is not installed; run "
               "`quant-serve serve MODEL_DIR_OR_HUB_ID`", file=sys.stderr)
         return 2
@@ -99,7 +99,7 @@ def cmd_serve(args) -> int:
     from quant_serve.server.shutdown import GracefulServer
 
     api_key, key_source = resolve_api_key(args)
-    config = cli.engine_config_from_args(args)
+    config = cli_args.engine_config_from_args(args)
     engine = LLMEngine(config)
     for line in startup_report(engine):
         logger.info(line)

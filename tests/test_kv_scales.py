@@ -7,7 +7,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from quant_serve.engine.kv_scales import (E4M3_MAX, KV_SCALE_MARGIN, calibrate_kv_scales, parse_kv_scale_name,
+from quant_serve.engine.kv_calibration import calibrate_kv_scales
+from quant_serve.engine.kv_scales import (E4M3_MAX, KV_SCALE_MARGIN, parse_kv_scale_name,
                                           read_kv_scales, resolve_kv_scales, scale_from_amax, write_kv_scales)
 from helpers import assert_all_blocks_free, make_engine
 

@@ -8,6 +8,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 import quant_serve.server.cli
+import quant_serve.server.cli_args
 from conftest import TINY, TINY_AWQ
 from helpers import assert_all_blocks_free, make_engine
 from quant_serve.server.app import build_app
@@ -151,7 +152,7 @@ def test_token_budget_defaults_follow_vllm():
 
 
 def test_serve_without_a_model_fails_clearly(monkeypatch, capsys):
-    monkeypatch.setattr(quant_serve.server.cli, "demo_model_dir", lambda: None)
+    monkeypatch.setattr(quant_serve.server.cli_args, "demo_model_dir", lambda: None)
     assert quant_serve.server.cli.main(["serve", "--port", "1"]) == 2
     assert "no MODEL given and the bundled demo model is not installed" in capsys.readouterr().err
 

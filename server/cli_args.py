@@ -1,0 +1,102 @@
+"""The engine's command-line flags (named like vLLM's) and the EngineConfig they make, shared by every subcommand
+that builds an engine (generate, serve, bench, kernels)."""
+import argparse
+
+from quant_serve.engine.config import (OFFLINE_BATCHED_TOKENS, SERVE_BATCHED_TOKENS, CacheConfig, EngineConfig,
+                                       SchedulerConfig)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends a default only where it says something: not for options without one (None), not for store_true /
+    store_false flags (their help says what they do); --x/--no-x pairs read "(default: on)" or "(default: off)"."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help = action.help or ""
+        if isinstance(action, argparse.BooleanOptionalAction) and help:
+            return help + (" (default: on)" if action.default else " (default: off)")
+        if ("%(default)" in help or action.default is None or action.default is argparse.SUPPRESS
+                or not action.option_strings or action.nargs == 0):
+            return help
+        return help + " (default: %(default)s)"
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """Every subcommand's parser: HelpFormatter unless a command picks its own."""
+
+    def __init__(self, *args, formatter_class=HelpFormatter, **kwargs):
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
+
+
+def demo_model_dir() -> str | None:
+    from quant_serve.engine.demo import DEMO_MODEL_DIR
+    return str(DEMO_MODEL_DIR) if (DEMO_MODEL_DIR / "config.json").is_file() else None
+
+
+def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) -> None:
+    if model_positional:
+        p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="model directory or hub id (default: the bundled demo model)")
+    p.add_argument("--model", default=None, help="model directory or hub id (default: the bundled demo model)")
+    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--revision", default=None)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32", "half", "float"])
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    p.add_argument("--quantization", "-q", default=None,
+                   help="override the detected quantization: awq, gptq, compressed-tensors, none")
+    p.add_argument("--quantize-lm-head", action="store_true",
+                   help="INT4 g128 copy of the output head at load (round-to-nearest): the largest matrix a decode "
+                        "step reads; quant-serve eval --quantize-lm-head measures what it costs")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + completion in tokens (default: the model's max_position_embeddings)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences in one step's batch")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help=f"token budget per step (default: {SERVE_BATCHED_TOKENS} for serve, "
+                        f"{OFFLINE_BATCHED_TOKENS} for offline commands, as vLLM on cards under 70 GiB)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.90,
+                   help="fraction of the card's memory the engine may plan for")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   choices=["auto", "fp16", "bf16", "fp8", "fp8_e4m3", "fp8_e5m2"])
+    p.add_argument("--gpu-memory-gb", type=float, default=None,
+                   help="plan for (and cap the allocator at) a card of this many GiB, e.g. 24 to emulate a 24 GB card")
+    p.add_argument("--kv-cache-memory-gb", type=float, default=None,
+                   help="KV pool size in GiB (default: planned on CUDA, 1 GiB on CPU)")
+    p.add_argument("--kv-scale-source", default="auto",
+                   choices=["auto", "checkpoint", "file", "first-prompt", "unit"],
+                   help="where FP8 KV scales come from (auto: checkpoint, then kv_scales.json, then the first prompt)")
+    p.add_argument("--cpu-kv-gb", type=float, default=0.0,
+                   help="host-memory tier for KV blocks of preempted sequences and evicted prefix blocks")
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks of a prompt prefix seen before")
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="split long prompts over several steps' token budgets")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="schedule and launch each step while the previous one still runs "
+                        "(--no-async-scheduling: resolve every step before scheduling the next)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def batched_tokens(args) -> int:
+    if args.max_num_batched_tokens is not None:
+        return args.max_num_batched_tokens
+    return SERVE_BATCHED_TOKENS if getattr(args, "command", None) == "serve" else OFFLINE_BATCHED_TOKENS
+
+
+def engine_config_from_args(args) -> EngineConfig:
+    model = getattr(args, "model_tag", None) or args.model or demo_model_dir()
+    if model is None:
+        raise SystemExit("error: no --model given and the bundled demo model is not installed")
+    return EngineConfig(
+        model=model, tokenizer=args.tokenizer, revision=args.revision, dtype=args.dtype, device=args.device,
+        load_format=args.load_format, quantization=args.quantization, seed=args.seed,
+        quantize_lm_head=args.quantize_lm_head,
+        enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling, max_model_len=args.max_model_len,
+        cache=CacheConfig(num_gpu_blocks=args.num_gpu_blocks_override, kv_cache_dtype=args.kv_cache_dtype,
+                          gpu_memory_utilization=args.gpu_memory_utilization,
+                          kv_cache_memory_gb=args.kv_cache_memory_gb, gpu_memory_gb=args.gpu_memory_gb,
+                          enable_prefix_caching=args.enable_prefix_caching,
+                          kv_scale_source=args.kv_scale_source, cpu_kv_gb=args.cpu_kv_gb),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=batched_tokens(args),
+                                  enable_chunked_prefill=args.enable_chunked_prefill))
