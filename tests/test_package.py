@@ -92,3 +92,41 @@ def test_pure_python_scheduling_modules_do_not_import_torch():
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """quant_serve module -> the quant_serve modules it imports (function-level imports included)."""
+    mods = {}
+    for room in OURS:
+        for path in (REPO / room).rglob("*.py"):
+            name = ".".join(("quant_serve",) + path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+            mods[name] = path
+    graph = {name: set() for name in mods}
+    for name, path in mods.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            graph[name] |= {t for t in targets if t in mods and t != name}
+    return graph
+
+
+def test_no_import_circles():
+    graph, state, path = _module_graph(), {}, []
+
+    def visit(module):                      # depth-first; a module met again while on the path closes a circle
+        state[module] = "open"
+        path.append(module)
+        for dep in sorted(graph[module]):
+            if state.get(dep) == "open":
+                raise AssertionError("import circle: " + " -> ".join(path[path.index(dep):] + [dep]))
+            if dep not in state:
+                visit(dep)
+        path.pop()
+        state[module] = "done"
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)
+    assert len(graph) > 100
