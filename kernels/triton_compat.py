@@ -90,13 +90,7 @@ else:
 def interpreting() -> bool:
     """Triton runs its interpreter (TRITON_INTERPRET=1, Triton's own setting, read through its knobs): the CPU
     tests. Inline asm, PDL and other compiled-only features must then stay off."""
-    if not HAS_TRITON:
-        return False
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    import os
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"   # triton < 3.4 had no knobs
+    return HAS_TRITON and bool(triton.knobs.runtime.interpret)
 
 
 __all__ = ["HAS_TRITON", "interpreting", "MissingTritonKernel", "TensorDescriptor", "async_copy", "fence_async_shared",

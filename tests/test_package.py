@@ -130,3 +130,12 @@ def test_no_import_circles():
         if module not in state:
             visit(module)
     assert len(graph) > 100
+
+
+@pytest.mark.parametrize("room", ["kernels", "quant", "engine"])
+def test_no_environment_reads_below_the_cli(room):
+    """Options are configuration (EngineConfig, KernelOptions), set from the CLI: nothing in the kernels, the
+    quantizers or the engine reads the environment."""
+    for path in (REPO / room).rglob("*.py"):
+        text = path.read_text()
+        assert "os.environ" not in text and "getenv(" not in text, path.relative_to(REPO)
