@@ -1,5 +1,18 @@
-"""The profiling scripts' parsers (bench/): what they write into bench/results must follow from ncu's output."""
-from bench.ncu_w4a16 import summarize_source
+"""The profiling scripts' parsers (bench/): what they write into bench/results must follow from ncu's output.
+bench/ is a folder of scripts, not part of the package: the test loads the script by its path."""
+import importlib.util
+
+from conftest import REPO
+
+
+def _bench_script(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+summarize_source = _bench_script("ncu_w4a16").summarize_source
 
 HEAD = ('"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)",'
         '"stall_barrier","stall_long_sb","stall_wait","stall_barrier (Not Issued)"')
