@@ -92,7 +92,8 @@ def graph_us(fns, min_ms: float = 2.0) -> float:
 def alternating_us(calls: dict, rounds: int = 3) -> dict:
     """{name: [us, ...]}: each entry's graph_us, the entries in turn, `rounds` times. Clock and power drift between
     two readings then lands on every side: one reading each put the same call of gate_up at M = 1024 at 395 us here
-    and 364-371 in the same process around it (bench/results/exp-timing-ab-h200.json)."""
+    and 364-371 in the same process around it (exp-timing-ab-h200.json at tag lab-archive-2026-12;
+    docs/kernels.md, "Timing")."""
     runs = {name: [] for name in calls}
     for _ in range(rounds):
         for name, fns in calls.items():
