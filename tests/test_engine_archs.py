@@ -1,0 +1,105 @@
+"""Qwen3, Gemma 2, Gemma 3, Phi-3 (and Phi-4-mini's partial rotary) and Llama 3.2 (tied head): small random-weight
+models built from each family's transformers config, through our engine against transformers on CPU (fp32):
+logits of a long prompt (past Gemma's sliding window) and greedy tokens; then the INT4 path, quantized by our RTN
+into AWQ / GPTQ checkpoints, against transformers on the dequantized weights."""
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig, Phi3Config,
+                          Qwen3Config)
+
+from quant_serve.engine.sampling_params import SamplingParams
+from helpers import assert_all_blocks_free, make_engine
+
+from conftest import TINY
+
+VOCAB = 4096
+SMALL = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=1024, bos_token_id=0, eos_token_id=2, pad_token_id=0)
+WINDOW = 24          # Gemma's sliding window here: the 150-token prompt and the 40-token chunks cross it
+
+CONFIGS = {
+    "qwen3": lambda: Qwen3Config(**SMALL, num_hidden_layers=3, head_dim=48, rms_norm_eps=1e-6,
+                                 tie_word_embeddings=False, rope_theta=1000000.0),
+    "gemma2": lambda: Gemma2Config(**SMALL, num_hidden_layers=4, head_dim=64, query_pre_attn_scalar=48,
+                                   sliding_window=WINDOW, attn_logit_softcapping=4.0, final_logit_softcapping=3.0),
+    "gemma3": lambda: Gemma3TextConfig(
+        **SMALL, num_hidden_layers=4, head_dim=64, query_pre_attn_scalar=40, sliding_window=WINDOW,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+    "phi3": lambda: Phi3Config(
+        **SMALL, num_hidden_layers=3, original_max_position_embeddings=256, tie_word_embeddings=False,
+        rope_scaling={"type": "longrope", "short_factor": [1.0 + i / 16 for i in range(16)],
+                      "long_factor": [2.0 + i / 4 for i in range(16)]}),
+    "phi4-mini": lambda: Phi3Config(                    # partial rotary (3/4 of head_dim), tied head
+        **SMALL, num_hidden_layers=2, original_max_position_embeddings=256, tie_word_embeddings=True,
+        partial_rotary_factor=0.75, rope_scaling={"type": "longrope", "short_factor": [1.0] * 12,
+                                                  "long_factor": [3.0] * 12}),
+    "llama3.2": lambda: LlamaConfig(
+        **SMALL, num_hidden_layers=2, tie_word_embeddings=True, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64}),
+}
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    """name -> a saved random-weight checkpoint (fp32; norms and biases random too, so that a missed (1 + w) or
+    a dropped norm shows)."""
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            path = tmp_path_factory.mktemp(name)
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(CONFIGS[name](), dtype=torch.float32)
+            with torch.no_grad():
+                for pname, p in model.named_parameters():
+                    if p.dim() == 2:
+                        p.normal_(0, 0.08)
+                    elif "norm" in pname:
+                        p.normal_(0.0 if "gemma" in name else 1.0, 0.2)
+            model.save_pretrained(str(path))
+            for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+                shutil.copy(TINY / f, path / f)
+            cache[name] = path
+        return cache[name]
+    return get
+
+
+def hf_model(path):
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def prompts() -> list[list[int]]:
+    ids = torch.randint(3, VOCAB, (150,), generator=torch.Generator().manual_seed(1)).tolist()
+    return [ids[:5], ids[:77], ids[20:150]]
+
+
+def check_against_hf(engine, ref_model, atol=3e-4):
+    ids = prompts()[2]
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(engine.score(ids), ref, atol=atol, rtol=1e-4)
+    params = SamplingParams(max_tokens=8, min_tokens=8, temperature=0.0)
+    for prompt, out in zip(prompts(), engine.generate(prompts(), params)):
+        with torch.no_grad():
+            expected = ref_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=8, min_new_tokens=8,
+                                          attention_mask=torch.ones(1, len(prompt)))
+        assert out.outputs[0].token_ids == expected[0, len(prompt):].tolist(), f"{len(prompt)}-token prompt"
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_logits_and_greedy_match_hf(name, model_dirs):
+    path = model_dirs(name)
+    engine = make_engine(path, chunk=40)
+    cfg = engine.model_config
+    if name.startswith("gemma"):
+        assert cfg.gemma_norm and cfg.sandwich_norms and WINDOW in cfg.layer_windows and 0 in cfg.layer_windows
+    assert (engine.model.lm_head is None) == cfg.tie_word_embeddings
+    check_against_hf(engine, hf_model(path))
