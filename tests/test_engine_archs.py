@@ -103,3 +103,61 @@ def test_logits_and_greedy_match_hf(name, model_dirs):
         assert cfg.gemma_norm and cfg.sandwich_norms and WINDOW in cfg.layer_windows and 0 in cfg.layer_windows
     assert (engine.model.lm_head is None) == cfg.tie_word_embeddings
     check_against_hf(engine, hf_model(path))
+
+
+def rtn_source(path):
+    """The SourceModel server/cli_quantize.load_source builds (RTN reads no forward fields of the spec)."""
+    from quant_serve.engine.checkpoint import INDEX, list_weight_files, read_tensor_names
+    from quant_serve.engine.loader import load_model_config
+    from quant_serve.quant.calib import ModelSpec
+    from quant_serve.quant.quantize import SourceModel
+    cfg, raw = load_model_config(path)
+    names = read_tensor_names(list_weight_files(path), path / INDEX)
+    spec = ModelSpec(cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
+                     cfg.head_dim, cfg.rms_norm_eps, torch.ones(cfg.head_dim // 2), cfg.tie_word_embeddings)
+
+    def read(name):
+        with safe_open(str(names[name]), framework="pt") as f:
+            return f.get_tensor(name)
+    extra = [p for p in path.iterdir() if p.suffix in (".json", ".jinja") and p.name != "config.json"
+             and not p.name.startswith("model")]
+    return SourceModel(spec, raw, list(names), read, extra, path)
+
+
+INT4_FORMATS = {"qwen3": "awq", "gemma2": "gptq", "gemma3": "awq", "phi3": "gptq", "phi4-mini": "awq",
+                "llama3.2": "gptq"}
+
+
+@pytest.mark.parametrize("name", list(INT4_FORMATS))
+def test_int4_rtn_checkpoint_matches_hf_on_dequantized_weights(name, model_dirs, tmp_path):
+    """`quant-serve quantize --method rtn` into AWQ / GPTQ (Phi's fused qkv_proj / gate_up_proj stay fused, as
+    AutoAWQ and GPTQModel write them), loaded by our readers and run on the INT4 path, against transformers with
+    every linear replaced by its dequantized weights."""
+    from quant_serve.quant.linear import QuantLinear
+    from quant_serve.quant.quantize import QuantizeConfig, quantize_model
+    src, fmt = model_dirs(name), INT4_FORMATS[name]
+    results = {}
+    quantize_model(rtn_source(src), None, QuantizeConfig(method="rtn", group_size=64, format=fmt, sym=fmt == "gptq"),
+                   tmp_path / "int4", show_progress=False, results_sink=results)
+    assert json.loads((tmp_path / "int4" / "config.json").read_text())["quantization_config"]["quant_method"] == fmt
+    fused = name.startswith("phi")
+    per_block = {n.split(".", 3)[3] for n in results}
+    assert per_block == ({"self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"} if fused
+                         else {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"})
+    ref = hf_model(src)
+    state = ref.state_dict()
+    for module, res in results.items():
+        state[f"{module}.weight"] = res.dequantize(64)
+    ref.load_state_dict(state)
+    engine = make_engine(tmp_path / "int4", chunk=40)
+    layer = engine.model.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, QuantLinear) and isinstance(layer.mlp.gate_up_proj, QuantLinear)
+    check_against_hf(engine, ref)
+
+
+def test_quantize_refuses_calibrated_methods_on_other_blocks(model_dirs, tmp_path):
+    from quant_serve.quant.quantize import QuantizeConfig, quantize_model
+    with pytest.raises(ValueError, match="Gemma2ForCausalLM.*use --method rtn"):
+        quantize_model(rtn_source(model_dirs("gemma2")), torch.zeros(1, 8, dtype=torch.long),
+                       QuantizeConfig(method="gptq"), tmp_path / "out", show_progress=False)
