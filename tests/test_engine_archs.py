@@ -94,9 +94,26 @@ def check_against_hf(engine, ref_model, atol=3e-4):
     assert_all_blocks_free(engine)
 
 
+def header_bytes(path) -> int:
+    total = 0
+    for file in path.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as f:
+            total += sum(f.get_tensor(n).nbytes for n in f.keys())
+    return total
+
+
+def plan_weights(path) -> int:
+    """The memory plan's weight bytes computed from config.json alone (no safetensors header)."""
+    from quant_serve.engine.memory import plan_memory
+    plan = plan_memory(json.loads((path / "config.json").read_text()))
+    assert plan.weights_source == "config"
+    return plan.weights_bytes
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_logits_and_greedy_match_hf(name, model_dirs):
     path = model_dirs(name)
+    assert plan_weights(path) == header_bytes(path)          # norms, q/k norms, fused modules, tied head counted
     engine = make_engine(path, chunk=40)
     cfg = engine.model_config
     if name.startswith("gemma"):
@@ -150,6 +167,7 @@ def test_int4_rtn_checkpoint_matches_hf_on_dequantized_weights(name, model_dirs,
     for module, res in results.items():
         state[f"{module}.weight"] = res.dequantize(64)
     ref.load_state_dict(state)
+    assert plan_weights(tmp_path / "int4") == header_bytes(tmp_path / "int4")
     engine = make_engine(tmp_path / "int4", chunk=40)
     layer = engine.model.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, QuantLinear) and isinstance(layer.mlp.gate_up_proj, QuantLinear)
@@ -161,3 +179,25 @@ def test_quantize_refuses_calibrated_methods_on_other_blocks(model_dirs, tmp_pat
     with pytest.raises(ValueError, match="Gemma2ForCausalLM.*use --method rtn"):
         quantize_model(rtn_source(model_dirs("gemma2")), torch.zeros(1, 8, dtype=torch.long),
                        QuantizeConfig(method="gptq"), tmp_path / "out", show_progress=False)
+
+
+def test_plan_counts_gemma3_12b_weights_and_kv(tmp_path):
+    """Gemma 3 12B's real config: the plan's KV per token uses head_dim 256 (not hidden / heads = 240), and its
+    weight bytes are exactly our decoder's parameters (built on the meta device: no memory)."""
+    from quant_serve.engine.loader import build_model, load_model_config
+    from quant_serve.engine.memory import plan_memory
+    config = Gemma3TextConfig(vocab_size=262208, hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
+                              num_attention_heads=16, num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256,
+                              sliding_window=1024, max_position_embeddings=131072, dtype="bfloat16",
+                              rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                  "rope_theta": 1000000.0},
+                                               "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+    raw = config.to_dict() | {"architectures": ["Gemma3ForCausalLM"]}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    plan = plan_memory(raw, gpu_mem_gb=24)
+    assert plan.kv_bytes_per_token == 2 * 48 * 8 * 256 * 2 and plan.max_position_embeddings == 131072
+    cfg, _ = load_model_config(tmp_path)
+    assert cfg.layer_windows.count(0) == 8 and cfg.local_rope_theta == 10000.0
+    cfg.max_position_embeddings = 16                      # the rope tables are no weights
+    model = build_model(cfg, torch.bfloat16, "meta", None)
+    assert plan.weights_bytes == sum(p.numel() * 2 for p in model.parameters())
