@@ -123,7 +123,8 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.embed_tokens.weight.requires_grad_(False)
         # Gemma multiplies by sqrt(hidden) rounded to the model dtype, as transformers does
-        self.embed_scale = None if cfg.embed_scale is None else torch.tensor(cfg.embed_scale, dtype=dtype, device="cpu").item()
+        self.embed_scale = None if cfg.embed_scale is None else \
+            torch.tensor(cfg.embed_scale, dtype=dtype, device="cpu").item()
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device, quant_config) for i in range(cfg.num_layers))
         self.norm = make_norm(cfg, cfg.hidden_size, dtype, device)
         rotary_dim = cfg.rotary_dim or cfg.head_dim
