@@ -31,30 +31,34 @@ class AttentionMetadata:
 def paged_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                             cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale,
                             v_scale, meta: AttentionMetadata, softmax_scale: float,
-                            merge: bool = True) -> torch.Tensor | DecodePartials:
+                            merge: bool = True, window: int = 0, softcap: float = 0.0) -> torch.Tensor | DecodePartials:
     """q: [T, Hq, D], k/v: [T, Hkv, D] before RoPE; positions [T]; cos_sin_cache [max_pos, D].
     Rotates q and k, stores k/v by slot_mapping (one fused kernel on CUDA), then attends. -> [T, Hq, D]
     A decode step on CUDA does all of it in the decode kernel (one launch instead of two); otherwise q and k are
     rotated in place. merge False: a decode step whose context is split may return the unmerged partials
-    (kernels/attention_merge.py) for o_proj to merge."""
+    (kernels/attention_merge.py) for o_proj to merge. window, softcap: a sliding-window layer's window and the
+    score soft-cap (kernels/attention_ref.paged_attention_ref; 0: off). A cos_sin_cache narrower than head_dim
+    (partial rotary) is applied in torch, then stored by the store kernel."""
     decode = meta.max_query_len == 1 and q.shape[0] == meta.block_tables.shape[0]
-    if meta.kv_observer is None and q.is_cuda and decode and q.shape[-1] & (q.shape[-1] - 1) == 0:
+    full_rotary = cos_sin_cache.shape[1] == q.shape[-1]
+    if meta.kv_observer is None and q.is_cuda and decode and full_rotary and q.shape[-1] & (q.shape[-1] - 1) == 0:
         return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                             softmax_scale, k_scale, v_scale, new=NewTokens(k, v, positions, cos_sin_cache,
                                                                           meta.slot_mapping),
-                            wide_table=meta.wide_table, merge=merge)
-    if meta.kv_observer is None:
+                            wide_table=meta.wide_table, merge=merge, window=window, softcap=softcap)
+    if meta.kv_observer is None and full_rotary:
         rope_store_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
     else:
         q.copy_(apply_rope_ref(q, positions, cos_sin_cache))
         k.copy_(apply_rope_ref(k, positions, cos_sin_cache))
-        meta.kv_observer(k, v, k_scale, v_scale)
+        if meta.kv_observer is not None:
+            meta.kv_observer(k, v, k_scale, v_scale)
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
-    return attend(q, k_cache, v_cache, meta, softmax_scale, k_scale, v_scale)
+    return attend(q, k_cache, v_cache, meta, softmax_scale, k_scale, v_scale, window, softcap)
 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-           softmax_scale: float, k_scale=1.0, v_scale=1.0) -> torch.Tensor:
+           softmax_scale: float, k_scale=1.0, v_scale=1.0, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """q: [T, Hq, D] (rotated) against the paged cache, which already holds this step's K/V. -> [T, Hq, D]"""
     d = meta.num_decodes
     if 0 < d < meta.block_tables.shape[0] and meta.prefill_query_start_loc is not None:
@@ -62,9 +66,9 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: 
         # the decode kernel reads each sequence's context once.
         out = torch.empty_like(q)
         out[:d] = paged_attention(q[:d], k_cache, v_cache, meta.block_tables[:d], meta.seq_lens[:d],
-                                  meta.query_start_loc[:d + 1], softmax_scale, k_scale, v_scale)
+                                  meta.query_start_loc[:d + 1], softmax_scale, k_scale, v_scale, window, softcap)
         out[d:] = paged_attention(q[d:], k_cache, v_cache, meta.block_tables[d:], meta.seq_lens[d:],
-                                  meta.prefill_query_start_loc, softmax_scale, k_scale, v_scale)
+                                  meta.prefill_query_start_loc, softmax_scale, k_scale, v_scale, window, softcap)
         return out
     return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                           softmax_scale, k_scale, v_scale)
+                           softmax_scale, k_scale, v_scale, window, softcap)

@@ -1,5 +1,4 @@
 """Configuration passed down from the CLI. Plain dataclasses; no environment variables."""
-import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -11,7 +10,8 @@ BLOCK_SIZE = 16
 
 @dataclass
 class ModelConfig:
-    """What the decoder needs, read from a Hugging Face config (Llama, Qwen2, Mistral)."""
+    """What the decoder needs, read from a Hugging Face config (Llama, Qwen2/3, Mistral, Gemma 2/3, Phi-3). The
+    families differ only in these values; engine/models/decoder.py reads them."""
     architecture: str
     model_type: str
     vocab_size: int
@@ -33,7 +33,27 @@ class ModelConfig:
     bos_token_id: int | None = None
     torch_dtype: torch.dtype = torch.float16   # the checkpoint's dtype
     quantization_config: dict | None = None
-    sliding_window: int | None = None      # we attend over the full context, so max_model_len is capped at this
+    layer_windows: tuple[int, ...] = ()    # per layer: its sliding window in tokens, 0 = global; () = all global
+    qk_norm: bool = False                  # Qwen3, Gemma 3: RMSNorm of each q and k head before RoPE
+    gemma_norm: bool = False               # Gemma: norms scale by (1 + weight), in fp32
+    sandwich_norms: bool = False           # Gemma 2/3: norms after attention and around the MLP
+    embed_scale: float | None = None       # Gemma: embeddings times sqrt(hidden_size) (in the model dtype)
+    query_pre_attn_scalar: float | None = None   # Gemma: softmax scale is this ** -0.5, not head_dim ** -0.5
+    attn_logit_softcap: float = 0.0        # Gemma 2: attention scores capped by a tanh (0: off)
+    final_logit_softcap: float = 0.0       # Gemma 2: logits capped by a tanh (0: off)
+    local_rope_theta: float | None = None  # Gemma 3: the sliding-window layers' rope base (their own table)
+    local_rope_scaling: dict | None = None
+    rotary_dim: int | None = None          # partial rotary (Phi-4-mini): the first rotary_dim of head_dim; None = all
+    fused_checkpoint: bool = False         # Phi-3: the checkpoint stores qkv_proj and gate_up_proj fused
+
+    def window(self, layer: int) -> int:
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    @property
+    def llama_block(self) -> bool:
+        """The plain pre-norm SwiGLU block with Llama norms (what the folded-norm decode path implements)."""
+        return not (self.qk_norm or self.gemma_norm or self.sandwich_norms or self.embed_scale
+                    or self.hidden_act not in ("silu", "swish") or (self.rotary_dim or self.head_dim) != self.head_dim)
 
 
 @dataclass
@@ -88,15 +108,12 @@ class EngineConfig:
 
 
 def resolve_max_model_len(model: ModelConfig, wanted: int | None) -> int:
-    """The engine's context limit: the one asked for, within the model's positions and sliding window."""
+    """The engine's context limit: the one asked for, within the model's positions (sliding-window layers attend
+    over their window, so a window does not limit the context)."""
     limit = model.max_position_embeddings
-    if model.sliding_window and model.sliding_window < limit:
-        logging.getLogger("quant_serve").info("capping max_model_len at the sliding window of %d tokens",
-                                              model.sliding_window)
-        limit = model.sliding_window
     if wanted is None:
         return limit
     if wanted > limit:
         raise ValueError(f"max_model_len {wanted} exceeds the model's limit of {limit} tokens "
-                         "(max_position_embeddings or sliding window)")
+                         "(max_position_embeddings)")
     return wanted

@@ -14,7 +14,8 @@ from quant_serve.engine.models.decoder import DecoderForCausalLM
 
 logger = logging.getLogger("quant_serve")
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
+                           "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM")
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
 _DTYPES = {"float16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
            "float": torch.float32}
@@ -52,11 +53,12 @@ def load_model_config(model_dir: Path) -> tuple[ModelConfig, dict]:
     except Exception as e:                  # transformers' errors for malformed values are of many types
         raise ValueError(f"cannot read {config_file} with transformers: {type(e).__name__}: {e}") from e
     rope = dict(getattr(hf, "rope_parameters", None) or {})
-    theta = rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
-    scaling = rope if rope.get("rope_type", "default") != "default" else getattr(hf, "rope_scaling", None)
-    if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
-        scaling = None
+    local_rope = rope.get("sliding_attention")          # Gemma 3: one rope per layer type
+    rope = dict(rope.get("full_attention", rope))
+    theta, scaling = _rope(rope, getattr(hf, "rope_theta", 10000.0), getattr(hf, "rope_scaling", None))
     num_heads = hf.num_attention_heads
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+    partial = rope.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", None)) or 1.0
     eos = hf.eos_token_id
     eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
     gen_file = Path(model_dir) / "generation_config.json"
@@ -70,25 +72,60 @@ def load_model_config(model_dir: Path) -> tuple[ModelConfig, dict]:
     cfg = ModelConfig(
         architecture=arch, model_type=hf.model_type, vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
         intermediate_size=hf.intermediate_size, num_layers=hf.num_hidden_layers, num_heads=num_heads,
-        num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
-        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // num_heads,
+        num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads, head_dim=head_dim,
         rms_norm_eps=hf.rms_norm_eps, rope_theta=float(theta), rope_scaling=scaling,
         max_position_embeddings=hf.max_position_embeddings,
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         attention_bias=bool(getattr(hf, "attention_bias", False)) or hf.model_type == "qwen2",
-        mlp_bias=bool(getattr(hf, "mlp_bias", False)), hidden_act=hf.hidden_act,
+        mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+        hidden_act=getattr(hf, "hidden_activation", None) or hf.hidden_act,
         eos_token_ids=eos, bos_token_id=getattr(hf, "bos_token_id", None), torch_dtype=dtype,
-        quantization_config=raw.get("quantization_config"),
-        sliding_window=_sliding_window(hf))
+        quantization_config=raw.get("quantization_config"), layer_windows=_layer_windows(hf),
+        rotary_dim=None if partial == 1.0 else int(head_dim * partial),
+        **_family_fields(arch, hf, local_rope))
     check_model_config(cfg, config_file, getattr(hf, "head_dim", None) is not None)
     return cfg, raw
 
 
-def _sliding_window(hf) -> int | None:
+def _rope(rope: dict, theta: float, scaling: dict | None) -> tuple[float, dict | None]:
+    """rope_parameters (or the older rope_theta / rope_scaling) -> (base, scaling or None for plain rope)."""
+    theta = rope.get("rope_theta", theta)
+    scaling = rope if rope.get("rope_type", "default") != "default" else scaling
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
+        scaling = None
+    return float(theta), scaling
+
+
+def _layer_windows(hf) -> tuple[int, ...]:
+    """Each layer's sliding window (0: global): from layer_types where the config has them (Gemma 2/3, Qwen2/3
+    with use_sliding_window), else the one window on every layer (Mistral, Phi-3); () when no layer slides.
+    transformers' Qwen2/3 configs already drop sliding_window unless use_sliding_window is set."""
     window = getattr(hf, "sliding_window", None)
-    if hf.model_type == "qwen2" and not getattr(hf, "use_sliding_window", False):
-        return None
-    return window
+    if not window:
+        return ()
+    types = getattr(hf, "layer_types", None)
+    windows = tuple(window if t == "sliding_attention" else 0 for t in types) if types else \
+        (window,) * hf.num_hidden_layers
+    return windows if any(windows) else ()
+
+
+def _family_fields(arch: str, hf, local_rope: dict | None) -> dict:
+    """The ModelConfig fields that set Qwen3, Gemma 2/3 and Phi-3 apart from the Llama block."""
+    if arch == "Qwen3ForCausalLM":
+        return {"qk_norm": True}
+    if arch == "Phi3ForCausalLM":
+        return {"fused_checkpoint": True}
+    if arch not in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+        return {}
+    fields = {"gemma_norm": True, "sandwich_norms": True, "embed_scale": hf.hidden_size ** 0.5,
+              "query_pre_attn_scalar": float(hf.query_pre_attn_scalar),
+              "final_logit_softcap": float(getattr(hf, "final_logit_softcapping", None) or 0.0)}
+    if arch == "Gemma2ForCausalLM":       # Gemma 3's attention ignores attn_logit_softcapping (as transformers)
+        return fields | {"attn_logit_softcap": float(getattr(hf, "attn_logit_softcapping", None) or 0.0)}
+    fields["qk_norm"] = True
+    if local_rope is not None:
+        fields["local_rope_theta"], fields["local_rope_scaling"] = _rope(dict(local_rope), 10000.0, None)
+    return fields
 
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device, quant_config) -> DecoderForCausalLM:
@@ -250,13 +287,16 @@ def default_device() -> str:
 
 
 def pick_dtype(requested: str, cfg: ModelConfig, device: str, quantized: bool) -> torch.dtype:
-    """auto: fp32 on the CPU path (exact and fast enough there); on CUDA the checkpoint dtype, fp16 for INT4."""
+    """auto: fp32 on the CPU path (exact and fast enough there); on CUDA the checkpoint dtype, fp16 for INT4, bf16
+    for Gemma."""
     if requested != "auto":
         if requested not in _DTYPES:
             raise ValueError(f"unsupported dtype {requested!r} (supported: auto, float16, bfloat16, float32)")
         return _DTYPES[requested]
     if device == "cpu":
         return torch.float32
+    if cfg.gemma_norm:             # Gemma's activations outgrow fp16 (vLLM refuses fp16 for Gemma 2/3)
+        return torch.bfloat16
     if quantized:
         return torch.float16
     return cfg.torch_dtype if cfg.torch_dtype in (torch.float16, torch.bfloat16) else torch.float16

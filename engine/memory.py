@@ -110,25 +110,40 @@ class _Arch:
     dtype: object
     max_position: int
     quant: dict | None
+    norms_per_layer: int = 2          # Gemma 2/3: 4 (post-attention, pre/post feed-forward)
+    qk_norm: bool = False             # Qwen3, Gemma 3: [head_dim] q and k norms per layer
+    fused: bool = False               # Phi-3: qkv_proj and gate_up_proj are single modules in the checkpoint
+    rope_tables: int = 1              # Gemma 3: a second table for the sliding-window layers
+    rotary_dim: int = 0
+
+
+_GEMMA = ("gemma2", "gemma3", "gemma3_text")
 
 
 def _arch(cfg: dict) -> _Arch:
     heads = cfg["num_attention_heads"]
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    per_layer_type = "full_attention" in rope      # Gemma 3: its max_position_embeddings is the extended one
+    rope_type = "default" if per_layer_type else rope.get("rope_type", rope.get("type", "default"))
     max_position = cfg["max_position_embeddings"]
     # Like vLLM: yarn/linear/dynamic stretch the original window by `factor`; llama3 configs already state the
     # extended max_position_embeddings.
     if rope_type in ("yarn", "linear", "dynamic") and rope.get("factor"):
         max_position = int(rope.get("original_max_position_embeddings", max_position) * rope["factor"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    partial = (rope.get("partial_rotary_factor") if not per_layer_type else None) or \
+        cfg.get("partial_rotary_factor") or 1.0
+    model_type = cfg.get("model_type")
     return _Arch(
         hidden=cfg["hidden_size"], intermediate=cfg["intermediate_size"], layers=cfg["num_hidden_layers"],
         heads=heads, kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, vocab=cfg["vocab_size"],
+        head_dim=head_dim, vocab=cfg["vocab_size"],
         tied=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias", False)),
         mlp_bias=bool(cfg.get("mlp_bias", False)), dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
-        max_position=max_position, quant=cfg.get("quantization_config"))
+        max_position=max_position, quant=cfg.get("quantization_config"),
+        norms_per_layer=4 if model_type in _GEMMA else 2, qk_norm=model_type in ("qwen3", "gemma3", "gemma3_text"),
+        fused=model_type == "phi3", rope_tables=2 if per_layer_type else 1, rotary_dim=int(head_dim * partial))
 
 
 def _load_config(src) -> tuple[dict, Path | None]:
@@ -168,9 +183,13 @@ def _computed_weights_bytes(a: _Arch, float_b: int, weights_dtype: str) -> int:
         return body + (n * float_b if bias else 0)
 
     qd, kvd, h, i = a.heads * a.head_dim, a.kv_heads * a.head_dim, a.hidden, a.intermediate
-    shapes = [(h, qd, a.qkv_bias), (h, kvd, a.qkv_bias), (h, kvd, a.qkv_bias), (qd, h, False),
-              (h, i, a.mlp_bias), (h, i, a.mlp_bias), (i, h, a.mlp_bias)]
-    per_layer = sum(linear(k, n, b, q is not None) for k, n, b in shapes) + 2 * h * float_b  # + two RMSNorms
+    if a.fused:
+        shapes = [(h, qd + 2 * kvd, a.qkv_bias), (qd, h, False), (h, 2 * i, a.mlp_bias), (i, h, a.mlp_bias)]
+    else:
+        shapes = [(h, qd, a.qkv_bias), (h, kvd, a.qkv_bias), (h, kvd, a.qkv_bias), (qd, h, False),
+                  (h, i, a.mlp_bias), (h, i, a.mlp_bias), (i, h, a.mlp_bias)]
+    norms = a.norms_per_layer * h + (2 * a.head_dim if a.qk_norm else 0)
+    per_layer = sum(linear(k, n, b, q is not None) for k, n, b in shapes) + norms * float_b
     total = a.layers * per_layer + a.vocab * h * float_b + h * float_b  # + embedding, final norm
     if not a.tied:
         total += linear(h, a.vocab, False, _head_quantized(q))
@@ -227,15 +246,16 @@ def _activation_bytes(a: _Arch, act_b: int, tokens: int, max_num_seqs: int) -> i
                                                               gate_up, K x 2I) to act dtype for cuBLAS
     sampler = T*H*act_b + R*V*(act_b + 4 + 20)                final hidden, head output, fp32 logits, sampler
               with R = min(max_num_seqs, T) logit rows        (one row per scheduled sequence)
-    plus the persistent RoPE cos/sin cache, max_position_embeddings x head_dim fp32 each (sized by the model's
-    limit, not max_model_len, so that max_model_len_fit is exact: shrinking max_model_len frees no other memory).
+    plus the persistent RoPE cos/sin cache, max_position_embeddings x rotary width fp32 each (sized by the model's
+    limit, not max_model_len, so that max_model_len_fit is exact: shrinking max_model_len frees no other memory),
+    one per rope of the model (Gemma 3: two).
     """
     qd, kvd, h, i = a.heads * a.head_dim, a.kv_heads * a.head_dim, a.hidden, a.intermediate
     dequant = h * 2 * i * act_b if a.quant is not None else 0
     forward = tokens * act_b * (2 * h + max(qd + 2 * kvd + qd, 3 * i)) + dequant
     rows = min(max_num_seqs, tokens)
     sampler = tokens * h * act_b + rows * a.vocab * (act_b + 4 + SAMPLER_BYTES_PER_LOGIT)
-    return max(forward, sampler) + 2 * a.max_position * a.head_dim * 4
+    return max(forward, sampler) + 2 * a.rope_tables * a.max_position * a.rotary_dim * 4
 
 
 def plan_memory(model_dir_or_config: str | Path | dict, gpu_mem_gb: float = 24.0,

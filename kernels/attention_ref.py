@@ -47,12 +47,15 @@ def gather_kv(cache: torch.Tensor, block_table: list[int], length: int) -> torch
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                        softmax_scale: float, k_scale=1.0, v_scale=1.0) -> torch.Tensor:
+                        softmax_scale: float, k_scale=1.0, v_scale=1.0, window: int = 0,
+                        softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of new queries over each sequence's paged context (its prefix plus the new tokens).
 
     q: [T, Hq, D] (new tokens of all sequences, flattened); block_tables: [B, max_blocks] int;
     seq_lens: [B] context length including the new tokens; query_start_loc: [B+1], seq b owns
     q[query_start_loc[b]:query_start_loc[b+1]], which are the last positions of its context.
+    window > 0 (a sliding-window layer): the query at position p sees keys p - window + 1 .. p only, as in the
+    Hugging Face masks. softcap > 0 (Gemma 2): scores become softcap * tanh(scores / softcap) before the softmax.
     Returns [T, Hq, D] in q's dtype. Math in fp32.
     """
     out = torch.empty_like(q)
@@ -64,17 +67,18 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         idx = torch.tensor(decodes, device=q.device)
         out[rows] = _attend(q[rows].unsqueeze(1), k_cache, v_cache, block_tables[idx], seq_lens[idx],
                             torch.ones(len(decodes), dtype=torch.long, device=q.device), softmax_scale,
-                            k_scale, v_scale).squeeze(1)
+                            k_scale, v_scale, window, softcap).squeeze(1)
     for b, n in enumerate(q_lens):
         if n > 1:
             out[starts[b]:starts[b + 1]] = _attend(q[starts[b]:starts[b + 1]].unsqueeze(0), k_cache, v_cache,
                                                    block_tables[b:b + 1], seq_lens[b:b + 1],
                                                    torch.tensor([n], device=q.device), softmax_scale,
-                                                   k_scale, v_scale)[0]
+                                                   k_scale, v_scale, window, softcap)[0]
     return out
 
 
-def _attend(q: torch.Tensor, k_cache, v_cache, block_tables, seq_lens, q_lens, softmax_scale, k_scale, v_scale):
+def _attend(q: torch.Tensor, k_cache, v_cache, block_tables, seq_lens, q_lens, softmax_scale, k_scale, v_scale,
+            window: int, softcap: float):
     """q: [B, Q, Hq, D], right-aligned in each sequence's context -> [B, Q, Hq, D]. GQA without copying K/V."""
     batch, q_max, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -85,10 +89,14 @@ def _attend(q: torch.Tensor, k_cache, v_cache, block_tables, seq_lens, q_lens, s
     v = dequantize_from_cache(v_cache[tables].flatten(1, 2)[:, :max_len], torch.float32, v_scale)
     qg = q.float().view(batch, q_max, num_kv_heads, group, head_dim)
     scores = torch.einsum("bqhgd,bkhd->bhgqk", qg, k) * softmax_scale                  # [B, Hkv, G, Q, L]
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
     # query i of sequence b sits at position seq_len - q_len + i and sees keys 0..that position
     q_pos = (seq_lens - q_lens).view(batch, 1) + torch.arange(q_max, device=q.device)   # [B, Q]
     k_pos = torch.arange(max_len, device=q.device)
     visible = k_pos.view(1, 1, -1) <= q_pos.unsqueeze(-1)                               # [B, Q, L]
+    if window > 0:
+        visible &= k_pos.view(1, 1, -1) > q_pos.unsqueeze(-1) - window
     scores.masked_fill_(~visible.view(batch, 1, 1, q_max, max_len), float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("bhgqk,bkhd->bqhgd", probs, v)
@@ -110,21 +118,24 @@ def build_cos_sin_cache(max_position: int, head_dim: int, base: float = 10000.0,
 
 
 def apply_rope_ref(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D], positions: [T] -> rotated x in x's dtype (math in fp32)."""
-    half = cos_sin_cache.shape[1] // 2
-    cs = cos_sin_cache[positions].float()                              # [T, D]
+    """x: [T, H, D], positions: [T] -> rotated x in x's dtype (math in fp32). A table narrower than D (partial
+    rotary, Phi-4-mini) rotates the first cos_sin_cache.shape[1] dimensions and passes the rest through."""
+    rot = cos_sin_cache.shape[1]
+    half = rot // 2
+    cs = cos_sin_cache[positions].float()                              # [T, rot]
     cos, sin = cs[:, None, :half], cs[:, None, half:]
     xf = x.float()
-    x1, x2 = xf[..., :half], xf[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    x1, x2 = xf[..., :half], xf[..., half:rot]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, xf[..., rot:]], dim=-1).to(x.dtype)
 
 
 def rope_store_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                       cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       slot_mapping: torch.Tensor, k_scale=1.0, v_scale=1.0) -> None:
     """Rotate q [T, Hq, D] and k [T, Hkv, D] in place, then store k (rotated) and v by slot_mapping."""
-    if cos_sin_cache.shape[1] != q.shape[-1]:
-        raise ValueError(f"cos_sin_cache width {cos_sin_cache.shape[1]} != head_dim {q.shape[-1]}")
+    if cos_sin_cache.shape[1] > q.shape[-1] or cos_sin_cache.shape[1] % 2:
+        raise ValueError(f"cos_sin_cache width {cos_sin_cache.shape[1]} must be even and at most head_dim "
+                         f"{q.shape[-1]}")
     q.copy_(apply_rope_ref(q, positions, cos_sin_cache))
     k.copy_(apply_rope_ref(k, positions, cos_sin_cache))
     store_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)

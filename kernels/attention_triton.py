@@ -3,6 +3,9 @@
 GQA: a program owns one kv head and all G = Hq/Hkv query heads that share it, so every K/V tile is read once per
 group. fp8 values are widened to the query dtype exactly; the per-layer scales are folded into the softmax scale
 (k) and the output (v) instead of multiplying every element. Softmax runs in the exp2 domain.
+Two per-model options (off by default): `window` > 0 (a sliding-window layer) hides keys more than window - 1
+positions behind the query; SOFTCAP > 0 (Gemma 2) caps scores at +-SOFTCAP by a tanh, SOFTCAP given in the exp2
+domain (the cap times log2(e)), as the scores are.
 """
 from quant_serve.kernels.triton_compat import tl, triton
 from quant_serve.kernels.pdl import pdl_start, pdl_wait
@@ -84,9 +87,17 @@ def _widen(x, dtype: tl.constexpr, CVT: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(q, k, v, s_mask, m_i, l_i, acc, qk_scale):
+def _softcap(s, SOFTCAP: tl.constexpr):
+    """SOFTCAP * tanh(s / SOFTCAP) with tanh(x) = 1 - 2 / (e^2x + 1) (saturates cleanly at +-inf)."""
+    if SOFTCAP > 0:
+        s = SOFTCAP * (1.0 - 2.0 / (tl.math.exp2(s * (2.0 / SOFTCAP) * 1.4426950408889634) + 1.0))
+    return s
+
+
+@triton.jit
+def _attend_tile(q, k, v, s_mask, m_i, l_i, acc, qk_scale, SOFTCAP: tl.constexpr):
     """One online-softmax step. q [R, D], k/v [N, D] in q's dtype, s_mask [R, N]."""
-    s = tl.dot(q, tl.trans(k)) * qk_scale
+    s = _softcap(tl.dot(q, tl.trans(k)) * qk_scale, SOFTCAP)
     s = tl.where(s_mask, s, NEG)
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.math.exp2(m_i - m_new)
@@ -96,16 +107,16 @@ def _attend_tile(q, k, v, s_mask, m_i, l_i, acc, qk_scale):
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["stride_tb"],
+@triton.jit(do_not_specialize=["stride_tb", "window"],
             do_not_specialize_on_alignment=["tables_ptr", "seq_lens_ptr", "qsl_ptr", "pos_ptr", "slot_ptr"])
 def _decode_kernel(q_ptr, k_cache, v_cache, tables_ptr, seq_lens_ptr, qsl_ptr, out_ptr, part_o, part_ml,
-                   k_scale_ptr, v_scale_ptr, k_scale_val, v_scale_val, qk_scale, D,
+                   k_scale_ptr, v_scale_ptr, k_scale_val, v_scale_val, qk_scale, D, window,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_tb, stride_cb, stride_cs, stride_ch,
                    k_new_ptr, v_new_ptr, pos_ptr, cos_sin_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
                    stride_pos, G: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, IS_FP8: tl.constexpr,
                    SCALE_PTR: tl.constexpr, PDL: tl.constexpr, ROPE: tl.constexpr, FMAX: tl.constexpr,
-                   FP8_CVT: tl.constexpr, EARLY_TILE: tl.constexpr):
+                   FP8_CVT: tl.constexpr, EARLY_TILE: tl.constexpr, SOFTCAP: tl.constexpr):
     """Grid (B, Hkv, splits): one query token per sequence. The split length follows this sequence's own length
     (whole BLOCK_N tiles), not the table width the grid was sized for, so a short context in a CUDA graph captured
     for long ones still spreads over programs; splits past the end store an empty partial (merged by
@@ -114,7 +125,9 @@ def _decode_kernel(q_ptr, k_cache, v_cache, tables_ptr, seq_lens_ptr, qsl_ptr, o
     ROPE (the decode step's RoPE + KV store folded in, one launch less per layer): q, k and v are the new tokens
     before RoPE; every program rotates q in registers, and the split holding the new token (position
     seq_len - 1) rotates its k, stores k and v by slot (-1: not stored) and attends to them from registers, as
-    stored (fp8: quantized), instead of reading them back from the cache."""
+    stored (fp8: quantized), instead of reading them back from the cache.
+    window > 0: tokens before lo = seq_len - window are skipped (the splits still cut [0, seq_len): a split below
+    lo stores an empty partial, which the merges weigh 0)."""
     pdl_start(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -129,14 +142,16 @@ def _decode_kernel(q_ptr, k_cache, v_cache, tables_ptr, seq_lens_ptr, qsl_ptr, o
     end = tl.minimum(start + tokens_per_split, seq_len)
     if ROPE:
         end = tl.minimum(end, seq_len - 1)        # the new token is attended from registers
+    lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < D
     table_row = tables_ptr + b * stride_tb
     toks0 = start + tl.arange(0, BLOCK_N)
+    mask0 = (toks0 < end) & (toks0 >= lo)
     if EARLY_TILE:
-        k0 = _kv_tile(k_cache, table_row, toks0, toks0 < end, h, stride_cb, stride_cs, stride_ch, offs_d, d_mask,
+        k0 = _kv_tile(k_cache, table_row, toks0, mask0, h, stride_cb, stride_cs, stride_ch, offs_d, d_mask,
                       BLOCK_SIZE)
-        v0 = _kv_tile(v_cache, table_row, toks0, toks0 < end, h, stride_cb, stride_cs, stride_ch, offs_d, d_mask,
+        v0 = _kv_tile(v_cache, table_row, toks0, mask0, h, stride_cb, stride_cs, stride_ch, offs_d, d_mask,
                       BLOCK_SIZE)
     if ROPE:
         cos, sin, slot = _rope_row(q_idx, pos_ptr, cos_sin_ptr, slot_ptr, stride_pos, offs_d, BLOCK_D)
@@ -156,13 +171,14 @@ def _decode_kernel(q_ptr, k_cache, v_cache, tables_ptr, seq_lens_ptr, qsl_ptr, o
                                       cos, sin, slot, k_new_ptr, v_new_ptr, k_cache, v_cache, k_scale_ptr,
                                       v_scale_ptr, k_scale_val, v_scale_val, qk_scale, stride_kt, stride_kh,
                                       stride_vt, stride_vh, stride_cb, stride_cs, stride_ch, offs_d, d_mask,
-                                      row_mask, BLOCK_D, BLOCK_SIZE, FMAX, IS_FP8, SCALE_PTR)
+                                      row_mask, BLOCK_D, BLOCK_SIZE, FMAX, IS_FP8, SCALE_PTR, SOFTCAP)
     first = start
     if EARLY_TILE:
-        if start < end:                           # a fully masked tile would count its masked scores
+        if tl.maximum(start, lo) < end:           # a fully masked tile would count its masked scores
             m_i, l_i, acc = _attend_tile(q, _widen(k0, q.dtype, FP8_CVT), _widen(v0, q.dtype, FP8_CVT),
-                                         (toks0 < end)[None, :], m_i, l_i, acc, qk_scale)
+                                         mask0[None, :], m_i, l_i, acc, qk_scale, SOFTCAP)
         first = start + BLOCK_N
+    first = tl.maximum(first, lo)
     for n0 in range(first, end, BLOCK_N):
         toks = n0 + tl.arange(0, BLOCK_N)
         tok_mask = toks < end
@@ -170,7 +186,7 @@ def _decode_kernel(q_ptr, k_cache, v_cache, tables_ptr, seq_lens_ptr, qsl_ptr, o
                             BLOCK_SIZE), q.dtype, FP8_CVT)
         v = _widen(_kv_tile(v_cache, table_row, toks, tok_mask, h, stride_cb, stride_cs, stride_ch, offs_d, d_mask,
                             BLOCK_SIZE), q.dtype, FP8_CVT)
-        m_i, l_i, acc = _attend_tile(q, k, v, tok_mask[None, :], m_i, l_i, acc, qk_scale)
+        m_i, l_i, acc = _attend_tile(q, k, v, tok_mask[None, :], m_i, l_i, acc, qk_scale, SOFTCAP)
     if not SPLIT:
         out = acc / l_i[:, None]
         if IS_FP8:
@@ -202,7 +218,8 @@ def _rope_row(t, pos_ptr, cos_sin_ptr, slot_ptr, stride_pos, offs_d, BLOCK_D: tl
 def _new_token(q, q_rows, m_i, l_i, acc, t, h, seq_len, start, stop, cos, sin, slot, k_ptr, v_ptr, k_cache, v_cache,
                k_scale_ptr, v_scale_ptr, k_scale_val, v_scale_val, qk_scale, stride_kt, stride_kh, stride_vt,
                stride_vh, stride_cb, stride_cs, stride_ch, offs_d, d_mask, row_mask, BLOCK_D: tl.constexpr,
-               BLOCK_SIZE: tl.constexpr, FMAX: tl.constexpr, IS_FP8: tl.constexpr, SCALE_PTR: tl.constexpr):
+               BLOCK_SIZE: tl.constexpr, FMAX: tl.constexpr, IS_FP8: tl.constexpr, SCALE_PTR: tl.constexpr,
+               SOFTCAP: tl.constexpr):
     """Token t of the decode step (kv head h): q [GP, BLOCK_D] rotated (neox, rounded to q's dtype as the stored
     twin is); where this program's tokens [start, stop) hold position seq_len - 1, k rotated, k and v stored by
     slot and folded into the softmax state (m = its score, l = 1, acc = v), else the state unchanged."""
@@ -223,6 +240,7 @@ def _new_token(q, q_rows, m_i, l_i, acc, t, h, seq_len, start, stop, cos, sin, s
     tl.store(k_cache + dst, k, mask=keep)
     tl.store(v_cache + dst, v, mask=keep)
     s = tl.sum(q.to(tl.float32) * _widen(k, q.dtype, False).to(tl.float32)[None, :], axis=1) * qk_scale  # [GP]
+    s = _softcap(s, SOFTCAP)
     m_i = tl.where(own, s, m_i)
     l_i = tl.where(own, 1.0, l_i)
     acc = tl.where(own, _widen(v, q.dtype, False).to(tl.float32)[None, :], acc)                 # broadcast
@@ -270,17 +288,19 @@ def _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 # Per-step values (sequence count, block-table width, sliced metadata pointers) must not each cost a compile.
-@triton.jit(do_not_specialize=["num_seqs", "stride_tb"],
+@triton.jit(do_not_specialize=["num_seqs", "stride_tb", "window"],
             do_not_specialize_on_alignment=["tables_ptr", "seq_lens_ptr", "qsl_ptr"])
 def _prefill_kernel(q_ptr, k_cache, v_cache, tables_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
-                    k_scale_ptr, v_scale_ptr, k_scale_val, v_scale_val, qk_scale, num_seqs, D,
+                    k_scale_ptr, v_scale_ptr, k_scale_val, v_scale_val, qk_scale, num_seqs, D, window,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_tb, stride_cb, stride_cs, stride_ch,
                     G: tl.constexpr, GP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, IS_FP8: tl.constexpr,
-                    SCALE_PTR: tl.constexpr):
+                    SCALE_PTR: tl.constexpr, SOFTCAP: tl.constexpr):
     """Grid (T // BLOCK_Q + B, Hkv): BLOCK_Q new tokens of one sequence x its G query heads (rows r: token
     r // GP, head r % GP) against the cached prefix and the chunk itself, causal. Needs no host-side metadata
-    beyond query_start_loc: each program finds its sequence by binary search."""
+    beyond query_start_loc: each program finds its sequence by binary search. window > 0: keys from the block's
+    first query's window on (a row's keys before its own window are masked; until its first visible key its
+    softmax state holds masked scores, which that key's rescale by exp2(NEG - m) clears)."""
     BLOCK_M: tl.constexpr = BLOCK_Q * GP
     h = tl.program_id(1)
     b = _find_seq(qsl_ptr, tl.program_id(0), num_seqs, BLOCK_Q)
@@ -306,7 +326,8 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, tables_ptr, seq_lens_ptr, qsl_ptr, 
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table_row = tables_ptr + b * stride_tb
-    for n0 in range(0, kv_end, BLOCK_N):
+    kv_start = tl.where(window > 0, tl.maximum(ctx + qb * BLOCK_Q - window + 1, 0), 0)
+    for n0 in range(kv_start, kv_end, BLOCK_N):
         toks = n0 + tl.arange(0, BLOCK_N)
         tok_mask = toks < kv_end
         k = _widen(_kv_tile(k_cache, table_row, toks, tok_mask, h, stride_cb, stride_cs, stride_ch, offs_d, d_mask,
@@ -314,7 +335,8 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, tables_ptr, seq_lens_ptr, qsl_ptr, 
         v = _widen(_kv_tile(v_cache, table_row, toks, tok_mask, h, stride_cb, stride_cs, stride_ch, offs_d, d_mask,
                             BLOCK_SIZE), q.dtype, False)
         causal = (toks[None, :] <= q_pos[:, None]) & tok_mask[None, :]
-        m_i, l_i, acc = _attend_tile(q, k, v, causal, m_i, l_i, acc, qk_scale)
+        causal = causal & ((toks[None, :] > q_pos[:, None] - window) | (window <= 0))
+        m_i, l_i, acc = _attend_tile(q, k, v, causal, m_i, l_i, acc, qk_scale, SOFTCAP)
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
     if IS_FP8:
         out = out * _scale(v_scale_ptr, v_scale_val, SCALE_PTR)

@@ -140,17 +140,18 @@ def _num_sms(device: torch.device) -> int:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, softmax_scale: float, k_scale=1.0,
-                    v_scale=1.0) -> torch.Tensor:
+                    v_scale=1.0, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """q: [T, Hq, D]; caches [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks]; seq_lens [B] (context
-    including the new tokens); query_start_loc [B+1]. -> [T, Hq, D] in q's dtype."""
+    including the new tokens); query_start_loc [B+1]. -> [T, Hq, D] in q's dtype. window, softcap: as
+    attention_ref.paged_attention_ref (0: off)."""
     if not q.is_cuda:
         return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, softmax_scale,
-                                   k_scale, v_scale)
+                                   k_scale, v_scale, window, softcap)
     if q.shape[0] == block_tables.shape[0]:
         return paged_decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, softmax_scale,
-                            k_scale, v_scale)
+                            k_scale, v_scale, window=window, softcap=softcap)
     return paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, softmax_scale,
-                         k_scale, v_scale)
+                         k_scale, v_scale, window=window, softcap=softcap)
 
 
 MAX_SPLITS = 128      # the merge kernel holds [splits, head_dim] fp32 partials of a head in registers
@@ -172,7 +173,8 @@ def split_count(programs: int, max_ctx: int, sms: int, cfg: DecodeConfig) -> int
 
 def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, softmax_scale, k_scale=1.0,
                  v_scale=1.0, cfg: DecodeConfig | None = None, new: NewTokens | None = None,
-                 wide_table: bool = False, merge: bool = True) -> torch.Tensor | DecodePartials:
+                 wide_table: bool = False, merge: bool = True, window: int = 0,
+                 softcap: float = 0.0) -> torch.Tensor | DecodePartials:
     """One query token per sequence. new: q and new.k are before RoPE; the kernel rotates them and stores
     new.k / new.v by slot before attending (needs head_dim a power of two), as rope_store_kv + paged_decode.
     wide_table: block_tables are sized for the longest context allowed, not for these (decode_config).
@@ -204,7 +206,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, s
     kc, vc = _kernel_view(k_cache), _kernel_view(v_cache)
     _decode_kernel[(batch, num_kv_heads, splits)](
         q, kc, vc, block_tables, seq_lens, query_start_loc, out, part_o, part_ml,
-        ks_ptr, vs_ptr, ks_val, vs_val, softmax_scale * LOG2E, head_dim,
+        ks_ptr, vs_ptr, ks_val, vs_val, softmax_scale * LOG2E, head_dim, window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         nk.k, nk.v, nk.positions, nk.cos_sin_cache, nk.slot_mapping, nk.k.stride(0), nk.k.stride(1), nk.v.stride(0),
@@ -212,7 +214,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, s
         G=group, GP=max(16, _next_pow2(group)), BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_SIZE=block_size,
         SPLIT=splits > 1, IS_FP8=is_fp8, SCALE_PTR=from_ptr, PDL=pdl, ROPE=new is not None,
         FMAX=_fmax(k_cache.dtype), FP8_CVT=cfg.fp8_asm and _fp8_cvt(q, k_cache.dtype),
-        EARLY_TILE=cfg.early_tile and new is not None, num_warps=cfg.num_warps,
+        EARLY_TILE=cfg.early_tile and new is not None, SOFTCAP=softcap * LOG2E, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **launch_options(pdl))
     if splits == 1:
         return out
@@ -223,7 +225,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, s
 
 def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, softmax_scale, k_scale=1.0,
                   v_scale=1.0, block_m: int = 128, block_n: int = 64, num_warps: int = 8,
-                  num_stages: int = 2) -> torch.Tensor:
+                  num_stages: int = 2, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     from quant_serve.kernels.attention_triton import _prefill_kernel
     num_tokens, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -237,11 +239,12 @@ def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, 
     kc, vc = _kernel_view(k_cache), _kernel_view(v_cache)
     _prefill_kernel[(num_tokens // block_q + batch, num_kv_heads)](
         q, kc, vc, block_tables, seq_lens, query_start_loc, out, ks_ptr, vs_ptr, ks_val, vs_val,
-        softmax_scale * LOG2E, batch, head_dim,
+        softmax_scale * LOG2E, batch, head_dim, window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         G=group, GP=gp, BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_D=_next_pow2(head_dim), BLOCK_SIZE=block_size,
-        IS_FP8=k_cache.dtype in FP8, SCALE_PTR=from_ptr, num_warps=num_warps, num_stages=num_stages)
+        IS_FP8=k_cache.dtype in FP8, SCALE_PTR=from_ptr, SOFTCAP=softcap * LOG2E, num_warps=num_warps,
+        num_stages=num_stages)
     return out
 
 

@@ -26,7 +26,11 @@ from quant_serve.quant.rtn import QuantResult, quantize_rtn
 logger = logging.getLogger("quant_serve")
 
 LINEARS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-           "mlp.up_proj", "mlp.down_proj"]
+           "mlp.up_proj", "mlp.down_proj",
+           "self_attn.qkv_proj", "mlp.gate_up_proj"]          # Phi-3 checkpoints store these two fused
+# The architectures whose block quant/calib.py's forward reproduces (AWQ and GPTQ calibrate on it); RTN needs no
+# forward and takes every architecture the engine loads.
+CALIBRATED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 METHODS = ("rtn", "awq", "gptq")
 FORMATS = ("awq", "gptq", "gptq_v2", "compressed-tensors")
 DEFAULT_SYM = {"rtn": False, "awq": False, "gptq": True}
@@ -90,6 +94,10 @@ def quantize_model(source: SourceModel, calib: torch.Tensor | None, cfg: Quantiz
         raise ValueError("the source model is already quantized (config.json has a quantization_config)")
     if cfg.method != "rtn" and calib is None:
         raise ValueError(f"{cfg.method} needs calibration text")
+    archs = source.config.get("architectures") or []
+    if cfg.method != "rtn" and not any(a in CALIBRATED_ARCHITECTURES for a in archs):
+        raise ValueError(f"--method {cfg.method} calibrates on a Llama-style block forward, which {archs} does not "
+                         f"have (supported: {', '.join(CALIBRATED_ARCHITECTURES)}); use --method rtn")
     if cfg.lm_head and "lm_head.weight" not in source.tensor_names:
         raise ValueError("--lm-head: this model ties lm_head to the embedding table (no lm_head.weight); "
                          "quantizing it would need an untied copy of the table")

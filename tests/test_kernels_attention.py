@@ -213,6 +213,78 @@ def test_mixed_step_splits_decodes_from_prefills(cache_dtype):
     assert rel_err(out, ref) < TOL[torch.float16]
 
 
+def test_twin_window_and_softcap_match_dense_attention():
+    """The twin's sliding window and soft-cap against dense attention with the Hugging Face masks (a query at
+    position p sees keys p - window + 1 .. p; scores capped by softcap * tanh(s / softcap) before the mask)."""
+    gen = torch.Generator().manual_seed(5)
+    hq, hkv, d, window, cap = 4, 2, 16, 7, 2.0
+    seq_lens, q_lens = [30, 21], [12, 1]                        # a chunk after a prefix, a decode
+    k_cache, v_cache = (c.cpu() for c in make_cache(8, hkv, d, torch.float32, 1.0, gen))
+    tables, lens, qsl = (t.cpu() for t in make_batch(seq_lens, q_lens, 8, gen))
+    q = torch.randn(sum(q_lens), hq, d, generator=gen) * 3
+    out = paged_attention_ref(q, k_cache, v_cache, tables, lens, qsl, d ** -0.5, window=window, softcap=cap)
+    for b, (n, m) in enumerate(zip(seq_lens, q_lens)):
+        k = k_cache[tables[b].long()].flatten(0, 1)[:n].repeat_interleave(hq // hkv, dim=1)      # [n, Hq, D]
+        v = v_cache[tables[b].long()].flatten(0, 1)[:n].repeat_interleave(hq // hkv, dim=1)
+        qb = q[qsl[b]:qsl[b + 1]]                                                            # [m, Hq, D]
+        scores = torch.einsum("qhd,khd->hqk", qb, k) * d ** -0.5
+        scores = cap * torch.tanh(scores / cap)
+        q_pos = torch.arange(n - m, n)[:, None]
+        k_pos = torch.arange(n)[None, :]
+        scores = scores.masked_fill(~((k_pos <= q_pos) & (k_pos > q_pos - window)), float("-inf"))
+        ref = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+        torch.testing.assert_close(out[qsl[b]:qsl[b + 1]], ref, atol=1e-5, rtol=1e-5)
+    plain = paged_attention_ref(q, k_cache, v_cache, tables, lens, qsl, d ** -0.5)
+    assert not torch.allclose(plain, out, atol=1e-3)               # both options change the output
+
+
+@pytest.mark.parametrize("splits,early,rope,window,softcap", [
+    (1, False, False, 20, 0.0), (3, False, False, 9, 1.5), (8, False, False, 33, 0.0),
+    (4, True, True, 20, 0.0), (3, True, True, 5, 1.5), (1, False, True, 64, 1.5), (5, False, False, 0, 1.5)])
+def test_decode_window_softcap_matches_twin(splits, early, rope, window, softcap):
+    """Sliding window and soft-cap in the decode kernel (splits below the window store empty partials; the
+    folded RoPE + store path too) against the twin."""
+    gen = torch.Generator().manual_seed(splits * 7 + window)
+    hq, hkv, d, seq_lens = 4, 2, 32, [1, 17, 40, 63]
+    k_cache, v_cache = make_cache(20, hkv, d, torch.float16, 1.0, gen)
+    tables, lens, qsl = make_batch(seq_lens, [1] * 4, 20, gen)
+    q = (torch.randn(4, hq, d, generator=gen) * 2).half().to(DEV)
+    cfg = DecodeConfig(block_n=16, num_splits=splits, early_tile=early)
+    if rope:
+        positions = (lens - 1).long()
+        slots = tables.long().gather(1, (positions // BS)[:, None])[:, 0] * BS + positions % BS
+        cos_sin = build_cos_sin_cache(64, d, base=10000.0, device=DEV)
+        k, v = (torch.randn(4, hkv, d, generator=gen).half().to(DEV) for _ in range(2))
+        ref_caches = (k_cache.clone(), v_cache.clone())
+        q_ref = q.clone()
+        rope_store_kv_ref(q_ref, k.clone(), v.clone(), positions, cos_sin, *ref_caches, slots)
+        ref = paged_attention_ref(q_ref.float(), *ref_caches, tables, lens, qsl, d ** -0.5, window=window,
+                                  softcap=softcap)
+        out = paged_decode(q, k_cache, v_cache, tables, lens, qsl, d ** -0.5, cfg=cfg,
+                           new=NewTokens(k, v, positions, cos_sin, slots), window=window, softcap=softcap)
+    else:
+        ref = paged_attention_ref(q.float(), k_cache, v_cache, tables, lens, qsl, d ** -0.5, window=window,
+                                  softcap=softcap)
+        out = paged_decode(q, k_cache, v_cache, tables, lens, qsl, d ** -0.5, cfg=cfg, window=window,
+                           softcap=softcap)
+    assert rel_err(out, ref) < TOL[torch.float16]
+
+
+@pytest.mark.parametrize("window,softcap", [(5, 0.0), (23, 1.5), (0, 1.5)])
+def test_prefill_window_softcap_matches_twin(window, softcap):
+    gen = torch.Generator().manual_seed(window)
+    hq, hkv, d = 4, 2, 32
+    seq_lens, q_lens = [40, 30, 36, 3], [40, 1, 20, 0]        # a prompt, a decode row, a chunk after a prefix, idle
+    k_cache, v_cache = make_cache(12, hkv, d, torch.float16, 1.0, gen)
+    tables, lens, qsl = make_batch(seq_lens, q_lens, 12, gen)
+    q = (torch.randn(sum(q_lens), hq, d, generator=gen) * 2).half().to(DEV)
+    out = paged_prefill(q, k_cache, v_cache, tables, lens, qsl, d ** -0.5, block_m=32, block_n=16, num_warps=4,
+                        window=window, softcap=softcap)
+    ref = paged_attention_ref(q.float(), k_cache, v_cache, tables, lens, qsl, d ** -0.5, window=window,
+                              softcap=softcap)
+    assert rel_err(out, ref) < TOL[torch.float16]
+
+
 def test_dispatchers_use_twins_on_cpu():
     gen = torch.Generator().manual_seed(3)
     k_cache, v_cache = (c.cpu() for c in make_cache(4, 1, 16, torch.float32, 1.0, gen))
@@ -286,7 +358,7 @@ def compile_decode_sm90() -> dict:
     from tests.test_kernels_w4a16_mma import cubin_sass
     sig = dict(q_ptr="*fp16", k_cache="*fp8e4nv", v_cache="*fp8e4nv", tables_ptr="*i32", seq_lens_ptr="*i32",
                qsl_ptr="*i32", out_ptr="*fp16", part_o="*fp32", part_ml="*fp32", k_scale_ptr="*fp32",
-               v_scale_ptr="*fp32", k_scale_val="fp32", v_scale_val="fp32", qk_scale="fp32", D="i32",
+               v_scale_ptr="*fp32", k_scale_val="fp32", v_scale_val="fp32", qk_scale="fp32", D="i32", window="i32",
                stride_qt="i32", stride_qh="i32", stride_ot="i32", stride_oh="i32", stride_tb="i32",
                stride_cb="i32", stride_cs="i32", stride_ch="i32", k_new_ptr="*fp16", v_new_ptr="*fp16",
                pos_ptr="*i64", cos_sin_ptr="*fp16", slot_ptr="*i64", stride_kt="i32", stride_kh="i32",
@@ -296,7 +368,8 @@ def compile_decode_sm90() -> dict:
     out = {}
     for cvt in (False, True):
         constexprs = dict(G=7, GP=16, BLOCK_N=64, BLOCK_D=128, BLOCK_SIZE=16, SPLIT=True, IS_FP8=True,
-                          SCALE_PTR=True, PDL=True, ROPE=False, FMAX=448.0, FP8_CVT=cvt, EARLY_TILE=False)
+                          SCALE_PTR=True, PDL=True, ROPE=False, FMAX=448.0, FP8_CVT=cvt, EARLY_TILE=False,
+                          SOFTCAP=0.0)
         full = dict(sig, **{k: "constexpr" for k in constexprs})
         names = list(full)
         attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}

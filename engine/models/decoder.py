@@ -1,79 +1,46 @@
-"""One decoder for Llama, Qwen2 and Mistral: RMSNorm, RoPE (default / linear / llama3), GQA, SwiGLU.
+"""One decoder for Llama, Qwen2/3, Mistral, Gemma 2/3 and Phi-3: RMSNorm, RoPE, GQA, a gated MLP.
 
-Differences between the families are data in ModelConfig (q/k/v biases, tied embeddings, rope scaling).
-Tokens of all sequences in a step are flattened: hidden states are [T, hidden].
+Differences between the families are data in ModelConfig (q/k/v biases, q/k norms, the norm style and placement,
+SwiGLU or GeGLU, soft-caps, per-layer sliding windows, embedding scale, tied embeddings, rope scaling, fused
+checkpoint projections); the small pieces live in layers.py. Tokens of all sequences in a step are flattened:
+hidden states are [T, hidden].
 """
 import contextlib
-import math
 
 import torch
 from torch import nn
 
 from quant_serve.engine.attention import AttentionMetadata, paged_attention_forward
 from quant_serve.engine.config import ModelConfig
+from quant_serve.engine.models.layers import (GELU_ACTS, SILU_ACTS, RMSNorm, RotaryEmbedding, gelu_tanh_and_mul,
+                                              make_norm, rope_inv_freq)
 from quant_serve.kernels.attention_merge import DecodePartials
 from quant_serve.kernels.gemv import gemv, gemv_applies
 from quant_serve.kernels.gpu import options_for
-from quant_serve.kernels.norm_act import rms_norm
 from quant_serve.kernels.w4a16.fold import FoldedNorm
 from quant_serve.quant.linear import DenseLinear, make_linear
 
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """x: [T, H] -> normed; with residual: (normed(x + residual), x + residual) in one kernel on CUDA."""
-        return rms_norm(x, self.weight, self.eps, residual)
-
-
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if rope_type in ("default", None):
-        return inv_freq.float()
-    if rope_type == "linear":
-        return (inv_freq / scaling["factor"]).float()
-    if rope_type == "llama3":
-        factor = scaling["factor"]
-        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
-        old_len = scaling["original_max_position_embeddings"]
-        low_wavelen, high_wavelen = old_len / low, old_len / high
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        mid = (1 - smooth) * scaled / factor + smooth * scaled
-        is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        return torch.where(is_mid, mid, scaled).float()
-    raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: default, linear, llama3)")
-
-
-class RotaryEmbedding(nn.Module):
-    """The cos/sin table of neox-style RoPE (rotate_half, as in the HF Llama/Qwen2 code), computed in fp32 like HF:
-    cos_sin_cache[pos] = cat(cos, sin) [D]. The rotation itself runs in kernels.paged_attention.rope_store_kv."""
-
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None, device):
-        super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)                                     # [max_pos, D/2]
-        cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)                # [max_pos, D]
-        self.register_buffer("cos_sin_cache", cache.to(device), persistent=False)
+__all__ = ["DecoderForCausalLM", "DecoderModel", "RMSNorm", "RotaryEmbedding", "rope_inv_freq"]
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, prefix: str, dtype, device, quant_config):
+    def __init__(self, cfg: ModelConfig, layer: int, prefix: str, dtype, device, quant_config):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = make_linear(cfg.hidden_size, [q_size, kv_size, kv_size], cfg.attention_bias, dtype, device,
-                                    quant_config, [f"{prefix}.{n}" for n in ("q_proj", "k_proj", "v_proj")])
+        if cfg.fused_checkpoint:       # Phi-3: one qkv_proj module in the checkpoint
+            self.qkv_proj = make_linear(cfg.hidden_size, [q_size + 2 * kv_size], cfg.attention_bias, dtype, device,
+                                        quant_config, [f"{prefix}.qkv_proj"])
+        else:
+            self.qkv_proj = make_linear(cfg.hidden_size, [q_size, kv_size, kv_size], cfg.attention_bias, dtype,
+                                        device, quant_config, [f"{prefix}.{n}" for n in ("q_proj", "k_proj", "v_proj")])
         self.o_proj = make_linear(q_size, [cfg.hidden_size], False, dtype, device, quant_config, [f"{prefix}.o_proj"])
         self.split_sizes = [q_size, kv_size, kv_size]
-        self.softmax_scale = cfg.head_dim ** -0.5
+        self.softmax_scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+        self.window = cfg.window(layer)
+        self.softcap = cfg.attn_logit_softcap
+        self.q_norm = make_norm(cfg, cfg.head_dim, dtype, device) if cfg.qk_norm else None
+        self.k_norm = make_norm(cfg, cfg.head_dim, dtype, device) if cfg.qk_norm else None
         # Set by the model runner once the KV cache is allocated.
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
@@ -93,33 +60,46 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:                     # per head, before RoPE
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.num_kv_heads, self.head_dim)
         out = paged_attention_forward(q, k, v, positions, rotary.cos_sin_cache, self.k_cache, self.v_cache,
-                                      self.k_scale, self.v_scale, meta, self.softmax_scale, merge)
+                                      self.k_scale, self.v_scale, meta, self.softmax_scale, merge,
+                                      window=self.window, softcap=self.softcap)
         return out if isinstance(out, DecodePartials) else out.reshape(num_tokens, -1)     # [T, Hq D]
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, prefix: str, dtype, device, quant_config):
         super().__init__()
-        if cfg.hidden_act not in ("silu", "swish"):
-            raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r} (supported: silu)")
+        if cfg.hidden_act not in SILU_ACTS + GELU_ACTS:
+            raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r} (supported: silu, gelu_pytorch_tanh)")
+        self.silu = cfg.hidden_act in SILU_ACTS
         inter = cfg.intermediate_size
-        self.gate_up_proj = make_linear(cfg.hidden_size, [inter, inter], cfg.mlp_bias, dtype, device, quant_config,
-                                        [f"{prefix}.gate_proj", f"{prefix}.up_proj"])
+        sources = [f"{prefix}.gate_up_proj"] if cfg.fused_checkpoint else [f"{prefix}.gate_proj", f"{prefix}.up_proj"]
+        self.gate_up_proj = make_linear(cfg.hidden_size, [2 * inter] if cfg.fused_checkpoint else [inter, inter],
+                                        cfg.mlp_bias, dtype, device, quant_config, sources)
         self.down_proj = make_linear(inter, [cfg.hidden_size], cfg.mlp_bias, dtype, device, quant_config,
                                      [f"{prefix}.down_proj"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj.forward_silu_mul(x))                  # silu(gate) * up
+        if self.silu:
+            return self.down_proj(self.gate_up_proj.forward_silu_mul(x))              # silu(gate) * up
+        return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, prefix: str, dtype, device, quant_config):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype, device, quant_config):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(cfg, f"{prefix}.self_attn", dtype, device, quant_config)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        prefix = f"model.layers.{layer}"
+        self.input_layernorm = make_norm(cfg, cfg.hidden_size, dtype, device)
+        self.self_attn = Attention(cfg, layer, f"{prefix}.self_attn", dtype, device, quant_config)
+        self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size, dtype, device)
         self.mlp = MLP(cfg, f"{prefix}.mlp", dtype, device, quant_config)
+        if cfg.sandwich_norms:
+            self.pre_feedforward_layernorm = make_norm(cfg, cfg.hidden_size, dtype, device)
+            self.post_feedforward_layernorm = make_norm(cfg, cfg.hidden_size, dtype, device)
+        self.sandwich = cfg.sandwich_norms
 
     def forward(self, positions, x, residual, meta, rotary):
         """x: this layer's input delta [T, H], residual: the stream before it (None for the first layer).
@@ -129,8 +109,12 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(positions, x, meta, rotary)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        if not self.sandwich:
+            x, residual = self.post_attention_layernorm(x, residual)
+            return self.mlp(x), residual
+        # Gemma: the attention output is normed before the residual add, the MLP has a norm on either side
+        x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(x), residual)
+        return self.post_feedforward_layernorm(self.mlp(x)), residual
 
 
 class DecoderModel(nn.Module):
@@ -138,11 +122,18 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, f"model.layers.{i}", dtype, device, quant_config)
-                                    for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
+        # Gemma multiplies by sqrt(hidden) rounded to the model dtype, as transformers does
+        self.embed_scale = None if cfg.embed_scale is None else \
+            torch.tensor(cfg.embed_scale, dtype=dtype, device="cpu").item()
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device, quant_config) for i in range(cfg.num_layers))
+        self.norm = make_norm(cfg, cfg.hidden_size, dtype, device)
+        rotary_dim = cfg.rotary_dim or cfg.head_dim
+        self.rotary = RotaryEmbedding(rotary_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
                                       device)
+        # Gemma 3: the sliding-window layers have a rope of their own (base 10k against the global layers' 1M)
+        self.local_rotary = self.rotary if cfg.local_rope_theta is None else RotaryEmbedding(
+            rotary_dim, cfg.max_position_embeddings, cfg.local_rope_theta, cfg.local_rope_scaling, device)
+        self.folds_norms = cfg.llama_block
 
     @contextlib.contextmanager
     def first_layers(self, n: int):
@@ -157,16 +148,19 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids, positions, meta):
         x, residual = self.embed_tokens(input_ids), None
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         if x.shape[0] == 1 and self._norms_fold(x):
             return self._forward_folded(x, positions, meta)
         for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta, self.rotary)
+            rotary = self.local_rotary if layer.self_attn.window else self.rotary
+            x, residual = layer(positions, x, residual, meta, rotary)
         return self.norm(x, residual)[0]
 
     def _norms_fold(self, x: torch.Tensor) -> bool:
-        """On CUDA with KernelOptions.fold_norms, every INT4 matmul of the model can fold the RMSNorms around it
-        (QuantLinear.folds_norm)."""
-        if not x.is_cuda or not options_for(x.device).fold_norms:
+        """On CUDA with KernelOptions.fold_norms, a Llama-style block (ModelConfig.llama_block) whose every INT4
+        matmul can fold the RMSNorms around it (QuantLinear.folds_norm)."""
+        if not x.is_cuda or not self.folds_norms or not options_for(x.device).fold_norms:
             return False
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -199,12 +193,14 @@ class DecoderModel(nn.Module):
 
 class DecoderForCausalLM(nn.Module):
     # checkpoint module name -> (our merged module name, shard index)
-    packed_modules = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    PACKED_MODULES = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, quant_config=None):
         super().__init__()
         self.config = cfg
+        # a fused checkpoint (Phi-3) names our merged modules itself: each is one shard
+        self.packed_modules = {} if cfg.fused_checkpoint else self.PACKED_MODULES
         self.model = DecoderModel(cfg, dtype, device, quant_config)
         if cfg.tie_word_embeddings and not _quantized_head(quant_config):
             self.lm_head = None
@@ -229,7 +225,9 @@ class DecoderForCausalLM(nn.Module):
             logits = nn.functional.linear(hidden, self.model.embed_tokens.weight)
         else:
             logits = self.lm_head(hidden)
-        return logits.float() if float32 else logits
+        logits = logits.float() if float32 else logits
+        cap = self.config.final_logit_softcap
+        return torch.tanh(logits / cap) * cap if cap else logits          # Gemma 2
 
     @property
     def attention_layers(self) -> list[Attention]:
