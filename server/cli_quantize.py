@@ -107,8 +107,8 @@ def write_calibrated_kv_scales(out_dir: Path, calib: torch.Tensor, device: str) 
 
 
 def model_spec(cfg: ModelConfig) -> ModelSpec:
-    if cfg.hidden_act not in ("silu", "swish"):
-        raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r} (supported: silu)")
+    """The calibration forward's view of the model (quant/calib.py). quantize_model refuses AWQ / GPTQ for the
+    architectures whose block that forward does not reproduce (anything but Llama / Qwen2 / Mistral): RTN needs none."""
     return ModelSpec(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, num_layers=cfg.num_layers,
                      num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                      rms_norm_eps=cfg.rms_norm_eps,
