@@ -9,7 +9,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import quant_serve.server.cli as cli
-from conftest import TINY
+from conftest import SHARED, TINY
 from test_server_common import (KEY, assert_error_shape, chat_messages, client, post, shared_server,  # noqa: F401
                                 wait_until)
 
@@ -111,10 +111,19 @@ def test_plan_takes_gpu_memory_gb_like_every_command():
     parse = cli.build_parser().parse_args
     assert parse(["plan", "m", "--gpu-memory-gb", "10"]).gpu_memory_gb == 10
     assert parse(["plan", "m", "--gpu-mem-gb", "12"]).gpu_memory_gb == 12       # the old name still works
-    assert parse(["plan", "m"]).gpu_memory_gb == 24
+    assert parse(["plan", "m"]).gpu_memory_gb is None          # 24 GiB, or the --gpu card's memory (below)
     assert "--gpu-mem-gb" not in _help_texts(cli.build_parser())["plan"]
     for command in (["serve", "m"], ["generate", "--prompt", "x"], ["bench", "offline"]):
         assert parse([*command, "--gpu-memory-gb", "24"]).gpu_memory_gb == 24
+
+
+def test_plan_memory_defaults_to_24_gib_or_the_cards(capsys):
+    qwen = str(SHARED / "configs" / "qwen2.5-7b-instruct")
+    for extra, gib in (([], 24), (["--gpu", "a100"], 80), (["--gpu", "a10", "--gpu-memory-gb", "20"], 20)):
+        cli.main(["plan", qwen, "--kv-cache-dtype", "fp8", "--max-model-len", "4096", "--json", *extra])
+        plan = json.loads(capsys.readouterr().out)
+        assert plan["gpu_mem_bytes"] == gib * 2 ** 30, extra
+        assert ("projection" in plan) == bool(extra)
 
 
 def test_bench_offline_prints_a_summary_and_json(capsys, one_torch_thread):
