@@ -1,0 +1,41 @@
+"""`quant-serve kernels --explain`: on a machine without a GPU, per layer and M, the kernel each card's plan runs
+(the same plan_w4a16 the forward asks), its tile and why, and the decode attention's splits."""
+import json
+
+from quant_serve.server.cli import main
+
+from conftest import SHARED
+
+QWEN = str(SHARED / "configs" / "qwen2.5-7b-instruct")
+
+
+def explain(capsys, gpu: str, *extra: str) -> dict:
+    assert main(["kernels", "--explain", "--gpu", gpu, "--model", QWEN, "--m", "1,16,64,256", "--json", *extra]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def kernels_at(plan: dict, layer: str) -> dict[int, str]:
+    rows = next(entry for entry in plan["layers"] if entry["name"] == layer)["plans"]
+    return {row["m"]: row["kernel"] for row in rows}
+
+
+def test_explain_names_each_cards_kernels(capsys):
+    a10, h200 = explain(capsys, "a10"), explain(capsys, "h200")
+    assert a10["gpu"]["sms"] == 72 and not a10["gpu"]["tma"] and "derived" in a10["rules"]
+    assert kernels_at(a10, "gate_up_proj") == {1: "mma.sync", 16: "mma.sync", 64: "mma.sync", 256: "dequant+cublas"}
+    assert kernels_at(h200, "gate_up_proj") == {1: "mma.sync", 16: "mma.sync", 64: "tma", 256: "tma"}
+    assert "H200" in h200["rules"]
+    why = next(e for e in a10["layers"] if e["name"] == "o_proj")["plans"][3]["why"]
+    assert "no TMA" in why
+    # decode attention: eight sequences' contexts split to fill the a10's 72 SMs, fewer than the H200's 132 take
+    a10_splits, h200_splits = ({(a["kv"], a["batch"]): a["splits"] for a in p["attention"]} for p in (a10, h200))
+    assert 1 < a10_splits[("fp16", 8)] < h200_splits[("fp16", 8)]
+    assert any("software" in a["note"] for a in a10["attention"] if a["kv"] == "fp8_e4m3")
+
+
+def test_explain_text_and_this_gpu_without_one(capsys):
+    assert main(["kernels", "--explain", "--gpu", "l4", "--model", QWEN, "--m", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "NVIDIA L4" in text and "qkv_proj" in text and "M=1" in text and "decode attention" in text
+    assert main(["kernels", "--explain", "--gpu", "this", "--model", QWEN]) == 2     # no CUDA GPU here
+    assert "--gpu a10" in capsys.readouterr().err
