@@ -129,8 +129,8 @@ def main() -> None:
     vocab = args.vocab_size or len(tok)
     eos = tok.convert_tokens_to_ids(args.eos)
     ids = tok.encode(json.dumps(DOCUMENT, separators=(",", ":")), add_special_tokens=False)
-    result = {"tokenizer": args.label or args.tokenizer, "vocab_size": vocab, "document_tokens": len(ids), "batch": BATCH,
-              "torch": torch.__version__}
+    result = {"tokenizer": args.label or args.tokenizer, "vocab_size": vocab, "document_tokens": len(ids),
+              "batch": BATCH, "torch": torch.__version__}
     result["xgrammar"], _ = measure_xgrammar(tok, vocab, eos, ids)
     result["llguidance"], masks = measure_llguidance(tok, vocab, eos, ids)
     from quant_serve.engine.structured_mask import apply_bitmask

@@ -26,6 +26,28 @@ KINDS = ("json", "regex", "choice", "grammar", "json_object")
 GRAMMAR_CACHE_SIZE = 256          # compiled grammars kept (tool lists and schemas repeat across requests)
 
 
+def close_objects(schema):
+    """A copy of the JSON schema in which objects that list properties allow no others unless they say so
+    (additionalProperties false, what xgrammar's strict mode and OpenAI's strict schemas do): a model free to add
+    keys can go on adding them until it runs out of tokens. allOf branches stay open (closing them would refuse the
+    keys of the other branches)."""
+    if isinstance(schema, list):
+        return [close_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if "properties" in out and not {"additionalProperties", "patternProperties", "unevaluatedProperties"} & set(out):
+        out["additionalProperties"] = False
+    for key in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"):
+        if isinstance(out.get(key), dict):
+            out[key] = {name: close_objects(s) for name, s in out[key].items()}
+    for key in ("items", "prefixItems", "additionalProperties", "anyOf", "oneOf", "not", "if", "then", "else",
+                "contains", "additionalItems"):
+        if key in out:
+            out[key] = close_objects(out[key])
+    return out
+
+
 class StructuredOutputsUnavailable(ValueError):
     """The grammar library is not installed on this platform."""
 
@@ -34,7 +56,8 @@ class StructuredOutputsUnavailable(ValueError):
 class StructuredOutputsParams:
     """Exactly one constraint (vLLM's names). json: a JSON schema (dict or its text); regex: Rust regex syntax;
     choice: the output is one of these strings; grammar: Lark (llguidance's dialect) or GBNF (llama.cpp) text;
-    json_object: any JSON object. whitespace_pattern: a regex for the whitespace JSON may hold (default none)."""
+    json_object: any JSON object. whitespace_pattern: a regex for the whitespace JSON may hold (default none).
+    Objects of a schema that list their properties take no others unless additionalProperties says so."""
     json: str | dict | None = None
     regex: str | None = None
     choice: list[str] | None = None
@@ -94,6 +117,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
                 raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
         if not isinstance(schema, (dict, bool)):
             raise ValueError(f"a JSON schema must be an object, got {type(schema).__name__}")
+        schema = close_objects(schema)
         overrides = {"whitespace_pattern": params.whitespace_pattern} if params.whitespace_pattern else None
         return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_LAYOUT, overrides=overrides)
     if kind == "regex":

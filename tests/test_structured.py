@@ -16,7 +16,7 @@ from quant_serve.engine.demo import DEMO_MODEL_DIR
 from quant_serve.engine.sampler import Sampler
 from quant_serve.engine.sampling_params import SamplingParams
 from quant_serve.engine.sequence import Sequence
-from quant_serve.engine.structured import GrammarCompiler, StructuredOutputsParams
+from quant_serve.engine.structured import GrammarCompiler, StructuredOutputsParams, StructuredOutputsUnavailable
 from quant_serve.engine.structured_mask import GrammarMasks, allowed_tokens, apply_bitmask
 
 from helpers import assert_all_blocks_free, fp16_model_dir, make_engine
@@ -146,7 +146,8 @@ PROMPT = '<|im_start|>user\nWhat does "harbor" mean? Answer in JSON.<|im_end|>\n
 
 def _requests() -> list[tuple[str, str, SamplingParams, int]]:
     return [
-        ("json", PROMPT, SamplingParams(max_tokens=48, temperature=0.9, seed=3, structured_outputs={"json": SCHEMA}), 3),
+        ("json", PROMPT, SamplingParams(max_tokens=48, temperature=0.9, seed=3,
+                                        structured_outputs={"json": SCHEMA}), 3),
         ("free", PROMPT, SamplingParams(max_tokens=12, temperature=0.0), 1),
         ("stop", PROMPT, SamplingParams(max_tokens=20, temperature=0.0, stop=[" END"],
                                         structured_outputs={"regex": "[a-z]{1,6} END [a-z]{1,6}"}), 1),
@@ -189,3 +190,9 @@ def test_engine_refuses_a_constraint_that_cannot_compile(tmp_path_factory):
     with pytest.raises(ValueError, match="cannot be compiled"):
         engine.add_request("bad", "hi", SamplingParams(structured_outputs={"json": {"type": "objekt"}}))
     assert not engine.has_unfinished_requests()
+
+
+def test_without_the_grammar_library_the_error_names_it(tokenizer, monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "llguidance", None)      # import llguidance raises ImportError
+    with pytest.raises(StructuredOutputsUnavailable, match="llguidance package"):
+        GrammarCompiler(tokenizer, VOCAB, (EOS,)).compile(StructuredOutputsParams(regex="a+"))
