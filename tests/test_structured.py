@@ -196,3 +196,20 @@ def test_without_the_grammar_library_the_error_names_it(tokenizer, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "llguidance", None)      # import llguidance raises ImportError
     with pytest.raises(StructuredOutputsUnavailable, match="llguidance package"):
         GrammarCompiler(tokenizer, VOCAB, (EOS,)).compile(StructuredOutputsParams(regex="a+"))
+
+
+def test_bench_offline_constrains_every_request(tmp_path_factory):
+    import llguidance
+
+    from quant_serve.server.bench_offline import BENCH_JSON_SCHEMA, run_offline
+    engine = make_engine(fp16_model_dir(tmp_path_factory.mktemp("fp16")), max_model_len=128)
+    constraint = StructuredOutputsParams(json=BENCH_JSON_SCHEMA)
+    finished, step = [], engine.step
+    engine.step = lambda: [o for o in step() if not o.finished or finished.append(o) or True]
+    result = run_offline(engine, 3, 8, 24, structured_outputs=constraint, warmup=0)
+    assert result["num_prompts"] == 3 and len(finished) == 3
+    grammar = engine.grammar_compiler.compile(constraint)
+    for out in finished:           # every token the bench generated is one the schema's grammar takes
+        tokens = out.outputs[0].token_ids
+        assert len(tokens) == 24 and out.outputs[0].text.startswith('{"items": [')
+        assert llguidance.LLMatcher(engine.grammar_compiler.tokenizer, grammar).consume_tokens(tokens)
