@@ -35,7 +35,8 @@ def compiler(tokenizer):
     return GrammarCompiler(tokenizer, VOCAB, (EOS,))
 
 
-def test_apply_bitmask_masks_exactly_the_cleared_bits():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_apply_bitmask_masks_exactly_the_cleared_bits(device):
     rng = np.random.default_rng(0)
     vocab = 1000                                        # not a multiple of 32: the last word's high bits are ignored
     mask = rng.integers(-2**31, 2**31, size=(4, 32), dtype=np.int64).astype(np.int32)
@@ -46,10 +47,10 @@ def test_apply_bitmask_masks_exactly_the_cleared_bits():
         for t in range(vocab):
             if not (int(mask[r, t // 32]) >> (t % 32)) & 1:
                 expected[r, t] = float("-inf")
-    out = logits.clone()
-    apply_bitmask(out, mask)
-    assert torch.equal(out, expected)
-    assert torch.equal(out[2], logits[2])
+    out = logits.to(device)
+    apply_bitmask(out, mask)                              # CPU: numpy unpacks; CUDA: the device unpacks
+    assert torch.equal(out.cpu(), expected)
+    assert torch.equal(out[2].cpu(), logits[2])
     # the unpacking the GPU path runs (on the device), here on CPU tensors: the same bits
     assert torch.equal(allowed_tokens(torch.from_numpy(mask), vocab), expected != float("-inf"))
 
@@ -166,11 +167,13 @@ def _run(engine) -> dict:
     return final
 
 
-def test_engine_requests_validate_with_n_stop_strings_prefix_caching_and_async_scheduling(tmp_path_factory):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_engine_requests_validate_with_n_stop_strings_prefix_caching_and_async_scheduling(tmp_path_factory, device):
     model = fp16_model_dir(tmp_path_factory.mktemp("fp16"))
-    ahead = make_engine(model, async_scheduling=True, max_model_len=256)     # prefix caching is on
+    # prefix caching is on; on CUDA the decode graphs run (the constrained rows' logits come out of them)
+    ahead = make_engine(model, async_scheduling=True, max_model_len=256, device=device)
     results = _run(ahead)
-    assert results == _run(make_engine(model, async_scheduling=False, max_model_len=256))
+    assert results == _run(make_engine(model, async_scheduling=False, max_model_len=256, device=device))
     assert_all_blocks_free(ahead)
     for _, text, reason, _ in results["json"]:
         assert reason == "stop", text
