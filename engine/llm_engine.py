@@ -223,7 +223,8 @@ class LLMEngine:
     def _may_look_ahead(self, out: SchedulerOutput) -> bool:
         """Can the step after `out` be launched before `out`'s tokens reach the host? Not while K/V go to an
         observer, nor when a sequence that samples in `out` needs its last token on the host to sample the next
-        (penalties, min_tokens not yet reached)."""
+        (penalties, min_tokens not yet reached, a grammar: its mask follows from the tokens so far). Steps with a
+        constrained sequence therefore run synchronously; its mask is computed while the forward runs."""
         if self.runner.observes_kv:
             return False
         return not any(item.sample and needs_last_token_on_host(item.seq) for item in out.scheduled)
