@@ -19,6 +19,8 @@ from quant_serve.engine.sampler import needs_last_token_on_host
 from quant_serve.engine.sampling_params import SamplingParams
 from quant_serve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from quant_serve.engine.sequence import Sequence
+from quant_serve.engine.structured import GrammarCompiler
+from quant_serve.engine.structured_mask import GrammarMasks
 from quant_serve.kernels.gpu import configure
 from quant_serve.kernels.precompile import parallel_compile
 
@@ -56,6 +58,11 @@ class LLMEngine:
             getattr(self.model, "checkpoint_kv_scales", {}), self.model_config.num_layers))
         if self.device != "cpu":                # the CPU path runs the torch twins: nothing to compile
             self._start_kernels(config, show_progress)
+        # structured outputs: grammars compile against the tokenizer (lazily, on the first constrained request) and
+        # the sampler masks the constrained rows of each step
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                                self.model_config.eos_token_ids)
+        self.runner.sampler.grammars = GrammarMasks(self.grammar_compiler)
         self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                                           num_cpu_blocks)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
@@ -126,6 +133,8 @@ class LLMEngine:
         if outside:
             raise ValueError(f"logit_bias token id {outside[0]} is outside the vocabulary "
                              f"[0, {self.model_config.vocab_size})")
+        if params.structured_outputs is not None:      # a constraint that cannot compile is refused here
+            self.grammar_compiler.compile(params.structured_outputs)
         now = time.time() if arrival_time is None else arrival_time
         seqs, detoks = [], []
         for i in range(n):
@@ -214,7 +223,8 @@ class LLMEngine:
     def _may_look_ahead(self, out: SchedulerOutput) -> bool:
         """Can the step after `out` be launched before `out`'s tokens reach the host? Not while K/V go to an
         observer, nor when a sequence that samples in `out` needs its last token on the host to sample the next
-        (penalties, min_tokens not yet reached)."""
+        (penalties, min_tokens not yet reached, a grammar: its mask follows from the tokens so far). Steps with a
+        constrained sequence therefore run synchronously; its mask is computed while the forward runs."""
         if self.runner.observes_kv:
             return False
         return not any(item.sample and needs_last_token_on_host(item.seq) for item in out.scheduled)

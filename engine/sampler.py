@@ -1,7 +1,8 @@
 """Next-token sampling: logit bias, penalties, min_tokens, temperature, min-p / top-k / top-p, seeds, logprobs.
 
-Order per row follows vLLM: logit_bias -> penalties -> min_tokens masking -> temperature -> min_p -> top_k -> top_p
--> sample.
+Order per row follows vLLM: grammar mask -> logit_bias -> penalties -> min_tokens masking -> temperature -> min_p ->
+top_k -> top_p -> sample. The grammar mask (structured outputs) sets the tokens a row's grammar does not allow to -inf,
+so nothing after it can bring them back.
 Logprobs are taken from the raw model logits (vLLM's default "raw_logprobs"), not from the processed ones.
 """
 from dataclasses import dataclass
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from quant_serve.engine.sequence import Logprob, Sequence
+from quant_serve.engine.structured_mask import GrammarMasks
 from quant_serve.engine.transfer import start_to_host, to_device
 from quant_serve.kernels.argmax import argmax_rows
 
@@ -69,16 +71,22 @@ def _min_tokens_active(seq: Sequence) -> bool:
     return seq.num_output_tokens < seq.params.min_tokens
 
 
+def _constrained(seq: Sequence) -> bool:
+    return seq.params.structured_outputs is not None
+
+
 def needs_last_token_on_host(seq: Sequence) -> bool:
-    """Penalties, and min_tokens until it is reached, read the sequence's tokens on the host: its next token can
-    only be sampled once the last one is there (no look-ahead step for it)."""
-    return _has_penalties(seq) or _min_tokens_active(seq)
+    """Penalties, min_tokens until it is reached, and a grammar (its matcher takes each token before the next mask)
+    read the sequence's tokens on the host: its next token can only be sampled once the last one is there (no
+    look-ahead step for it)."""
+    return _has_penalties(seq) or _min_tokens_active(seq) or _constrained(seq)
 
 
 def only_argmax(seqs: list[Sequence]) -> bool:
-    """Every row takes the argmax of its raw logits: greedy, no bias, no penalties, no min_tokens, no logprobs."""
+    """Every row takes the argmax of its raw logits: greedy, no bias, no penalties, no min_tokens, no logprobs, no
+    grammar."""
     return all(_is_greedy(s) and not _has_logit_bias(s) and not _has_penalties(s) and not _min_tokens_active(s)
-               and s.params.logprobs is None for s in seqs)
+               and s.params.logprobs is None and not _constrained(s) for s in seqs)
 
 
 def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
@@ -137,12 +145,14 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return logits
 
 
-def apply_min_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """Forbid EOS and stop token ids while a sequence has fewer than params.min_tokens output tokens."""
+def apply_min_tokens(logits: torch.Tensor, seqs: list[Sequence], complete: frozenset[int] = frozenset()
+                     ) -> torch.Tensor:
+    """Forbid EOS and stop token ids while a sequence has fewer than params.min_tokens output tokens. complete: rows
+    whose grammar allows nothing but EOS, which then wins (the sequence goes on with EOS until min_tokens)."""
     vocab = logits.shape[1]
     flat_ids = []          # row * vocab + token
     for i, seq in enumerate(seqs):
-        if _min_tokens_active(seq):
+        if _min_tokens_active(seq) and i not in complete:
             banned = set(seq.eos_token_ids) | set(seq.params.stop_token_ids)
             flat_ids += [i * vocab + t for t in sorted(banned) if 0 <= t < vocab]
     if not flat_ids:
@@ -183,13 +193,16 @@ def _apply_min_p_top_k_top_p(logits: torch.Tensor, seqs: list[Sequence]) -> torc
 
 
 class Sampler:
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, grammars: GrammarMasks | None = None):
         self.seed = seed
         self._generator: torch.Generator | None = None        # for unseeded rows
         self._request_generators: dict[str, torch.Generator] = {}
+        self.grammars = grammars              # the matchers of constrained sequences (structured outputs)
 
     def release(self, request_id: str) -> None:
         self._request_generators.pop(request_id, None)
+        if self.grammars is not None:
+            self.grammars.release(request_id)
 
     def _shared_generator(self, device: torch.device) -> torch.Generator:
         if self._generator is None or self._generator.device != device:
@@ -240,13 +253,18 @@ class Sampler:
         logits = logits.float()                                                                  # [S, V]
         want_logprobs = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None                     # [S, V]
+        complete = frozenset()
+        if any(_constrained(s) for s in seqs):     # in place: the runner's logits are this step's alone
+            if self.grammars is None:
+                raise RuntimeError("a sequence with structured_outputs reached a sampler without grammars")
+            complete = self.grammars.apply(logits, seqs)
 
         simple = all(_is_greedy(s) and not _has_logit_bias(s) and not _has_penalties(s) and
                      not _min_tokens_active(s) for s in seqs)
         if simple:
             sampled = logits.argmax(dim=-1)                                                      # [S]
         else:
-            logits = apply_min_tokens(apply_penalties(apply_logit_bias(logits, seqs), seqs), seqs)
+            logits = apply_min_tokens(apply_penalties(apply_logit_bias(logits, seqs), seqs), seqs, complete)
             sampled = logits.argmax(dim=-1)          # the answer for greedy rows
             random_rows = [i for i, s in enumerate(seqs) if not _is_greedy(s)]
             if random_rows:

@@ -2,6 +2,8 @@
 import math
 from dataclasses import dataclass, field
 
+from quant_serve.engine.structured import StructuredOutputsParams
+
 LOGIT_BIAS_LIMIT = 100.0     # OpenAI's range for logit_bias values; larger ones are clamped to it, as vLLM does
 
 
@@ -25,6 +27,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None   # same for prompt tokens (needed for echo)
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit before sampling (clamped to +-100)
+    # the output follows this grammar (JSON schema, regex, choice, Lark/GBNF); a dict of its fields is accepted
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -39,6 +43,7 @@ class SamplingParams:
                 raise ValueError(f"logit_bias values must be finite, got {bad[0]}")
             self.logit_bias = {int(t): min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, float(v)))
                                for t, v in self.logit_bias.items()}
+        self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
         self.validate()
 
     def validate(self) -> None:

@@ -37,6 +37,7 @@ class ServerOptions:
     body_read_timeout_s: float = 30.0
     allow_client_chat_template: bool = False
     chat_template_timeout_s: float = 5.0        # a client template's render, in its sandbox process
+    tool_call_parser: str = "auto"              # the model's tool-call format; auto: from its chat template
 
 
 def package_version() -> str:
@@ -59,7 +60,8 @@ def build_app(engine: LLMEngine, served_model_names: list[str], options: ServerO
     sandbox = None
     if options.allow_client_chat_template:
         sandbox = TemplateSandbox(engine.tokenizer.name_or_path, options.chat_template_timeout_s, max_request_bytes)
-    ctx = ServingContext(engine, async_engine, list(served_model_names), ChatEncoder(engine.tokenizer, sandbox))
+    ctx = ServingContext(engine, async_engine, list(served_model_names), ChatEncoder(engine.tokenizer, sandbox),
+                         options.tool_call_parser)
     created = int(time.time())
 
     @asynccontextmanager

@@ -47,8 +47,22 @@ def random_prompt(length: int, vocab_size: int, special_ids: set[int], rng: rand
     return ids
 
 
+# `--structured-outputs json-schema`: every request follows this schema. Its array has no end, so each request is
+# constrained for all of its output_len tokens (strings, numbers, keys and enums: masks of every kind of state).
+BENCH_JSON_SCHEMA = {
+    "type": "object",
+    "properties": {"items": {"type": "array", "items": {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 24}, "count": {"type": "integer"},
+                       "price": {"type": "number"}, "tags": {"type": "array", "items": {"type": "string"}},
+                       "kind": {"enum": ["tool", "food", "book", "other"]}, "in_stock": {"type": "boolean"}},
+        "required": ["name", "count", "price", "tags", "kind", "in_stock"]}}},
+    "required": ["items"]}
+
+
 def run_offline(engine, num_prompts: int, input_len: int, output_len: int, range_ratio: float = 0.0,
-                seed: int = 0, warmup: int = 1) -> dict:
+                seed: int = 0, warmup: int = 1, structured_outputs=None) -> dict:
+    """structured_outputs: a StructuredOutputsParams every request carries (compiled before the timed region)."""
     from quant_serve.engine.sampling_params import SamplingParams
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
@@ -58,6 +72,8 @@ def run_offline(engine, num_prompts: int, input_len: int, output_len: int, range
     if warmup:  # compile kernels / capture graphs outside the timed region
         engine.generate([random_prompt(min(input_len, 32), vocab, special, rng)],
                         SamplingParams(max_tokens=min(output_len, 8), ignore_eos=True, temperature=0.0))
+    if structured_outputs is not None:      # the grammar library's tokenizer and the grammar, as a server has them
+        engine.grammar_compiler.compile(structured_outputs)
     stats0 = asdict(engine.stats)
     if engine.device != "cpu":
         torch.cuda.synchronize()
@@ -67,7 +83,8 @@ def run_offline(engine, num_prompts: int, input_len: int, output_len: int, range
     for i, (n_in, n_out) in enumerate(zip(in_lens, out_lens)):
         rid = f"bench-{i}"
         engine.add_request(rid, random_prompt(n_in, vocab, special, rng),
-                           SamplingParams(max_tokens=n_out, ignore_eos=True, temperature=0.0))
+                           SamplingParams(max_tokens=n_out, ignore_eos=True, temperature=0.0,
+                                          structured_outputs=structured_outputs))
         timings[rid] = RequestTiming(prompt_len=n_in, arrival=start)
     steps = 0
     while engine.has_unfinished_requests():
@@ -162,6 +179,8 @@ def format_summary(title: str, result: dict) -> str:
     row("Output token throughput (tok/s)", result.get("output_tok_s"))
     row("Total token throughput (tok/s)", result.get("total_tok_s"))
     row("Batch-1 decode (tok/s)", result.get("decode_tok_s"))
+    row("Unconstrained output throughput (tok/s)", result.get("unconstrained", {}).get("output_tok_s"))
+    row("Constrained / unconstrained", result.get("constrained_over_unconstrained"), "{:.3f}")
     for key, name in _LATENCIES:
         if result.get(f"{key}_mean_s") is None:
             continue

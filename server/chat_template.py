@@ -7,6 +7,7 @@ tokens: transformers' apply_chat_template(..., sanitize_control_tokens=True) mar
 them as plain text (transformers >= 5.20). With an older transformers such a string is refused instead.
 """
 import inspect
+import json
 import re
 
 from quant_serve.server.protocol import APIError, ChatMessage
@@ -29,8 +30,23 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict]:
         message = {**(m.model_extra or {}), "role": m.role, "content": content or ""}
         if m.name is not None:
             message["name"] = m.name
+        if isinstance(message.get("tool_calls"), list):
+            message["tool_calls"] = [_with_parsed_arguments(call) for call in message["tool_calls"]]
         out.append(message)
     return out
+
+
+def _with_parsed_arguments(call):
+    """OpenAI sends a call's arguments as JSON text; chat templates (Qwen2.5, Llama 3.1, Mistral) write them with
+    tojson and expect the object, as vLLM passes it. Text that is not JSON stays text."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except json.JSONDecodeError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def _first_string_matching(value, pattern: re.Pattern, path: str) -> str | None:
@@ -59,8 +75,9 @@ class ChatEncoder:
 
     def encode(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                continue_final_message: bool = False, chat_template: str | None = None,
-               template_kwargs: dict | None = None) -> list[int]:
-        """Prompt token ids of the chat; APIError(400) naming the parameter for anything the client got wrong."""
+               template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[int]:
+        """Prompt token ids of the chat; APIError(400) naming the parameter for anything the client got wrong.
+        tools: the request's tools (OpenAI objects), which the template renders (apply_chat_template's tools)."""
         kwargs = dict(template_kwargs or {})
         template, template_param = chat_template, "chat_template"
         if "chat_template" in kwargs:
@@ -89,6 +106,8 @@ class ChatEncoder:
             if found:
                 raise APIError(400, f"{found} holds a control token of the model; this server's transformers cannot "
                                     "encode it as text (upgrade transformers to 5.20 or newer)", param=found)
+        if tools:                            # checked above as a client variable; the server's own argument here
+            kwargs["tools"] = tools
         if template is not None:
             job = ChatJob(chat, template, add_generation_prompt, continue_final_message, kwargs, self.sanitizes)
             try:

@@ -15,6 +15,11 @@ def register(sub) -> None:
     add_engine_args(off)
     _add_load_args(off)
     off.add_argument("--measure-bandwidth", action="store_true", help="also measure GPU copy bandwidth (roofline)")
+    off.add_argument("--structured-outputs", choices=["none", "json-schema"], default="none",
+                     help="json-schema: every request is constrained by a JSON schema (bench_offline.BENCH_JSON_SCHEMA)")
+    off.add_argument("--compare-unconstrained", action="store_true",
+                     help="with --structured-outputs: run the same load unconstrained first and report the ratio of "
+                          "output throughputs")
     off.set_defaults(func=run_offline_cmd)
     srv = modes.add_parser("serve", help="a streaming load client against a running server")
     srv.add_argument("--url", default="http://127.0.0.1:8000")
@@ -61,8 +66,30 @@ def run_offline_cmd(args) -> int:
               "quantization": engine.quant_config.describe() if engine.quant_config else "none",
               "kv_cache_dtype": engine.config.cache.kv_cache_dtype,
               "kv_cache_tokens": engine.block_manager.num_blocks * engine.config.cache.block_size}
-    result.update(run_offline(engine, args.num_prompts, args.input_len, args.output_len, args.range_ratio,
-                              args.bench_seed))
+    structured = None
+    if args.structured_outputs == "json-schema":
+        from quant_serve.engine.structured import StructuredOutputsParams
+        from quant_serve.server.bench_offline import BENCH_JSON_SCHEMA
+        structured = StructuredOutputsParams(json=BENCH_JSON_SCHEMA)
+        result["structured_outputs"] = args.structured_outputs
+    if structured is not None and args.compare_unconstrained:
+        # two rounds of unconstrained then constrained, each on its own prompts (no prefix-cache hits across runs);
+        # the first round warms both paths up, the second is the comparison
+        keys = ("elapsed_s", "steps", "output_tok_s", "tpot_mean_s", "tpot_p50_s", "ttft_mean_s")
+        result["rounds"] = []
+        for r in range(2):
+            free = run_offline(engine, args.num_prompts, args.input_len, args.output_len, args.range_ratio,
+                               args.bench_seed + 2 * r + 1)
+            constrained = run_offline(engine, args.num_prompts, args.input_len, args.output_len, args.range_ratio,
+                                      args.bench_seed + 2 * r + 2, structured_outputs=structured)
+            result["rounds"].append({"unconstrained": {k: free[k] for k in keys},
+                                     "constrained": {k: constrained[k] for k in keys}})
+        result.update(constrained)
+        result["unconstrained"] = {k: free[k] for k in keys}
+        result["constrained_over_unconstrained"] = result["output_tok_s"] / free["output_tok_s"]
+    else:
+        result.update(run_offline(engine, args.num_prompts, args.input_len, args.output_len, args.range_ratio,
+                                  args.bench_seed, structured_outputs=structured))
     result["decode_bytes_per_step"] = decode_bytes_per_step(engine.model)
     if args.measure_bandwidth and engine.device != "cpu":
         bandwidth = measure_copy_bandwidth()

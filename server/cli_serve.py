@@ -33,6 +33,9 @@ def register(subparsers) -> None:
                         "rendered in a sandbox process with a time and size limit; for trusted clients")
     p.add_argument("--chat-template-timeout", type=float, default=5.0,
                    help="seconds a client's chat template may take to render")
+    p.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json", "mistral"],
+                   help="the model's tool-call format, parsed into tool_calls and forced by tool_choice required or "
+                        "named (auto: from the chat template; hermes where it shows none)")
     p.add_argument("--shutdown-timeout", type=float, default=5.0,
                    help="seconds the requests in flight get to finish on SIGTERM before each one still open ends "
                         "with an error (streams: an error event and [DONE])")
@@ -107,7 +110,8 @@ def cmd_serve(args) -> int:
     options = ServerOptions(api_key=api_key, max_queued_requests=args.max_queued_requests,
                             max_request_bytes=args.max_request_bytes, body_read_timeout_s=args.body_read_timeout,
                             allow_client_chat_template=args.allow_client_chat_template,
-                            chat_template_timeout_s=args.chat_template_timeout)
+                            chat_template_timeout_s=args.chat_template_timeout,
+                            tool_call_parser=args.tool_call_parser)
     app = build_app(engine, names, options)
     logger.info("serving %s on http://%s:%d (API key: %s)", ", ".join(names), args.host, args.port,
                 f"from {key_source}" if api_key else "none")

@@ -38,15 +38,12 @@ _ANY = object()
 # as if absent); any other value is a 400 naming the field. _ANY: the field does not change what is generated.
 UNIMPLEMENTED_FIELDS: dict[str, object] = {
     # OpenAI
-    "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none", "auto"),
     "functions": (None, []), "function_call": (None, "none", "auto"), "audio": (None,), "modalities": (None, ["text"]),
     "prediction": (None,), "web_search_options": (None,), "reasoning_effort": (None,), "verbosity": (None,),
-    "parallel_tool_calls": _ANY, "store": _ANY, "metadata": _ANY, "service_tier": _ANY, "prompt_cache_key": _ANY,
-    "safety_identifier": _ANY,
-    # vLLM extras
-    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
-    "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,), "structured_outputs": (None,),
-    "allowed_token_ids": (None,), "bad_words": (None, []), "use_beam_search": (None, False),
+    "store": _ANY, "metadata": _ANY, "service_tier": _ANY, "prompt_cache_key": _ANY, "safety_identifier": _ANY,
+    # vLLM extras (one grammar library here: the backend a request names does not change what it gets)
+    "guided_decoding_backend": _ANY, "allowed_token_ids": (None,), "bad_words": (None, []),
+    "use_beam_search": (None, False),
     "length_penalty": (None, 1.0), "truncate_prompt_tokens": (None,), "prompt_logprobs": (None,),
     "spaces_between_special_tokens": (None, True), "priority": (None, 0), "logits_processors": (None,),
     "return_tokens_as_token_ids": (None, False), "documents": (None,), "mm_processor_kwargs": (None,),
@@ -124,6 +121,39 @@ class StreamOptions(OpenAIBaseModel):
     include_usage: bool | None = False
 
 
+class JsonSchemaFormat(OpenAIBaseModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None          # the schema is always enforced (by the grammar)
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIBaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(OpenAIBaseModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
 class SamplingRequest(RequestModel):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI names, then vLLM extras)."""
     model: str | None = None
@@ -147,6 +177,14 @@ class SamplingRequest(RequestModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    response_format: ResponseFormat | None = None
+    # vLLM's structured outputs: the guided_* fields, or structured_outputs {json | regex | choice | grammar | ...}
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     def validate_request(self) -> None:
         """The checks pydantic cannot name a parameter for: 400 naming it."""
@@ -189,6 +227,9 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = False
     chat_template: str | None = None            # the client's own Jinja template (--allow-client-chat-template)
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
 
 
 class TokenizeRequest(RequestModel):
@@ -259,9 +300,21 @@ class ChatLogProbs(BaseModel):
     content: list[ChatLogProbEntry] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str                 # JSON text, as the model wrote it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -283,7 +336,8 @@ class ChatCompletionResponse(BaseModel):
 
 class ChatStreamChoice(BaseModel):
     index: int
-    delta: dict[str, str]          # {"role": "assistant", "content": ""} in a choice's first chunk, then content
+    delta: dict[str, Any]          # {"role": "assistant", "content": ""} in a choice's first chunk, then content
+    #                                or tool_calls: [{"index", "id", "type", "function": {"name", "arguments"}}, ...]
     logprobs: ChatLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None

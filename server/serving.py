@@ -15,10 +15,12 @@ from pydantic import BaseModel
 from quant_serve.engine.llm_engine import LLMEngine
 from quant_serve.engine.sampling_params import SamplingParams
 from quant_serve.engine.sequence import Logprob
+from quant_serve.engine.structured import StructuredOutputsParams
 from quant_serve.server.async_engine import AsyncEngine, QueueFullError, RequestStream
 from quant_serve.server.chat_template import ChatEncoder
 from quant_serve.server.protocol import (APIError, ChatLogProb, ChatLogProbEntry, CompletionLogProbs, SamplingRequest,
                                          error_body, random_id)
+from quant_serve.server.tool_parsers import FORMATS, ToolCallFormat, detect_format
 
 logger = logging.getLogger("quant_serve.server")
 
@@ -37,6 +39,7 @@ class ServingContext:
     async_engine: AsyncEngine
     served_model_names: list[str]
     chat: ChatEncoder
+    tool_call_parser: str = "auto"     # the model's tool-call format (tool_parsers.FORMATS), auto: from its template
     # Tokenizing, rendering templates and checking long token lists take the GIL-free tokenizer or plain CPU time:
     # they run here, so that one large request never holds up the event loop (health checks, other streams).
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(4, "request-cpu"))
@@ -54,6 +57,12 @@ class ServingContext:
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    @functools.cached_property
+    def tool_format(self) -> ToolCallFormat:
+        if self.tool_call_parser == "auto":
+            return detect_format(self.tokenizer.chat_template)
+        return FORMATS[self.tool_call_parser]
 
     @property
     def vocab_size(self) -> int:
@@ -159,7 +168,8 @@ def parse_logit_bias(logit_bias: dict[str, float] | None, vocab_size: int) -> di
 
 
 def make_sampling_params(req: SamplingRequest, max_tokens: int, vocab_size: int, logprobs: int | None = None,
-                         prompt_logprobs: int | None = None) -> SamplingParams:
+                         prompt_logprobs: int | None = None,
+                         structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
     logit_bias = parse_logit_bias(req.logit_bias, vocab_size)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     try:
@@ -172,7 +182,7 @@ def make_sampling_params(req: SamplingRequest, max_tokens: int, vocab_size: int,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
-            logit_bias=logit_bias)
+            logit_bias=logit_bias, structured_outputs=structured_outputs)
     except ValueError as e:
         # SamplingParams messages start with the field name
         name = str(e).split(" ", 1)[0]

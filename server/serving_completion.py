@@ -7,10 +7,12 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from quant_serve.engine.outputs import CompletionOutput, RequestOutput
+from quant_serve.engine.structured import StructuredOutputsParams
 from quant_serve.server.protocol import (APIError, CompletionChoice, CompletionRequest, CompletionResponse,
                                          PromptTokensDetails, UsageInfo, random_id)
 from quant_serve.server.serving import (SSE_DONE, ServingContext, make_sampling_params, sse, sse_error,
                                         unless_disconnected)
+from quant_serve.server.structured_request import compile_or_400, requested_constraint
 
 
 @dataclass
@@ -43,6 +45,14 @@ def _prompts(ctx: ServingContext, req: CompletionRequest, base_id: str) -> list[
     return prompts
 
 
+def _constraint(ctx: ServingContext, req: CompletionRequest) -> StructuredOutputsParams | None:
+    """response_format or vLLM's guided_* / structured_outputs, compiled (a 400 naming the parameter otherwise)."""
+    constraint, param = requested_constraint(req)
+    if constraint is not None:
+        compile_or_400(ctx.engine.grammar_compiler, constraint, param)
+    return constraint
+
+
 async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Request):
     arrival = time.time()
     req.validate_request()
@@ -65,12 +75,13 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     prompt_logprobs = req.logprobs if echo and req.logprobs is not None else None
 
     request_id = random_id("cmpl")
+    constraint = await ctx.run(_constraint, ctx, req)
     prompts = await ctx.run(_prompts, ctx, req, request_id)
     submissions = []
     for p in prompts:
         # The engine generates at least one token; for max_tokens=0 it is dropped from the answer.
         max_tokens = ctx.resolve_max_tokens(1 if scoring_only else req.max_tokens, len(p.token_ids), "prompt")
-        params = make_sampling_params(req, max_tokens, ctx.vocab_size, logprobs, prompt_logprobs)
+        params = make_sampling_params(req, max_tokens, ctx.vocab_size, logprobs, prompt_logprobs, constraint)
         submissions.append((p.request_id, p.token_ids, params))
     stream = ctx.submit(submissions, best_of, arrival, "best_of" if req.best_of else "n")
     builder = _ChoiceBuilder(ctx, req, prompts, n, scoring_only)
