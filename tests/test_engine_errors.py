@@ -63,6 +63,9 @@ def test_prompt_longer_than_max_model_len():
         engine.add_request("long", list(range(3, 83)), SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.add_request("bad", [5, 99999], SamplingParams(max_tokens=4))
+    vocab = engine.model_config.vocab_size            # the offline API checks logit_bias ids, as the server does
+    with pytest.raises(ValueError, match=f"logit_bias token id {vocab} is outside the vocabulary"):
+        engine.add_request("bias", [5, 6], SamplingParams(max_tokens=4, logit_bias={3: 1.0, vocab: 5.0}))
     with pytest.raises(ValueError, match="max_tokens must be at least 1"):
         SamplingParams(max_tokens=0)
     assert not engine.has_unfinished_requests()
