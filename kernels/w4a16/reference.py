@@ -5,8 +5,11 @@ Internal layout (every checkpoint format converts to this at load; K = in_featur
   scales   fp16/bf16/fp32 [G, N] G = ceil(K / group_size); group_size -1 is stored as K (one group)
   qzeros   int32 [G, N/8] | None real zero points (no +1 offset) packed along N, sequential:
                                  nibble c of qzeros[g, j] = z[g, 8j+c]; None = symmetric, z = 8
+  offsets  like scales [G, N] | None   float per-group offset (GGUF Q4_0 / Q4_1 / Q4_K); only with qzeros None
   perm     int64 [K] | None      act-order: internal row r holds original input channel perm[r]; y = x[:, perm] @ W
-Dequant: W[k, n] = (q[k, n] - z[k // group_size, n]) * s[k // group_size, n]   (W is the transposed nn.Linear weight)
+Dequant (W is the transposed nn.Linear weight, g = k // group_size):
+  integer zero points (AWQ, GPTQ, compressed-tensors):  W[k, n] = (q[k, n] - z[g, n]) * s[g, n]
+  float offsets (GGUF):                                  W[k, n] = q[k, n] * s[g, n] + o[g, n]
 """
 import torch
 
@@ -46,13 +49,19 @@ def pack_int4_cols(codes: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_w4(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
-                  group_size: int, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                  group_size: int, out_dtype: torch.dtype = torch.float32,
+                  offsets: torch.Tensor | None = None) -> torch.Tensor:
     """Internal layout -> dense W [K, N] (rows in internal order). Math in fp32."""
     q = unpack_int4_rows(qweight)                                      # [K, N]
     k = q.shape[0]
     if group_size <= 0:
         group_size = k
     group_of_row = torch.arange(k, device=q.device) // group_size
+    if offsets is not None:
+        if qzeros is not None:
+            raise ValueError("a layer has either integer zero points or float offsets, not both")
+        w = q.float() * scales.float()[group_of_row] + offsets.float()[group_of_row]
+        return w.to(out_dtype)
     z = unpack_int4_cols(qzeros) if qzeros is not None else torch.full_like(scales, 8, dtype=torch.int32)
     z = z[:, : q.shape[1]]
     w = (q - z[group_of_row]).float() * scales.float()[group_of_row]
@@ -61,9 +70,9 @@ def dequantize_w4(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Ten
 
 def w4a16_matmul_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
                      group_size: int, perm: torch.Tensor | None = None,
-                     bias: torch.Tensor | None = None) -> torch.Tensor:
+                     bias: torch.Tensor | None = None, offsets: torch.Tensor | None = None) -> torch.Tensor:
     """x: [..., K] -> [..., N] in x's dtype. fp32 accumulate."""
-    w = dequantize_w4(qweight, scales, qzeros, group_size, torch.float32)
+    w = dequantize_w4(qweight, scales, qzeros, group_size, torch.float32, offsets)
     if perm is not None:
         x = x[..., perm]
     y = x.float() @ w
