@@ -45,19 +45,21 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor | W4A16Weights | FragWei
                  scales: torch.Tensor | None = None,
                  qzeros: torch.Tensor | None = None, group_size: int = -1, perm: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None, config: W4A16Config | None = None,
-                 silu_mul: bool = False) -> torch.Tensor:
+                 silu_mul: bool = False, offsets: torch.Tensor | None = None) -> torch.Tensor:
     """x: [..., K] fp16/bf16 -> [..., N] in x's dtype. qweight: standard int32 [K/8, N] (with scales, qzeros,
-    group_size, perm) or a prepared layout (the other weight arguments are then ignored). config overrides the
-    plan (benchmarks, tests). silu_mul (N = 2I, gate | up): -> [..., I] = silu(gate) * up."""
+    group_size, perm, offsets) or a prepared layout (the other weight arguments are then ignored). config overrides
+    the plan (benchmarks, tests). silu_mul (N = 2I, gate | up): -> [..., I] = silu(gate) * up."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])                                                  # [M, K]
     if not x.is_cuda:
         if isinstance(qweight, (W4A16Weights, FragWeights)):
             perm = qweight.perm
             qweight, scales, qzeros, group_size = standard_layout(qweight)
-        y = w4a16_matmul_ref(x2, qweight, scales, qzeros, group_size, perm, bias)
+        y = w4a16_matmul_ref(x2, qweight, scales, qzeros, group_size, perm, bias, offsets)
         y = silu_and_mul_ref(y) if silu_mul else y
         return y.reshape(*lead, y.shape[-1])
+    if offsets is not None:
+        raise NotImplementedError("float offsets on CUDA: the Triton kernels gain them in issue 33's kernel work")
     w = qweight if isinstance(qweight, (W4A16Weights, FragWeights)) else \
         prepare_kernel_weights(qweight, scales, qzeros, group_size, perm)
     y = w4a16_forward(x2, w, bias, config, silu_mul)
