@@ -13,7 +13,7 @@ from quant_serve.engine.detokenizer import IncrementalDetokenizer
 from quant_serve.engine.kv_scales import resolve_kv_scales
 from quant_serve.engine.loader import (default_device, load_model, load_model_config, load_tokenizer, pick_dtype,
                                        resolve_model_dir)
-from quant_serve.engine.model_runner import Carry, LaunchedStep, ModelRunner
+from quant_serve.engine.model_runner import Carry, ForwardStep, LaunchedStep, ModelRunner
 from quant_serve.engine.outputs import EngineStats, Request, RequestMetrics, RequestOutput
 from quant_serve.engine.sampler import needs_last_token_on_host
 from quant_serve.engine.sampling_params import SamplingParams
@@ -177,12 +177,19 @@ class LLMEngine:
         self._inflight = None
         # _emit_pending always runs before the next _apply: a stop string it finds ends the sequence before any
         # later token of it is applied.
-        if prev is not None and self._may_look_ahead(prev[0]):
+        mode = self._look_ahead_mode(prev[0]) if prev is not None else "none"
+        if mode == "launch":
             self.scheduler.advance(prev[0])
             launched = self._schedule_and_launch(prev[1].carry(prev[0]))
             outputs = self._emit_pending()
             self._apply(*prev)
-        elif prev is not None:
+        elif mode == "forward":    # the forward goes ahead; its sampling waits for prev's tokens on the host
+            self.scheduler.advance(prev[0])
+            forwarded = self._schedule_and_launch(prev[1].carry(prev[0]), sample=False)
+            outputs = self._emit_pending()
+            self._apply(*prev)
+            launched = None if forwarded is None else (forwarded[0], self.runner.sample(forwarded[1]))
+        elif mode == "sync":
             outputs = self._emit_pending()
             self.scheduler.advance(prev[0])
             self._apply(*prev)
@@ -198,7 +205,9 @@ class LLMEngine:
                 self._apply(*launched)
         return outputs
 
-    def _schedule_and_launch(self, carry: Carry | None) -> tuple[SchedulerOutput, LaunchedStep] | None:
+    def _schedule_and_launch(self, carry: Carry | None, sample: bool = True) -> \
+            tuple[SchedulerOutput, LaunchedStep | ForwardStep] | None:
+        """Schedules the next step and queues it on the device: forward and sampling, or the forward alone."""
         out = self.scheduler.schedule()
         self.stats.num_preemptions_total += len(out.preempted)
         self._count_transfers(out)
@@ -210,7 +219,7 @@ class LLMEngine:
             request, _ = self._seq_owner[item.seq.request_id]
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
-        return out, self.runner.launch(out, carry)
+        return out, (self.runner.launch(out, carry) if sample else self.runner.launch_forward(out, carry))
 
     def _apply(self, out: SchedulerOutput, launched: LaunchedStep) -> None:
         """Waits for an advanced step and applies its tokens; their text is made by the next _emit_pending."""
@@ -220,14 +229,16 @@ class LLMEngine:
                 item.seq.output_logprobs.append(lp)
         self._pending += self.scheduler.apply_tokens(out, sampled)
 
-    def _may_look_ahead(self, out: SchedulerOutput) -> bool:
-        """Can the step after `out` be launched before `out`'s tokens reach the host? Not while K/V go to an
-        observer, nor when a sequence that samples in `out` needs its last token on the host to sample the next
-        (penalties, min_tokens not yet reached, a grammar: its mask follows from the tokens so far). Steps with a
-        constrained sequence therefore run synchronously; its mask is computed while the forward runs."""
+    def _look_ahead_mode(self, out: SchedulerOutput) -> str:
+        """How far the step after `out` goes before `out`'s tokens reach the host: "launch" (forward and sampling),
+        "forward" (the forward only: a sequence that samples in `out` needs its last token on the host to sample the
+        next, for penalties, min_tokens not yet reached or a grammar, whose mask follows from the tokens so far and
+        is computed while that forward runs), or "sync" (nothing, while K/V go to an observer)."""
         if self.runner.observes_kv:
-            return False
-        return not any(item.sample and needs_last_token_on_host(item.seq) for item in out.scheduled)
+            return "sync"
+        if any(item.sample and needs_last_token_on_host(item.seq) for item in out.scheduled):
+            return "forward"
+        return "launch"
 
     def drain(self) -> list[RequestOutput]:
         """Resolves a step still in flight and returns every output not yet returned."""

@@ -13,7 +13,7 @@ from quant_serve.engine.kv_scales import FP8_DTYPES, KVRangeObserver
 from quant_serve.engine.models.decoder import DecoderForCausalLM
 from quant_serve.engine.sampler import PendingSample, Sampler, compute_prompt_logprobs, only_argmax
 from quant_serve.engine.scheduler import SchedulerOutput
-from quant_serve.engine.sequence import Logprob
+from quant_serve.engine.sequence import Logprob, Sequence
 from quant_serve.engine.swap import CpuKVTier
 from quant_serve.engine.transfer import to_device
 from quant_serve.kernels.argmax import argmax_rows
@@ -47,6 +47,15 @@ class Carry:
     """Tokens a step in flight samples, as inputs of the step launched behind it."""
     tokens: torch.Tensor                 # [S] int64 on the device
     rows: dict[int, int]                 # id(sequence) -> its row in tokens
+
+
+@dataclass
+class ForwardStep:
+    """A step whose forward is queued and whose sampling is not (ModelRunner.launch_forward)."""
+    samples: list[bool]                  # per scheduled entry: does it get a token
+    sample_seqs: list[Sequence]          # the sequences that sample, in row order
+    logits: torch.Tensor | None          # [S, vocab] on the device
+    graph_sampled: torch.Tensor | None   # [S] from a decode graph that sampled inside (greedy steps)
 
 
 @dataclass
@@ -316,27 +325,42 @@ class ModelRunner:
     def launch(self, out: SchedulerOutput, carry: "Carry | None" = None) -> "LaunchedStep":
         """execute() without the wait: the forward and the sampling are queued on the device; the host is free
         until LaunchedStep.resolve(). carry: see forward()."""
+        return self.sample(self.launch_forward(out, carry))
+
+    @torch.inference_mode()
+    def launch_forward(self, out: SchedulerOutput, carry: "Carry | None" = None) -> "ForwardStep":
+        """The first half of launch(): the forward and the logits queued on the device, nothing sampled yet. The
+        engine applies the previous step's tokens in between when the sampling reads them on the host (grammar
+        masks, penalties, min_tokens), so that host work overlaps this forward."""
         sample_seqs = [item.seq for item in out.scheduled if item.sample]
         argmax_only = only_argmax(sample_seqs)
         greedy = argmax_only and len(sample_seqs) == len(out.scheduled)
         hidden, starts, graph_sampled = self.forward(out, carry, greedy)    # [T, hidden]
         sample_rows = [starts[i + 1] - 1 for i, item in enumerate(out.scheduled) if item.sample]
         self._prompt_logprobs(out, hidden, starts)
-        pending = None
-        if graph_sampled is not None:                                        # one row per sequence, all sample
-            # the graph's static output: the device-to-host copy PendingSample queues now reads it before the next
-            # replay writes it (a CPU tensor would be read later, at resolve: a copy)
-            values = graph_sampled if graph_sampled.is_cuda else graph_sampled.clone()
-            pending = PendingSample(graph_sampled, values, len(sample_seqs), [])
-        elif sample_rows:
+        logits = None
+        if graph_sampled is None and sample_rows:
             if len(sample_rows) == hidden.shape[0]:                          # every row samples (decodes)
                 rows = hidden
             else:   # a list index would go through pageable memory, which waits for the step in flight
                 rows = hidden[to_device(sample_rows, torch.long, hidden.device)]
             # [S, vocab]; fp32 unless every row only takes the argmax
             logits = self.model.compute_logits(rows, float32=not argmax_only)
-            pending = self.sampler.sample(logits, sample_seqs)
-        return LaunchedStep([item.sample for item in out.scheduled], pending)
+        return ForwardStep([item.sample for item in out.scheduled], sample_seqs, logits, graph_sampled)
+
+    @torch.inference_mode()
+    def sample(self, step: "ForwardStep") -> "LaunchedStep":
+        """The second half of launch(): queues the sampling of a forwarded step."""
+        pending = None
+        if step.graph_sampled is not None:                                   # one row per sequence, all sample
+            # the graph's static output: the device-to-host copy PendingSample queues now reads it before the next
+            # replay writes it (a CPU tensor would be read later, at resolve: a copy)
+            sampled = step.graph_sampled
+            values = sampled if sampled.is_cuda else sampled.clone()
+            pending = PendingSample(sampled, values, len(step.sample_seqs), [])
+        elif step.logits is not None:
+            pending = self.sampler.sample(step.logits, step.sample_seqs)
+        return LaunchedStep(step.samples, pending)
 
     def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor, starts: list[int]) -> None:
         for i, item in enumerate(out.scheduled):

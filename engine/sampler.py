@@ -77,8 +77,8 @@ def _constrained(seq: Sequence) -> bool:
 
 def needs_last_token_on_host(seq: Sequence) -> bool:
     """Penalties, min_tokens until it is reached, and a grammar (its matcher takes each token before the next mask)
-    read the sequence's tokens on the host: its next token can only be sampled once the last one is there (no
-    look-ahead step for it)."""
+    read the sequence's tokens on the host: its next token can only be sampled once the last one is there (the
+    step behind it queues its forward first, then waits, then samples)."""
     return _has_penalties(seq) or _min_tokens_active(seq) or _constrained(seq)
 
 

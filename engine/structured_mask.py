@@ -96,7 +96,9 @@ class GrammarMasks:
         eos, *other_eos = self.compiler.eos_token_ids
         rows, complete = [], []
         for i, seq in enumerate(seqs):
-            if seq.params.structured_outputs is None:
+            # a sequence that ended since this step was scheduled (its stop string was found meanwhile) samples a
+            # token nobody reads: no matcher for it, which would outlive its release
+            if seq.params.structured_outputs is None or seq.is_finished:
                 continue
             state = self._state(seq)
             state.catch_up(seq, eos)
