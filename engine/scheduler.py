@@ -89,7 +89,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if num_new == 0:
+            if num_new == 0 or self._ends_with_pending_token(seq):
                 i += 1
                 continue
             while not bm.allocate_slots(seq, num_new):
@@ -148,6 +148,15 @@ class Scheduler:
             blocks_to_swap_in=swap_in,
             blocks_to_swap_out=swap_out,
         )
+
+    def _ends_with_pending_token(self, seq: Sequence) -> bool:
+        """A token still in flight reaches max_tokens or max_model_len: the sequence ends when it lands, so a
+        look-ahead step must not forward it (one wasted token per request otherwise)."""
+        if not seq.num_pending_tokens:
+            return False
+        max_tokens = seq.params.max_tokens
+        return (max_tokens is not None and seq.num_output_tokens >= max_tokens) or \
+            seq.num_tokens >= self.config.max_model_len
 
     def _preempt(self, seq: Sequence) -> None:
         seq.num_preemptions += 1

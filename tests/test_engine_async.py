@@ -149,3 +149,17 @@ def test_host_read_sampling_still_queues_the_next_forward_first():
     assert run(ahead) == run(make_engine(DEMO_MODEL_DIR, async_scheduling=False, max_model_len=256))
     assert "".join(e[0] for e in events).count("fa") >= 8      # forward of step N+1, then step N's tokens
     assert_all_blocks_free(ahead)
+
+
+@pytest.mark.parametrize("min_tokens", [0, 12])
+def test_look_ahead_forwards_no_token_past_max_tokens(min_tokens):
+    """A step launched before the previous tokens land must not forward a sequence whose token in flight is its
+    last (max_tokens): the forwarded count is the minimum, as in the synchronous engine."""
+    params = SamplingParams(max_tokens=12, min_tokens=min_tokens, temperature=0, ignore_eos=True)
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    for async_scheduling in (False, True):
+        engine = make_engine(DEMO_MODEL_DIR, async_scheduling=async_scheduling, max_model_len=256)
+        outs = engine.generate(prompts, params)
+        minimal = sum(len(o.prompt_token_ids) + params.max_tokens - 1 for o in outs)
+        assert engine.runner.num_tokens_forwarded == minimal
+        assert_all_blocks_free(engine)
