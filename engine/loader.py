@@ -24,10 +24,11 @@ _DTYPES = {"float16": torch.float16, "half": torch.float16, "bfloat16": torch.bf
 def resolve_model_dir(model: str, revision: str | None = None) -> Path:
     """A local directory as is; otherwise a Hugging Face hub id, downloaded (or found in the local hub cache)."""
     path = Path(model).expanduser()
-    if path.is_dir():
+    if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
         return path
     if path.exists():
-        raise ValueError(f"model path {model} is a file, expected a directory holding config.json and weights")
+        raise ValueError(f"model path {model} is a file, expected a directory holding config.json and weights "
+                         "(or a .gguf file)")
     if model.startswith((".", "/", "~")) or model.count("/") != 1:
         raise FileNotFoundError(f"model directory {model} does not exist (and it is not a hub id like org/name)")
     from huggingface_hub import snapshot_download
@@ -36,7 +37,13 @@ def resolve_model_dir(model: str, revision: str | None = None) -> Path:
 
 
 def load_model_config(model_dir: Path) -> tuple[ModelConfig, dict]:
-    """Read config.json through transformers' AutoConfig (both rope_theta and rope_parameters styles)."""
+    """Read config.json through transformers' AutoConfig (both rope_theta and rope_parameters styles); a GGUF
+    checkpoint's config from its metadata (engine/gguf_loader.py)."""
+    from quant_serve.engine.gguf_loader import gguf_files, gguf_model_config, open_gguf
+    files = gguf_files(model_dir)
+    if files is not None:
+        cfg = gguf_model_config(open_gguf(files))
+        return cfg, {"quantization_config": cfg.quantization_config}
     config_file = Path(model_dir) / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"no config.json in {model_dir}")
@@ -52,6 +59,11 @@ def load_model_config(model_dir: Path) -> tuple[ModelConfig, dict]:
         hf = AutoConfig.from_pretrained(str(model_dir))
     except Exception as e:                  # transformers' errors for malformed values are of many types
         raise ValueError(f"cannot read {config_file} with transformers: {type(e).__name__}: {e}") from e
+    return model_config_from_hf(hf, arch, raw, config_file, model_dir), raw
+
+
+def model_config_from_hf(hf, arch: str, raw: dict, config_file: Path, model_dir: Path | None) -> ModelConfig:
+    """A transformers config (from config.json or a GGUF's metadata) -> ModelConfig; raw: config.json's dict."""
     rope = dict(getattr(hf, "rope_parameters", None) or {})
     local_rope = rope.get("sliding_attention")          # Gemma 3: one rope per layer type
     rope = dict(rope.get("full_attention", rope))
@@ -61,8 +73,8 @@ def load_model_config(model_dir: Path) -> tuple[ModelConfig, dict]:
     partial = rope.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", None)) or 1.0
     eos = hf.eos_token_id
     eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-    gen_file = Path(model_dir) / "generation_config.json"
-    if gen_file.is_file():
+    gen_file = Path(model_dir) / "generation_config.json" if model_dir is not None else None
+    if gen_file is not None and gen_file.is_file():
         gen_eos = read_json_object(gen_file).get("eos_token_id")
         gen_eos = gen_eos if isinstance(gen_eos, list) else ([gen_eos] if gen_eos is not None else [])
         eos = tuple(dict.fromkeys([*eos, *gen_eos]))
@@ -84,7 +96,7 @@ def load_model_config(model_dir: Path) -> tuple[ModelConfig, dict]:
         rotary_dim=None if partial == 1.0 else int(head_dim * partial),
         **_family_fields(arch, hf, local_rope))
     check_model_config(cfg, config_file, getattr(hf, "head_dim", None) is not None)
-    return cfg, raw
+    return cfg
 
 
 def _rope(rope: dict, theta: float, scaling: dict | None) -> tuple[float, dict | None]:
@@ -261,7 +273,25 @@ def load_model(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device, lo
 
 def _load_model(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device, load_format: str,
                 quantization: str | None, show_progress: bool, seed: int):
+    from quant_serve.engine.gguf_loader import gguf_files, load_gguf_model, open_gguf
     from quant_serve.quant.formats import load_quant_config
+    files = gguf_files(model_dir)
+    if files is not None:
+        if load_format not in ("auto", "gguf"):
+            raise ValueError(f"{model_dir} is a GGUF checkpoint: --load-format {load_format} does not apply (use "
+                             "auto, or dummy with a config.json directory and --quantization gguf:Q4_K_M)")
+        if quantization not in (None, "gguf"):
+            raise ValueError(f"--quantization {quantization} disagrees with the checkpoint, which is GGUF")
+        return load_gguf_model(open_gguf(files), cfg, dtype, device, show_progress)
+    if load_format == "dummy" and quantization and quantization.lower().startswith("gguf:"):
+        from quant_serve.quant.formats.gguf_config import dummy_gguf_config
+        quant_config = dummy_gguf_config(quantization.split(":", 1)[1], cfg.num_layers)
+        model = build_model(cfg, dtype, device, quant_config)
+        init_dummy_weights(model, seed)
+        model.checkpoint_kv_scales = {}
+        logger.info("dummy GGUF %s: linear layers %s", quantization,
+                    quant_config.describe_paths())
+        return model.eval(), quant_config
     if load_format == "dummy":
         raw = read_json_object(Path(model_dir) / "config.json")
         quant_config = load_quant_config(raw, model_dir, None, quantization)
@@ -304,6 +334,11 @@ def pick_dtype(requested: str, cfg: ModelConfig, device: str, quantized: bool) -
 
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
+
+    from quant_serve.engine.gguf_loader import gguf_files, gguf_tokenizer, open_gguf
+    files = gguf_files(path)
+    if files is not None:
+        return gguf_tokenizer(open_gguf(files))
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as e:

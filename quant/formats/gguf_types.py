@@ -54,6 +54,10 @@ class GroupedCodes:
     offsets: torch.Tensor | None         # like scales, or None (= 0)
     group_size: int
 
+    def to(self, device) -> "GroupedCodes":
+        return GroupedCodes(self.codes.to(device), self.scales.to(device),
+                            None if self.offsets is None else self.offsets.to(device), self.group_size)
+
 
 def _f16(raw: np.ndarray) -> torch.Tensor:
     """[B, 2] uint8 -> [B] fp16."""
