@@ -59,14 +59,15 @@ def _tokenizer(writer, model_dir: Path, config: dict) -> None:
         writer.add_chat_template(template.read_text())
 
 
-def write_gguf(model_dir: Path, out: Path, mix: str, arch: str = "qwen2") -> Path:
+def write_gguf(model_dir: Path, out: Path, mix: str, arch: str = "qwen2", split_max_tensors: int = 0) -> Path:
     """The safetensors model in model_dir -> one GGUF file `out` with the type mix (Q4_0, Q4_1, Q8_0, F16,
-    Q4_K_M). arch "llama" permutes q / k rows as llama.cpp does (the model must then have no q / k bias)."""
+    Q4_K_M). arch "llama" permutes q / k rows as llama.cpp does (the model must then have no q / k bias).
+    split_max_tensors > 0: split files NAME-0000i-of-0000N.gguf of at most that many tensors each."""
     import gguf
     from safetensors.torch import load_file
     config = json.loads((model_dir / "config.json").read_text())
     layers, heads, kv_heads = config["num_hidden_layers"], config["num_attention_heads"], config["num_key_value_heads"]
-    writer = gguf.GGUFWriter(str(out), arch)
+    writer = gguf.GGUFWriter(str(out), arch, split_max_tensors=split_max_tensors)
     writer.add_name(model_dir.name)
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])

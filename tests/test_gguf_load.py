@@ -1,0 +1,138 @@
+"""GGUF files of tiny-qwen2 (written here, tests/gguf_fixtures.py) load and score like transformers on the
+gguf-dequantized weights; one serves through the OpenAI API; llama's q/k permutation is undone; split files,
+errors."""
+import math
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize
+
+from conftest import DATA, TINY
+from gguf_fixtures import write_gguf
+from helpers import make_engine
+from test_server_common import running_server
+
+MIXES = ("Q4_0", "Q4_1", "Q4_K_M")
+NUM_TOKENS = 192
+
+
+@pytest.fixture(scope="module")
+def gguf_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("gguf")
+    for mix in MIXES:
+        write_gguf(TINY, directory / f"tiny-{mix}.gguf", mix)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def held_out_ids():
+    from transformers import AutoTokenizer
+    text = (DATA / "val.txt").read_text()[:4000]
+    return AutoTokenizer.from_pretrained(str(TINY)).encode(text)[:NUM_TOKENS]
+
+
+def _nll(logits: torch.Tensor, ids: list[int]) -> float:
+    """Mean negative log-likelihood of ids[1:] given logits [T, V] of ids."""
+    logprobs = torch.log_softmax(logits[:-1].double(), dim=-1)
+    return float(-logprobs.gather(1, torch.tensor(ids[1:]).unsqueeze(1)).mean())
+
+
+def _transformers_nll(path, ids: list[int]) -> float:
+    """transformers' Qwen2 (the tiny config) on weights that gguf.quants.dequantize gives for every tensor."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(str(TINY))
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    reader = gguf.GGUFReader(str(path))
+    tensors = {t.name: t for t in reader.tensors}
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, config.num_hidden_layers)
+    state = {}
+    for name, param in model.state_dict().items():
+        if name == "lm_head.weight":
+            continue                                                     # tied to the embeddings
+        base, suffix = name.rsplit(".", 1)
+        t = tensors[f"{name_map.get_name(base)}.{suffix}"]
+        state[name] = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type))).reshape(param.shape)
+    model.load_state_dict(state, strict=False)
+    model.tie_weights()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0]
+    return _nll(logits, ids)
+
+
+@pytest.mark.parametrize("mix", MIXES)
+def test_perplexity_matches_transformers_on_dequantized_weights(gguf_dir, held_out_ids, mix):
+    path = gguf_dir / f"tiny-{mix}.gguf"
+    engine = make_engine(path, num_blocks=16, max_model_len=256)
+    assert engine.tokenizer.encode("hello world, this is a test") == \
+        [2105, 474, 2002, 14, 638, 347, 261, 1321]                       # the GGUF tokenizer is tiny-qwen2's
+    ours = _nll(engine.score(held_out_ids), held_out_ids)
+    reference = _transformers_nll(path, held_out_ids)
+    assert abs(math.exp(ours) / math.exp(reference) - 1) < 1e-3, (math.exp(ours), math.exp(reference))
+    assert math.exp(ours) < 200                                          # a working model, not noise
+    paths = engine.quant_config.describe_paths()
+    assert paths == ("20 INT4 (W4A16, float offsets), 12 8-bit (W8A16)" if mix == "Q4_K_M"
+                     else "32 INT4 (W4A16, float offsets)")
+
+
+def test_split_files_and_directory(gguf_dir, tmp_path, held_out_ids):
+    """A directory holding one model's split parts loads like the single file (same logits)."""
+    single = gguf_dir / "tiny-Q4_0.gguf"
+    write_gguf(TINY, tmp_path / "tiny-Q4_0.gguf", "Q4_0", split_max_tensors=60)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-Q4_0-00001-of-00002.gguf",
+                                                          "tiny-Q4_0-00002-of-00002.gguf"]
+    ids = held_out_ids[:32]
+    a = make_engine(single, num_blocks=8, max_model_len=128).score(ids)
+    b = make_engine(tmp_path, num_blocks=8, max_model_len=128).score(ids)
+    assert torch.equal(a, b)
+    (tmp_path / "tiny-Q4_0-00002-of-00002.gguf").unlink()
+    with pytest.raises(FileNotFoundError, match="missing: tiny-Q4_0-00002-of-00002.gguf"):
+        make_engine(tmp_path, num_blocks=8, max_model_len=128)
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "mamba")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'mamba'.*supported: llama, qwen2, qwen3"):
+        make_engine(tmp_path / "m.gguf", num_blocks=8, max_model_len=128)
+
+
+def test_two_models_in_one_directory(gguf_dir):
+    with pytest.raises(ValueError, match="more than one GGUF model"):
+        make_engine(gguf_dir, num_blocks=8, max_model_len=128)
+
+
+def test_served_through_openai_api(gguf_dir, held_out_ids, tmp_path):
+    """The Q4_K_M file behind `quant-serve serve`: echo logprobs give the engine's perplexity; chat uses the
+    GGUF's template."""
+    import httpx
+    path = gguf_dir / "tiny-Q4_K_M.gguf"
+    ids = held_out_ids[:96]
+    args = [str(path), "--num-gpu-blocks-override", "32", "--max-model-len", "256", "--dtype", "float32",
+            "--served-model-name", "tiny-gguf"]
+    with running_server(args, tmp_path / "server.log") as server:
+        body = {"model": "tiny-gguf", "prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 0}
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        served = -float(np.mean(r.json()["choices"][0]["logprobs"]["token_logprobs"][1:]))
+        chat = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+            "model": "tiny-gguf", "messages": [{"role": "user", "content": "Define: hellhound"}], "max_tokens": 8,
+            "temperature": 0})
+        assert chat.status_code == 200, chat.text
+        assert chat.json()["usage"]["prompt_tokens"] > 5          # the template's role markers were rendered
+        assert "20 INT4 (W4A16, float offsets), 12 8-bit (W8A16)" in server.log()
+    assert served == pytest.approx(_transformers_nll(path, ids), rel=1e-4)
+
+
+def test_copy_of_gguf_without_config_is_detected(gguf_dir, tmp_path):
+    shutil.copy(gguf_dir / "tiny-Q4_1.gguf", tmp_path / "model.gguf")
+    from quant_serve.engine.gguf_loader import gguf_files
+    assert gguf_files(tmp_path) == [tmp_path / "model.gguf"]
+    assert gguf_files(TINY) is None                                    # a safetensors directory
