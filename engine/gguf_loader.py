@@ -2,6 +2,7 @@
 `NAME-00001-of-0000N.gguf`. Tensors are read with the `gguf` package's GGUFReader (memory-mapped) and converted
 to the internal layouts without re-quantizing (quant/formats/gguf_types.py); config, tokenizer and chat template
 come from the GGUF metadata through transformers' GGUF support."""
+import functools
 import logging
 import re
 from dataclasses import dataclass, replace
@@ -72,7 +73,16 @@ def _split_set(folder: Path, stem: str, total: int) -> list[Path]:
 
 
 def open_gguf(files: list[Path]) -> GGUFCheckpoint:
+    """The checkpoint of `files`; read once per file version (GGUFReader parses every metadata field, the
+    vocabulary included: ~1 s for a 150k-token one) although config, tokenizer and weights each ask for it."""
+    key = tuple((str(Path(f).resolve()), Path(f).stat().st_mtime_ns, Path(f).stat().st_size) for f in files)
+    return _open_gguf(key)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_gguf(key: tuple) -> GGUFCheckpoint:
     from gguf import GGUFReader
+    files = [Path(path) for path, _, _ in key]
     tensors, arch = {}, None
     for file in files:
         try:

@@ -77,17 +77,19 @@ def test_perplexity_matches_transformers_on_dequantized_weights(gguf_dir, held_o
                      else "32 INT4 (W4A16, float offsets)")
 
 
-def test_split_files_and_directory(gguf_dir, tmp_path, held_out_ids):
-    """A directory holding one model's split parts loads like the single file (same logits)."""
-    single = gguf_dir / "tiny-Q4_0.gguf"
+def test_split_files_and_directory(gguf_dir, tmp_path):
+    """A directory holding one model's split parts reads as the single file: the same tensors, bytes and config."""
+    from quant_serve.engine.gguf_loader import gguf_files, gguf_model_config, open_gguf
+    single = open_gguf(gguf_files(gguf_dir / "tiny-Q4_0.gguf"))
     write_gguf(TINY, tmp_path / "tiny-Q4_0.gguf", "Q4_0", split_max_tensors=60)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-Q4_0-00001-of-00002.gguf",
-                                                          "tiny-Q4_0-00002-of-00002.gguf"]
-    ids = held_out_ids[:32]
-    a = make_engine(single, num_blocks=8, max_model_len=128).score(ids)
-    b = make_engine(tmp_path, num_blocks=8, max_model_len=128).score(ids)
-    assert torch.equal(a, b)
-    (tmp_path / "tiny-Q4_0-00002-of-00002.gguf").unlink()
+    files = gguf_files(tmp_path)
+    assert [p.name for p in files] == ["tiny-Q4_0-00001-of-00002.gguf", "tiny-Q4_0-00002-of-00002.gguf"]
+    assert gguf_files(files[1]) == files
+    split = open_gguf(files)
+    assert sorted(split.tensors) == sorted(single.tensors)
+    assert all(np.array_equal(split.tensors[n].data, t.data) for n, t in single.tensors.items())
+    assert gguf_model_config(split) == gguf_model_config(single)
+    files[1].unlink()
     with pytest.raises(FileNotFoundError, match="missing: tiny-Q4_0-00002-of-00002.gguf"):
         make_engine(tmp_path, num_blocks=8, max_model_len=128)
 
