@@ -51,7 +51,8 @@ def _plan(config: EngineConfig, model_dir, device: str, dtype: torch.dtype, max_
                        kv_cache_dtype=cache.kv_cache_dtype, max_model_len=max_model_len,
                        max_num_batched_tokens=sched.max_num_batched_tokens, max_num_seqs=sched.max_num_seqs,
                        block_size=cache.block_size, enforce_eager=config.enforce_eager,
-                       weights_dtype=str(dtype).replace("torch.", ""), int4_head=config.quantize_lm_head)
+                       weights_dtype=str(dtype).replace("torch.", ""), int4_head=config.quantize_lm_head,
+                       quantization=config.quantization)
     if not plan.fits:
         raise ValueError(plan.error_message())
     return plan

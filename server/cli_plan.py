@@ -1,4 +1,5 @@
-"""`quant-serve plan MODEL`: what fits on this card, from config.json (and safetensors headers) alone."""
+"""`quant-serve plan MODEL`: what fits on this card, from config.json (and safetensors headers, or a GGUF's tensor
+table) alone."""
 import argparse
 import json
 import sys
@@ -25,6 +26,9 @@ def register(sub) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graph reserve")
     p.add_argument("--quantize-lm-head", action="store_true",
                    help="plan for serve --quantize-lm-head (an INT4 g128 head instead of the float one)")
+    p.add_argument("--quantization", default=None,
+                   help="gguf:Q4_K_M: plan random weights of that GGUF type mix (serve --load-format dummy); a GGUF "
+                        "file's own types are read from its tensor table")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)
 
@@ -40,7 +44,8 @@ def run(args) -> int:
     plan = plan_memory(model_dir, gpu_mem_gb=memory_gb, gpu_memory_utilization=args.gpu_memory_utilization,
                        kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
                        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                       enforce_eager=args.enforce_eager, weights_dtype=args.dtype, int4_head=args.quantize_lm_head)
+                       enforce_eager=args.enforce_eager, weights_dtype=args.dtype, int4_head=args.quantize_lm_head,
+                       quantization=args.quantization)
     projection = project_decode(plan, caps) if caps else None
     if args.json:
         json.dump({**plan.to_dict(), **({"projection": projection} if projection else {})}, sys.stdout, indent=2)

@@ -138,3 +138,47 @@ def test_copy_of_gguf_without_config_is_detected(gguf_dir, tmp_path):
     from quant_serve.engine.gguf_loader import gguf_files
     assert gguf_files(tmp_path) == [tmp_path / "model.gguf"]
     assert gguf_files(TINY) is None                                    # a safetensors directory
+
+
+def _loaded_bytes(model) -> int:
+    buffers = sum(b.numel() * b.element_size() for n, b in model.named_buffers()
+                  if n.rsplit(".", 1)[-1] in ("qweight", "scales", "offsets", "bias"))
+    return buffers + sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_plan_counts_gguf_bytes_by_type(gguf_dir, capsys):
+    """`quant-serve plan X.gguf` reads the tensor table only; its weight bytes are those the fp16 model holds."""
+    import json
+
+    from quant_serve.engine.loader import load_model, load_model_config
+    from quant_serve.server.cli import main
+    path = gguf_dir / "tiny-Q4_K_M.gguf"
+    assert main(["plan", str(path), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["weights_source"] == "gguf: Q4_K x 45, Q8_0 x 4, Q6_K x 4, Q5_0 x 4"
+    cfg, _ = load_model_config(path)
+    model, _ = load_model(path, cfg, torch.float16, "cpu", show_progress=False)
+    assert plan["weights_bytes"] == _loaded_bytes(model)
+
+
+def test_dummy_q4_k_m_mix(tmp_path):
+    """--load-format dummy --quantization gguf:Q4_K_M: llama.cpp's type mix on random weights (Q6_K for the v and
+    down projections of layers 0, 3, 6, 7 of 8), planned to the byte, and it generates."""
+    from quant_serve.engine.memory import plan_memory
+    from quant_serve.engine.sampling_params import SamplingParams
+    from quant_serve.quant.linear import QuantLinear
+    from quant_serve.quant.linear_w8 import W8Linear
+    engine = make_engine(TINY, num_blocks=8, max_model_len=128, load_format="dummy", quantization="gguf:Q4_K_M",
+                         dtype="float16")
+    layers = engine.model.model.layers
+    w8 = [i for i, layer in enumerate(layers) if isinstance(layer.mlp.down_proj, W8Linear)]
+    assert w8 == [0, 3, 6, 7]
+    assert all(isinstance(layers[i].self_attn.qkv_proj, W8Linear) == (i in w8) for i in range(8))
+    assert isinstance(layers[1].mlp.gate_up_proj, QuantLinear) and layers[1].mlp.gate_up_proj.offsets is not None
+    assert engine.quant_config.describe_paths() == "24 INT4 (W4A16, float offsets), 8 8-bit (W8A16)"
+    plan = plan_memory(TINY, weights_dtype="float16", quantization="gguf:Q4_K_M")
+    # the dummy W8 layers hold no offsets where a real mixed qkv (Q4_K + Q6_K) does: count the file's way
+    assert plan.weights_source == "gguf: Q4_K x 48, Q6_K x 8"
+    assert plan.weights_bytes >= _loaded_bytes(engine.model)
+    out = engine.generate(["The"], SamplingParams(max_tokens=4, temperature=0))
+    assert len(out[0].outputs[0].token_ids) == 4
