@@ -182,3 +182,27 @@ def test_dummy_q4_k_m_mix(tmp_path):
     assert plan.weights_bytes >= _loaded_bytes(engine.model)
     out = engine.generate(["The"], SamplingParams(max_tokens=4, temperature=0))
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_llama_qk_permutation_is_undone(tmp_path):
+    """A llama-architecture GGUF holds q / k rows in llama.cpp's order: loaded (F16 dense and Q8_0 codes), the
+    model's logits are those of the safetensors model it was written from."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    src = tmp_path / "llama"
+    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=8192, max_position_embeddings=256, bos_token_id=0,
+                         eos_token_id=2, initializer_range=0.2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).to(torch.float16).save_pretrained(src)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TINY / name, src / name)
+    ids = [5, 900, 17, 4000, 33, 250, 7, 1200, 64, 3]
+    reference = make_engine(src, num_blocks=8, max_model_len=128).score(ids)
+    f16 = write_gguf(src, tmp_path / "llama-f16.gguf", "F16", arch="llama")
+    assert torch.equal(make_engine(f16, num_blocks=8, max_model_len=128).score(ids), reference)
+    q8 = write_gguf(src, tmp_path / "llama-q8.gguf", "Q8_0", arch="llama")
+    ours = make_engine(q8, num_blocks=8, max_model_len=128).model.model.layers[1].self_attn.qkv_proj
+    original = make_engine(src, num_blocks=8, max_model_len=128).model.model.layers[1].self_attn.qkv_proj.weight
+    # Q8_0 rounds each weight by at most half a step of max|block| / 127; a row out of place is off by the weights
+    err = (ours.dequantized_weight() - original.float()).abs()
+    assert float(err.max()) < float(original.abs().max()) / 200
