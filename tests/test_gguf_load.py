@@ -206,3 +206,13 @@ def test_llama_qk_permutation_is_undone(tmp_path):
     # Q8_0 rounds each weight by at most half a step of max|block| / 127; a row out of place is off by the weights
     err = (ours.dequantized_weight() - original.float()).abs()
     assert float(err.max()) < float(original.abs().max()) / 200
+
+
+def test_eval_names_gguf_files_and_type_mix(gguf_dir):
+    """eval's report: a GGUF file hashes by its bytes; its format names the type mix and the layer paths."""
+    from quant_serve.eval.metadata import model_hash
+    from quant_serve.quant.formats.gguf_config import GGUFConfig
+    assert model_hash(gguf_dir / "tiny-Q4_0.gguf") != model_hash(gguf_dir / "tiny-Q4_1.gguf")
+    config = GGUFConfig("gguf", 4, 32, type_of=None, type_mix={"Q6_K": 4, "Q4_K": 45})
+    config.layer_paths.update({"int4": 20, "w8": 12})
+    assert config.describe() == "gguf (Q4_K x 45, Q6_K x 4; linear layers: 20 INT4, 12 W8)"

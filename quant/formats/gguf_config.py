@@ -31,7 +31,8 @@ class GGUFConfig(QuantConfig):
 
     def describe(self) -> str:
         mix = ", ".join(f"{name} x {count}" for name, count in sorted(self.type_mix.items(), key=lambda kv: -kv[1]))
-        return f"gguf ({mix})" if mix else "gguf"
+        paths = ", ".join(f"{count} {path.upper()}" for path, count in sorted(self.layer_paths.items()))
+        return f"gguf ({mix}; linear layers: {paths})" if mix else "gguf"
 
     def describe_paths(self) -> str:
         return ", ".join(f"{count} {PATH_NAMES[path]}" for path, count in sorted(self.layer_paths.items()))
