@@ -27,6 +27,7 @@ class GGUFCheckpoint:
     files: list[Path]
     arch: str                                   # GGUF general.architecture
     tensors: dict                               # GGUF tensor name -> gguf.ReaderTensor
+    metadata: dict                              # GGUF key -> value (engine/gguf_hparams.py; no vocabulary)
 
     @property
     def first(self) -> Path:
@@ -83,15 +84,15 @@ def open_gguf(files: list[Path]) -> GGUFCheckpoint:
 def _open_gguf(key: tuple) -> GGUFCheckpoint:
     from gguf import GGUFReader
     files = [Path(path) for path, _, _ in key]
-    tensors, arch = {}, None
+    from quant_serve.engine.gguf_hparams import metadata
+    tensors, arch, meta = {}, None, {}
     for file in files:
         try:
             reader = GGUFReader(str(file))
         except Exception as e:             # the reader raises ValueError / struct errors for a damaged file
             raise ValueError(f"cannot read {file} as GGUF: {type(e).__name__}: {e}") from e
-        field = reader.fields.get("general.architecture")
-        if field is not None:
-            arch = arch or bytes(field.parts[field.data[0]]).decode()
+        meta = meta or metadata(reader)                   # split parts after the first hold no hyper-parameters
+        arch = arch or meta.get("general.architecture")
         for t in reader.tensors:
             if t.name in tensors:
                 raise ValueError(f"tensor {t.name} is in two parts of {files[0].name}")
@@ -101,17 +102,25 @@ def _open_gguf(key: tuple) -> GGUFCheckpoint:
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r} in {files[0]}; supported: "
                          f"{', '.join(GGUF_ARCHITECTURES)}")
-    return GGUFCheckpoint(list(files), arch, tensors)
+    return GGUFCheckpoint(list(files), arch, tensors, meta)
 
 
-def gguf_model_config(ckpt: GGUFCheckpoint) -> ModelConfig:
+def gguf_hf_config(ckpt: GGUFCheckpoint):
+    """transformers' config of the GGUF, completed from the metadata it does not map (engine/gguf_hparams.py)."""
     from transformers import AutoConfig
 
-    from quant_serve.engine.loader import model_config_from_hf
+    from quant_serve.engine.gguf_hparams import apply_gguf_hparams
     try:
         hf = AutoConfig.from_pretrained(str(ckpt.first.parent), gguf_file=ckpt.first.name)
     except Exception as e:
         raise ValueError(f"cannot read the config of {ckpt.first} with transformers: {type(e).__name__}: {e}") from e
+    apply_gguf_hparams(hf, ckpt.arch, ckpt.metadata, ckpt.tensors)
+    return hf
+
+
+def gguf_model_config(ckpt: GGUFCheckpoint) -> ModelConfig:
+    from quant_serve.engine.loader import model_config_from_hf
+    hf = gguf_hf_config(ckpt)
     cfg = model_config_from_hf(hf, GGUF_ARCHITECTURES[ckpt.arch], {}, ckpt.first, None)
     # quantized GGUF weights run as fp16 on CUDA (pick_dtype, quantized): the file's own float type says nothing
     return replace(cfg, tie_word_embeddings="output.weight" not in ckpt.tensors, torch_dtype=torch.float16,

@@ -160,11 +160,9 @@ def _load_config(src) -> tuple[dict, Path | None]:
 
 def _gguf_config(src) -> dict:
     """A GGUF's config as a transformers config dict, with the tensor table under "gguf_tensors"."""
-    from transformers import AutoConfig
-
-    from quant_serve.engine.gguf_loader import gguf_files, open_gguf
+    from quant_serve.engine.gguf_loader import gguf_files, gguf_hf_config, open_gguf
     ckpt = open_gguf(gguf_files(src))
-    cfg = AutoConfig.from_pretrained(str(ckpt.first.parent), gguf_file=ckpt.first.name).to_dict()
+    cfg = gguf_hf_config(ckpt).to_dict()
     # GGUF weights run in fp16 (pick_dtype for quantized models); a tied head is the absence of output.weight
     return {**cfg, "dtype": "float16", "tie_word_embeddings": "output.weight" not in ckpt.tensors,
             "gguf_tensors": ckpt.tensors}

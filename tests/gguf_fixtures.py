@@ -33,6 +33,8 @@ def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 def _tokenizer(writer, model_dir: Path, config: dict) -> None:
     tok = json.loads((model_dir / "tokenizer.json").read_text())
     vocab = tok["model"]["vocab"]
+    if len(vocab) != config["vocab_size"]:
+        return                            # a random model with a smaller vocabulary: no tokenizer in the file
     added = {a["id"]: a["content"] for a in tok["added_tokens"]}
     size = config["vocab_size"]
     tokens = [""] * size
@@ -75,10 +77,16 @@ def write_gguf(model_dir: Path, out: Path, mix: str, arch: str = "qwen2", split_
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
-    writer.add_rope_freq_base((config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta", 1e4)))
+    if arch != "gemma3":                  # gemma3: its global layers' base, in _arch_metadata
+        writer.add_rope_freq_base((config.get("rope_parameters") or {}).get("rope_theta",
+                                                                            config.get("rope_theta", 1e4)))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
     _tokenizer(writer, model_dir, config)
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    extra = _arch_metadata(writer, arch, config, head_dim)
     name_map = gguf.get_tensor_name_map({v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch], layers)
     weights = {}
     for file in sorted(model_dir.glob("*.safetensors")):
@@ -89,6 +97,8 @@ def write_gguf(model_dir: Path, out: Path, mix: str, arch: str = "qwen2", split_
         w = weights[hf_name].to(torch.float32).numpy()
         base, suffix = hf_name.rsplit(".", 1)
         name = f"{name_map.get_name(base)}.{suffix}"
+        if arch in ("gemma2", "gemma3") and base.endswith("norm"):
+            w = w + 1.0                                      # llama.cpp stores Gemma's (1 + w) norms as 1 + w
         if arch == "llama" and base.endswith(("q_proj", "k_proj")):
             w = llama_permute(w, heads if base.endswith("q_proj") else kv_heads)
         if w.ndim == 1:
@@ -99,11 +109,61 @@ def write_gguf(model_dir: Path, out: Path, mix: str, arch: str = "qwen2", split_
             writer.add_tensor(name, w.astype(np.float16))
         else:
             writer.add_tensor(name, quantize(w, qtype), raw_dtype=qtype)
+    for name, value in extra.items():
+        writer.add_tensor(name, value)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def _arch_metadata(writer, arch: str, config: dict, head_dim: int) -> dict[str, np.ndarray]:
+    """The per-family keys llama.cpp's converter writes; -> the extra tensors it writes (rope factors)."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if arch in ("gemma2", "gemma3"):
+        writer.add_sliding_window(config["sliding_window"])
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+    if arch == "gemma3":
+        full = rope["full_attention"]
+        writer.add_rope_freq_base(full["rope_theta"])
+        if full.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf_rope_type("linear"))
+            writer.add_rope_scaling_factor(full["factor"])
+    if arch == "phi3":
+        rotary = int(head_dim * (rope.get("partial_rotary_factor") or config.get("partial_rotary_factor") or 1.0))
+        writer.add_rope_dimension_count(rotary)
+        writer.add_rope_scaling_orig_ctx_len(config.get("original_max_position_embeddings")
+                                             or rope["original_max_position_embeddings"])
+        return {"rope_factors_long.weight": np.array(rope["long_factor"], np.float32),
+                "rope_factors_short.weight": np.array(rope["short_factor"], np.float32)}
+    if arch == "llama" and rope.get("rope_type") == "llama3":
+        return {"rope_freqs.weight": _llama3_freq_factors(rope, head_dim)}
+    return {}
+
+
+def gguf_rope_type(name: str):
+    import gguf
+    return gguf.RopeScalingType(name)
+
+
+def _llama3_freq_factors(rope: dict, head_dim: int) -> np.ndarray:
+    """llama.cpp's rope_freqs for llama 3 scaling: the divisor of each inverse frequency."""
+    base, factor = rope["rope_theta"], rope["factor"]
+    low, high, old = rope["low_freq_factor"], rope["high_freq_factor"], rope["original_max_position_embeddings"]
+    out = []
+    for freq in 1.0 / base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim):
+        wavelen = 2 * np.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, np.float32)
 
 
 def _natural(name: str):
