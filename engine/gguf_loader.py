@@ -119,7 +119,7 @@ def gguf_hf_config(ckpt: GGUFCheckpoint):
 
 
 def gguf_model_config(ckpt: GGUFCheckpoint) -> ModelConfig:
-    from quant_serve.engine.loader import model_config_from_hf
+    from quant_serve.engine.hf_config import model_config_from_hf
     hf = gguf_hf_config(ckpt)
     cfg = model_config_from_hf(hf, GGUF_ARCHITECTURES[ckpt.arch], {}, ckpt.first, None)
     # quantized GGUF weights run as fp16 on CUDA (pick_dtype, quantized): the file's own float type says nothing
@@ -173,7 +173,6 @@ def _unpermute_rows(n: int, n_head: int) -> torch.Tensor:
 
 
 def load_gguf_weights(model, ckpt: GGUFCheckpoint, cfg: ModelConfig, show_progress: bool = True) -> None:
-    from quant_serve.engine.loader import _source_prefix
     from quant_serve.quant.formats.gguf_types import read_dense, read_grouped
     from quant_serve.quant.linear import DenseLinear
     name_map = _name_map(ckpt, cfg.num_layers)
@@ -182,7 +181,7 @@ def load_gguf_weights(model, ckpt: GGUFCheckpoint, cfg: ModelConfig, show_progre
     used = set()
     for mod_name, module in tqdm(linears.items(), desc="Loading GGUF", unit="layer", disable=not show_progress):
         for shard, n in enumerate(module.output_sizes):
-            prefix = _source_prefix(model, mod_name, shard)
+            prefix = model.source_prefix(mod_name, shard)
             name = _gguf_name(name_map, prefix, "weight", ckpt)
             t = ckpt.tensors[name]
             k = module.in_features
@@ -242,9 +241,10 @@ def _rows(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
 def load_gguf_model(ckpt: GGUFCheckpoint, cfg: ModelConfig, dtype: torch.dtype, device,
                     show_progress: bool = True):
     """-> (model, GGUFConfig). Logs how many linear layers took which path."""
-    from quant_serve.engine.loader import build_model
+    from quant_serve.engine.models.decoder import DecoderForCausalLM
     quant_config = gguf_quant_config(ckpt, cfg)
-    model = build_model(cfg, dtype, device, quant_config)
+    with torch.device(device):
+        model = DecoderForCausalLM(cfg, dtype, device, quant_config)
     load_gguf_weights(model, ckpt, cfg, show_progress)
     model.checkpoint_kv_scales = {}
     logger.info("GGUF %s (%s): linear layers %s", ckpt.first.name, quant_config.describe(),

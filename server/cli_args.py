@@ -43,8 +43,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     p.add_argument("--quantization", "-q", default=None,
-                   help="override the detected quantization: awq, gptq, compressed-tensors, none; with --load-format dummy "
-                        "also gguf:Q4_K_M (random weights with llama.cpp's Q4_K_M type mix)")
+                   help="override the detected quantization: awq, gptq, compressed-tensors, none; with "
+                        "--load-format dummy also gguf:Q4_K_M (random weights with llama.cpp's Q4_K_M type mix)")
     p.add_argument("--quantize-lm-head", action="store_true",
                    help="INT4 g128 copy of the output head at load (round-to-nearest): the largest matrix a decode "
                         "step reads; quant-serve eval --quantize-lm-head measures what it costs")
