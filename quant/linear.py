@@ -207,8 +207,9 @@ class QuantLinear(nn.Module):
         k, n, g = self.in_features, self.out_features, -(-self.in_features // self.group_size)
         codes = torch.randint(-2**31, 2**31, (k // 8, n), generator=gen, dtype=torch.int64, device=gen.device)
         self.qweight = codes.to(torch.int32).to(self.device)
-        self.scales = torch.full((g, n), 0.02 / 4.6, dtype=self.dtype, device=self.device)
-        self.offsets = -8 * self.scales if getattr(self.quant_config, "float_offsets", False) else None
+        gguf = getattr(self.quant_config, "float_offsets", False)      # fp32 as a loaded Q4_K layer holds them
+        self.scales = torch.full((g, n), 0.02 / 4.6, dtype=torch.float32 if gguf else self.dtype, device=self.device)
+        self.offsets = -8 * self.scales if gguf else None
         self.qzeros, self.perm, self.parts, self._shards = None, None, None, None
         self.bias = torch.zeros(n, dtype=self.dtype, device=self.device) if self.has_bias else None
         self._repack_for_kernels()

@@ -37,6 +37,7 @@ class W8Linear(nn.Module):
         self.quant_config = quant_config
         self.source_prefixes = list(source_prefixes) or [f"shard {i}" for i in range(len(output_sizes))]
         self._shards: list[W8Weights | None] | None = [None] * len(output_sizes)
+        self.dummy_offsets = False            # init_dummy: per-group offsets too (a GGUF Q5_K / INT4 shard's)
         for name in ("qweight", "scales", "offsets", "bias"):
             self.register_buffer(name, None)
 
@@ -79,13 +80,15 @@ class W8Linear(nn.Module):
         self._shards = None
 
     def init_dummy(self, gen: torch.Generator) -> None:
-        """Random 6-bit codes and scales (weights about N(0, 0.02)), as a Q6_K layer: for --load-format dummy."""
+        """Random 6-bit codes and fp32 scales (weights about N(0, 0.02)), as a loaded Q6_K layer holds them (and
+        fp32 offsets where dummy_offsets), for --load-format dummy."""
         k, n = self.in_features, self.out_features
         g = -(-k // self.group_size)
         codes = torch.randint(-32, 32, (k, n), generator=gen, dtype=torch.int8, device=gen.device)
         self.qweight = codes.to(self.device)
-        self.scales = torch.full((g, n), 0.02 / 18.5, dtype=self.dtype, device=self.device)
-        self.offsets, self._shards = None, None
+        self.scales = torch.full((g, n), 0.02 / 18.5, dtype=torch.float32, device=self.device)
+        self.offsets = torch.zeros_like(self.scales) if self.dummy_offsets else None
+        self._shards = None
         self.bias = torch.zeros(n, dtype=self.dtype, device=self.device) if self.has_bias else None
 
     def dequantized_weight(self) -> torch.Tensor:

@@ -16,6 +16,7 @@ from quant_serve.quant.linear import DenseLinear, QuantLinear
 from quant_serve.quant.linear_w8 import W8Linear, W8Weights
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
+OFFSET_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_1, T.Q5_K)      # loaded with per-group float offsets
 PATH_NAMES = {"int4": "INT4 (W4A16, float offsets)", "w8": "8-bit (W8A16)", "dense": "float (dense)"}
 
 
@@ -50,6 +51,7 @@ class GGUFConfig(QuantConfig):
             path = "w8"
             group = min(group_size_of(t) for t in types)
             layer = W8Linear(in_features, output_sizes, bias, dtype, device, self, group, list(source_prefixes))
+            layer.dummy_offsets = any(t in OFFSET_TYPES for t in types)
         self.layer_paths[path] += 1
         return layer
 
