@@ -23,21 +23,25 @@ from quant_serve.kernels.w4a16.rules import MMAConfig, TMAConfig, W4A16Config
 
 
 def prepare_kernel_weights(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
-                           group_size: int, perm: torch.Tensor | None = None) -> "W4A16Weights | FragWeights":
+                           group_size: int, perm: torch.Tensor | None = None,
+                           offsets: torch.Tensor | None = None) -> "W4A16Weights | FragWeights":
     """Standard internal layout -> the layout the GPU kernels read (plan.layout_for on the device's runtime). Run
-    once at load, on the weights' device; also runs the device's kernel probes (never first inside a graph)."""
+    once at load, on the weights' device; also runs the device's kernel probes (never first inside a graph).
+    offsets [G, N] (GGUF, W = q * s + o): the row layout (plan.layout_for says why); they are cast to the scales'
+    dtype, so a loader handing fp32 scales / offsets (Q4_K) casts its scales to the activation dtype first."""
     k, n = qweight.shape[0] * 8, qweight.shape[1]
     if qweight.device.type != "cuda":
-        return prepare_w4a16(qweight, scales, qzeros, group_size, perm)
+        return prepare_w4a16(qweight, scales, qzeros, group_size, perm, offsets=offsets)
     runtime = probed_runtime(qweight.device)
-    layout, _ = layout_for(k, n, group_size, scales.dtype, runtime.caps, runtime.options)
+    layout, _ = layout_for(k, n, group_size, scales.dtype, runtime.caps, runtime.options, offsets is not None)
     if layout == "frag" and frag_layout_works(qweight.device):
         return prepare_frag(qweight, scales, qzeros, group_size, perm)
-    return prepare_w4a16(qweight, scales, qzeros, group_size, perm)
+    return prepare_w4a16(qweight, scales, qzeros, group_size, perm, offsets=offsets)
 
 
 def standard_layout(w: "W4A16Weights | FragWeights") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
-    """Kernel layout -> (qweight [K/8, N], scales, qzeros, group_size) in the standard layout (the twin's input)."""
+    """Kernel layout -> (qweight [K/8, N], scales, qzeros, group_size) in the standard layout (the twin's input);
+    a row layout's float offsets are `w.offsets` (the fragment layout holds none)."""
     return frag_standard(w) if isinstance(w, FragWeights) else rows_standard(w)
 
 
@@ -53,15 +57,13 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor | W4A16Weights | FragWei
     x2 = x.reshape(-1, x.shape[-1])                                                  # [M, K]
     if not x.is_cuda:
         if isinstance(qweight, (W4A16Weights, FragWeights)):
-            perm = qweight.perm
+            perm, offsets = qweight.perm, getattr(qweight, "offsets", None)
             qweight, scales, qzeros, group_size = standard_layout(qweight)
         y = w4a16_matmul_ref(x2, qweight, scales, qzeros, group_size, perm, bias, offsets)
         y = silu_and_mul_ref(y) if silu_mul else y
         return y.reshape(*lead, y.shape[-1])
-    if offsets is not None:
-        raise NotImplementedError("float offsets on CUDA: the Triton kernels gain them in issue 33's kernel work")
     w = qweight if isinstance(qweight, (W4A16Weights, FragWeights)) else \
-        prepare_kernel_weights(qweight, scales, qzeros, group_size, perm)
+        prepare_kernel_weights(qweight, scales, qzeros, group_size, perm, offsets)
     y = w4a16_forward(x2, w, bias, config, silu_mul)
     return y.reshape(*lead, y.shape[-1])
 
@@ -89,6 +91,8 @@ def w4a16_forward(x: torch.Tensor, w: W4A16Weights | FragWeights, bias: torch.Te
         config = call_plan(x, w, silu_mul).config
     if isinstance(w, FragWeights):
         return _frag_forward(x, w, bias, config, silu_mul)
+    if w.offsets is not None and isinstance(config, (MMAConfig, TMAConfig)):
+        raise ValueError(f"{type(config).__name__} names a fragment-layout kernel, which has no float offsets")
     return _rows_forward(x, w, bias, config, silu_mul)
 
 

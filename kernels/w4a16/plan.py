@@ -31,9 +31,15 @@ class KernelPlan:
 
 
 def layout_for(k: int, n: int, group_size: int, scales_dtype: torch.dtype, caps: GPUCaps,
-               options: KernelOptions) -> tuple[str, str]:
-    """-> ("frag" | "rows", why): the layout a layer's weights are prepared in at load."""
+               options: KernelOptions, offsets: bool = False) -> tuple[str, str]:
+    """-> ("frag" | "rows", why): the layout a layer's weights are prepared in at load. offsets: the layer has
+    float per-group offsets (GGUF Q4_0 / Q4_1 / Q4_K, W = q * s + o). The fragment-layout kernels (mma.sync,
+    wgmma, TMA, their dequantize pass and the folded-norm launchers of fold.py) take integer zero points only: an
+    offset layer goes to the row layout, whose kernels (gemv, gemm, gemmt, dequant + cuBLAS) all take offsets, so
+    no plan for it can name a fragment kernel."""
     gs = k if group_size <= 0 else group_size
+    if offsets:
+        return "rows", "float offsets (GGUF): the fragment-layout kernels take integer zero points only"
     if not caps.tensor_cores:
         return "rows", f"{caps.family} has no mma.sync tensor cores (sm80+)"
     if not options.frag_layout:
