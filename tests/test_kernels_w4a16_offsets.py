@@ -1,7 +1,7 @@
-"""W4A16 row-layout Triton kernels with GGUF's float per-group offsets (W = q * s + o) against the torch twin, and
-the plan never naming a fragment-layout kernel (no offsets there) for such a layer.
-
-On CPU the kernels run under TRITON_INTERPRET=1 on tiny shapes; on a GPU machine the same tests run compiled.
+"""W4A16 kernels with GGUF's float per-group offsets (W = q * s + o) against the torch twin: the row-layout Triton
+kernels (gemv, gemm / gemmt, dequant) under TRITON_INTERPRET=1 on CPU (compiled on a GPU machine), the fragment
+layout's Gluon kernels (mma.sync, wgmma, TMA, their dequantize pass, the folded norm) on the GPU only (`gpu` tests:
+Gluon does not run in the interpreter), and the layout choice for an offset layer.
 """
 import os
 
@@ -13,7 +13,10 @@ if not torch.cuda.is_available():
 
 from quant_serve.kernels.gpu import PROFILES, KernelOptions  # noqa: E402
 from quant_serve.kernels.interpret import patch_triton_interpreter  # noqa: E402
-from quant_serve.kernels.w4a16.dispatch import prepare_kernel_weights, w4a16_forward, w4a16_matmul  # noqa: E402
+from quant_serve.kernels.w4a16.dispatch import (prepare_kernel_weights, standard_layout, w4a16_forward,  # noqa: E402
+                                                w4a16_matmul)
+from quant_serve.kernels.w4a16.frag import ZP_OFFSETS, FragWeights, prepare_frag  # noqa: E402
+from quant_serve.kernels.w4a16.frag_tiles import _frag_dq_asm  # noqa: E402
 from quant_serve.kernels.w4a16.plan import layout_for, plan_w4a16  # noqa: E402
 from quant_serve.kernels.w4a16.reference import dequantize_w4, pack_int4_rows, w4a16_matmul_ref  # noqa: E402
 from quant_serve.kernels.w4a16.rows import W4A16Weights, prepare_w4a16  # noqa: E402
@@ -125,14 +128,103 @@ def test_offsets_are_checked():
 
 
 @pytest.mark.parametrize("caps", [PROFILES["h200"], PROFILES["a10"]])
-def test_plan_never_picks_a_fragment_kernel_for_offsets(caps):
-    """Offsets put a layer in the row layout (the fragment kernels have no offsets); every plan of the row layout
-    names a row-layout kernel, all of which take offsets."""
+def test_offset_layers_take_the_fragment_layout_unless_its_probe_failed(caps):
+    """Every kernel of both layouts takes offsets, so an offset layer is laid out as a zero-point one; where the
+    device's offset probe of the fragment kernels failed, it goes to the row layout, whose plans name row-layout
+    kernels only (all of which take offsets)."""
     for k, n, gs in [(3584, 4608, 32), (18944, 3584, 32), (3584, 37888, 32), (256, 64, 16)]:
-        assert layout_for(k, n, gs, torch.float16, caps, KernelOptions())[0] == "frag"
-        layout, why = layout_for(k, n, gs, torch.float16, caps, KernelOptions(), offsets=True)
-        assert layout == "rows" and "offsets" in why
+        assert layout_for(k, n, gs, torch.float16, caps, KernelOptions(), offsets=True)[0] == "frag"
+        layout, why = layout_for(k, n, gs, torch.float16, caps, KernelOptions(), offsets=True, frag_offsets=False)
+        assert layout == "rows" and "probe" in why
+        assert layout_for(k, n, gs, torch.float16, caps, KernelOptions(), frag_offsets=False)[0] == "frag"
         for m in (1, 4, 16, 17, 64, 128, 4096):
             for silu_mul in (False, True):
                 plan = plan_w4a16(m, k, n, caps, KernelOptions(), layout, torch.float16, silu_mul)
                 assert plan.kernel in ("gemv", "gemm", "gemmt", "dequant+cublas"), plan
+
+
+def test_prepare_frag_keeps_offsets_and_the_twin_reads_them():
+    qweight, scales, offsets = offset_weights(192, 48, 32, torch.float16)
+    fw = prepare_frag(qweight.cpu(), scales.cpu(), None, 32, offsets=offsets.float().cpu())
+    assert fw.offsets.dtype == torch.float16 and fw.zp_mode == ZP_OFFSETS
+    assert fw.zero_args()[0] is fw.offsets and fw.zero_args()[1] == 48
+    x = torch.randn(2, 192, dtype=torch.float16)
+    want = w4a16_matmul_ref(x, qweight.cpu(), scales.cpu(), None, 32, offsets=offsets.cpu())
+    assert torch.equal(w4a16_matmul(x, fw), want)
+    with pytest.raises(ValueError, match="not both"):
+        prepare_frag(qweight.cpu(), scales.cpu(), torch.zeros(6, 6, dtype=torch.int32), 32, offsets=offsets.cpu())
+
+
+def test_frag_offset_asm_differs_from_the_zero_point_one_only_in_the_dequant():
+    """The zero-point asm is unchanged; the offset one subtracts the constants (z = 0) and fuses o into the scale
+    step (fma), so both run 13 lane instructions per 8 weights plus two constant moves."""
+    plain, offs = _frag_dq_asm(True), _frag_dq_asm(True, offsets=True)
+    assert plain.count("mul.rn.f16x2") == 4 and "fma.rn.f16x2 a0, a0, $9" not in plain
+    assert offs.count("fma.rn.f16x2") == 6 and "mul.rn.f16x2" not in offs
+    assert "sub.rn.f16x2 a0, a0, c1024" in offs and "fma.rn.f16x2 a1, a1, $10, $12" in offs
+
+
+# GPU: the Gluon fragment-layout kernels (they do not run in the interpreter) with offsets against the twin
+
+
+def gpu_frag_case(k, n, gs, m):
+    qweight, scales, offsets = offset_weights(k, n, gs, torch.float16, seed=m)
+    x = torch.randn(m, k, dtype=torch.float16, device=DEV)
+    bias = torch.randn(n, dtype=torch.float16, device=DEV)
+    fw = prepare_frag(qweight, scales, None, gs, offsets=offsets)
+    return fw, x, bias, reference(x, qweight, scales, offsets, gs, bias)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,n,gs", [(512, 256, 32), (384, 160, 16), (3584, 4608, 32), (256, 128, 128)])
+@pytest.mark.parametrize("m", [1, 4, 17, 64])
+def test_gpu_mma_and_wgmma_with_offsets_match_twin(k, n, gs, m):
+    from quant_serve.kernels.w4a16.mma import w4a16_mma
+    fw, x, bias, ref = gpu_frag_case(k, n, gs, m)
+    for cfg in (dict(), dict(block_n=64, block_k=128, split_k=3), dict(block_n=64, block_k=128, split_k=2,
+                one_launch=False), dict(block_n=64, block_k=128, split_k=2, wgmma=True),
+                dict(block_n=128, block_k=128, num_warps=8, split_k=2, one_launch=False, wgmma=True),
+                dict(block_n=64, block_k=128, split_k=2, wgmma=True, a_smem=True)):
+        assert rel_err(w4a16_mma(x, fw, bias, **cfg), ref) < 2e-3, cfg
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [17, 64, 300])
+def test_gpu_tma_dequant_and_planned_path_with_offsets_match_twin(m):
+    from quant_serve.kernels.w4a16.frag_tiles import frag_dequantize
+    from quant_serve.kernels.w4a16.tma import w4a16_tma
+    k, n, gs = 512, 256, 32
+    fw, x, bias, ref = gpu_frag_case(k, n, gs, m)
+    if torch.cuda.get_device_capability() == (9, 0):
+        for cfg in (dict(block_n=64, consumers=1), dict(block_n=128, consumers=2),
+                    dict(block_n=128, consumers=1, overlap=True), dict(block_n=64, consumers=1, block_k=128)):
+            assert rel_err(w4a16_tma(x, fw, bias, **cfg), ref) < 2e-3, cfg
+    qweight, scales, offsets = offset_weights(k, n, gs, torch.float16, seed=m)
+    dense = dequantize_w4(qweight.cpu(), scales.cpu(), None, gs, torch.float32, offsets.cpu())
+    assert rel_err(frag_dequantize(fw).t(), dense) < 1e-3
+    w = prepare_kernel_weights(qweight, scales, None, gs, offsets=offsets)   # the probe, then the planned kernel
+    assert isinstance(w, FragWeights) and w.offsets is not None
+    assert rel_err(w4a16_forward(x, w, bias), ref) < 2e-3
+
+
+@pytest.mark.gpu
+def test_gpu_folded_norm_and_swiglu_with_offsets_match_unfused():
+    from quant_serve.kernels.w4a16.fold import FoldedNorm, folded_norm_applies, w4a16_normed, w4a16_residual
+    k, n, gs = 512, 512, 32
+    fw, x, _, _ = gpu_frag_case(k, n, gs, 1)
+    assert folded_norm_applies(fw)
+    residual = torch.randn(1, n, dtype=torch.float16, device=DEV)
+    h, ss = w4a16_residual(x, fw, residual)
+    assert rel_err(h, reference(x, *standard_offsets(fw)) + residual.cpu().float()) < 2e-3
+    assert torch.allclose(ss.sum(), h.float().pow(2).sum(), rtol=1e-4)
+    weight = torch.rand(k, dtype=torch.float16, device=DEV) + 0.5
+    y = w4a16_normed(h, fw, FoldedNorm(ss, weight, 1e-6), silu_mul=True)
+    hn = weight * (h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype)
+    r = reference(hn, *standard_offsets(fw))
+    assert rel_err(y, torch.nn.functional.silu(r[:, : n // 2]) * r[:, n // 2:]) < 5e-3
+
+
+def standard_offsets(fw):
+    """(qweight, scales, offsets, group_size) of a FragWeights, for reference()."""
+    qweight, scales, _, gs = standard_layout(fw)
+    return qweight, scales, fw.offsets, gs

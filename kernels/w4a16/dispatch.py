@@ -16,7 +16,8 @@ import torch
 
 from quant_serve.kernels.norm_act import silu_and_mul, silu_and_mul_ref
 from quant_serve.kernels.w4a16.frag import FragWeights, frag_standard, prepare_frag
-from quant_serve.kernels.w4a16.plan import KernelPlan, frag_layout_works, layout_for, plan_w4a16, probed_runtime
+from quant_serve.kernels.w4a16.plan import (KernelPlan, frag_layout_works, frag_offsets_work, layout_for, plan_w4a16,
+                                            probed_runtime)
 from quant_serve.kernels.w4a16.reference import w4a16_matmul_ref
 from quant_serve.kernels.w4a16.rows import W4A16Weights, prepare_w4a16, rows_standard
 from quant_serve.kernels.w4a16.rules import MMAConfig, TMAConfig, W4A16Config
@@ -27,21 +28,23 @@ def prepare_kernel_weights(qweight: torch.Tensor, scales: torch.Tensor, qzeros: 
                            offsets: torch.Tensor | None = None) -> "W4A16Weights | FragWeights":
     """Standard internal layout -> the layout the GPU kernels read (plan.layout_for on the device's runtime). Run
     once at load, on the weights' device; also runs the device's kernel probes (never first inside a graph).
-    offsets [G, N] (GGUF, W = q * s + o): the row layout (plan.layout_for says why); they are cast to the scales'
-    dtype, so a loader handing fp32 scales / offsets (Q4_K) casts its scales to the activation dtype first."""
+    offsets [G, N] (GGUF, W = q * s + o) are cast to the scales' dtype, so a loader handing fp32 scales / offsets
+    (Q4_K's 6-bit sub-scales times the fp16 super-scales) casts its scales to the activation dtype (fp16 / bf16)
+    first, as for any checkpoint; the fragment layout then dequantizes with one fp16 fma, the row layout in fp32."""
     k, n = qweight.shape[0] * 8, qweight.shape[1]
     if qweight.device.type != "cuda":
         return prepare_w4a16(qweight, scales, qzeros, group_size, perm, offsets=offsets)
     runtime = probed_runtime(qweight.device)
-    layout, _ = layout_for(k, n, group_size, scales.dtype, runtime.caps, runtime.options, offsets is not None)
+    layout, _ = layout_for(k, n, group_size, scales.dtype, runtime.caps, runtime.options, offsets is not None,
+                           offsets is None or frag_offsets_work(qweight.device))
     if layout == "frag" and frag_layout_works(qweight.device):
-        return prepare_frag(qweight, scales, qzeros, group_size, perm)
+        return prepare_frag(qweight, scales, qzeros, group_size, perm, offsets)
     return prepare_w4a16(qweight, scales, qzeros, group_size, perm, offsets=offsets)
 
 
 def standard_layout(w: "W4A16Weights | FragWeights") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
     """Kernel layout -> (qweight [K/8, N], scales, qzeros, group_size) in the standard layout (the twin's input);
-    a row layout's float offsets are `w.offsets` (the fragment layout holds none)."""
+    the float offsets are `w.offsets`."""
     return frag_standard(w) if isinstance(w, FragWeights) else rows_standard(w)
 
 
@@ -57,7 +60,7 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor | W4A16Weights | FragWei
     x2 = x.reshape(-1, x.shape[-1])                                                  # [M, K]
     if not x.is_cuda:
         if isinstance(qweight, (W4A16Weights, FragWeights)):
-            perm, offsets = qweight.perm, getattr(qweight, "offsets", None)
+            perm, offsets = qweight.perm, qweight.offsets
             qweight, scales, qzeros, group_size = standard_layout(qweight)
         y = w4a16_matmul_ref(x2, qweight, scales, qzeros, group_size, perm, bias, offsets)
         y = silu_and_mul_ref(y) if silu_mul else y
@@ -91,8 +94,6 @@ def w4a16_forward(x: torch.Tensor, w: W4A16Weights | FragWeights, bias: torch.Te
         config = call_plan(x, w, silu_mul).config
     if isinstance(w, FragWeights):
         return _frag_forward(x, w, bias, config, silu_mul)
-    if w.offsets is not None and isinstance(config, (MMAConfig, TMAConfig)):
-        raise ValueError(f"{type(config).__name__} names a fragment-layout kernel, which has no float offsets")
     return _rows_forward(x, w, bias, config, silu_mul)
 
 
