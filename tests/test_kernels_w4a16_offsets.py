@@ -228,3 +228,48 @@ def standard_offsets(fw):
     """(qweight, scales, offsets, group_size) of a FragWeights, for reference()."""
     qweight, scales, _, gs = standard_layout(fw)
     return qweight, scales, fw.offsets, gs
+
+
+def compile_offset_cases() -> dict:
+    """The fragment kernels with float offsets (ZP_MODE 2, GGUF's groups of 32) compiled for sm90 without a GPU:
+    the batch-1 decode configurations of qkv (PDL preload, x staged) and down (long K), M = 16, wgmma at M = 32, the
+    folded residual epilogue and the dequantize pass."""
+    from quant_serve.kernels.w4a16.frag_tiles import _frag_dequant_kernel
+    from quant_serve.kernels.w4a16.mma import _w4a16_mma_kernel, mma_variant
+    from quant_serve.kernels.w4a16.rules import select_mma_config
+    from tests.test_kernels_w4a16_mma import _compile_sm90
+    ptrs = dict(x_ptr="*fp16", w_ptr="*i32", s_ptr="*fp16", z_ptr="*fp16", out_ptr="*fp16", ws_ptr="*fp32",
+                cnt_ptr="*i32", bias_ptr="*fp16", r_ptr="*fp16", ss_ptr="*fp32", g_ptr="*fp16", eps="fp32",
+                ss_count="i32", ml_ptr="*fp32", sl_ptr="*i32", vs_ptr="*fp32", vs_val="fp32")
+    ints = {a: "i32" for a in ("M", "N", "K", "KP", "stride_xm", "stride_om", "stride_sg", "stride_zg",
+                               "iters_per_split", "n_splits")}
+    out = {}
+    for name, m, k, n, wgmma, residual in (("qkv-1", 1, 3584, 4608, False, False),
+                                           ("down-1", 1, 18944, 3584, False, False),
+                                           ("qkv-16", 16, 3584, 4608, False, False),
+                                           ("wgmma-32", 32, 3584, 4608, True, False),
+                                           ("residual-o-1", 1, 3584, 3584, False, True)):
+        cfg = select_mma_config(m, k, n, wgmma)
+        v = mma_variant(m, k, 32, cfg.block_n, cfg.block_k, cfg.split_k, wgmma, scale_after=False)
+        out[name] = _compile_sm90(_w4a16_mma_kernel, dict(ptrs, **ints), dict(
+            HAS_BIAS=False, SPLIT=v.splits > 1, ONE_LAUNCH=cfg.one_launch, GROUP=32, ZP_MODE=2, EVEN_N=True,
+            EVEN_K=True, X_SMEM=m > 1 or wgmma, WGMMA=wgmma, PDL=True, SCALE_AFTER=False, X_STEPS=v.x_steps,
+            SWIGLU=False, A_SMEM=False, X_ONCE=v.x_once, PRELOAD=v.x_steps > 0 and v.per_split <= 4,
+            RESIDUAL=residual, SS_P2=64, BLOCK_M=min(max(8, 1 << (m - 1).bit_length()), 64),
+            BLOCK_N=cfg.block_n, BLOCK_K=v.block_k, num_warps=cfg.num_warps), cfg.num_warps)
+    sig = dict(w_ptr="*i32", s_ptr="*fp16", z_ptr="*fp16", out_ptr="*fp16", N="i32", K="i32", KP="i32",
+               stride_sg="i32", stride_zg="i32")
+    out["dequant"] = _compile_sm90(_frag_dequant_kernel, sig, dict(GROUP=32, ZP_MODE=2, BLOCK_N=64, BLOCK_K=128,
+                                                                    num_warps=4), 4)
+    return out
+
+
+def test_gluon_offset_kernels_compile_for_sm90_without_spills():
+    """Offline (the wheel's ptxas, no GPU): the offset asm assembles, the dequantized words stay the MMA's A operand
+    (the trivial-layout assertion), tensor-core MMAs, no spills."""
+    from tests.test_kernels_w4a16_mma import compiled_in_fresh_process
+    res = compiled_in_fresh_process("tests.test_kernels_w4a16_offsets", "compile_offset_cases")
+    for name in ("qkv-1", "down-1", "qkv-16", "residual-o-1"):
+        assert res[name]["hmma"] and res[name]["stack"] == 0, (name, res[name])
+    assert res["wgmma-32"]["hgmma"] and res["wgmma-32"]["stack"] == 0, res["wgmma-32"]
+    assert res["dequant"]["stack"] == 0 and res["dequant"]["stg128"], res["dequant"]
