@@ -63,6 +63,9 @@ def explain(caps, options, cfg, ms: list[int], group_size: int, dtype, context: 
             layout, why = "int8", "int8 codes [K, N], scales / offsets [G, N] (kernels/w8a16/reference.py)"
         else:
             layout, why = layout_for(k, n, group_size, dtype, caps, options, weight_format == "w4-offsets")
+            if weight_format == "w4-offsets":
+                why += "; float offsets dequantized as q * s + o (the row layout where the device's offset probe " \
+                       "of the fragment kernels fails)"
         rows = []
         for m in ms:
             p = plan_w8a16(m, k, n, group_size, caps.sms) if weight_format == "w8" else \
