@@ -115,6 +115,10 @@ def test_cpu_matmul_on_prepared_offsets_runs_the_twin():
     want = w4a16_matmul_ref(x, qweight.cpu(), scales.cpu(), None, 32, offsets=offsets.cpu())
     assert torch.equal(w4a16_matmul(x, w), want)
     assert torch.equal(w4a16_matmul(x, qweight.cpu(), scales.cpu(), None, 32, offsets=offsets.cpu()), want)
+    # a loader's fp32 scales and offsets (Q4_K) cast to the activation dtype at prepare
+    w32 = prepare_kernel_weights(qweight.cpu(), scales.float().cpu(), None, 32, offsets=offsets.float().cpu(),
+                                 scale_dtype=torch.float16)
+    assert w32.scales.dtype == w32.offsets.dtype == torch.float16 and torch.equal(w4a16_matmul(x, w32), want)
 
 
 def test_offsets_are_checked():

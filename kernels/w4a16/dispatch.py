@@ -25,12 +25,18 @@ from quant_serve.kernels.w4a16.rules import MMAConfig, TMAConfig, W4A16Config
 
 def prepare_kernel_weights(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
                            group_size: int, perm: torch.Tensor | None = None,
-                           offsets: torch.Tensor | None = None) -> "W4A16Weights | FragWeights":
+                           offsets: torch.Tensor | None = None,
+                           scale_dtype: torch.dtype | None = None) -> "W4A16Weights | FragWeights":
     """Standard internal layout -> the layout the GPU kernels read (plan.layout_for on the device's runtime). Run
     once at load, on the weights' device; also runs the device's kernel probes (never first inside a graph).
-    offsets [G, N] (GGUF, W = q * s + o) are cast to the scales' dtype, so a loader handing fp32 scales / offsets
-    (Q4_K's 6-bit sub-scales times the fp16 super-scales) casts its scales to the activation dtype (fp16 / bf16)
-    first, as for any checkpoint; the fragment layout then dequantizes with one fp16 fma, the row layout in fp32."""
+    offsets [G, N] (GGUF, W = q * s + o) are stored in the scales' dtype. scale_dtype (the activation dtype,
+    fp16 / bf16): scales and offsets are cast to it first, as every checkpoint's scales are; the GGUF loader hands
+    Q4_K's fp32 scales and offsets (6-bit sub-scales and sub-mins times fp16 super-scales), which fp16 rounds to
+    11 significant bits (the products have up to 17). The fragment layout (fp16 scales only) dequantizes with one
+    fp16 fma, the row layout in fp32."""
+    if scale_dtype is not None:
+        scales = scales.to(scale_dtype)
+        offsets = None if offsets is None else offsets.to(scale_dtype)
     k, n = qweight.shape[0] * 8, qweight.shape[1]
     if qweight.device.type != "cuda":
         return prepare_w4a16(qweight, scales, qzeros, group_size, perm, offsets=offsets)
