@@ -277,3 +277,19 @@ def test_gluon_offset_kernels_compile_for_sm90_without_spills():
         assert res[name]["hmma"] and res[name]["stack"] == 0, (name, res[name])
     assert res["wgmma-32"]["hgmma"] and res["wgmma-32"]["stack"] == 0, res["wgmma-32"]
     assert res["dequant"]["stack"] == 0 and res["dequant"]["stg128"], res["dequant"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,n", [(3584, 4608), (18944, 3584), (3584, 37888)])
+def test_gpu_planned_offsets_on_qwen_shapes(k, n):
+    """Each kernel the plan picks for a GGUF layer of the Qwen2.5-7B shapes (mma.sync, wgmma / TMA on sm90,
+    dequantize + cuBLAS) with offsets, and the SwiGLU where gate_up has it, against the twin."""
+    qweight, scales, offsets = offset_weights(k, n, 32, torch.float16)
+    w = prepare_kernel_weights(qweight, scales, None, 32, offsets=offsets)
+    for m in (1, 4, 16, 17, 64, 256, 5000):
+        x = torch.randn(m, k, dtype=torch.float16, device=DEV)
+        ref = reference(x, qweight, scales, offsets, 32)
+        assert rel_err(w4a16_forward(x, w), ref) < 2e-3, m
+        if n == 37888 and m <= 16:
+            want = torch.nn.functional.silu(ref[:, : n // 2]) * ref[:, n // 2:]
+            assert rel_err(w4a16_forward(x, w, silu_mul=True), want) < 5e-3, m

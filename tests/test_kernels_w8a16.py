@@ -103,3 +103,13 @@ def test_cpu_runs_the_twin_and_cuda_checks_the_layout():
         check_w8_layout(128, q, s[:2], o, 32)
     with pytest.raises(ValueError, match="offsets"):
         check_w8_layout(128, q, s, o[:, :4], 32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,n,gs", [(3584, 4608, 32), (18944, 3584, 16), (3584, 37888, 32)])
+def test_gpu_planned_kernel_on_qwen_shapes(k, n, gs):
+    """The planned kernel at the Qwen2.5-7B shapes (split counts of the real plan) against the twin."""
+    q, s, o = w8_weights(k, n, gs, True)
+    for m in (1, 8, 16, 17, 64):
+        x = torch.randn(m, k, dtype=torch.float16, device=DEV)
+        assert rel_err(w8a16_matmul(x, q, s, o, gs), reference(x, q, s, o, gs)) < TOL[torch.float16], m
