@@ -220,7 +220,7 @@ def test_gpu_folded_norm_and_swiglu_with_offsets_match_unfused():
     residual = torch.randn(1, n, dtype=torch.float16, device=DEV)
     h, ss = w4a16_residual(x, fw, residual)
     assert rel_err(h, reference(x, *standard_offsets(fw)) + residual.cpu().float()) < 2e-3
-    assert torch.allclose(ss.sum(), h.float().pow(2).sum(), rtol=1e-4)
+    assert torch.allclose(ss.sum(), h.float().pow(2).sum(), rtol=1e-5)          # sums of the rounded h
     weight = torch.rand(k, dtype=torch.float16, device=DEV) + 0.5
     y = w4a16_normed(h, fw, FoldedNorm(ss, weight, 1e-6), silu_mul=True)
     hn = weight * (h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype)
