@@ -13,7 +13,11 @@ Formats (how the GGUF loader lays them out, kernels/w4a16/reference.py and kerne
   q6_k        int8 codes (q - 32), groups of 16, no offsets (W8A16)
   q5_k        int8 codes, groups of 32, float offsets (W8A16)
 Every timed call is first checked against the dequantized weights through FP16 cuBLAS (rel_err in the row).
+The 8-bit formats' GEMV (M <= 16, constants derived, not measured: kernels/w8a16/plan.py) is also timed in a few
+other tiles (row["variants_us"]: one scale row a step with block_k = the group, wider columns, longer steps).
 """
+import dataclasses
+
 import torch
 
 from quant_serve.kernels.w4a16.dispatch import call_plan, prepare_kernel_weights, w4a16_forward
@@ -78,11 +82,33 @@ def bench_format(fmt: str, shapes: dict, ms: list[int], graph_us, copies, sms: i
                 row["fp16_us"] = graph_us([lambda w=w: torch.nn.functional.linear(x, w) for w in fp16])
                 row["speedup_vs_fp16"] = row["fp16_us"] / row["ours_us"]
                 row["ours_GBps"] = layer0["nbytes"] / row["ours_us"] / 1e3
+                if FORMATS[fmt][0] == 8 and m <= 16:
+                    row["variants_us"] = w8_variants(fmt, layers, x, want, graph_us, sms)
             log(f"{fmt} {name} M={m}: {row}")
             rows.append(row)
         out[name] = rows
         del layers, fp16
         torch.cuda.empty_cache()
+    return out
+
+
+def w8_variants(fmt: str, layers: list, x: torch.Tensor, want: torch.Tensor, graph_us, sms: int) -> dict:
+    """{config: us} for GEMV tiles around the plan's, each checked first (rel_err > 5e-3: the error instead)."""
+    gs = FORMATS[fmt][1]
+    k, n = layers[0]["dense"].shape
+    base = plan_w8a16(x.shape[0], k, n, gs, sms).config
+    out = {}
+    tiles = [(bk, bn, nw, base.block_m) for bk, bn, nw in ((gs, 64, 4), (gs, 128, 4), (128, 64, 4), (64, 128, 8),
+                                                            (64, 32, 2))]
+    if x.shape[0] > 1:                       # the rows one a program (FMA) instead of through tl.dot
+        tiles.append((base.block_k, base.block_n, base.num_warps, 1))
+    for bk, bn, nw, bm in tiles:
+        for split in sorted({base.split_k, max(1, base.split_k // 2), min(16, base.split_k * 2)}):
+            cfg = dataclasses.replace(base, block_k=bk, block_n=bn, num_warps=nw, split_k=split, block_m=bm)
+            got = layers[0]["call"](x, cfg).float()
+            err = ((got - want).norm() / want.norm()).item()
+            out[repr(cfg)] = graph_us([lambda layer=layer: layer["call"](x, cfg) for layer in layers]) \
+                if err <= 5e-3 else f"rel_err {err:.2e}"
     return out
 
 
