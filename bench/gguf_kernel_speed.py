@@ -14,7 +14,9 @@ Formats (how the GGUF loader lays them out, kernels/w4a16/reference.py and kerne
   q5_k        int8 codes, groups of 32, float offsets (W8A16)
 Every timed call is first checked against the dequantized weights through FP16 cuBLAS (rel_err in the row).
 The 8-bit formats' GEMV (M <= 16, constants derived, not measured: kernels/w8a16/plan.py) is also timed in a few
-other tiles (row["variants_us"]: one scale row a step with block_k = the group, wider columns, longer steps).
+other tiles (row["variants_us"]: one scale row a step with block_k = the group, wider columns, longer steps); the
+4-bit formats' M = 1 mma.sync kernel with and without the PDL preload and the one-wave register cap, two choices
+derived offline for groups of 32 (kernels/w4a16/mma.py: no preload; the cap spills 96-104 bytes at 56 registers).
 """
 import dataclasses
 
@@ -84,6 +86,8 @@ def bench_format(fmt: str, shapes: dict, ms: list[int], graph_us, copies, sms: i
                 row["ours_GBps"] = layer0["nbytes"] / row["ours_us"] / 1e3
                 if FORMATS[fmt][0] == 8 and m <= 16:
                     row["variants_us"] = w8_variants(fmt, layers, x, want, graph_us, sms)
+                if FORMATS[fmt][0] == 4 and kernel == "mma.sync" and m == 1:
+                    row["variants_us"] = w4_m1_variants(layers, x, want, graph_us, name == "gate_up")
             log(f"{fmt} {name} M={m}: {row}")
             rows.append(row)
         out[name] = rows
@@ -109,6 +113,26 @@ def w8_variants(fmt: str, layers: list, x: torch.Tensor, want: torch.Tensor, gra
             err = ((got - want).norm() / want.norm()).item()
             out[repr(cfg)] = graph_us([lambda layer=layer: layer["call"](x, cfg) for layer in layers]) \
                 if err <= 5e-3 else f"rel_err {err:.2e}"
+    return out
+
+
+def w4_m1_variants(layers: list, x: torch.Tensor, want: torch.Tensor, graph_us, silu_layer: bool) -> dict:
+    """{"preload=..., max_regs=...": us} for the planned M = 1 mma.sync tile (the plain matmul; gate_up's tile is
+    the SwiGLU one's), each checked first."""
+    from quant_serve.kernels.w4a16.mma import w4a16_mma
+    from quant_serve.kernels.w4a16.rules import select_mma_config
+    w0 = layers[0]["weights"]
+    cfg = select_mma_config(1, w0.in_features, w0.out_features, False, silu_layer)
+    out = {}
+    for preload in (None, True):
+        for cap in sorted({cfg.max_regs, 0}):
+            def call(w, preload=preload, cap=cap):
+                return w4a16_mma(x, w, None, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps, cfg.one_launch,
+                                 max_regs=cap, preload=preload)
+            err = ((call(w0).float() - want).norm() / want.norm()).item()
+            key = f"preload={preload}, max_regs={cap}"
+            out[key] = graph_us([lambda w=layer["weights"]: call(w) for layer in layers]) if err <= 5e-3 else \
+                f"rel_err {err:.2e}"
     return out
 
 

@@ -285,7 +285,8 @@ def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None
               block_k: int = 256, split_k: int = 1, num_warps: int = 4, one_launch: bool = True,
               silu_mul: bool = False, wgmma: bool = False, scale_after: bool = True,
               x_staged: bool = True, a_smem: bool | None = None, residual: torch.Tensor | None = None,
-              norm: FoldedNorm | None = None, max_regs: int = 0, preload: bool = True, x_once: bool | None = None):
+              norm: FoldedNorm | None = None, max_regs: int = 0, preload: bool | None = None,
+              x_once: bool | None = None):
     """x fp16 [M, K] (already permuted for act-order; M <= 64, any M with wgmma: 128-row tiles) -> [M, N], or
     [M, N/2] = silu(gate) * up. wgmma needs block_n % (16 * num_warps) == 0 with 4 or 8 warps (64 rows per
     warpgroup). scale_after (mma.sync, where a step lies inside one scale group): scales multiply each step's fp32
@@ -294,10 +295,10 @@ def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None
     rounded as the unfused pair rounds, ss [M, tiles] fp32 its sums of squares by output tile; norm (x is such an h,
     x staged: M = 1 and 64-column tiles): the matmul of RMSNorm(x) * norm.weight. max_regs: ptxas's register cap
     a thread (kernels/w4a16/rules.py:one_wave_regs; 0: none). preload (M = 1 with x staged, under PDL): a split of at
-    most four steps requests all its weights before it waits for the previous kernel; not where the scale group is
-    shorter than a step (GGUF's 32, GPTQ g32): four steps' scales and zero points or offsets by 16-row word then
-    take the registers (qkv at M = 1, sm90, offline: 185 registers with offsets, 201 with zeros, against 78 and 94
-    without the preload and 72 for g128 with it; not yet timed) x_once: mma_variant's.
+    most four steps requests all its weights before it waits for the previous kernel; by default (None) not where the
+    scale group is shorter than a step (GGUF's 32, GPTQ g32): four steps' scales and zero points or offsets by
+    16-row word then take the registers (qkv at M = 1, sm90, offline: 185 registers with offsets, 201 with zeros,
+    against 78 and 94 without the preload and 72 for g128 with it; not yet timed). x_once: mma_variant's.
     x may be a batch-1 decode's split partials (kernels/attention_merge.DecodePartials, fp16 attention output):
     the attention merge is read by the x staging (M = 1, x staged, no norm)."""
     merge = x if isinstance(x, DecodePartials) else None
@@ -359,7 +360,8 @@ def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None
         num_warps=num_warps, SCALE_AFTER=v.scale_after, X_STEPS=v.x_steps, SWIGLU=swiglu,
         A_SMEM=v.a_smem, RESIDUAL=residual is not None, NORM=norm is not None,
         SS_P2=triton.next_power_of_2(ss_in.shape[1]) if ss_in is not None else 1,
-        PRELOAD=preload and pdl and v.x_steps > 0 and per <= 4 and (not group or group >= bk), X_ONCE=v.x_once,
+        PRELOAD=(preload if preload is not None else not group or group >= bk) and pdl and v.x_steps > 0 and per <= 4,
+        X_ONCE=v.x_once,
         **launch_options(pdl),
         **merge_consts, **({"maxnreg": max_regs} if max_regs else {}))
     if splits > 1 and not one_launch:
