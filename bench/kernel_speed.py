@@ -19,6 +19,10 @@ candidates per shape, every one checked against the exact reference before and a
 rows and stores them in the JSON's table_rows):
   python bench/kernel_speed.py --tune --no-decode --ms 1 --budget-s 270 \
       --out bench/results/kernels-tune-gemv-h200.json
+
+GGUF weight formats (bench/gguf_kernel_speed.py: the planned kernel of each format against FP16 cuBLAS, no
+attention section):
+  python bench/kernel_speed.py --weights gguf-q4_k,q8_0 --out bench/results/kernels-gguf-h200.json
 """
 import argparse
 import dataclasses
@@ -391,6 +395,22 @@ def summarize_decode(decode) -> dict:
     return out
 
 
+def bench_gguf_formats(formats: list[str], result: dict, sms: int, out: str, log) -> None:
+    """--weights: each GGUF format's planned kernel against FP16 cuBLAS on SHAPES x MS, saved after each format."""
+    from quant_serve.bench.gguf_kernel_speed import FORMATS, bench_format, summarize
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown:
+        raise SystemExit(f"unknown --weights {unknown}: choose from awq, {', '.join(FORMATS)}")
+    result["weights"] = formats
+    result["gguf"] = {}
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    for fmt in formats:
+        result["gguf"][fmt] = bench_format(fmt, SHAPES, MS, graph_us, copies, sms, log)
+        result["summary"] = summarize(result["gguf"])
+        Path(out).write_text(json.dumps(result, indent=1))
+    log(json.dumps(result["summary"], indent=1))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/kernels-h200.json")
@@ -404,6 +424,9 @@ def main():
                     help="also time decode configurations around the defaults (the *_tuned_* keys)")
     ap.add_argument("--profile", default="this", choices=PROFILE_NAMES,
                     help="GPU profile the kernel plans assume (kernels/gpu.py); default: the device itself")
+    ap.add_argument("--weights", default="awq",
+                    help="awq (the W4A16 g128 zero-point run above) or a comma-separated list of GGUF formats: "
+                         "gguf-q4_0, gguf-q4_1, gguf-q4_k, q8_0, q6_k, q5_k (bench/gguf_kernel_speed.py)")
     args = ap.parse_args()
     caps = configure(0, KernelOptions(profile=args.profile)).caps
     if args.ms:
@@ -422,6 +445,9 @@ def main():
                        "do_bench"}
     result["copy_TBps"] = copy_bandwidth()
     log(f"{result['gpu']}: copy {result['copy_TBps']:.2f} TB/s")
+    if args.weights != "awq":
+        bench_gguf_formats(args.weights.split(","), result, caps.sms, args.out, log)
+        return
     awq = load_awq(args.awq_sdist)
     deadline = start + args.budget_s
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

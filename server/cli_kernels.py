@@ -1,6 +1,7 @@
 """`quant-serve kernels --explain`: per layer and batch size, which kernel runs on a GPU, its configuration and why.
 
-The answer comes from the same functions the forward pass asks (kernels/w4a16/plan.py, kernels/paged_attention.py)
+The answer comes from the same functions the forward pass asks (kernels/w4a16/plan.py, kernels/w8a16/plan.py,
+kernels/paged_attention.py)
 under the GPU's capability record (kernels/gpu.py): a named card's profile, or `this` GPU. Nothing is loaded but
 config.json; it runs on a machine without a GPU.
 """
@@ -9,6 +10,12 @@ import json
 import sys
 
 DEFAULT_MS = "1,2,8,16,32,64,128,256,1024,4096"
+# --weight-format: what a layer's weights are, and so which plan answers
+WEIGHT_FORMATS = {
+    "w4": "INT4 with integer zero points or symmetric (AWQ, GPTQ, compressed-tensors)",
+    "w4-offsets": "INT4 with float per-group offsets (GGUF Q4_0 / Q4_1 / Q4_K)",
+    "w8": "int8 codes with float scales and offsets (GGUF Q8_0 / Q5_0 / Q5_1 / Q5_K / Q6_K)",
+}
 
 
 def register(sub) -> None:
@@ -20,8 +27,10 @@ def register(sub) -> None:
     p.add_argument("--model", default=None, help="model directory with config.json (default: the bundled demo "
                                                  "model)")
     p.add_argument("--m", default=DEFAULT_MS, help=f"rows (tokens) per matmul to plan for (default: {DEFAULT_MS})")
-    p.add_argument("--group-size", type=int, default=None, help="INT4 group size (default: the checkpoint's, "
-                                                                "else 128)")
+    p.add_argument("--group-size", type=int, default=None, help="weight group size (default: the checkpoint's, "
+                                                                "else 128; 32 for the GGUF formats)")
+    p.add_argument("--weight-format", default="w4", choices=list(WEIGHT_FORMATS),
+                   help="the layers' weights: " + "; ".join(f"{k}: {v}" for k, v in WEIGHT_FORMATS.items()))
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"], help="activation dtype")
     p.add_argument("--context", type=int, default=4096, help="decode context (tokens) for the attention rows")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -36,19 +45,31 @@ def layer_shapes(cfg) -> dict[str, tuple[int, int]]:
             "down_proj": (cfg.intermediate_size, cfg.hidden_size)}
 
 
-def explain(caps, options, cfg, ms: list[int], group_size: int, dtype, context: int) -> dict:
-    """The whole plan as a dict: the GPU, the W4A16 layers (layout, then kernel per M), decode attention."""
+def explain(caps, options, cfg, ms: list[int], group_size: int, dtype, context: int,
+            weight_format: str = "w4") -> dict:
+    """The whole plan as a dict: the GPU, the weight format, the quantized layers (layout, then kernel per M),
+    decode attention."""
     from quant_serve.kernels.paged_attention import decode_config, split_count
     from quant_serve.kernels.w4a16.plan import layout_for, plan_w4a16
     from quant_serve.kernels.w4a16.rules import measured_on
+    from quant_serve.kernels.w8a16.plan import plan_w8a16
+    rules = measured_on(caps.family) or f"derived for {caps.family} (no table measured on this family)"
     out = {"gpu": dataclasses.asdict(caps), "options": dataclasses.asdict(options),
-           "rules": measured_on(caps.family) or f"derived for {caps.family} (no table measured on this family)",
+           "weight_format": weight_format, "weight_format_why": WEIGHT_FORMATS[weight_format],
+           "rules": "W8A16: derived, not measured (kernels/w8a16/plan.py)" if weight_format == "w8" else rules,
            "layers": [], "attention": []}
     for name, (k, n) in layer_shapes(cfg).items():
-        layout, why = layout_for(k, n, group_size, dtype, caps, options)
+        if weight_format == "w8":
+            layout, why = "int8", "int8 codes [K, N], scales / offsets [G, N] (kernels/w8a16/reference.py)"
+        else:
+            layout, why = layout_for(k, n, group_size, dtype, caps, options, weight_format == "w4-offsets")
+            if weight_format == "w4-offsets":
+                why += "; float offsets dequantized as q * s + o (the row layout where the device's offset probe " \
+                       "of the fragment kernels fails)"
         rows = []
         for m in ms:
-            p = plan_w4a16(m, k, n, caps, options, layout, dtype, name == "gate_up_proj")
+            p = plan_w8a16(m, k, n, group_size, caps.sms) if weight_format == "w8" else \
+                plan_w4a16(m, k, n, caps, options, layout, dtype, name == "gate_up_proj")
             rows.append({"m": m, "kernel": p.kernel, "why": p.why,
                          "config": dataclasses.asdict(p.config) if p.config else None})
         out["layers"].append({"name": name, "k": k, "n": n, "layout": layout, "layout_why": why, "plans": rows})
@@ -78,7 +99,8 @@ def format_explain(plan: dict, model_name: str) -> str:
              f"block, {g['bandwidth_gbs']:.0f} GB/s; TMA {'yes' if g['tma'] else 'no'}, wgmma "
              f"{'yes' if g['wgmma'] else 'no'}, PDL {'yes' if g['pdl'] else 'no'}, fp8 cvt "
              f"{'yes' if g['fp8_cvt'] else 'no'})",
-             f"W4A16 rules: {plan['rules']}", f"model: {model_name}", ""]
+             f"weights: {plan['weight_format']} ({plan['weight_format_why']})",
+             f"rules: {plan['rules']}", f"model: {model_name}", ""]
     for layer in plan["layers"]:
         lines.append(f"{layer['name']}  K={layer['k']} N={layer['n']}  layout {layer['layout']}: "
                      f"{layer['layout_why']}")
@@ -109,9 +131,11 @@ def run(args) -> int:
     model_dir = resolve_model_dir(args.model or demo_model_dir())
     cfg, _ = load_model_config(model_dir)
     q = cfg.quantization_config or {}
-    group_size = args.group_size or q.get("group_size") or q.get("q_group_size") or 128
+    gguf = args.weight_format != "w4"
+    group_size = args.group_size or (32 if gguf else q.get("group_size") or q.get("q_group_size") or 128)
     ms = [int(v) for v in args.m.split(",") if v.strip()]
-    plan = explain(caps, KernelOptions(), cfg, ms, group_size, getattr(torch, args.dtype), args.context)
+    plan = explain(caps, KernelOptions(), cfg, ms, group_size, getattr(torch, args.dtype), args.context,
+                   args.weight_format)
     if args.json:
         json.dump(plan, sys.stdout, indent=1)
         sys.stdout.write("\n")

@@ -5,7 +5,7 @@ by one that names the profile's target (sm80 / sm86 / sm89 / sm90), every launch
 the kernels' device queries answer from the profile's capability record (kernels/gpu.py). The W4A16 plan is walked
 over the Qwen2.5-7B and Llama-3.1-8B layer shapes for M = 1..8192 (one compile per distinct kernel and
 configuration, at the smallest M that picks it), then the attention, KV-store and the other decode-step kernels
-are launched on fp16 / fp8 e4m3 / fp8 e5m2 caches. Each compiled kernel is reported with its shared memory,
+are launched on fp16 / fp8 e4m3 / fp8 e5m2 caches, and the W8A16 kernels (GGUF int8-code layers). Each compiled kernel is reported with its shared memory,
 registers, spill stack and the Hopper / fp8 instructions its SASS holds (the wheel's cuobjdump).
 """
 import importlib
@@ -194,6 +194,19 @@ def _launch_attention(model, kv_dtype, batch, context) -> None:
                          torch.zeros(chunk, dtype=torch.long), scale, scale)
 
 
+def _launch_w8a16() -> None:
+    """The W8A16 kernels (GGUF Q8_0 / Q5_* / Q6_K layers) at one shape, groups of 32 with offsets: the FMA GEMV
+    (M = 1), the tl.dot GEMV (M = 8) and the dequantize pass (M = 64): tiles do not depend on the layer's shape."""
+    import torch
+
+    from quant_serve.kernels.w8a16.dispatch import w8a16_forward
+    k, n = SHAPES["qwen2.5-7b"]["qkv"]
+    codes = torch.empty(k, n, dtype=torch.int8)
+    scales = torch.empty(k // 32, n, dtype=torch.float16)
+    for m in (1, 8, 64):
+        w8a16_forward(torch.empty(m, k, dtype=torch.float16), codes, scales, scales, 32)
+
+
 def _launch_step_kernels(model) -> None:
     import torch
 
@@ -232,6 +245,7 @@ def fit_report(profile: str) -> dict:
             for batch, context in ((1, 512), (1, 4096), (64, 4096)):
                 _launch_attention(model, kv, batch, context)
         _launch_step_kernels(model)
+    _launch_w8a16()
     kernels, seen = [], set()
     for name, warps, compiled in records:
         if compiled is None or id(compiled) in seen:

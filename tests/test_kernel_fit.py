@@ -30,7 +30,8 @@ def test_every_planned_kernel_fits_the_target(reports, profile):
     names = {k["name"] for k in report["kernels"]}
     # the plan was walked and the decode step's kernels all compiled for this target
     assert {"_w4a16_mma_kernel", "_decode_kernel", "_prefill_kernel", "_store_kv_kernel", "_rope_store_kv_kernel",
-            "_frag_dequant_kernel", "_rms_norm_kernel", "_gemv_kernel"} <= names, names
+            "_frag_dequant_kernel", "_rms_norm_kernel", "_gemv_kernel", "_w8a16_gemv_kernel",
+            "_w8a16_dequant_kernel"} <= names, names
     kinds = {p["kernel"] for p in report["w4a16_plans"]}
     assert ("tma" in kinds) == (arch == (9, 0)), kinds              # TMA only where the target has it
     assert {"gemv", "gemmt"} <= kinds, kinds                         # bf16 layers: the row layout's kernels

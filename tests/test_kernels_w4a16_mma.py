@@ -430,24 +430,24 @@ def compile_cases() -> dict:
         cfg = select_mma_config(m, k, n)
         v = mma_variant(m, k, 128, cfg.block_n, cfg.block_k, cfg.split_k, False)
         out[f"{m}-{k}-{n}"] = _compile_sm90(_w4a16_mma_kernel, dict(ptrs, **ints), dict(
-            HAS_BIAS=False, SPLIT=cfg.split_k > 1, ONE_LAUNCH=cfg.one_launch, GROUP=128, HAS_ZEROS=True,
+            HAS_BIAS=False, SPLIT=cfg.split_k > 1, ONE_LAUNCH=cfg.one_launch, GROUP=128, ZP_MODE=1,
             EVEN_N=True, EVEN_K=True, X_SMEM=m > 1, WGMMA=False, PDL=True, SCALE_AFTER=v.scale_after,
             X_STEPS=v.x_steps, SWIGLU=False, A_SMEM=False, X_ONCE=v.x_once,
             BLOCK_M=8 if m <= 8 else 16 if m <= 16 else 64,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps), cfg.num_warps)
     for m, bn, bk, nw in WGMMA_CASES:                 # sm90, M = 17..128
         out[f"wgmma-{m}-{bn}-{bk}-{nw}"] = _compile_sm90(_w4a16_mma_kernel, dict(ptrs, **ints), dict(
-            HAS_BIAS=True, SPLIT=True, ONE_LAUNCH=False, GROUP=128, HAS_ZEROS=True, EVEN_N=True, EVEN_K=True,
+            HAS_BIAS=True, SPLIT=True, ONE_LAUNCH=False, GROUP=128, ZP_MODE=1, EVEN_N=True, EVEN_K=True,
             X_SMEM=True, WGMMA=True, PDL=True, SCALE_AFTER=False, X_STEPS=0, SWIGLU=False, A_SMEM=m > 64, BLOCK_M=m,
             BLOCK_N=bn, BLOCK_K=bk, num_warps=nw), nw)
     # gate_up at M = 1 with the SwiGLU in the epilogue: 64 columns, one split, x staged
     out["swiglu"] = _compile_sm90(_w4a16_mma_kernel, dict(ptrs, **ints), dict(
-        HAS_BIAS=False, SPLIT=False, ONE_LAUNCH=False, GROUP=128, HAS_ZEROS=True, EVEN_N=True, EVEN_K=True,
+        HAS_BIAS=False, SPLIT=False, ONE_LAUNCH=False, GROUP=128, ZP_MODE=1, EVEN_N=True, EVEN_K=True,
         X_SMEM=False, WGMMA=False, PDL=True, SCALE_AFTER=True, X_STEPS=32, SWIGLU=True, A_SMEM=False, BLOCK_M=8,
         BLOCK_N=64, BLOCK_K=128, num_warps=4), 4)
     # the decode step's gate_up at M = 1: 64 columns, two splits, the split with the last ticket applies it
     out["swiglu_split"] = _compile_sm90(_w4a16_mma_kernel, dict(ptrs, **ints), dict(
-        HAS_BIAS=False, SPLIT=True, ONE_LAUNCH=True, GROUP=128, HAS_ZEROS=True, EVEN_N=True, EVEN_K=True,
+        HAS_BIAS=False, SPLIT=True, ONE_LAUNCH=True, GROUP=128, ZP_MODE=1, EVEN_N=True, EVEN_K=True,
         X_SMEM=False, WGMMA=False, PDL=True, SCALE_AFTER=True, X_STEPS=16, SWIGLU=True, A_SMEM=False, BLOCK_M=8,
         BLOCK_N=64, BLOCK_K=128, num_warps=4), 4)
     # the decode step's RMSNorm folded in (M = 1): the residual epilogue of o / down, the norm of qkv / gate_up
@@ -457,7 +457,7 @@ def compile_cases() -> dict:
         cfg = select_mma_config(1, k, n, silu_mul=silu)
         v = mma_variant(1, k, 128, cfg.block_n, cfg.block_k, cfg.split_k, False)
         out[name] = _compile_sm90(_w4a16_mma_kernel, dict(ptrs, **ints), dict(
-            HAS_BIAS=name == "norm_qkv", SPLIT=v.splits > 1, ONE_LAUNCH=True, GROUP=128, HAS_ZEROS=True,
+            HAS_BIAS=name == "norm_qkv", SPLIT=v.splits > 1, ONE_LAUNCH=True, GROUP=128, ZP_MODE=1,
             EVEN_N=True, EVEN_K=True, X_SMEM=False, WGMMA=False, PDL=True, SCALE_AFTER=v.scale_after,
             X_STEPS=v.x_steps, SWIGLU=silu, A_SMEM=False, BLOCK_M=8, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             RESIDUAL=fold == "RESIDUAL", NORM=fold == "NORM", SS_P2=64, PRELOAD=v.per_split <= 4, X_ONCE=v.x_once,
@@ -465,13 +465,13 @@ def compile_cases() -> dict:
     # o at M = 1 merging the batch-1 decode's 16 split partials as it stages x (fp8 KV: the scale by pointer)
     cfg = select_mma_config(1, 3584, 3584)
     out["merge_o"] = _compile_sm90(_w4a16_mma_kernel, dict(ptrs, **ints, x_ptr="*fp32"), dict(
-        HAS_BIAS=False, SPLIT=True, ONE_LAUNCH=True, GROUP=128, HAS_ZEROS=True, EVEN_N=True, EVEN_K=True,
+        HAS_BIAS=False, SPLIT=True, ONE_LAUNCH=True, GROUP=128, ZP_MODE=1, EVEN_N=True, EVEN_K=True,
         X_SMEM=False, WGMMA=False, PDL=True, SCALE_AFTER=True, X_STEPS=4, SWIGLU=False, A_SMEM=False, BLOCK_M=8,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, RESIDUAL=True, SS_P2=64, PRELOAD=True, MERGE_SPLITS=16,
         MERGE_SCALE=2, num_warps=cfg.num_warps), cfg.num_warps)
     sig = dict(w_ptr="*i32", s_ptr="*fp16", z_ptr="*i32", out_ptr="*fp16", N="i32", K="i32", KP="i32",
                stride_sg="i32", stride_zg="i32")
-    out["dequant"] = _compile_sm90(_frag_dequant_kernel, sig, dict(GROUP=32, HAS_ZEROS=True, BLOCK_N=64,
+    out["dequant"] = _compile_sm90(_frag_dequant_kernel, sig, dict(GROUP=32, ZP_MODE=1, BLOCK_N=64,
                                                                     BLOCK_K=128, num_warps=4), 4)
     return out
 

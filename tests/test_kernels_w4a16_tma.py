@@ -241,7 +241,7 @@ def compile_tma_cases() -> dict:
                    **{a: "i32" for a in ("M", "N", "KP", "m_tiles", "waves", "tail", "p_sk", "max_segs", "stride_om",
                                          "stride_sg", "stride_zg")})
         out[f"c{cons}-{bn}-{bm}-{bias}-k{bk}-s{stages}-{overlap}"] = _compile_sm90(_w4a16_tma_kernel, sig, dict(
-            HAS_BIAS=bias, GROUP=128, HAS_ZEROS=True, EVEN_N=True, PDL=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            HAS_BIAS=bias, GROUP=128, ZP_MODE=1, EVEN_N=True, PDL=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
             STAGES=stages, CONSUMERS=cons, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
             OVERLAP=overlap), 4, maxnreg)
     return out

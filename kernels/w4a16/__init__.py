@@ -3,6 +3,11 @@
 Which kernel runs for a layer and a batch is decided in one place, `plan.py` (`plan_w4a16`), from the GPU's
 capability record (kernels/gpu.py) and the engine's kernel options; `quant-serve kernels --explain` prints it.
 
+Zero points come in three kinds, one constexpr in every kernel (ZP_MODE in the fragment kernels, HAS_ZEROS /
+OFFSETS in the row-layout ones): symmetric (z = 8), packed integer zeros (AWQ, GPTQ, compressed-tensors:
+(q - z) * s) and float per-group offsets (GGUF Q4_1 / Q4_K: q * s + o), the last carried by W4A16Weights.offsets /
+FragWeights.offsets in the scales' layout.
+
     reference.py   the standard internal INT4 layout every checkpoint format converts into, and the torch twin
     rows.py        the row layout (bf16 and odd shapes): a byte repack of the standard layout
     frag.py        the fragment layout (fp16, N % 16 == 0): each int32 word holds one tensor-core A fragment

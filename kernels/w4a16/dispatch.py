@@ -16,28 +16,41 @@ import torch
 
 from quant_serve.kernels.norm_act import silu_and_mul, silu_and_mul_ref
 from quant_serve.kernels.w4a16.frag import FragWeights, frag_standard, prepare_frag
-from quant_serve.kernels.w4a16.plan import KernelPlan, frag_layout_works, layout_for, plan_w4a16, probed_runtime
+from quant_serve.kernels.w4a16.plan import (KernelPlan, frag_layout_works, frag_offsets_work, layout_for, plan_w4a16,
+                                            probed_runtime)
 from quant_serve.kernels.w4a16.reference import w4a16_matmul_ref
 from quant_serve.kernels.w4a16.rows import W4A16Weights, prepare_w4a16, rows_standard
 from quant_serve.kernels.w4a16.rules import MMAConfig, TMAConfig, W4A16Config
 
 
 def prepare_kernel_weights(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
-                           group_size: int, perm: torch.Tensor | None = None) -> "W4A16Weights | FragWeights":
+                           group_size: int, perm: torch.Tensor | None = None,
+                           offsets: torch.Tensor | None = None,
+                           scale_dtype: torch.dtype | None = None) -> "W4A16Weights | FragWeights":
     """Standard internal layout -> the layout the GPU kernels read (plan.layout_for on the device's runtime). Run
-    once at load, on the weights' device; also runs the device's kernel probes (never first inside a graph)."""
+    once at load, on the weights' device; also runs the device's kernel probes (never first inside a graph).
+    offsets [G, N] (GGUF, W = q * s + o) are stored in the scales' dtype. scale_dtype (the activation dtype,
+    fp16 / bf16): scales and offsets are cast to it first, as every checkpoint's scales are; the GGUF loader hands
+    Q4_K's fp32 scales and offsets (6-bit sub-scales and sub-mins times fp16 super-scales), which fp16 rounds to
+    11 significant bits (the products have up to 17). The fragment layout (fp16 scales only) dequantizes with one
+    fp16 fma, the row layout in fp32."""
+    if scale_dtype is not None:
+        scales = scales.to(scale_dtype)
+        offsets = None if offsets is None else offsets.to(scale_dtype)
     k, n = qweight.shape[0] * 8, qweight.shape[1]
     if qweight.device.type != "cuda":
-        return prepare_w4a16(qweight, scales, qzeros, group_size, perm)
+        return prepare_w4a16(qweight, scales, qzeros, group_size, perm, offsets=offsets)
     runtime = probed_runtime(qweight.device)
-    layout, _ = layout_for(k, n, group_size, scales.dtype, runtime.caps, runtime.options)
+    layout, _ = layout_for(k, n, group_size, scales.dtype, runtime.caps, runtime.options, offsets is not None,
+                           offsets is None or frag_offsets_work(qweight.device))
     if layout == "frag" and frag_layout_works(qweight.device):
-        return prepare_frag(qweight, scales, qzeros, group_size, perm)
-    return prepare_w4a16(qweight, scales, qzeros, group_size, perm)
+        return prepare_frag(qweight, scales, qzeros, group_size, perm, offsets)
+    return prepare_w4a16(qweight, scales, qzeros, group_size, perm, offsets=offsets)
 
 
 def standard_layout(w: "W4A16Weights | FragWeights") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
-    """Kernel layout -> (qweight [K/8, N], scales, qzeros, group_size) in the standard layout (the twin's input)."""
+    """Kernel layout -> (qweight [K/8, N], scales, qzeros, group_size) in the standard layout (the twin's input);
+    the float offsets are `w.offsets`."""
     return frag_standard(w) if isinstance(w, FragWeights) else rows_standard(w)
 
 
@@ -53,15 +66,13 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor | W4A16Weights | FragWei
     x2 = x.reshape(-1, x.shape[-1])                                                  # [M, K]
     if not x.is_cuda:
         if isinstance(qweight, (W4A16Weights, FragWeights)):
-            perm = qweight.perm
+            perm, offsets = qweight.perm, qweight.offsets
             qweight, scales, qzeros, group_size = standard_layout(qweight)
         y = w4a16_matmul_ref(x2, qweight, scales, qzeros, group_size, perm, bias, offsets)
         y = silu_and_mul_ref(y) if silu_mul else y
         return y.reshape(*lead, y.shape[-1])
-    if offsets is not None:
-        raise NotImplementedError("float offsets on CUDA: the Triton kernels gain them in issue 33's kernel work")
     w = qweight if isinstance(qweight, (W4A16Weights, FragWeights)) else \
-        prepare_kernel_weights(qweight, scales, qzeros, group_size, perm)
+        prepare_kernel_weights(qweight, scales, qzeros, group_size, perm, offsets)
     y = w4a16_forward(x2, w, bias, config, silu_mul)
     return y.reshape(*lead, y.shape[-1])
 

@@ -11,6 +11,9 @@ from dataclasses import dataclass
 import torch
 
 from quant_serve.kernels.w4a16.reference import pack_int4_rows, unpack_int4_rows
+from quant_serve.kernels.w4a16.rows import check_offsets
+
+ZP_NONE, ZP_INT4, ZP_OFFSETS = 0, 1, 2   # the kernels' ZP_MODE: symmetric (z = 8), packed int4 zeros, float offsets
 
 
 def frag_words(codes: torch.Tensor) -> torch.Tensor:
@@ -39,7 +42,8 @@ def frag_codes(words: torch.Tensor) -> torch.Tensor:
 @dataclass
 class FragWeights:
     """INT4 weights in the fragment layout: words int32 [N/16, Kp/64 * 128] (frag_words), scales [G, N],
-    qzeros int32 [G, N/8] or None (symmetric, z = 8), group_size (K for one group), perm int64 [K] or None."""
+    qzeros int32 [G, N/8] or None (symmetric, z = 8), group_size (K for one group), perm int64 [K] or None,
+    offsets fp16 [G, N] or None (GGUF's float offsets, W = q * s + o; only with qzeros None)."""
     words: torch.Tensor
     scales: torch.Tensor
     qzeros: torch.Tensor | None
@@ -47,22 +51,41 @@ class FragWeights:
     in_features: int
     out_features: int
     perm: torch.Tensor | None = None
+    offsets: torch.Tensor | None = None
+
+    @property
+    def zp_mode(self) -> int:
+        """The kernels' ZP_MODE constexpr: ZP_OFFSETS, ZP_INT4 or ZP_NONE."""
+        return ZP_OFFSETS if self.offsets is not None else ZP_INT4 if self.qzeros is not None else ZP_NONE
+
+    def zero_args(self) -> tuple[torch.Tensor, int]:
+        """The kernels' zero-point pointer and its group stride: the offsets [G, N], the packed zeros [G, N/8], or
+        the words (never read) and 0."""
+        if self.offsets is not None:
+            return self.offsets, self.offsets.stride(0)
+        if self.qzeros is not None:
+            return self.qzeros, self.qzeros.stride(0)
+        return self.words, 0
 
 
 def prepare_frag(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None, group_size: int,
-                 perm: torch.Tensor | None = None) -> FragWeights:
-    """Standard internal layout (kernels/w4a16/reference.py) -> FragWeights, once at load on the weights' device."""
+                 perm: torch.Tensor | None = None, offsets: torch.Tensor | None = None) -> FragWeights:
+    """Standard internal layout (kernels/w4a16/reference.py) -> FragWeights, once at load on the weights' device.
+    offsets are cast to the scales' dtype (fp16: the kernels dequantize with one fp16 fma, q * s + o); a loader
+    with fp32 scales / offsets (Q4_K) casts its scales to fp16 first, as for any checkpoint."""
     k, n = qweight.shape[0] * 8, qweight.shape[1]
     if n % 16:
         raise ValueError(f"the fragment layout needs out_features % 16 == 0, got {n}")
     if 0 < group_size < k and group_size % 16:
         raise ValueError(f"the fragment layout needs a group size that is a multiple of 16, got {group_size}")
+    check_offsets(offsets, scales, qzeros)
     kp = -(-k // 64) * 64
     codes = unpack_int4_rows(qweight)
     codes = torch.cat([codes, codes.new_zeros(kp - k, n)]) if kp > k else codes
     gs = k if group_size <= 0 else group_size
     return FragWeights(frag_words(codes), scales.contiguous(), None if qzeros is None else qzeros.contiguous(),
-                       gs, k, n, None if perm is None else perm.to(torch.long))
+                       gs, k, n, None if perm is None else perm.to(torch.long),
+                       None if offsets is None else offsets.to(scales.dtype).contiguous())
 
 
 def frag_standard(fw: FragWeights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:

@@ -11,18 +11,25 @@ import torch
 from quant_serve.kernels.triton_compat import gl, gluon, triton
 from quant_serve.kernels.w4a16.frag import FragWeights, pick_block_k
 
-def _frag_dq_asm(scaled: bool) -> str:
+def _frag_dq_asm(scaled: bool, offsets: bool = False) -> str:
     """Marlin's LOP3 dequant of one fragment word. Inputs: word $8, then (scaled) the scale pairs of rows g ($9) and
     g + 8 ($10), then the (1024 + z) pair of row g and the -(64 + z) pair of row g + 8. Outputs (.b16): value index
     b0 + 2 b1 + 4 b2 = (k + b0 + 8 b2, n + 8 b1) of the thread's fragment. Unscaled: q - z, exact, for steps inside
-    one scale group, whose scales multiply the MMA's partial sums instead (kernels/w4a16/mma.py)."""
+    one scale group, whose scales multiply the MMA's partial sums instead (kernels/w4a16/mma.py).
+    offsets (scaled): $11 and $12 are the float offset pairs of rows g and g + 8; q comes out exact (z = 0) and one
+    fma.rn.f16x2 gives q * s + o, one rounding, in the instruction count of the zero-point path."""
     zl, zh = ("$11", "$12") if scaled else ("$9", "$10")
-    scale = ("mul.rn.f16x2 a0, a0, $9;\nmul.rn.f16x2 a2, a2, $9;\n"
-             "mul.rn.f16x2 a1, a1, $10;\nmul.rn.f16x2 a3, a3, $10;\n") if scaled else ""
+    consts = ""
+    if offsets:                                       # z = 0: the pairs (1024, 1024) and (-64, -64)
+        zl, zh = "c1024", "cm64"
+        consts = ".reg .b32 c1024, cm64;\nmov.b32 c1024, 0x64006400;\nmov.b32 cm64, 0xD400D400;\n"
+    op, o_lo, o_hi = ("fma", ", $11", ", $12") if offsets else ("mul", "", "")
+    scale = (f"{op}.rn.f16x2 a0, a0, $9{o_lo};\n{op}.rn.f16x2 a2, a2, $9{o_lo};\n"
+             f"{op}.rn.f16x2 a1, a1, $10{o_hi};\n{op}.rn.f16x2 a3, a3, $10{o_hi};\n") if scaled else ""
     return f"""
 {{
 .reg .b32 w1, a0, a1, a2, a3, k16;
-mov.b32 k16, 0x2C002C00;
+{consts}mov.b32 k16, 0x2C002C00;
 lop3.b32 a0, $8, 0x000F000F, 0x64006400, 0xEA;
 lop3.b32 a1, $8, 0x00F000F0, 0x64006400, 0xEA;
 shr.u32 w1, $8, 8;
@@ -42,6 +49,7 @@ mov.b32 {{$6, $7}}, a3;
 
 _FRAG_DQ_ASM = gl.constexpr(_frag_dq_asm(True))
 _FRAG_DQ_UNSCALED_ASM = gl.constexpr(_frag_dq_asm(False))
+_FRAG_DQ_OFFSETS_ASM = gl.constexpr(_frag_dq_asm(True, offsets=True))
 
 
 @gluon.constexpr_function
@@ -67,10 +75,14 @@ def mma_layout(wgmma, num_warps, block_m):
 
 @gluon.jit
 def _frag_dequant(words, s_lo, s_hi, z_lo, z_hi, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                  A_LAYOUT: gl.constexpr, SCALED: gl.constexpr = True):
+                  A_LAYOUT: gl.constexpr, SCALED: gl.constexpr = True, OFFSETS: gl.constexpr = False):
     """words int32 [NG, RK, 4, 4] -> the dequantized A tile fp16 [BLOCK_N, BLOCK_K] in the mma A layout
-    (SCALED False: q - z, the scales ignored)."""
-    if SCALED:
+    (SCALED False: q - z, the scales ignored; OFFSETS: z_lo / z_hi are the offset pairs, q * s + o)."""
+    if OFFSETS:
+        v0, v1, v2, v3, v4, v5, v6, v7 = gl.inline_asm_elementwise(
+            _FRAG_DQ_OFFSETS_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r", [words, s_lo, s_hi, z_lo, z_hi],
+            dtype=[gl.float16] * 8, is_pure=True, pack=1)
+    elif SCALED:
         v0, v1, v2, v3, v4, v5, v6, v7 = gl.inline_asm_elementwise(
             _FRAG_DQ_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r", [words, s_lo, s_hi, z_lo, z_hi],
             dtype=[gl.float16] * 8, is_pure=True, pack=1)
@@ -90,22 +102,23 @@ def _frag_dequant(words, s_lo, s_hi, z_lo, z_hi, BLOCK_N: gl.constexpr, BLOCK_K:
 
 @gluon.jit
 def _load_step(k0, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, stride_sg, stride_zg, GROUP: gl.constexpr,
-               HAS_ZEROS: gl.constexpr, EVEN_N: gl.constexpr, SCALES: gl.constexpr = True):
+               ZP_MODE: gl.constexpr, EVEN_N: gl.constexpr, SCALES: gl.constexpr = True):
     """The weight loads of the step starting at row k0: words, the scales (SCALES) and packed zero words of rows
     g and g + 8 (raw: converted at use, so nothing waits for them here)."""
     if EVEN_N:
         words = gl.load(w_ptr + offs + k0 * 2)
     else:
         words = gl.load(w_ptr + offs + k0 * 2, mask=w_mask, other=0)
-    s_lo, s_hi, z_lo, z_hi = _load_group(k0, s_ptr, z_ptr, n_lo, n_hi, k_in, stride_sg, stride_zg, GROUP, HAS_ZEROS,
+    s_lo, s_hi, z_lo, z_hi = _load_group(k0, s_ptr, z_ptr, n_lo, n_hi, k_in, stride_sg, stride_zg, GROUP, ZP_MODE,
                                          SCALES)
     return words, s_lo, s_hi, z_lo, z_hi
 
 
 @gluon.jit
 def _load_group(k0, s_ptr, z_ptr, n_lo, n_hi, k_in, stride_sg, stride_zg, GROUP: gl.constexpr,
-                HAS_ZEROS: gl.constexpr, SCALES: gl.constexpr = True):
-    """The scales (SCALES) and packed zero words of rows g and g + 8 for the step starting at row k0."""
+                ZP_MODE: gl.constexpr, SCALES: gl.constexpr = True):
+    """The scales (SCALES) and packed zero words of rows g and g + 8 for the step starting at row k0 (ZP_MODE
+    ZP_OFFSETS: their float offsets, loaded as the scales are)."""
     grp = (k0 + k_in) // GROUP
     if SCALES:
         s_lo = gl.load(s_ptr + grp * stride_sg + n_lo)
@@ -113,7 +126,10 @@ def _load_group(k0, s_ptr, z_ptr, n_lo, n_hi, k_in, stride_sg, stride_zg, GROUP:
     else:
         s_lo = 0
         s_hi = 0
-    if HAS_ZEROS:
+    if ZP_MODE == 2:
+        z_lo = gl.load(z_ptr + grp * stride_zg + n_lo)
+        z_hi = gl.load(z_ptr + grp * stride_zg + n_hi)
+    elif ZP_MODE:
         z_lo = gl.load(z_ptr + grp * stride_zg + n_lo // 8)
         z_hi = gl.load(z_ptr + grp * stride_zg + n_hi // 8)
     else:
@@ -129,9 +145,9 @@ def _scale_pair(s):
 
 
 @gluon.jit
-def _zero(zw, rows, HAS_ZEROS: gl.constexpr):
+def _zero(zw, rows, ZP_MODE: gl.constexpr):
     """Zero point of columns `rows` from their packed word (symmetric: 8)."""
-    if HAS_ZEROS:
+    if ZP_MODE:
         z = (zw >> ((rows % 8) * 4)) & 0xF
     else:
         z = rows * 0 + 8
@@ -178,22 +194,28 @@ def _tile_words(pid_n, N, KP, GROUP: gl.constexpr, EVEN_N: gl.constexpr, BLOCK_N
 
 
 @gluon.jit
-def _dequant_step(words, s_lo, s_hi, z_lo, z_hi, n_lo, n_hi, HAS_ZEROS: gl.constexpr, BLOCK_N: gl.constexpr,
+def _dequant_step(words, s_lo, s_hi, z_lo, z_hi, n_lo, n_hi, ZP_MODE: gl.constexpr, BLOCK_N: gl.constexpr,
                   BLOCK_K: gl.constexpr, A_LAYOUT: gl.constexpr, SCALED: gl.constexpr = True):
-    """A step's raw loads (_load_step) -> its dequantized A tile fp16 [BLOCK_N, BLOCK_K] (SCALED False: q - z)."""
-    z_lo_pair = 0x64006400 + _zero(z_lo, n_lo, HAS_ZEROS) * 0x10001                # (1024 + z) pairs
-    z_hi_pair = (0xD400D400 - (1 << 32)) + _zero(z_hi, n_hi, HAS_ZEROS) * 0x100010  # -(64 + z) pairs
-    if SCALED:
-        a = _frag_dequant(words, _scale_pair(s_lo), _scale_pair(s_hi), z_lo_pair, z_hi_pair, BLOCK_N, BLOCK_K,
-                          A_LAYOUT)
+    """A step's raw loads (_load_step) -> its dequantized A tile fp16 [BLOCK_N, BLOCK_K] (SCALED False: q - z).
+    ZP_MODE: 0 symmetric (z = 8), 1 packed int4 zero points, 2 float offsets (scaled only: q * s + o)."""
+    if ZP_MODE == 2:
+        gl.static_assert(SCALED, "float offsets need the scales applied to each weight (no SCALE_AFTER)")
+        a = _frag_dequant(words, _scale_pair(s_lo), _scale_pair(s_hi), _scale_pair(z_lo), _scale_pair(z_hi),
+                          BLOCK_N, BLOCK_K, A_LAYOUT, True, True)
     else:
-        a = _frag_dequant(words, 0, 0, z_lo_pair, z_hi_pair, BLOCK_N, BLOCK_K, A_LAYOUT, False)
+        z_lo_pair = 0x64006400 + _zero(z_lo, n_lo, ZP_MODE) * 0x10001                # (1024 + z) pairs
+        z_hi_pair = (0xD400D400 - (1 << 32)) + _zero(z_hi, n_hi, ZP_MODE) * 0x100010  # -(64 + z) pairs
+        if SCALED:
+            a = _frag_dequant(words, _scale_pair(s_lo), _scale_pair(s_hi), z_lo_pair, z_hi_pair, BLOCK_N, BLOCK_K,
+                              A_LAYOUT)
+        else:
+            a = _frag_dequant(words, 0, 0, z_lo_pair, z_hi_pair, BLOCK_N, BLOCK_K, A_LAYOUT, False)
     return a
 
 
 @gluon.jit
 def _frag_dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, KP, stride_sg, stride_zg, GROUP: gl.constexpr,
-                         HAS_ZEROS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                         ZP_MODE: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                          num_warps: gl.constexpr):
     """out = W^T [N, K] fp16 (the dense weight, rows = output columns) for the large-M path (then cuBLAS)."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8])
@@ -203,8 +225,8 @@ def _frag_dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, KP, stride_sg, stri
     k0 = gl.program_id(1) * BLOCK_K
     offs, w_mask, n_lo, n_hi, k_in = _tile_words(pid_n, N, KP, GROUP, False, BLOCK_N, BLOCK_K, num_warps)
     words, s_lo, s_hi, z_lo, z_hi = _load_step(k0, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, stride_sg,
-                                               stride_zg, GROUP, HAS_ZEROS, False)
-    a = _dequant_step(words, s_lo, s_hi, z_lo, z_hi, n_lo, n_hi, HAS_ZEROS, BLOCK_N, BLOCK_K, A_L)
+                                               stride_zg, GROUP, ZP_MODE, False)
+    a = _dequant_step(words, s_lo, s_hi, z_lo, z_hi, n_lo, n_hi, ZP_MODE, BLOCK_N, BLOCK_K, A_L)
     a = gl.convert_layout(a, OUT_L)                              # coalesced 16-byte stores along K
     on = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, OUT_L))
     ok = k0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, OUT_L))
@@ -212,14 +234,14 @@ def _frag_dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, KP, stride_sg, stri
 
 
 def frag_dequantize(fw: FragWeights, block_n: int = 64, block_k: int = 128) -> torch.Tensor:
-    """FragWeights -> W^T fp16 [N, K] (one rounding of (q - z) * s, as every W4A16 path)."""
+    """FragWeights -> W^T fp16 [N, K] (one rounding of (q - z) * s or q * s + o, as every W4A16 path)."""
     n, k = fw.out_features, fw.in_features
     kp = fw.words.shape[1] // 2
     group = fw.group_size if fw.scales.shape[0] > 1 else 0
     bk = pick_block_k(kp, group, block_k)
     out = torch.empty((n, k), dtype=torch.float16, device=fw.words.device)
+    zeros, stride_zg = fw.zero_args()
     _frag_dequant_kernel[(triton.cdiv(n, block_n), kp // bk)](
-        fw.words, fw.scales, fw.qzeros if fw.qzeros is not None else fw.words, out, n, k, kp, fw.scales.stride(0),
-        fw.qzeros.stride(0) if fw.qzeros is not None else 0, GROUP=group or (1 << 30),
-        HAS_ZEROS=fw.qzeros is not None, BLOCK_N=block_n, BLOCK_K=bk, num_warps=4)
+        fw.words, fw.scales, zeros, out, n, k, kp, fw.scales.stride(0), stride_zg, GROUP=group or (1 << 30),
+        ZP_MODE=fw.zp_mode, BLOCK_N=block_n, BLOCK_K=bk, num_warps=4)
     return out

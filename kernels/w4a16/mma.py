@@ -49,7 +49,7 @@ else:                                                           # 3.6
 def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias_ptr, r_ptr, ss_ptr, g_ptr, eps,
                       ss_count, ml_ptr, sl_ptr, vs_ptr, vs_val, M, N, K, KP, stride_xm,
                       stride_om, stride_sg, stride_zg, iters_per_split, n_splits, HAS_BIAS: gl.constexpr,
-                      SPLIT: gl.constexpr, ONE_LAUNCH: gl.constexpr, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr,
+                      SPLIT: gl.constexpr, ONE_LAUNCH: gl.constexpr, GROUP: gl.constexpr, ZP_MODE: gl.constexpr,
                       EVEN_N: gl.constexpr, EVEN_K: gl.constexpr, X_SMEM: gl.constexpr, WGMMA: gl.constexpr,
                       PDL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                       num_warps: gl.constexpr, SCALE_AFTER: gl.constexpr, X_STEPS: gl.constexpr,
@@ -101,7 +101,7 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
     it1 = gl.minimum(it0 + iters_per_split, KP // BLOCK_K)
     if WGMMA:
         acc = _wgmma_steps(acc, x_ptrs, m_mask, it0, it1, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
-                           stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, PDL, BLOCK_M, BLOCK_N, BLOCK_K,
+                           stride_sg, stride_zg, GROUP, ZP_MODE, EVEN_N, PDL, BLOCK_M, BLOCK_N, BLOCK_K,
                            A_L, A_SMEM)
     else:
         if X_STEPS > 0:
@@ -118,17 +118,17 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
         if not EVEN_N:
             s_rows = gl.minimum(s_rows, N - 1)
         cur = _mma_load(it0, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, s_rows, stride_sg, stride_zg,
-                        GROUP, HAS_ZEROS, EVEN_N, SCALE_AFTER, BLOCK_K)
+                        GROUP, ZP_MODE, EVEN_N, SCALE_AFTER, BLOCK_K)
         if PRELOAD:
             # a split of at most four steps (qkv and o at M = 1): all its weights are requested before the wait,
             # while the previous kernel finishes (batch-1 step -1.2%, bench/NOTES-kernels.md entry 23; the first
             # four of longer splits, down and gate_up, took registers enough to cost them their one wave: +4-6%)
             p1 = _mma_load(gl.minimum(it0 + 1, it1 - 1), w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
-                           s_rows, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, SCALE_AFTER, BLOCK_K)
+                           s_rows, stride_sg, stride_zg, GROUP, ZP_MODE, EVEN_N, SCALE_AFTER, BLOCK_K)
             p2 = _mma_load(gl.minimum(it0 + 2, it1 - 1), w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
-                           s_rows, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, SCALE_AFTER, BLOCK_K)
+                           s_rows, stride_sg, stride_zg, GROUP, ZP_MODE, EVEN_N, SCALE_AFTER, BLOCK_K)
             p3 = _mma_load(gl.minimum(it0 + 3, it1 - 1), w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
-                           s_rows, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, SCALE_AFTER, BLOCK_K)
+                           s_rows, stride_sg, stride_zg, GROUP, ZP_MODE, EVEN_N, SCALE_AFTER, BLOCK_K)
         if X_STEPS > 0:
             xk = gl.arange(0, X_STEPS * BLOCK_K, layout=gl.BlockedLayout([8], [32], [num_warps], [0]))
             x_mask = (xk < (it1 - it0) * BLOCK_K) & (it0 * BLOCK_K + xk < K)
@@ -158,27 +158,27 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
             x_smem = _x_rows(x_flat, X_STEPS, BLOCK_K)
         if PRELOAD:
             # the whole split (at most four steps) came before the wait
-            acc = _mma_one(acc, cur, x_ptrs, m_mask, k_row, x_smem, 0, it0 * BLOCK_K, K, n_lo, n_hi, HAS_ZEROS,
+            acc = _mma_one(acc, cur, x_ptrs, m_mask, k_row, x_smem, 0, it0 * BLOCK_K, K, n_lo, n_hi, ZP_MODE,
                            EVEN_K, X_SMEM, X_STEPS, SCALE_AFTER, BLOCK_M, BLOCK_N, BLOCK_K, A_L, B_L)
             if it0 + 1 < it1:
                 acc = _mma_one(acc, p1, x_ptrs, m_mask, k_row, x_smem, 1, (it0 + 1) * BLOCK_K, K, n_lo, n_hi,
-                               HAS_ZEROS, EVEN_K, X_SMEM, X_STEPS, SCALE_AFTER, BLOCK_M, BLOCK_N, BLOCK_K, A_L, B_L)
+                               ZP_MODE, EVEN_K, X_SMEM, X_STEPS, SCALE_AFTER, BLOCK_M, BLOCK_N, BLOCK_K, A_L, B_L)
             if it0 + 2 < it1:
                 acc = _mma_one(acc, p2, x_ptrs, m_mask, k_row, x_smem, 2, (it0 + 2) * BLOCK_K, K, n_lo, n_hi,
-                               HAS_ZEROS, EVEN_K, X_SMEM, X_STEPS, SCALE_AFTER, BLOCK_M, BLOCK_N, BLOCK_K, A_L, B_L)
+                               ZP_MODE, EVEN_K, X_SMEM, X_STEPS, SCALE_AFTER, BLOCK_M, BLOCK_N, BLOCK_K, A_L, B_L)
             if it0 + 3 < it1:
                 acc = _mma_one(acc, p3, x_ptrs, m_mask, k_row, x_smem, 3, (it0 + 3) * BLOCK_K, K, n_lo, n_hi,
-                               HAS_ZEROS, EVEN_K, X_SMEM, X_STEPS, SCALE_AFTER, BLOCK_M, BLOCK_N, BLOCK_K, A_L, B_L)
+                               ZP_MODE, EVEN_K, X_SMEM, X_STEPS, SCALE_AFTER, BLOCK_M, BLOCK_N, BLOCK_K, A_L, B_L)
         elif X_SMEM:                  # M > 1: x tiles by cp.async, two steps ahead (kernels/w4a16/mma_steps.py)
             acc = _ring_steps(acc, cur, x_ptrs, m_mask, k_row, K, it0, it1, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo,
-                              n_hi, k_in, s_rows, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, EVEN_K, SCALE_AFTER,
+                              n_hi, k_in, s_rows, stride_sg, stride_zg, GROUP, ZP_MODE, EVEN_N, EVEN_K, SCALE_AFTER,
                               BLOCK_M, BLOCK_N, BLOCK_K, A_L, B_L)
         else:
             for it in range(it0, it1):
                 nxt = _mma_load(gl.minimum(it + 1, it1 - 1), w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
-                                s_rows, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, SCALE_AFTER, BLOCK_K)
+                                s_rows, stride_sg, stride_zg, GROUP, ZP_MODE, EVEN_N, SCALE_AFTER, BLOCK_K)
                 acc = _mma_one(acc, cur, x_ptrs, m_mask, k_row, x_smem if X_STEPS > 0 else 0, it - it0,
-                               it * BLOCK_K, K, n_lo, n_hi, HAS_ZEROS, EVEN_K, False, X_STEPS, SCALE_AFTER, BLOCK_M,
+                               it * BLOCK_K, K, n_lo, n_hi, ZP_MODE, EVEN_K, False, X_STEPS, SCALE_AFTER, BLOCK_M,
                                BLOCK_N, BLOCK_K, A_L, B_L)
                 cur = nxt
 
@@ -285,7 +285,8 @@ def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None
               block_k: int = 256, split_k: int = 1, num_warps: int = 4, one_launch: bool = True,
               silu_mul: bool = False, wgmma: bool = False, scale_after: bool = True,
               x_staged: bool = True, a_smem: bool | None = None, residual: torch.Tensor | None = None,
-              norm: FoldedNorm | None = None, max_regs: int = 0, preload: bool = True, x_once: bool | None = None):
+              norm: FoldedNorm | None = None, max_regs: int = 0, preload: bool | None = None,
+              x_once: bool | None = None):
     """x fp16 [M, K] (already permuted for act-order; M <= 64, any M with wgmma: 128-row tiles) -> [M, N], or
     [M, N/2] = silu(gate) * up. wgmma needs block_n % (16 * num_warps) == 0 with 4 or 8 warps (64 rows per
     warpgroup). scale_after (mma.sync, where a step lies inside one scale group): scales multiply each step's fp32
@@ -294,7 +295,10 @@ def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None
     rounded as the unfused pair rounds, ss [M, tiles] fp32 its sums of squares by output tile; norm (x is such an h,
     x staged: M = 1 and 64-column tiles): the matmul of RMSNorm(x) * norm.weight. max_regs: ptxas's register cap
     a thread (kernels/w4a16/rules.py:one_wave_regs; 0: none). preload (M = 1 with x staged, under PDL): a split of at
-    most four steps requests all its weights before it waits for the previous kernel. x_once: mma_variant's.
+    most four steps requests all its weights before it waits for the previous kernel; by default (None) not where the
+    scale group is shorter than a step (GGUF's 32, GPTQ g32): four steps' scales and zero points or offsets by
+    16-row word then take the registers (qkv at M = 1, sm90, offline: 185 registers with offsets, 201 with zeros,
+    against 78 and 94 without the preload and 72 for g128 with it; not yet timed). x_once: mma_variant's.
     x may be a batch-1 decode's split partials (kernels/attention_merge.DecodePartials, fp16 attention output):
     the attention merge is read by the x staging (M = 1, x staged, no norm)."""
     merge = x if isinstance(x, DecodePartials) else None
@@ -312,7 +316,9 @@ def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None
         x = torch.nn.functional.pad(x, (0, kp - k)).contiguous()     # pad keeps a transposed input's strides
         k = kp
     group = fw.group_size if fw.scales.shape[0] > 1 else 0           # 0: one group for all of K
-    v = mma_variant(m, kp, group, block_n, block_k, split_k, wgmma, scale_after, x_staged, a_smem, x_once)
+    # float offsets scale each weight (the fp16 fma of q * s + o): no scales after the MMA
+    v = mma_variant(m, kp, group, block_n, block_k, split_k, wgmma, scale_after and fw.offsets is None, x_staged,
+                    a_smem, x_once)
     bk, per, splits = v.block_k, v.per_split, v.splits
     if merge is not None and v.x_steps == 0:
         raise ValueError("split partials as x need M = 1 with x staged (64-column tiles, no wgmma)")
@@ -340,21 +346,23 @@ def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None
     ss = torch.empty((m, tiles), dtype=torch.float32, device=x.device) if residual is not None else None
     ss_in = norm.ss if norm is not None else ss
     merge_ptrs, merge_consts = merge_args(merge) if merge is not None else ((out, out, out, 1.0), {})
+    zeros, stride_zg = fw.zero_args()
     _w4a16_mma_kernel[(tiles, splits, m_tiles)](
-        merge.o if merge is not None else x, fw.words, fw.scales, fw.qzeros if fw.qzeros is not None else fw.words,
-        out, ws, cnt,
+        merge.o if merge is not None else x, fw.words, fw.scales, zeros, out, ws, cnt,
         bias if bias is not None else out, residual if residual is not None else out,
         ss_in if ss_in is not None else out, norm.weight if norm is not None else out,
         norm.eps if norm is not None else 0.0, ss_in.shape[1] if ss_in is not None else 0,
         *merge_ptrs, m, n, k, kp, x.stride(0), out.stride(0),
-        fw.scales.stride(0), fw.qzeros.stride(0) if fw.qzeros is not None else 0, per, splits,
+        fw.scales.stride(0), stride_zg, per, splits,
         HAS_BIAS=bias is not None, SPLIT=splits > 1, ONE_LAUNCH=one_launch,
-        GROUP=group or (1 << 30), HAS_ZEROS=fw.qzeros is not None, EVEN_N=n % block_n == 0, EVEN_K=k == kp,
+        GROUP=group or (1 << 30), ZP_MODE=fw.zp_mode, EVEN_N=n % block_n == 0, EVEN_K=k == kp,
         X_SMEM=m > 1 or wgmma, WGMMA=wgmma, PDL=pdl, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk,
         num_warps=num_warps, SCALE_AFTER=v.scale_after, X_STEPS=v.x_steps, SWIGLU=swiglu,
         A_SMEM=v.a_smem, RESIDUAL=residual is not None, NORM=norm is not None,
         SS_P2=triton.next_power_of_2(ss_in.shape[1]) if ss_in is not None else 1,
-        PRELOAD=preload and pdl and v.x_steps > 0 and per <= 4, X_ONCE=v.x_once, **launch_options(pdl),
+        PRELOAD=(preload if preload is not None else not group or group >= bk) and pdl and v.x_steps > 0 and per <= 4,
+        X_ONCE=v.x_once,
+        **launch_options(pdl),
         **merge_consts, **({"maxnreg": max_regs} if max_regs else {}))
     if splits > 1 and not one_launch:
         launch_splitk_reduce(ws, bias, out, splits, silu_mul)

@@ -13,22 +13,22 @@ from quant_serve.kernels.w4a16.wgmma import _cta_barrier, _x_copy
 
 @gluon.jit
 def _mma_load(it, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, s_rows, stride_sg, stride_zg,
-              GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, EVEN_N: gl.constexpr, SCALE_AFTER: gl.constexpr,
+              GROUP: gl.constexpr, ZP_MODE: gl.constexpr, EVEN_N: gl.constexpr, SCALE_AFTER: gl.constexpr,
               BLOCK_K: gl.constexpr):
     """Step it's weight loads for the mma.sync loop; SCALE_AFTER: the step's scales in the accumulator's rows."""
     k0 = it * BLOCK_K
     if SCALE_AFTER:
         words, s_lo, s_hi, z_lo, z_hi = _load_step(k0, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
-                                                   stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, False)
+                                                   stride_sg, stride_zg, GROUP, ZP_MODE, EVEN_N, False)
         s_lo = gl.load(s_ptr + (k0 // GROUP) * stride_sg + s_rows)
     else:
         words, s_lo, s_hi, z_lo, z_hi = _load_step(k0, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
-                                                   stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N)
+                                                   stride_sg, stride_zg, GROUP, ZP_MODE, EVEN_N)
     return words, s_lo, s_hi, z_lo, z_hi
 
 
 @gluon.jit
-def _mma_one(acc, p, x_ptrs, m_mask, k_row, x_smem, xi, k0, K, n_lo, n_hi, HAS_ZEROS: gl.constexpr,
+def _mma_one(acc, p, x_ptrs, m_mask, k_row, x_smem, xi, k0, K, n_lo, n_hi, ZP_MODE: gl.constexpr,
              EVEN_K: gl.constexpr, X_SMEM: gl.constexpr, X_STEPS: gl.constexpr, SCALE_AFTER: gl.constexpr,
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, A_L: gl.constexpr,
              B_L: gl.constexpr):
@@ -43,9 +43,9 @@ def _mma_one(acc, p, x_ptrs, m_mask, k_row, x_smem, xi, k0, K, n_lo, n_hi, HAS_Z
         else:
             xt = gl.load(x_ptrs + k0, mask=m_mask & (k_row + k0 < K), other=0.0)
     if SCALE_AFTER:
-        a = _dequant_step(words, s_lo, s_hi, z_lo, z_hi, n_lo, n_hi, HAS_ZEROS, BLOCK_N, BLOCK_K, A_L, False)
+        a = _dequant_step(words, s_lo, s_hi, z_lo, z_hi, n_lo, n_hi, ZP_MODE, BLOCK_N, BLOCK_K, A_L, False)
     else:
-        a = _dequant_step(words, s_lo, s_hi, z_lo, z_hi, n_lo, n_hi, HAS_ZEROS, BLOCK_N, BLOCK_K, A_L)
+        a = _dequant_step(words, s_lo, s_hi, z_lo, z_hi, n_lo, n_hi, ZP_MODE, BLOCK_N, BLOCK_K, A_L)
     if X_STEPS > 0:
         # one row of x: every column of the B fragment holds it (the extra output columns are never stored)
         xb = x_smem.index(xi).load(gl.SliceLayout(1, B_L))[:, None].broadcast_to([BLOCK_K, BLOCK_M])
@@ -62,25 +62,25 @@ def _mma_one(acc, p, x_ptrs, m_mask, k_row, x_smem, xi, k0, K, n_lo, n_hi, HAS_Z
 
 @gluon.jit
 def _buf_step(acc, p, it, it0, it1, x_use, x_fill, x_ptrs, m_mask, k_row, K, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo,
-              n_hi, k_in, s_rows, stride_sg, stride_zg, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr,
+              n_hi, k_in, s_rows, stride_sg, stride_zg, GROUP: gl.constexpr, ZP_MODE: gl.constexpr,
               EVEN_N: gl.constexpr, EVEN_K: gl.constexpr, SCALE_AFTER: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, A_L: gl.constexpr, B_L: gl.constexpr):
     """Step it of the M > 1 loop over three x buffers with its weights p: the next step's weight loads issued,
     x(it) in x_use (copied two steps ahead), the copy of x(it + 2) issued into x_fill (read by step it - 1), then
     _mma_one. -> (acc, the next step's weights)."""
     nxt = _mma_load(gl.minimum(it + 1, it1 - 1), w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, s_rows,
-                    stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N, SCALE_AFTER, BLOCK_K)
+                    stride_sg, stride_zg, GROUP, ZP_MODE, EVEN_N, SCALE_AFTER, BLOCK_K)
     async_copy.wait_group(1)      # x(it) landed, x(it + 1) may still fly
     _cta_barrier()                # every thread's part of x(it); every thread done reading x(it - 1)
     _x_copy(x_fill, x_ptrs + gl.minimum(it + 2, it1 - 1) * BLOCK_K, m_mask)
-    acc = _mma_one(acc, p, x_ptrs, m_mask, k_row, x_use, it - it0, it * BLOCK_K, K, n_lo, n_hi, HAS_ZEROS, EVEN_K,
+    acc = _mma_one(acc, p, x_ptrs, m_mask, k_row, x_use, it - it0, it * BLOCK_K, K, n_lo, n_hi, ZP_MODE, EVEN_K,
                    True, 0, SCALE_AFTER, BLOCK_M, BLOCK_N, BLOCK_K, A_L, B_L)
     return acc, nxt
 
 
 @gluon.jit
 def _ring_steps(acc, cur, x_ptrs, m_mask, k_row, K, it0, it1, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
-                s_rows, stride_sg, stride_zg, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, EVEN_N: gl.constexpr,
+                s_rows, stride_sg, stride_zg, GROUP: gl.constexpr, ZP_MODE: gl.constexpr, EVEN_N: gl.constexpr,
                 EVEN_K: gl.constexpr, SCALE_AFTER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 BLOCK_K: gl.constexpr, A_L: gl.constexpr, B_L: gl.constexpr):
     """The M > 1 loop over steps it0..it1 from step it0's weights cur (requested by the caller before its PDL wait)
@@ -97,15 +97,15 @@ def _ring_steps(acc, cur, x_ptrs, m_mask, k_row, K, it0, it1, w_ptr, s_ptr, z_pt
     _x_copy(x_buf1, x_ptrs + gl.minimum(it0 + 1, it1 - 1) * BLOCK_K, m_mask)
     for it in range(it0, it1, 3):
         acc, cur = _buf_step(acc, cur, it, it0, it1, x_buf0, x_buf2, x_ptrs, m_mask, k_row, K, w_ptr, s_ptr, z_ptr,
-                             offs, w_mask, n_lo, n_hi, k_in, s_rows, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N,
+                             offs, w_mask, n_lo, n_hi, k_in, s_rows, stride_sg, stride_zg, GROUP, ZP_MODE, EVEN_N,
                              EVEN_K, SCALE_AFTER, BLOCK_M, BLOCK_N, BLOCK_K, A_L, B_L)
         if it + 1 < it1:
             acc, cur = _buf_step(acc, cur, it + 1, it0, it1, x_buf1, x_buf0, x_ptrs, m_mask, k_row, K, w_ptr, s_ptr,
-                                 z_ptr, offs, w_mask, n_lo, n_hi, k_in, s_rows, stride_sg, stride_zg, GROUP, HAS_ZEROS,
+                                 z_ptr, offs, w_mask, n_lo, n_hi, k_in, s_rows, stride_sg, stride_zg, GROUP, ZP_MODE,
                                  EVEN_N, EVEN_K, SCALE_AFTER, BLOCK_M, BLOCK_N, BLOCK_K, A_L, B_L)
         if it + 2 < it1:
             acc, cur = _buf_step(acc, cur, it + 2, it0, it1, x_buf2, x_buf1, x_ptrs, m_mask, k_row, K, w_ptr, s_ptr,
-                                 z_ptr, offs, w_mask, n_lo, n_hi, k_in, s_rows, stride_sg, stride_zg, GROUP, HAS_ZEROS,
+                                 z_ptr, offs, w_mask, n_lo, n_hi, k_in, s_rows, stride_sg, stride_zg, GROUP, ZP_MODE,
                                  EVEN_N, EVEN_K, SCALE_AFTER, BLOCK_M, BLOCK_N, BLOCK_K, A_L, B_L)
     async_copy.wait_group(0)
     return acc

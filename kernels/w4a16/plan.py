@@ -31,9 +31,14 @@ class KernelPlan:
 
 
 def layout_for(k: int, n: int, group_size: int, scales_dtype: torch.dtype, caps: GPUCaps,
-               options: KernelOptions) -> tuple[str, str]:
-    """-> ("frag" | "rows", why): the layout a layer's weights are prepared in at load."""
+               options: KernelOptions, offsets: bool = False, frag_offsets: bool = True) -> tuple[str, str]:
+    """-> ("frag" | "rows", why): the layout a layer's weights are prepared in at load. offsets: the layer has
+    float per-group offsets (GGUF Q4_0 / Q4_1 / Q4_K, W = q * s + o), which every kernel of both layouts takes
+    (ZP_MODE / OFFSETS constexprs). frag_offsets False: the device's offset probe of the fragment kernels failed
+    (`frag_offsets_work`), so an offset layer goes to the row layout."""
     gs = k if group_size <= 0 else group_size
+    if offsets and not frag_offsets:
+        return "rows", "float offsets (GGUF): the fragment kernels' offset probe failed on this device"
     if not caps.tensor_cores:
         return "rows", f"{caps.family} has no mma.sync tensor cores (sm80+)"
     if not options.frag_layout:
@@ -117,22 +122,47 @@ def frag_layout_works(device: torch.device) -> bool:
     return _mma_kernels_work(index)
 
 
-def _probe(device_index: int, kernel: str, cols: int, rows: int, call, fallback: str) -> bool:
+def _probe(device_index: int, kernel: str, cols: int, rows: int, call, fallback: str, offsets: bool = False) -> bool:
     """One tiny call of a Gluon kernel before any layer relies on it: `call(x, fw)` over x = ones [rows, 64] and
-    codes 0, symmetric (z = 8), scale 1 must give 64 x (0 - 8) = -512 everywhere."""
+    codes 0, symmetric (z = 8), scale 1 must give 64 x (0 - 8) = -512 everywhere; with offsets, codes 3, scale 1
+    and offset -0.5 must give 64 x 2.5 = 160."""
     from quant_serve.kernels.w4a16.frag import prepare_frag
     try:
         dev = torch.device("cuda", device_index)
-        fw = prepare_frag(torch.zeros(8, cols, dtype=torch.int32, device=dev),
-                          torch.ones(1, cols, dtype=torch.float16, device=dev), None, -1)
+        code_word = 0x33333333 if offsets else 0
+        ones = torch.ones(1, cols, dtype=torch.float16, device=dev)
+        fw = prepare_frag(torch.full((8, cols), code_word, dtype=torch.int32, device=dev), ones, None, -1,
+                          offsets=-0.5 * ones if offsets else None)
         y = call(torch.ones(rows, 64, dtype=torch.float16, device=dev), fw)
-        if bool((y == -512).all()):
+        if bool((y == (160 if offsets else -512)).all()):
             return True
         reason = f"wrong result {y.flatten()[:4].tolist()}"
     except Exception as e:  # noqa: BLE001 - any compile or launch failure means: the fallback serves
         reason = repr(e)[:300]
     _logger.warning("W4A16 %s unavailable on cuda:%d (%s); %s", kernel, device_index, reason, fallback)
     return False
+
+
+def frag_offsets_work(device: torch.device) -> bool:
+    """The fragment kernels the device's plan can pick dequantize float offsets right (one probe each, cached)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _frag_offsets_work(index)
+
+
+@lru_cache(maxsize=None)
+def _frag_offsets_work(device_index: int) -> bool:
+    from quant_serve.kernels.w4a16.mma import w4a16_mma
+    from quant_serve.kernels.w4a16.tma import w4a16_tma
+    runtime = probed_runtime(torch.device("cuda", device_index))
+    fallback = "GGUF INT4 layers with offsets use the row-layout kernels"
+    ok = _probe(device_index, "tensor-core kernel with offsets", 16, 1, w4a16_mma, fallback, offsets=True)
+    if ok and runtime.caps.wgmma:
+        ok = _probe(device_index, "wgmma kernel with offsets", 64, 17,
+                    lambda x, fw: w4a16_mma(x, fw, block_n=64, wgmma=True), fallback, offsets=True)
+    if ok and runtime.caps.tma:
+        ok = _probe(device_index, "TMA kernel with offsets", 128, 40,
+                    lambda x, fw: w4a16_tma(x, fw, block_n=64, consumers=1), fallback, offsets=True)
+    return ok
 
 
 @lru_cache(maxsize=None)

@@ -14,7 +14,8 @@ class W4A16Weights:
     """INT4 weights in the kernel layout. qweight: int32 [ceil(K/pack_k)*pack_k/8, N] whose bytes, seen as uint8
     [Kp/2, N], hold per pack_k chunk c and row r < pack_k/2 the codes of rows c*pack_k + r (low nibble) and
     c*pack_k + pack_k/2 + r (high nibble), columns in col_perm order (pad rows hold code 0 and meet zero
-    activations); scales [G, N]; qzeros int32 [G, ceil(N/8)] or None."""
+    activations); scales [G, N]; qzeros int32 [G, ceil(N/8)] or None; offsets [G, N] like scales or None (GGUF's
+    float per-group offset, W = q * s + o; only with qzeros None)."""
     qweight: torch.Tensor
     scales: torch.Tensor
     qzeros: torch.Tensor | None
@@ -22,6 +23,7 @@ class W4A16Weights:
     in_features: int           # K
     pack_k: int
     perm: torch.Tensor | None  # int64 [K]: y = x[:, perm] @ W
+    offsets: torch.Tensor | None = None
 
     @property
     def out_features(self) -> int:
@@ -63,14 +65,19 @@ def weight_bytes(w: "W4A16Weights") -> torch.Tensor:
 
 
 def prepare_w4a16(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None, group_size: int,
-                  perm: torch.Tensor | None = None, pack_k: int = DEFAULT_PACK_K) -> W4A16Weights:
-    """Standard internal layout (reference.py) -> W4A16Weights. Run once at load, on the weights' device."""
+                  perm: torch.Tensor | None = None, pack_k: int = DEFAULT_PACK_K,
+                  offsets: torch.Tensor | None = None) -> W4A16Weights:
+    """Standard internal layout (reference.py) -> W4A16Weights. Run once at load, on the weights' device.
+    offsets (GGUF Q4_0 / Q4_1 / Q4_K) are cast to the scales' dtype: the loader may hand fp32 scales and offsets
+    (Q4_K's sub-scales times super-scales), which the caller casts to the activation dtype (fp16 / bf16) first, as
+    for any checkpoint's scales; the kernels read both in one dtype."""
     k = qweight.shape[0] * 8
     n = qweight.shape[1]
     gs = k if group_size <= 0 else group_size
     num_groups = scales.shape[0]
     if num_groups != -(-k // gs):
         raise ValueError(f"scales have {num_groups} groups, expected ceil({k}/{gs})")
+    check_offsets(offsets, scales, qzeros)
     if pack_k not in (128, 256, 512):              # pack_k/2 is a dot's K
         raise ValueError(f"pack_k must be 128, 256 or 512, got {pack_k}")
     if num_groups > 1 and gs % (pack_k // 8):
@@ -84,7 +91,18 @@ def prepare_w4a16(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Ten
         codes = torch.cat([codes, codes.new_zeros(kp - k, codes.shape[1])]) if kp > k else codes
         out[:, n0:n0 + step] = _to_bytes(codes, pack_k)
     return W4A16Weights(words, scales.contiguous(), None if qzeros is None else qzeros.contiguous(), gs, k, pack_k,
-                        None if perm is None else perm.to(torch.long))
+                        None if perm is None else perm.to(torch.long),
+                        None if offsets is None else offsets.to(scales.dtype).contiguous())
+
+
+def check_offsets(offsets: torch.Tensor | None, scales: torch.Tensor, qzeros: torch.Tensor | None) -> None:
+    """Float offsets must match the scales' [G, N] and exclude integer zero points (reference.py's layout)."""
+    if offsets is None:
+        return
+    if qzeros is not None:
+        raise ValueError("a layer has either integer zero points or float offsets, not both")
+    if offsets.shape != scales.shape:
+        raise ValueError(f"offsets {tuple(offsets.shape)} must have the scales' shape {tuple(scales.shape)}")
 
 
 def rows_standard(w: W4A16Weights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:

@@ -9,7 +9,7 @@ import torch
 
 from quant_serve.kernels.triton_compat import tl, triton
 from quant_serve.kernels.w4a16.rows_gemv import (_dequant, _dequant_words, _interleave4, _load_chunk, _load_words,
-                                                 fast_dequant_ok)
+                                                 fast_dequant_ok, zero_arg)
 from quant_serve.kernels.w4a16.splitk import _store_result, launch_splitk_reduce, split_buffers, split_plan
 from quant_serve.kernels.w4a16.rows import weight_bytes
 
@@ -20,7 +20,8 @@ def _w4a16_gemm_kernel(x_ptr, b_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bia
                        HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, SLICE_GROUPS: tl.constexpr,
                        SPLIT: tl.constexpr, ONE_LAUNCH: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
                        FAST: tl.constexpr, PERMUTED: tl.constexpr, SWAP: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PACK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PACK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                       OFFSETS: tl.constexpr):
     """Grid (M tiles * N tiles, splits)."""
     P2: tl.constexpr = PACK_K // 2
     pid = tl.program_id(0)
@@ -54,7 +55,7 @@ def _w4a16_gemm_kernel(x_ptr, b_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bia
                           j_mask, HAS_ZEROS, SLICE_GROUPS, EVEN_N, PACK_K)
     else:
         cur = _load_chunk(b_ptr, s_ptr, z_ptr, c_begin, N, G, group_size, stride_sg, stride_zg, offs_r, offs_n,
-                          n_mask, HAS_ZEROS, SLICE_GROUPS, EVEN_N, FAST, PERMUTED, PACK_K)
+                          n_mask, HAS_ZEROS, SLICE_GROUPS, EVEN_N, FAST, PERMUTED, PACK_K, OFFSETS)
     for c in range(c_begin, c_end):
         # the next chunk's weights go out before this chunk's math (the last chunk re-reads itself, from L2)
         if FAST:
@@ -63,7 +64,7 @@ def _w4a16_gemm_kernel(x_ptr, b_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bia
         else:
             nxt = _load_chunk(b_ptr, s_ptr, z_ptr, tl.minimum(c + 1, c_end - 1), N, G, group_size, stride_sg,
                               stride_zg, offs_r, offs_n, n_mask, HAS_ZEROS, SLICE_GROUPS, EVEN_N, FAST, PERMUTED,
-                              PACK_K)
+                              PACK_K, OFFSETS)
         k_lo = c * PACK_K + offs_r
         if EVEN_K:
             x_lo = tl.load(x_rows + k_lo[None, :])                                     # [BM, P2]
@@ -77,7 +78,7 @@ def _w4a16_gemm_kernel(x_ptr, b_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bia
             w_hi = _interleave4(h0, h1, h2, h3)
         else:
             b, s_lo, z_lo, s_hi, z_hi = cur
-            w_lo, w_hi = _dequant(b, s_lo, z_lo, s_hi, z_hi)
+            w_lo, w_hi = _dequant(b, s_lo, z_lo, s_hi, z_hi, OFFSETS)
             w_lo = w_lo.to(x_lo.dtype)
             w_hi = w_hi.to(x_lo.dtype)
         if SWAP:
@@ -98,7 +99,8 @@ def _w4a16_gemm_kernel(x_ptr, b_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bia
 @triton.jit
 def _w4a16_dequant_kernel(b_ptr, s_ptr, z_ptr, out_ptr, N, K, G, group_size, stride_sg, stride_zg, stride_on, NW,
                           HAS_ZEROS: tl.constexpr, SLICE_GROUPS: tl.constexpr, EVEN_N: tl.constexpr,
-                          FAST: tl.constexpr, PERMUTED: tl.constexpr, BLOCK_N: tl.constexpr, PACK_K: tl.constexpr):
+                          FAST: tl.constexpr, PERMUTED: tl.constexpr, BLOCK_N: tl.constexpr, PACK_K: tl.constexpr,
+                          OFFSETS: tl.constexpr):
     """Grid (K chunks, N tiles): one PACK_K chunk -> W rows [k0, k0 + PACK_K) in natural order."""
     P2: tl.constexpr = PACK_K // 2
     c = tl.program_id(0)
@@ -116,8 +118,8 @@ def _w4a16_dequant_kernel(b_ptr, s_ptr, z_ptr, out_ptr, N, K, G, group_size, str
     else:
         b, s_lo, z_lo, s_hi, z_hi = _load_chunk(b_ptr, s_ptr, z_ptr, c, N, G, group_size, stride_sg, stride_zg,
                                                 offs_r, offs_n, n_mask, HAS_ZEROS, SLICE_GROUPS, EVEN_N, FAST,
-                                                PERMUTED, PACK_K)
-        w_lo, w_hi = _dequant(b, s_lo, z_lo, s_hi, z_hi)
+                                                PERMUTED, PACK_K, OFFSETS)
+        w_lo, w_hi = _dequant(b, s_lo, z_lo, s_hi, z_hi, OFFSETS)
     k_lo = c * PACK_K + offs_r
     ptrs = out_ptr + k_lo[:, None] * stride_on + offs_n[None, :]
     tl.store(ptrs, w_lo.to(out_ptr.dtype.element_ty), mask=(k_lo < K)[:, None] & n_mask[None, :])
@@ -136,7 +138,7 @@ def w4a16_gemm(x: torch.Tensor, w, bias: torch.Tensor | None, block_m: int, bloc
     tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
     one_launch = one_launch and splits > 1
     out, ws, counters = split_buffers(x, M, N, splits, one_launch, tiles)
-    zeros = w.qzeros if w.qzeros is not None else w.qweight
+    zeros = zero_arg(w)
     fast = fast_dequant_ok(x, w)
     _w4a16_gemm_kernel[(tiles, splits)](
         x, w.qweight if fast else weight_bytes(w), w.scales.view(torch.int32) if fast else w.scales, zeros, out, ws,
@@ -146,7 +148,7 @@ def w4a16_gemm(x: torch.Tensor, w, bias: torch.Tensor | None, block_m: int, bloc
         HAS_ZEROS=w.qzeros is not None, HAS_BIAS=bias is not None, SLICE_GROUPS=w.slice_groups,
         SPLIT=splits > 1, ONE_LAUNCH=one_launch, EVEN_N=N % block_n == 0, EVEN_K=K % w.pack_k == 0, FAST=fast,
         PERMUTED=N % 4 == 0, SWAP=swap, BLOCK_M=block_m, BLOCK_N=block_n, PACK_K=w.pack_k, GROUP_M=group_m,
-        num_warps=num_warps, num_stages=num_stages)
+        OFFSETS=w.offsets is not None, num_warps=num_warps, num_stages=num_stages)
     if splits > 1 and not one_launch:
         launch_splitk_reduce(ws, bias, out, splits)
     return out
@@ -154,10 +156,10 @@ def w4a16_gemm(x: torch.Tensor, w, bias: torch.Tensor | None, block_m: int, bloc
 
 def w4a16_dequantize(w, dtype: torch.dtype, block_n: int = 128) -> torch.Tensor:
     """W4A16Weights -> dense W [K, N] in `dtype`, rows in internal (act-order) order; one rounding of (q - z) * s
-    (fp16: the packed-half fast path, bit-identical; otherwise fp32 math)."""
+    or q * s + o (fp16: the packed-half fast path, bit-identical; otherwise fp32 math)."""
     K, N = w.in_features, w.qweight.shape[1]
     out = torch.empty((K, N), dtype=dtype, device=w.qweight.device)
-    zeros = w.qzeros if w.qzeros is not None else w.qweight
+    zeros = zero_arg(w)
     grid = (triton.cdiv(K, w.pack_k), triton.cdiv(N, block_n))
     fast = fast_dequant_ok(out, w, dtype)
     _w4a16_dequant_kernel[grid](
@@ -165,7 +167,8 @@ def w4a16_dequantize(w, dtype: torch.dtype, block_n: int = 128) -> torch.Tensor:
         w.scales.shape[0], w.group_size, w.scales.stride(0) // 2 if fast else w.scales.stride(0),
         zeros.stride(0), out.stride(0), N // 4,
         HAS_ZEROS=w.qzeros is not None, SLICE_GROUPS=w.slice_groups, EVEN_N=N % block_n == 0,
-        FAST=fast, PERMUTED=N % 4 == 0, BLOCK_N=block_n, PACK_K=w.pack_k, num_warps=4)
+        FAST=fast, PERMUTED=N % 4 == 0, BLOCK_N=block_n, PACK_K=w.pack_k, OFFSETS=w.offsets is not None,
+        num_warps=4)
     return out
 
 

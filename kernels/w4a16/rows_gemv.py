@@ -89,22 +89,37 @@ ZHI_BASE = tl.constexpr(0xD400D400 - (1 << 32))     # fp16 pair (-64, -64), as a
 
 
 def fast_dequant_ok(x: torch.Tensor, w, out_dtype: torch.dtype | None = None) -> bool:
-    """The inline-asm fp16 dequant applies: compiled CUDA, fp16 activations and scales, N % 4 == 0."""
+    """The inline-asm fp16 dequant applies: compiled CUDA, fp16 activations and scales, N % 4 == 0, integer zero
+    points (float offsets take the plain path: GGUF's groups of 32 slice a chunk, which the fast path never takes
+    either)."""
     return (x.is_cuda and not interpreting() and w.scales.dtype == torch.float16
-            and not w.slice_groups
+            and not w.slice_groups and w.offsets is None
             and (out_dtype or x.dtype) == torch.float16 and w.qweight.shape[1] % 4 == 0
             and w.scales.stride(-1) == 1)
 
 
+def zero_arg(w) -> torch.Tensor:
+    """The row-layout kernels' zero-point argument: packed int4 zeros, the float offsets (OFFSETS), or any tensor
+    (symmetric: never read)."""
+    return w.qzeros if w.qzeros is not None else w.offsets if w.offsets is not None else w.qweight
+
+
 @triton.jit
 def _group_params(s_ptr, z_ptr, g, stride_sg, stride_zg, offs_n, n_mask,
-                  HAS_ZEROS: tl.constexpr, EVEN_N: tl.constexpr):
-    """Scale (its own dtype) and zero point (fp32) of group g (a scalar -> [1, BN], or [R, 1] -> [R, BN])."""
+                  HAS_ZEROS: tl.constexpr, EVEN_N: tl.constexpr, OFFSETS: tl.constexpr = False):
+    """Scale (its own dtype) and zero point (fp32) of group g (a scalar -> [1, BN], or [R, 1] -> [R, BN]).
+    OFFSETS: z_ptr holds float offsets [G, N] (stride_zg) and the second value is the group's offset (fp32); it
+    takes the zero point's registers, so an offset layer holds no more than a zero-point one."""
     if EVEN_N:
         s = tl.load(s_ptr + g * stride_sg + offs_n[None, :])
     else:
         s = tl.load(s_ptr + g * stride_sg + offs_n[None, :], mask=n_mask[None, :], other=0.0)
-    if HAS_ZEROS:
+    if OFFSETS:
+        if EVEN_N:
+            z = tl.load(z_ptr + g * stride_zg + offs_n[None, :]).to(tl.float32)
+        else:
+            z = tl.load(z_ptr + g * stride_zg + offs_n[None, :], mask=n_mask[None, :], other=0.0).to(tl.float32)
+    elif HAS_ZEROS:
         zw = tl.load(z_ptr + g * stride_zg + (offs_n // 8)[None, :], mask=n_mask[None, :], other=0)
         z = ((zw >> ((offs_n % 8) * 4)[None, :]) & 0xF).to(tl.float32)
     else:
@@ -115,9 +130,9 @@ def _group_params(s_ptr, z_ptr, g, stride_sg, stride_zg, offs_n, n_mask,
 @triton.jit
 def _load_chunk(b_ptr, s_ptr, z_ptr, c, N, G, group_size, stride_sg, stride_zg, offs_r, offs_n, n_mask,
                 HAS_ZEROS: tl.constexpr, SLICE_GROUPS: tl.constexpr, EVEN_N: tl.constexpr, FAST: tl.constexpr,
-                PERMUTED: tl.constexpr, PACK_K: tl.constexpr):
+                PERMUTED: tl.constexpr, PACK_K: tl.constexpr, OFFSETS: tl.constexpr = False):
     """Byte tile [P2, BN] of chunk c (memory column order when FAST, else real order) and the groups' scales and
-    zero points for its low rows (k0 + r) and high rows (k0 + P2 + r)."""
+    zero points (OFFSETS: float offsets) for its low rows (k0 + r) and high rows (k0 + P2 + r)."""
     P2: tl.constexpr = PACK_K // 2
     if FAST or not PERMUTED:
         cols = offs_n
@@ -132,11 +147,14 @@ def _load_chunk(b_ptr, s_ptr, z_ptr, c, N, G, group_size, stride_sg, stride_zg, 
     if SLICE_GROUPS:
         g_lo = tl.minimum((k0 + offs_r) // group_size, G - 1)[:, None]
         g_hi = tl.minimum((k0 + P2 + offs_r) // group_size, G - 1)[:, None]
-        s_lo, z_lo = _group_params(s_ptr, z_ptr, g_lo, stride_sg, stride_zg, offs_n, n_mask, HAS_ZEROS, EVEN_N)
-        s_hi, z_hi = _group_params(s_ptr, z_ptr, g_hi, stride_sg, stride_zg, offs_n, n_mask, HAS_ZEROS, EVEN_N)
+        s_lo, z_lo = _group_params(s_ptr, z_ptr, g_lo, stride_sg, stride_zg, offs_n, n_mask, HAS_ZEROS, EVEN_N,
+                                   OFFSETS)
+        s_hi, z_hi = _group_params(s_ptr, z_ptr, g_hi, stride_sg, stride_zg, offs_n, n_mask, HAS_ZEROS, EVEN_N,
+                                   OFFSETS)
     else:
         g = tl.minimum(k0 // group_size, G - 1)   # K padding rows clamp to the last group (their activations are 0)
-        s_lo, z_lo = _group_params(s_ptr, z_ptr, g, stride_sg, stride_zg, offs_n, n_mask, HAS_ZEROS, EVEN_N)
+        s_lo, z_lo = _group_params(s_ptr, z_ptr, g, stride_sg, stride_zg, offs_n, n_mask, HAS_ZEROS, EVEN_N,
+                                   OFFSETS)
         s_hi, z_hi = s_lo, z_lo
     return b, s_lo, z_lo, s_hi, z_hi
 
@@ -198,10 +216,15 @@ def _interleave4(a, b, c, d):
 
 
 @triton.jit
-def _dequant(b, s_lo, z_lo, s_hi, z_hi):
-    """Plain path: -> (W rows k0 + r, W rows k0 + P2 + r), each fp32 [P2, BN], real column order."""
-    lo = ((b & 0xF).to(tl.float32) - z_lo) * s_lo.to(tl.float32)
-    hi = ((b >> 4).to(tl.float32) - z_hi) * s_hi.to(tl.float32)
+def _dequant(b, s_lo, z_lo, s_hi, z_hi, OFFSETS: tl.constexpr = False):
+    """Plain path: -> (W rows k0 + r, W rows k0 + P2 + r), each fp32 [P2, BN], real column order. OFFSETS: z_* are
+    float offsets, W = q * s + o; else zero points, W = (q - z) * s."""
+    if OFFSETS:
+        lo = (b & 0xF).to(tl.float32) * s_lo.to(tl.float32) + z_lo
+        hi = (b >> 4).to(tl.float32) * s_hi.to(tl.float32) + z_hi
+    else:
+        lo = ((b & 0xF).to(tl.float32) - z_lo) * s_lo.to(tl.float32)
+        hi = ((b >> 4).to(tl.float32) - z_hi) * s_hi.to(tl.float32)
     return lo, hi
 
 
@@ -229,10 +252,10 @@ def _fma_words(words, x_lo, x_hi, a0, a1, a2, a3):
 
 
 @triton.jit
-def _fma_bytes(tile, x_lo, x_hi, acc):
+def _fma_bytes(tile, x_lo, x_hi, acc, OFFSETS: tl.constexpr):
     """Plain path: acc [R, BN] += dequant(byte tile) * x."""
     b, s_lo, z_lo, s_hi, z_hi = tile
-    w_lo, w_hi = _dequant(b, s_lo, z_lo, s_hi, z_hi)
+    w_lo, w_hi = _dequant(b, s_lo, z_lo, s_hi, z_hi, OFFSETS)
     return acc + w_lo * x_lo[:, None] + w_hi * x_hi[:, None]
 
 
@@ -242,7 +265,7 @@ def _w4a16_gemv_kernel(x_ptr, b_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bia
                        HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, SLICE_GROUPS: tl.constexpr,
                        SPLIT: tl.constexpr, ONE_LAUNCH: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
                        FAST: tl.constexpr, PERMUTED: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
-                       STAGES: tl.constexpr, PACK_K: tl.constexpr):
+                       STAGES: tl.constexpr, PACK_K: tl.constexpr, OFFSETS: tl.constexpr):
     """Grid (M, N tiles, splits): rows vary fastest, so a weight tile's programs run together and all but the
     first read it from L2. A step covers ROWS rows of a chunk's byte/word tile (ROWS = PACK_K/2: the whole chunk);
     STAGES = 0 prefetches the next step into registers, STAGES >= 2 loads inside tl.range(num_stages=STAGES), which
@@ -291,22 +314,22 @@ def _w4a16_gemv_kernel(x_ptr, b_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bia
         if STAGES == 0:
             cur = _load_chunk(b_ptr, s_ptr, z_ptr, i_begin // RPC, N, G, group_size, stride_sg, stride_zg,
                               (i_begin % RPC) * ROWS + tl.arange(0, ROWS), offs_n, n_mask, HAS_ZEROS, SLICE_GROUPS,
-                              EVEN_N, FAST, PERMUTED, PACK_K)
+                              EVEN_N, FAST, PERMUTED, PACK_K, OFFSETS)
             for i in range(i_begin, i_end):
                 i_nx = tl.minimum(i + 1, i_end - 1)
                 nxt = _load_chunk(b_ptr, s_ptr, z_ptr, i_nx // RPC, N, G, group_size, stride_sg, stride_zg,
                                   (i_nx % RPC) * ROWS + tl.arange(0, ROWS), offs_n, n_mask, HAS_ZEROS, SLICE_GROUPS,
-                                  EVEN_N, FAST, PERMUTED, PACK_K)
+                                  EVEN_N, FAST, PERMUTED, PACK_K, OFFSETS)
                 x_lo, x_hi = _x_rows(x_row, i // RPC, (i % RPC) * ROWS + tl.arange(0, ROWS), K, EVEN_K, PACK_K)
-                acc = _fma_bytes(cur, x_lo, x_hi, acc)
+                acc = _fma_bytes(cur, x_lo, x_hi, acc, OFFSETS)
                 cur = nxt
         else:
             for i in tl.range(i_begin, i_end, num_stages=STAGES):
                 offs_r = (i % RPC) * ROWS + tl.arange(0, ROWS)
                 cur = _load_chunk(b_ptr, s_ptr, z_ptr, i // RPC, N, G, group_size, stride_sg, stride_zg, offs_r,
-                                  offs_n, n_mask, HAS_ZEROS, SLICE_GROUPS, EVEN_N, FAST, PERMUTED, PACK_K)
+                                  offs_n, n_mask, HAS_ZEROS, SLICE_GROUPS, EVEN_N, FAST, PERMUTED, PACK_K, OFFSETS)
                 x_lo, x_hi = _x_rows(x_row, i // RPC, offs_r, K, EVEN_K, PACK_K)
-                acc = _fma_bytes(cur, x_lo, x_hi, acc)
+                acc = _fma_bytes(cur, x_lo, x_hi, acc, OFFSETS)
         res = tl.sum(acc, axis=0)[None, :]                                     # [1, BLOCK_N]
     offs_m = pid_m + tl.arange(0, 1)
     _store_result(res, out_ptr, ws_ptr, cnt_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om, pid_k, n_splits,
@@ -330,7 +353,7 @@ def w4a16_gemv(x: torch.Tensor, w, bias: torch.Tensor | None, block_n: int, spli
     one_launch = one_launch and splits > 1
     fused = silu_mul and splits > 1 and not one_launch             # the reduce pass applies silu(gate) * up
     out, ws, counters = split_buffers(x, M, N, splits, one_launch, M * n_tiles, N // 2 if fused else 0)
-    zeros = w.qzeros if w.qzeros is not None else w.qweight
+    zeros = zero_arg(w)
     fast = fast_dequant_ok(x, w)
     # fast path: int32 words [Kp/2, N/4] and fp16 scale pairs as int32 [G, N/2]
     _w4a16_gemv_kernel[(M, n_tiles, splits)](
@@ -341,7 +364,7 @@ def w4a16_gemv(x: torch.Tensor, w, bias: torch.Tensor | None, block_n: int, spli
         HAS_ZEROS=w.qzeros is not None, HAS_BIAS=bias is not None, SLICE_GROUPS=w.slice_groups,
         SPLIT=splits > 1, ONE_LAUNCH=one_launch, EVEN_N=N % block_n == 0, EVEN_K=K % w.pack_k == 0, FAST=fast,
         PERMUTED=N % 4 == 0, BLOCK_N=block_n, ROWS=rows, STAGES=num_stages if pipeline else 0, PACK_K=w.pack_k,
-        num_warps=num_warps, num_stages=num_stages)
+        OFFSETS=w.offsets is not None, num_warps=num_warps, num_stages=num_stages)
     if splits > 1 and not one_launch:
         launch_splitk_reduce(ws, bias, out, splits, silu_mul=fused)   # [M, N/2] when fused
         return out

@@ -83,7 +83,7 @@ def _tma_producer(w_desc, x_desc, w_ring, x_ring, ready, empty, m_tiles, steps, 
 
 @gluon.jit
 def _tma_issue(acc, g, it, r, k1, w_ring, x_ring, ready, s_ptr, z_ptr, n_lo, n_hi, k_in, stride_sg, stride_zg,
-               WG: gl.constexpr, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, HALF: gl.constexpr,
+               WG: gl.constexpr, GROUP: gl.constexpr, ZP_MODE: gl.constexpr, HALF: gl.constexpr,
                BLOCK_K: gl.constexpr, STAGES: gl.constexpr, A_L: gl.constexpr, WL: gl.constexpr, SL: gl.constexpr):
     """Step `it` of a consumer warpgroup from ring slot r: wait for stage r % STAGES, dequantize its words with the
     group rows `g` into the A registers, issue the wgmma. -> (acc token, the A tile it reads, the group rows of step
@@ -94,23 +94,23 @@ def _tma_issue(acc, g, it, r, k1, w_ring, x_ring, ready, s_ptr, z_ptr, n_lo, n_h
     w = w_ring.index(s).slice(WG * (HALF // 16), HALF // 16).load(SL)     # [HALF / 16, 128 RK]
     w = gl.permute(gl.reshape(w, [HALF // 16, RK, 8, 4, 4]), [0, 2, 1, 3, 4])
     w = gl.convert_layout(gl.reshape(w, [HALF // 2, RK, 4, 4]), WL, assert_trivial=True)
-    a = _dequant_step(w, g[0], g[1], g[2], g[3], n_lo, n_hi, HAS_ZEROS, HALF, BLOCK_K, A_L)
+    a = _dequant_step(w, g[0], g[1], g[2], g[3], n_lo, n_hi, ZP_MODE, HALF, BLOCK_K, A_L)
     g = _load_group(gl.minimum(it + 2, k1 - 1) * BLOCK_K, s_ptr, z_ptr, n_lo, n_hi, k_in, stride_sg, stride_zg,
-                    GROUP, HAS_ZEROS)
+                    GROUP, ZP_MODE)
     acc = warpgroup_mma(a, x_ring.index(s).permute((1, 0)), acc, is_async=True)
     return acc, a, g
 
 
 @gluon.jit
 def _tma_step(acc, g, it, r, k1, w_ring, x_ring, ready, empty, s_ptr, z_ptr, n_lo, n_hi, k_in, stride_sg,
-              stride_zg, WG: gl.constexpr, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, HALF: gl.constexpr,
+              stride_zg, WG: gl.constexpr, GROUP: gl.constexpr, ZP_MODE: gl.constexpr, HALF: gl.constexpr,
               BLOCK_K: gl.constexpr, STAGES: gl.constexpr, A_L: gl.constexpr, WL: gl.constexpr, SL: gl.constexpr):
     """Step `it`, its wgmma waited for at once, its stage freed. -> (acc, the group rows of step it + 2).
     Without the overlap the other warpgroup, or the SM's other program, fills the tensor cores during a dequant.
     (The A tile through a shared double buffer measured slower at every shape: bench/NOTES-kernels.md entry 25;
     the two consumers' wgmmas in turn, by mbarriers, slower at 19 of 20 points: exp-tma-pingpong-h200.json.)"""
     acc, a, g = _tma_issue(acc, g, it, r, k1, w_ring, x_ring, ready, s_ptr, z_ptr, n_lo, n_hi, k_in, stride_sg,
-                           stride_zg, WG, GROUP, HAS_ZEROS, HALF, BLOCK_K, STAGES, A_L, WL, SL)
+                           stride_zg, WG, GROUP, ZP_MODE, HALF, BLOCK_K, STAGES, A_L, WL, SL)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
     mbarrier.arrive(empty.index(r % STAGES), count=1)
     return acc, g
@@ -136,7 +136,7 @@ def _store_y(acc, out_ptr, bias_ptr, n0, m0, M, N, stride_om, HAS_BIAS: gl.const
 @gluon.jit
 def _consume(tile, k0, k1, r, seg, nseg, t_sk, w_ring, x_ring, ready, empty, s_ptr, z_ptr, out_ptr, ws_ptr,
              bias_ptr, M, N, KP, m_tiles, max_segs, stride_om, stride_sg, stride_zg, WG: gl.constexpr,
-             HAS_BIAS: gl.constexpr, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, EVEN_N: gl.constexpr,
+             HAS_BIAS: gl.constexpr, GROUP: gl.constexpr, ZP_MODE: gl.constexpr, EVEN_N: gl.constexpr,
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
              CONSUMERS: gl.constexpr, OVERLAP: gl.constexpr):
     """Steps [k0, k1) of `tile` for warpgroup WG's HALF rows, from ring slot r on: y, or where the tile is split
@@ -154,27 +154,27 @@ def _consume(tile, k0, k1, r, seg, nseg, t_sk, w_ring, x_ring, ready, empty, s_p
     # two sets of scale / zero rows (the loop unrolled twice), each loaded two steps before its use into the
     # registers its last use just freed: a loop carrying one set would move it at the step's end, and the move
     # waits for the load (a round trip a step; four sets measured the same as two: bench/NOTES-kernels.md entry 25)
-    g_even = _load_group(k0 * BLOCK_K, s_ptr, z_ptr, n_lo, n_hi, k_in, stride_sg, stride_zg, GROUP, HAS_ZEROS)
+    g_even = _load_group(k0 * BLOCK_K, s_ptr, z_ptr, n_lo, n_hi, k_in, stride_sg, stride_zg, GROUP, ZP_MODE)
     g_odd = _load_group(gl.minimum(k0 + 1, k1 - 1) * BLOCK_K, s_ptr, z_ptr, n_lo, n_hi, k_in, stride_sg, stride_zg,
-                        GROUP, HAS_ZEROS)
+                        GROUP, ZP_MODE)
     if OVERLAP:     # each step's dequant beside the previous step's wgmma; A tiles alternate between two sets
         acc, a_e, g_even = _tma_issue(acc, g_even, k0, r, k1, w_ring, x_ring, ready, s_ptr, z_ptr, n_lo, n_hi, k_in,
-                                      stride_sg, stride_zg, WG, GROUP, HAS_ZEROS, HALF, BLOCK_K, STAGES, A_L, WL, SL)
+                                      stride_sg, stride_zg, WG, GROUP, ZP_MODE, HALF, BLOCK_K, STAGES, A_L, WL, SL)
         for it in range(k0 + 1, k1 - 1, 2):
             acc, a_o, g_odd = _tma_issue(acc, g_odd, it, r + it - k0, k1, w_ring, x_ring, ready, s_ptr, z_ptr, n_lo,
-                                         n_hi, k_in, stride_sg, stride_zg, WG, GROUP, HAS_ZEROS, HALF, BLOCK_K,
+                                         n_hi, k_in, stride_sg, stride_zg, WG, GROUP, ZP_MODE, HALF, BLOCK_K,
                                          STAGES, A_L, WL, SL)
             acc, a_e = warpgroup_mma_wait(num_outstanding=1, deps=[acc, a_e])
             mbarrier.arrive(empty.index((r + it - 1 - k0) % STAGES), count=1)
             acc, a_e, g_even = _tma_issue(acc, g_even, it + 1, r + it + 1 - k0, k1, w_ring, x_ring, ready, s_ptr,
-                                          z_ptr, n_lo, n_hi, k_in, stride_sg, stride_zg, WG, GROUP, HAS_ZEROS, HALF,
+                                          z_ptr, n_lo, n_hi, k_in, stride_sg, stride_zg, WG, GROUP, ZP_MODE, HALF,
                                           BLOCK_K, STAGES, A_L, WL, SL)
             acc, a_o = warpgroup_mma_wait(num_outstanding=1, deps=[acc, a_o])
             mbarrier.arrive(empty.index((r + it - k0) % STAGES), count=1)
             acc = warpgroup_mma_init(acc)          # the loop carries the token of the wgmma in flight
         if (k1 - k0) % 2 == 0:
             acc, a_o, g_odd = _tma_issue(acc, g_odd, k1 - 1, r + k1 - 1 - k0, k1, w_ring, x_ring, ready, s_ptr,
-                                         z_ptr, n_lo, n_hi, k_in, stride_sg, stride_zg, WG, GROUP, HAS_ZEROS, HALF,
+                                         z_ptr, n_lo, n_hi, k_in, stride_sg, stride_zg, WG, GROUP, ZP_MODE, HALF,
                                          BLOCK_K, STAGES, A_L, WL, SL)
             acc, a_e = warpgroup_mma_wait(num_outstanding=1, deps=[acc, a_e])
             mbarrier.arrive(empty.index((r + k1 - 2 - k0) % STAGES), count=1)
@@ -188,11 +188,11 @@ def _consume(tile, k0, k1, r, seg, nseg, t_sk, w_ring, x_ring, ready, empty, s_p
     else:
         for it in range(k0, k1, 2):
             acc, g_even = _tma_step(acc, g_even, it, r + it - k0, k1, w_ring, x_ring, ready, empty, s_ptr, z_ptr,
-                                    n_lo, n_hi, k_in, stride_sg, stride_zg, WG, GROUP, HAS_ZEROS, HALF, BLOCK_K,
+                                    n_lo, n_hi, k_in, stride_sg, stride_zg, WG, GROUP, ZP_MODE, HALF, BLOCK_K,
                                     STAGES, A_L, WL, SL)
             if it + 1 < k1:
                 acc, g_odd = _tma_step(acc, g_odd, it + 1, r + it + 1 - k0, k1, w_ring, x_ring, ready, empty, s_ptr,
-                                       z_ptr, n_lo, n_hi, k_in, stride_sg, stride_zg, WG, GROUP, HAS_ZEROS, HALF,
+                                       z_ptr, n_lo, n_hi, k_in, stride_sg, stride_zg, WG, GROUP, ZP_MODE, HALF,
                                        BLOCK_K, STAGES, A_L, WL, SL)
     if nseg == 1:
         _store_y(acc, out_ptr, bias_ptr, half * HALF, m0, M, N, stride_om, HAS_BIAS, HALF, BLOCK_M, MMA)
@@ -207,7 +207,7 @@ def _consume(tile, k0, k1, r, seg, nseg, t_sk, w_ring, x_ring, ready, empty, s_p
 @gluon.jit
 def _tma_consumer(w_ring, x_ring, ready, empty, s_ptr, z_ptr, out_ptr, ws_ptr, bias_ptr, M, N, KP, m_tiles,
                   steps, waves, tail, p_sk, max_segs, stride_om, stride_sg, stride_zg, WG: gl.constexpr,
-                  HAS_BIAS: gl.constexpr, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, EVEN_N: gl.constexpr,
+                  HAS_BIAS: gl.constexpr, GROUP: gl.constexpr, ZP_MODE: gl.constexpr, EVEN_N: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                   CONSUMERS: gl.constexpr, OVERLAP: gl.constexpr):
     """Warpgroup WG (a partition of its own, so two never wait at each other's barriers): rows
@@ -219,7 +219,7 @@ def _tma_consumer(w_ring, x_ring, ready, empty, s_ptr, z_ptr, out_ptr, ws_ptr, b
     for j in range(waves):
         r = _consume(pid + j * P, 0, steps, r, 0, 1, 0, w_ring, x_ring, ready, empty, s_ptr, z_ptr, out_ptr, ws_ptr,
                      bias_ptr, M, N, KP, m_tiles, max_segs, stride_om, stride_sg, stride_zg, WG, HAS_BIAS,
-                     GROUP, HAS_ZEROS, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS, OVERLAP)
+                     GROUP, ZP_MODE, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS, OVERLAP)
     if pid < p_sk:
         u0, u1, base, extra = _sk_span(pid, p_sk, tail * steps)
         for t in range(u0 // steps, (u1 + steps - 1) // steps):
@@ -228,14 +228,14 @@ def _tma_consumer(w_ring, x_ring, ready, empty, s_ptr, z_ptr, out_ptr, ws_ptr, b
                          gl.minimum(u1, t * steps + steps) - t * steps, r, pid - first,
                          _sk_owner(t * steps + steps - 1, base, extra) - first + 1, t, w_ring, x_ring, ready, empty,
                          s_ptr, z_ptr, out_ptr, ws_ptr, bias_ptr, M, N, KP, m_tiles, max_segs, stride_om,
-                         stride_sg, stride_zg, WG, HAS_BIAS, GROUP, HAS_ZEROS, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K,
+                         stride_sg, stride_zg, WG, HAS_BIAS, GROUP, ZP_MODE, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K,
                          STAGES, CONSUMERS, OVERLAP)
 
 
 @gluon.jit(do_not_specialize=["M", "m_tiles", "waves", "tail", "p_sk", "max_segs"])   # one compile per tile
 def _w4a16_tma_kernel(w_desc, x_desc, s_ptr, z_ptr, out_ptr, ws_ptr, bias_ptr, M, N, KP, m_tiles, waves,
                       tail, p_sk, max_segs, stride_om, stride_sg, stride_zg, HAS_BIAS: gl.constexpr,
-                      GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, EVEN_N: gl.constexpr, PDL: gl.constexpr,
+                      GROUP: gl.constexpr, ZP_MODE: gl.constexpr, EVEN_N: gl.constexpr, PDL: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                       CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                       OVERLAP: gl.constexpr):
@@ -256,11 +256,11 @@ def _w4a16_tma_kernel(w_desc, x_desc, s_ptr, z_ptr, out_ptr, ws_ptr, bias_ptr, M
         gl.warp_specialize([
             (_tma_consumer, (w_ring, x_ring, ready, empty, s_ptr, z_ptr, out_ptr, ws_ptr, bias_ptr, M, N, KP,
                              m_tiles, steps, waves, tail, p_sk, max_segs, stride_om, stride_sg, stride_zg, 0,
-                             HAS_BIAS, GROUP, HAS_ZEROS, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS,
+                             HAS_BIAS, GROUP, ZP_MODE, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS,
                              OVERLAP)),
             (_tma_consumer, (w_ring, x_ring, ready, empty, s_ptr, z_ptr, out_ptr, ws_ptr, bias_ptr, M, N, KP,
                              m_tiles, steps, waves, tail, p_sk, max_segs, stride_om, stride_sg, stride_zg, 1,
-                             HAS_BIAS, GROUP, HAS_ZEROS, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS,
+                             HAS_BIAS, GROUP, ZP_MODE, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS,
                              OVERLAP)),
             (_tma_producer, (w_desc, x_desc, w_ring, x_ring, ready, empty, m_tiles, steps, waves, tail, p_sk,
                              BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
@@ -269,7 +269,7 @@ def _w4a16_tma_kernel(w_desc, x_desc, s_ptr, z_ptr, out_ptr, ws_ptr, bias_ptr, M
         gl.warp_specialize([
             (_tma_consumer, (w_ring, x_ring, ready, empty, s_ptr, z_ptr, out_ptr, ws_ptr, bias_ptr, M, N, KP,
                              m_tiles, steps, waves, tail, p_sk, max_segs, stride_om, stride_sg, stride_zg, 0,
-                             HAS_BIAS, GROUP, HAS_ZEROS, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS,
+                             HAS_BIAS, GROUP, ZP_MODE, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS,
                              OVERLAP)),
             (_tma_producer, (w_desc, x_desc, w_ring, x_ring, ready, empty, m_tiles, steps, waves, tail, p_sk,
                              BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
@@ -325,11 +325,12 @@ def w4a16_tma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None
                      dtype=torch.float32, device=x.device)
     consumer_regs, producer_regs, maxnreg = register_budget(consumers)
     pdl = pdl_enabled(x)
+    zeros, stride_zg = fw.zero_args()
     _w4a16_tma_kernel[(plan.programs,)](
-        w_desc, x_desc, fw.scales, fw.qzeros if fw.qzeros is not None else fw.words, out, ws,
+        w_desc, x_desc, fw.scales, zeros, out, ws,
         bias if bias is not None else out, m, n, kp, m_tiles, plan.waves, plan.tail, plan.sk_programs,
-        plan.max_segs, out.stride(0), fw.scales.stride(0), fw.qzeros.stride(0) if fw.qzeros is not None else 0,
-        HAS_BIAS=bias is not None, GROUP=group or (1 << 30), HAS_ZEROS=fw.qzeros is not None,
+        plan.max_segs, out.stride(0), fw.scales.stride(0), stride_zg,
+        HAS_BIAS=bias is not None, GROUP=group or (1 << 30), ZP_MODE=fw.zp_mode,
         EVEN_N=n % block_n == 0, PDL=pdl, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, STAGES=stages,
         CONSUMERS=consumers, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
         OVERLAP=overlap and consumers == 1,

@@ -21,7 +21,7 @@ def _x_copy(dst, x_ptrs, m_mask):
 
 @gluon.jit
 def _wgmma_steps(acc, x_ptrs, m_mask, it0, it1, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, stride_sg,
-                 stride_zg, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, EVEN_N: gl.constexpr,
+                 stride_zg, GROUP: gl.constexpr, ZP_MODE: gl.constexpr, EVEN_N: gl.constexpr,
                  PDL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                  A_L: gl.constexpr, A_SMEM: gl.constexpr):
     """The Hopper main loop over steps it0..it1 -> acc; x's rows are 16-byte aligned and K is the packed length
@@ -36,15 +36,15 @@ def _wgmma_steps(acc, x_ptrs, m_mask, it0, it1, w_ptr, s_ptr, z_ptr, offs, w_mas
     64 KB of shared memory and the stores: faster at M = 128 (gate_up 116 -> 109 us, down 59 -> 52), slower at
     M <= 64 (gate_up 62.5 -> 67.5; bench/results/exp-mma-ss-h200.json)."""
     p0 = _load_step(it0 * BLOCK_K, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, stride_sg, stride_zg, GROUP,
-                    HAS_ZEROS, EVEN_N)
+                    ZP_MODE, EVEN_N)
     p1 = _load_step(gl.minimum(it0 + 1, it1 - 1) * BLOCK_K, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
-                    stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N)
+                    stride_sg, stride_zg, GROUP, ZP_MODE, EVEN_N)
     if A_SMEM:
         x_smem = gl.allocate_shared_memory(gl.float16, [3, BLOCK_M, BLOCK_K],
                                            gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float16))
         a_smem = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, BLOCK_K],
                                            gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.float16))
-        a_smem.index(0).store(_dequant_step(*p0, n_lo, n_hi, HAS_ZEROS, BLOCK_N, BLOCK_K, A_L))
+        a_smem.index(0).store(_dequant_step(*p0, n_lo, n_hi, ZP_MODE, BLOCK_N, BLOCK_K, A_L))
         gl_pdl_wait(PDL)                      # x is the previous kernel's output
         _x_copy(x_smem.index(0), x_ptrs + it0 * BLOCK_K, m_mask)
         for it in range(it0, it1):
@@ -54,9 +54,9 @@ def _wgmma_steps(acc, x_ptrs, m_mask, it0, it1, w_ptr, s_ptr, z_ptr, offs, w_mas
             _cta_barrier()                    # every thread's x(i) and A(i) landed; every wgmma(i - 2) retired
             acc = warpgroup_mma(a_smem.index(i % 2), x_smem.index(i % 3).permute((1, 0)), acc, is_async=True)
             _x_copy(x_smem.index((i + 1) % 3), x_ptrs + gl.minimum(it + 1, it1 - 1) * BLOCK_K, m_mask)
-            a = _dequant_step(*p1, n_lo, n_hi, HAS_ZEROS, BLOCK_N, BLOCK_K, A_L)
+            a = _dequant_step(*p1, n_lo, n_hi, ZP_MODE, BLOCK_N, BLOCK_K, A_L)
             p1 = _load_step(gl.minimum(it + 2, it1 - 1) * BLOCK_K, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi,
-                            k_in, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N)
+                            k_in, stride_sg, stride_zg, GROUP, ZP_MODE, EVEN_N)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])  # wgmma(i - 1) retired: A buffer (i + 1) % 2
             a_smem.index((i + 1) % 2).store(a)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
@@ -65,7 +65,7 @@ def _wgmma_steps(acc, x_ptrs, m_mask, it0, it1, w_ptr, s_ptr, z_ptr, offs, w_mas
                                            gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float16))
         gl_pdl_wait(PDL)
         _x_copy(x_smem.index(it0 % 2), x_ptrs + it0 * BLOCK_K, m_mask)
-        a = _dequant_step(*p0, n_lo, n_hi, HAS_ZEROS, BLOCK_N, BLOCK_K, A_L)
+        a = _dequant_step(*p0, n_lo, n_hi, ZP_MODE, BLOCK_N, BLOCK_K, A_L)
         for it in range(it0, it1):
             async_copy.wait_group(0)
             _cta_barrier()                    # every thread's part of x(it) landed; every wgmma(it - 1) retired
@@ -73,9 +73,9 @@ def _wgmma_steps(acc, x_ptrs, m_mask, it0, it1, w_ptr, s_ptr, z_ptr, offs, w_mas
             acc = warpgroup_mma(a, x_smem.index(it % 2).permute((1, 0)), acc, is_async=True)
             nxt = gl.minimum(it + 1, it1 - 1)  # the last step repeats itself (no read past this split)
             _x_copy(x_smem.index((it + 1) % 2), x_ptrs + nxt * BLOCK_K, m_mask)
-            a = _dequant_step(*p1, n_lo, n_hi, HAS_ZEROS, BLOCK_N, BLOCK_K, A_L)
+            a = _dequant_step(*p1, n_lo, n_hi, ZP_MODE, BLOCK_N, BLOCK_K, A_L)
             p1 = _load_step(gl.minimum(it + 2, it1 - 1) * BLOCK_K, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi,
-                            k_in, stride_sg, stride_zg, GROUP, HAS_ZEROS, EVEN_N)
+                            k_in, stride_sg, stride_zg, GROUP, ZP_MODE, EVEN_N)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
     async_copy.wait_group(0)
     return acc

@@ -1,0 +1,8 @@
+"""The W8A16 wing: int8-code weights x FP16/BF16 activations (GGUF Q8_0, Q5_*, Q6_K load here without
+re-quantizing).
+
+    reference.py   the internal layout (int8 [K, N], scales / offsets [G, N]) and the torch twin
+    plan.py        plan_w8a16: kernel + tile + why (`quant-serve kernels --explain --weight-format w8`)
+    kernels.py     the Triton kernels: split-K GEMV (M <= 16) and the dequantize pass before cuBLAS
+    dispatch.py    w8a16_matmul: the twin on CPU, the planned kernel on CUDA
+"""

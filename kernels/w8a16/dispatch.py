@@ -1,14 +1,55 @@
-"""W8A16 entry point (`w8a16_matmul`). CPU tensors run the torch twin (reference.py)."""
+"""W8A16 entry point (`w8a16_matmul`). CPU tensors run the torch twin (reference.py); CUDA tensors the kernel
+plan.plan_w8a16 names (kernels.py): the split-K GEMV up to M = 16, dequantize + cuBLAS above."""
 import torch
 
+from quant_serve.kernels.w8a16.plan import W8A16Config, plan_w8a16
 from quant_serve.kernels.w8a16.reference import w8a16_matmul_ref
 
 
+def check_w8_layout(k: int, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
+                    group_size: int) -> None:
+    """Bad weights -> a ValueError naming the problem (reference.py's layout)."""
+    if qweight.dtype != torch.int8 or qweight.dim() != 2:
+        raise ValueError(f"W8A16 qweight must be int8 [K, N], got {qweight.dtype} {tuple(qweight.shape)}")
+    if qweight.shape[0] != k:
+        raise ValueError(f"x has K = {k} features but qweight has {qweight.shape[0]} rows")
+    groups = -(-k // group_size) if 0 < group_size < k else 1
+    if tuple(scales.shape) != (groups, qweight.shape[1]):
+        raise ValueError(f"scales {tuple(scales.shape)} must be [{groups}, {qweight.shape[1]}] for K = {k} in groups "
+                         f"of {group_size}")
+    if offsets is not None and offsets.shape != scales.shape:
+        raise ValueError(f"offsets {tuple(offsets.shape)} must have the scales' shape {tuple(scales.shape)}")
+
+
 def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
-                 group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [..., K] fp16/bf16 -> [..., N] in x's dtype; weights in the layout of reference.py."""
-    if x.is_cuda:
-        raise NotImplementedError("W8A16 on CUDA: the Triton kernel lands with issue 33's kernel work")
+                 group_size: int, bias: torch.Tensor | None = None,
+                 config: W8A16Config | None = None) -> torch.Tensor:
+    """x: [..., K] fp16/bf16 -> [..., N] in x's dtype; weights in the layout of reference.py (scales and offsets in
+    any float dtype: the kernels dequantize in fp32; fp16 halves their traffic next to fp32). config overrides the
+    plan (benchmarks, tests)."""
     lead = x.shape[:-1]
-    y = w8a16_matmul_ref(x.reshape(-1, x.shape[-1]), qweight, scales, offsets, group_size, bias)
+    x2 = x.reshape(-1, x.shape[-1])                                                  # [M, K]
+    if not x.is_cuda:
+        y = w8a16_matmul_ref(x2, qweight, scales, offsets, group_size, bias)
+        return y.reshape(*lead, y.shape[-1])
+    check_w8_layout(x2.shape[1], qweight, scales, offsets, group_size)
+    y = w8a16_forward(x2, qweight, scales, offsets, group_size, bias, config)
     return y.reshape(*lead, y.shape[-1])
+
+
+def w8a16_forward(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
+                  group_size: int, bias: torch.Tensor | None = None,
+                  config: W8A16Config | None = None) -> torch.Tensor:
+    """Kernel path (CUDA, or the Triton interpreter in tests). x: [M, K] -> [M, N]."""
+    from quant_serve.kernels.gpu import device_sms
+    from quant_serve.kernels.w8a16.kernels import w8a16_dequant_matmul, w8a16_gemv
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    n = qweight.shape[1]
+    if config is None:
+        config = plan_w8a16(m, k, n, group_size, device_sms(x.device)).config
+    if config.path == "gemv":
+        return w8a16_gemv(x, qweight, scales, offsets, group_size, bias, config.block_m, config.block_n,
+                          config.block_k, config.split_k, config.num_warps)
+    return w8a16_dequant_matmul(x, qweight, scales, offsets, group_size, bias)

@@ -1,0 +1,151 @@
+"""Triton W8A16 kernels over the int8 layout of reference.py (GGUF Q8_0, Q5_*, Q6_K): a split-K GEMV for few rows
+and a dequantize pass for the dequantize + cuBLAS path. Which runs is plan.plan_w8a16's choice.
+
+A step reads a [BLOCK_K, BLOCK_N] tile of int8 codes (rows of N bytes, coalesced along N), its groups' scales and
+offsets, and dequantizes in fp32: w = q * s + o. GROUP (a constexpr: 16, 32, 256 for GGUF; 2^30 for one group) a
+multiple of BLOCK_K (ROW_SCALES): one scale row a step; otherwise each tile row gathers its group's scales (the
+same few rows, from L1), which is right for any group size.
+"""
+import torch
+
+from quant_serve.kernels.triton_compat import tl, triton
+from quant_serve.kernels.w4a16.splitk import _store_result, launch_splitk_reduce, split_buffers, split_plan
+
+
+@triton.jit
+def _dequant_tile(q_ptr, s_ptr, o_ptr, k, offs_n, k_mask, n_mask, stride_qk, stride_sg, k_step,
+                  HAS_OFFSETS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """W rows k ([BLOCK_K], starting at k_step) x columns offs_n -> fp32 [BLOCK_K, BLOCK_N]. Rows past K hold the
+    group's offset (their activations are 0)."""
+    ROW_SCALES: tl.constexpr = GROUP % BLOCK_K == 0
+    mask = k_mask[:, None] & n_mask[None, :]
+    q = tl.load(q_ptr + k[:, None] * stride_qk + offs_n[None, :], mask=mask, other=0)
+    if ROW_SCALES:
+        g = k_step // GROUP
+        s = tl.load(s_ptr + g * stride_sg + offs_n[None, :], mask=n_mask[None, :], other=0.0)
+    else:
+        g = k // GROUP
+        s = tl.load(s_ptr + g[:, None] * stride_sg + offs_n[None, :], mask=mask, other=0.0)
+    w = q.to(tl.float32) * s.to(tl.float32)
+    if HAS_OFFSETS:
+        if ROW_SCALES:
+            o = tl.load(o_ptr + g * stride_sg + offs_n[None, :], mask=n_mask[None, :], other=0.0)
+        else:
+            o = tl.load(o_ptr + g[:, None] * stride_sg + offs_n[None, :], mask=mask, other=0.0)
+        w = w + o.to(tl.float32)
+    return w
+
+
+@triton.jit(do_not_specialize=["M", "steps_per_split", "n_splits"])
+def _w8a16_gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, bias_ptr, M, N, K,
+                       stride_xm, stride_om, stride_qk, stride_sg, steps_per_split, n_splits,
+                       HAS_OFFSETS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                       ONE_LAUNCH: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Grid (row blocks, N tiles, splits). BLOCK_M 1: one x row a program, CUDA-core FMAs into an fp32
+    [BLOCK_K, BLOCK_N] accumulator summed over its rows after the loop (rows of a weight tile run together, so all
+    but the first read it from L2). BLOCK_M 16: the row block's x [16, BLOCK_K] meets the tile rounded to x's dtype
+    in tl.dot (the weights are read once for up to 16 rows)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_kk = tl.arange(0, BLOCK_K)
+    st_begin = pid_k * steps_per_split
+    st_end = tl.minimum(st_begin + steps_per_split, tl.cdiv(K, BLOCK_K))
+    if BLOCK_M == 1:
+        acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
+        x_row = x_ptr + pid_m * stride_xm
+        for st in range(st_begin, st_end):
+            k = st * BLOCK_K + offs_kk
+            k_mask = k < K
+            w = _dequant_tile(q_ptr, s_ptr, o_ptr, k, offs_n, k_mask, n_mask, stride_qk, stride_sg, st * BLOCK_K,
+                              HAS_OFFSETS, GROUP, BLOCK_K)
+            xv = tl.load(x_row + k, mask=k_mask, other=0.0).to(tl.float32)
+            acc += w * xv[:, None]
+        res = tl.sum(acc, axis=0)[None, :]                                      # [1, BLOCK_N]
+    else:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        # rows past M re-read row M - 1 (never stored): unmasked rows pipeline better
+        x_rows = x_ptr + tl.minimum(offs_m, M - 1)[:, None] * stride_xm
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for st in range(st_begin, st_end):
+            k = st * BLOCK_K + offs_kk
+            k_mask = k < K
+            w = _dequant_tile(q_ptr, s_ptr, o_ptr, k, offs_n, k_mask, n_mask, stride_qk, stride_sg, st * BLOCK_K,
+                              HAS_OFFSETS, GROUP, BLOCK_K)
+            xt = tl.load(x_rows + k[None, :], mask=k_mask[None, :], other=0.0)        # [BM, BK]
+            acc = tl.dot(xt, w.to(xt.dtype), acc)
+        res = acc
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    _store_result(res, out_ptr, ws_ptr, cnt_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om, pid_k, n_splits,
+                  pid_m * tl.num_programs(1) + pid_n, HAS_BIAS, SPLIT, ONE_LAUNCH)
+
+
+@triton.jit
+def _w8a16_dequant_kernel(q_ptr, s_ptr, o_ptr, out_ptr, N, K, stride_qk, stride_sg, stride_ok,
+                          HAS_OFFSETS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+    """Grid (K steps, N tiles): W rows [k0, k0 + BLOCK_K) -> out [K, N] in out's dtype (one rounding)."""
+    st = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    k = st * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_mask = k < K
+    w = _dequant_tile(q_ptr, s_ptr, o_ptr, k, offs_n, k_mask, n_mask, stride_qk, stride_sg, st * BLOCK_K,
+                      HAS_OFFSETS, GROUP, BLOCK_K)
+    tl.store(out_ptr + k[:, None] * stride_ok + offs_n[None, :], w.to(out_ptr.dtype.element_ty),
+             mask=k_mask[:, None] & n_mask[None, :])
+
+
+ONE_GROUP = 1 << 30       # GROUP for a layer with one scale group (group_size -1 or K): every row's group is 0
+
+
+def group_arg(group_size: int, k: int) -> int:
+    """The kernels' GROUP constexpr for a layer's group size."""
+    return group_size if 0 < group_size < k else ONE_GROUP
+
+
+def w8a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
+               group_size: int, bias: torch.Tensor | None, block_m: int = 1, block_n: int = 64, block_k: int = 64,
+               split_k: int = 1, num_warps: int = 4, one_launch: bool = False) -> torch.Tensor:
+    """x [M, K] (unit stride along K) @ W [K, N] (int8 codes, scales / offsets [G, N]) -> [M, N] in x's dtype.
+    block_m 1: one row a program (CUDA-core FMAs); 16: up to 16 rows a program through tl.dot."""
+    M, K = x.shape
+    N = qweight.shape[1]
+    if block_m not in (1, 16):
+        raise ValueError(f"block_m must be 1 (FMA rows) or 16 (tl.dot rows), got {block_m}")
+    splits, per = split_plan(K, block_k, split_k)
+    row_blocks = triton.cdiv(M, block_m)
+    n_tiles = triton.cdiv(N, block_n)
+    one_launch = one_launch and splits > 1
+    out, ws, counters = split_buffers(x, M, N, splits, one_launch, row_blocks * n_tiles)
+    _w8a16_gemv_kernel[(row_blocks, n_tiles, splits)](
+        x, qweight, scales, offsets if offsets is not None else scales, out, ws, counters,
+        bias if bias is not None else scales, M, N, K, x.stride(0), out.stride(0), qweight.stride(0),
+        scales.stride(0), per, splits,
+        HAS_OFFSETS=offsets is not None, HAS_BIAS=bias is not None, SPLIT=splits > 1, ONE_LAUNCH=one_launch,
+        GROUP=group_arg(group_size, K), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+    if splits > 1 and not one_launch:
+        launch_splitk_reduce(ws, bias, out, splits)
+    return out
+
+
+def w8a16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, group_size: int,
+                     dtype: torch.dtype, block_n: int = 64, block_k: int = 64) -> torch.Tensor:
+    """int8 layout -> dense W [K, N] in dtype, one rounding of q * s + o (fp32 math)."""
+    K, N = qweight.shape
+    out = torch.empty((K, N), dtype=dtype, device=qweight.device)
+    _w8a16_dequant_kernel[(triton.cdiv(K, block_k), triton.cdiv(N, block_n))](
+        qweight, scales, offsets if offsets is not None else scales, out, N, K, qweight.stride(0), scales.stride(0),
+        out.stride(0), HAS_OFFSETS=offsets is not None, GROUP=group_arg(group_size, K), BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=4)
+    return out
+
+
+def w8a16_dequant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                         offsets: torch.Tensor | None, group_size: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """Many rows: the 8-bit traffic is small next to the FLOPs; dequantize once to x's dtype, then cuBLAS."""
+    wd = w8a16_dequantize(qweight, scales, offsets, group_size, x.dtype)                 # [K, N]
+    return torch.addmm(bias, x, wd) if bias is not None else torch.mm(x, wd)
