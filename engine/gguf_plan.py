@@ -1,11 +1,11 @@
 """Weight bytes of a GGUF model as quant-serve holds it, by tensor type, without loading a weight: from a file's
 tensor table, or from a config and a type mix (--load-format dummy --quantization gguf:Q4_K_M).
 
-As loaded (quant/formats/gguf_types.py): Q4_0 / Q4_1 K*N/2 codes + fp16 scale and offset per 32; Q4_K the same
-with fp32 scale and offset; Q8_0 / Q5_0 K*N int8 + fp16 scale per 32; Q5_1 + fp16 offset; Q5_K fp32 scale and
-offset per 32; Q6_K fp32 scale per 16. A merged layer (qkv, gate_up) whose shards take different paths is one
-W8 layer at the finest group (an INT4 shard widened to int8). Embeddings and norms are dequantized to the model
-dtype."""
+As the GPU holds them (quant/formats/gguf_types.py, the kernels' layouts): INT4 types (Q4_0, Q4_1, Q4_K) K*N/2
+codes + a scale and an offset per 32; Q8_0 / Q5_0 K*N int8 + a scale per 32; Q5_1 / Q5_K + an offset; Q6_K a
+scale per 16; scales and offsets in the model dtype. A merged layer (qkv, gate_up) whose shards take different
+paths is one W8 layer at the finest group (an INT4 shard widened to int8). Embeddings and norms are dequantized to
+the model dtype. (The CPU path keeps Q4_K / Q5_K / Q6_K's fp32 scales: exact, and more bytes than counted.)"""
 import re
 from collections import Counter
 
@@ -13,8 +13,7 @@ from gguf import GGMLQuantizationType as T
 
 from quant_serve.quant.formats.gguf_types import group_size_of, path_of
 
-_PARAM_BYTES = {T.Q4_0: (2, False), T.Q4_1: (2, True), T.Q4_K: (4, True), T.Q8_0: (2, False),
-                T.Q5_0: (2, False), T.Q5_1: (2, True), T.Q5_K: (4, True), T.Q6_K: (4, False)}
+_OFFSETS = (T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_1, T.Q5_K)       # loaded with a float offset per group
 _MERGED = re.compile(r"^(blk\.\d+\.)(attn_q|attn_k|attn_v|ffn_gate|ffn_up)\.weight$")
 
 
@@ -24,11 +23,10 @@ def _layer_bytes(shards: list[tuple[T, int, int]], float_b: int) -> int:
     if "dense" in paths:
         return sum(k * n * float_b for _, k, n in shards)
     if paths == {"int4"}:
-        return sum(k * n // 2 + k // 32 * n * _PARAM_BYTES[t][0] * 2 for t, k, n in shards)   # Q4_0: o = -8 d
+        return sum(k * n // 2 + k // 32 * n * float_b * 2 for _, k, n in shards)       # Q4_0: o = -8 d
     group = min(group_size_of(t) for t, _, _ in shards)
-    scale_b = max(_PARAM_BYTES[t][0] for t, _, _ in shards)
-    offsets = any(_PARAM_BYTES[t][1] or path_of(t) == "int4" for t, _, _ in shards)
-    return sum(k * n + k // group * n * scale_b * (2 if offsets else 1) for _, k, n in shards)
+    offsets = any(t in _OFFSETS for t, _, _ in shards)
+    return sum(k * n + k // group * n * float_b * (2 if offsets else 1) for _, k, n in shards)
 
 
 def file_weight_bytes(tensors: dict, float_b: int) -> tuple[int, Counter]:

@@ -169,15 +169,19 @@ class QuantLinear(nn.Module):
 
     def _repack_for_kernels(self) -> None:
         """On CUDA keep only the kernels' layout (one copy of the weights on the GPU)."""
-        if self.device.type != "cuda" or self.offsets is not None:
-            return          # float offsets: the kernels' layouts gain them with issue 33's kernel work
-        self.packed = prepare_kernel_weights(self.qweight, self.scales, self.qzeros, self.group_size, self.perm)
+        if self.device.type != "cuda":
+            return
+        # GGUF (float offsets): scales and offsets in the activation dtype, as checkpoints' scales are; Q4_K's fp32
+        # products round to 11 significant bits there, and the layer reads 5 bits a weight instead of 6
+        self.packed = prepare_kernel_weights(self.qweight, self.scales, self.qzeros, self.group_size, self.perm,
+                                             self.offsets, self.dtype if self.offsets is not None else None)
         self._folds = {}
-        self.qweight = self.scales = self.qzeros = self.perm = None
+        self.qweight = self.scales = self.qzeros = self.perm = self.offsets = None
         words = self.packed.words if isinstance(self.packed, FragWeights) else self.packed.qweight
         self.register_buffer("packed_qweight", words)                    # counted as a weight (memory, bench)
         self.register_buffer("packed_scales", self.packed.scales)
         self.register_buffer("packed_qzeros", self.packed.qzeros)
+        self.register_buffer("packed_offsets", self.packed.offsets)
 
     @classmethod
     def round_to_nearest(cls, weight: torch.Tensor, group_size: int, dtype: torch.dtype, device,
@@ -218,11 +222,11 @@ class QuantLinear(nn.Module):
         """fp32 W [N, K] with K in the original input order (what nn.Linear would hold)."""
         if self.parts is not None:
             return torch.cat([p.dequantized_weight() for p in self.parts], dim=0)
-        qweight, scales, qzeros, perm = self.qweight, self.scales, self.qzeros, self.perm
+        qweight, scales, qzeros, perm, offsets = self.qweight, self.scales, self.qzeros, self.perm, self.offsets
         if self.packed is not None:
             qweight, scales, qzeros, _ = standard_layout(self.packed)
-            perm = self.packed.perm
-        w = dequantize_w4(qweight, scales, qzeros, self.group_size, offsets=self.offsets)   # [K, N], internal order
+            perm, offsets = self.packed.perm, self.packed.offsets
+        w = dequantize_w4(qweight, scales, qzeros, self.group_size, offsets=offsets)   # [K, N], internal order
         if perm is not None:
             w = torch.empty_like(w).index_copy_(0, perm, w)
         return w.t()

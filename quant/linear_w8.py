@@ -55,7 +55,7 @@ class W8Linear(nn.Module):
         if (w.bias is not None) != self.has_bias:
             raise ValueError(f"{prefix}.bias {'present' if w.bias is not None else 'missing'}, but the config says "
                              f"this layer has {'a' if self.has_bias else 'no'} bias")
-        sdtype = scale_dtype(w.scales.dtype, self.dtype)
+        sdtype = self._param_dtype(w.scales.dtype)
         w.qweight = w.qweight.to(self.device, torch.int8).contiguous()
         w.scales = w.scales.to(self.device, sdtype).contiguous()
         w.offsets = None if w.offsets is None else w.offsets.to(self.device, sdtype).contiguous()
@@ -86,10 +86,15 @@ class W8Linear(nn.Module):
         g = -(-k // self.group_size)
         codes = torch.randint(-32, 32, (k, n), generator=gen, dtype=torch.int8, device=gen.device)
         self.qweight = codes.to(self.device)
-        self.scales = torch.full((g, n), 0.02 / 18.5, dtype=torch.float32, device=self.device)
+        self.scales = torch.full((g, n), 0.02 / 18.5, dtype=self._param_dtype(torch.float32), device=self.device)
         self.offsets = torch.zeros_like(self.scales) if self.dummy_offsets else None
         self._shards = None
         self.bias = torch.zeros(n, dtype=self.dtype, device=self.device) if self.has_bias else None
+
+    def _param_dtype(self, checkpoint: torch.dtype) -> torch.dtype:
+        """Scales and offsets: exact on the CPU path (fp32 for Q5_K / Q6_K's products of two scales); on CUDA in the
+        activation dtype, as checkpoints' scales are (Q6_K: 9 bits a weight instead of 10, its products rounded)."""
+        return self.dtype if self.device.type == "cuda" else scale_dtype(checkpoint, self.dtype)
 
     def dequantized_weight(self) -> torch.Tensor:
         """fp32 W [N, K] (what nn.Linear would hold)."""

@@ -141,13 +141,20 @@ def test_copy_of_gguf_without_config_is_detected(gguf_dir, tmp_path):
 
 
 def _loaded_bytes(model) -> int:
-    buffers = sum(b.numel() * b.element_size() for n, b in model.named_buffers()
-                  if n.rsplit(".", 1)[-1] in ("qweight", "scales", "offsets", "bias"))
-    return buffers + sum(p.numel() * p.element_size() for p in model.parameters())
+    """What the model holds on CUDA: its CPU buffers, with scales and offsets in the model dtype (fp16 here)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    for name, b in model.named_buffers():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in ("qweight", "bias"):
+            total += b.numel() * b.element_size()
+        elif leaf in ("scales", "offsets"):
+            total += b.numel() * 2
+    return total
 
 
 def test_plan_counts_gguf_bytes_by_type(gguf_dir, capsys):
-    """`quant-serve plan X.gguf` reads the tensor table only; its weight bytes are those the fp16 model holds."""
+    """`quant-serve plan X.gguf` reads the tensor table only; its weight bytes are those the fp16 model holds on
+    CUDA."""
     import json
 
     from quant_serve.engine.loader import load_model, load_model_config
