@@ -19,8 +19,9 @@ _FALLBACK = {T.Q4_K: T.Q5_0, T.Q6_K: T.Q8_0, T.Q5_K: T.Q5_1}   # llama.cpp's cho
 def mix_type(mix: str, hf_name: str, num_layers: int, k: int) -> T:
     """The type a mix gives a matrix (HF name, e.g. model.layers.3.mlp.down_proj.weight) of K inputs."""
     prefix = hf_name.removesuffix(".weight").replace("model.embed_tokens", "token_embd")
-    if mix == "Q4_K_M":
-        qtype = T.Q4_K if prefix == "token_embd" else q4_k_m_type(prefix, num_layers)
+    if mix in ("Q4_K_M", "Q5_K_M"):
+        base = T.Q4_K if mix == "Q4_K_M" else T.Q5_K
+        qtype = base if prefix == "token_embd" else q4_k_m_type(prefix, num_layers, base)
         return _FALLBACK[qtype] if k % 256 else qtype
     return {"Q4_0": T.Q4_0, "Q4_1": T.Q4_1, "Q8_0": T.Q8_0, "F16": T.F16}[mix]
 

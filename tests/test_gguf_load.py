@@ -15,7 +15,7 @@ from gguf_fixtures import write_gguf
 from helpers import make_engine
 from test_server_common import running_server
 
-MIXES = ("Q4_0", "Q4_1", "Q4_K_M")
+MIXES = ("Q4_0", "Q4_1", "Q4_K_M", "Q5_K_M")
 NUM_TOKENS = 192
 
 
@@ -73,8 +73,8 @@ def test_perplexity_matches_transformers_on_dequantized_weights(gguf_dir, held_o
     assert abs(math.exp(ours) / math.exp(reference) - 1) < 1e-3, (math.exp(ours), math.exp(reference))
     assert math.exp(ours) < 200                                          # a working model, not noise
     paths = engine.quant_config.describe_paths()
-    assert paths == ("20 INT4 (W4A16, float offsets), 12 8-bit (W8A16)" if mix == "Q4_K_M"
-                     else "32 INT4 (W4A16, float offsets)")
+    assert paths == {"Q4_K_M": "20 INT4 (W4A16, float offsets), 12 8-bit (W8A16)",
+                     "Q5_K_M": "32 8-bit (W8A16)"}.get(mix, "32 INT4 (W4A16, float offsets)")
 
 
 def test_split_files_and_directory(gguf_dir, tmp_path):

@@ -82,25 +82,26 @@ def _codes(tensors: dict, prefix: str, k: int, n: int) -> GroupedCodes:
     return g
 
 
-# ---- llama.cpp's Q4_K_M type choice, for --load-format dummy --quantization gguf:Q4_K_M ----------------------
+# ---- llama.cpp's Q4_K_M / Q5_K_M type choice, for --load-format dummy --quantization gguf:Q4_K_M --------------
 
 def _more_bits(layer: int, num_layers: int) -> bool:
     """llama.cpp's use_more_bits: the first and last eighth of the layers and every third between get Q6_K."""
     return layer < num_layers // 8 or layer >= 7 * num_layers // 8 or (layer - num_layers // 8) % 3 == 2
 
 
-def q4_k_m_type(prefix: str, num_layers: int) -> T:
-    """The type llama.cpp's Q4_K_M gives a weight: Q6_K for the head and for half of the attn_v / ffn_down
-    layers, Q4_K elsewhere."""
+def q4_k_m_type(prefix: str, num_layers: int, base: T = T.Q4_K) -> T:
+    """The type llama.cpp's Q4_K_M (base Q4_K) or Q5_K_M (base Q5_K) gives a weight: Q6_K for the head and for
+    half of the attn_v / ffn_down layers, the base type elsewhere."""
     if prefix == "lm_head":
         return T.Q6_K
     m = _LAYER.search(prefix)
     if m and prefix.endswith(("v_proj", "down_proj")) and _more_bits(int(m[1]), num_layers):
         return T.Q6_K
-    return T.Q4_K
+    return base
 
 
-DUMMY_MIXES = {"Q4_K_M": q4_k_m_type}
+DUMMY_MIXES = {"Q4_K_M": q4_k_m_type,
+               "Q5_K_M": lambda prefix, num_layers: q4_k_m_type(prefix, num_layers, T.Q5_K)}
 
 
 def dummy_gguf_config(mix: str, num_layers: int) -> GGUFConfig:
