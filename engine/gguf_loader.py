@@ -173,6 +173,7 @@ def _unpermute_rows(n: int, n_head: int) -> torch.Tensor:
 
 
 def load_gguf_weights(model, ckpt: GGUFCheckpoint, cfg: ModelConfig, show_progress: bool = True) -> None:
+    from quant_serve.engine.checkpoint import check_finite
     from quant_serve.quant.formats.gguf_types import read_dense, read_grouped
     from quant_serve.quant.linear import DenseLinear
     name_map = _name_map(ckpt, cfg.num_layers)
@@ -197,8 +198,12 @@ def load_gguf_weights(model, ckpt: GGUFCheckpoint, cfg: ModelConfig, show_progre
                                                    (n,)), rows)
             if isinstance(module, DenseLinear):
                 tensors["weight"] = _rows(read_dense(t.data, t.tensor_type, (n, k)), rows)
+                check_finite(name, ckpt.first, tensors["weight"])
             else:
                 g = read_grouped(np.asarray(t.data), t.tensor_type, n, k)
+                check_finite(f"{name} scales", ckpt.first, g.scales)
+                if g.offsets is not None:
+                    check_finite(f"{name} offsets", ckpt.first, g.offsets)
                 if rows is not None:
                     g = replace(g, codes=g.codes[rows], scales=g.scales[rows],
                                 offsets=None if g.offsets is None else g.offsets[rows])
@@ -215,6 +220,7 @@ def load_gguf_weights(model, ckpt: GGUFCheckpoint, cfg: ModelConfig, show_progre
         name = _gguf_name(name_map, prefix, suffix, ckpt)
         t = ckpt.tensors[name]
         value = read_dense(t.data, t.tensor_type, tuple(param.shape))
+        check_finite(name, ckpt.first, value)
         if cfg.gemma_norm and prefix.endswith("norm"):
             value = value.float() - 1.0               # llama.cpp stores Gemma's norms as 1 + w
         param.data.copy_(value)

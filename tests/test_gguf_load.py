@@ -222,3 +222,18 @@ def test_eval_names_gguf_files_and_type_mix(gguf_dir):
     config = GGUFConfig("gguf", 4, 32, type_of=None, type_mix={"Q6_K": 4, "Q4_K": 45})
     config.layer_paths.update({"int4": 20, "w8": 12})
     assert config.describe() == "gguf (Q4_K x 45, Q6_K x 4; linear layers: 20 INT4, 12 W8)"
+
+
+def test_nan_scale_is_refused(tmp_path):
+    """A corrupt block scale (NaN) is named at load, as a safetensors checkpoint's NaN is."""
+    from quant_serve.engine.gguf_loader import gguf_files, gguf_model_config, load_gguf_model, open_gguf
+    path = write_gguf(TINY, tmp_path / "bad.gguf", "Q8_0")
+    ckpt = open_gguf(gguf_files(path))
+    t = ckpt.tensors["blk.2.ffn_up.weight"]
+    offset = t.data_offset + 34 * 5                     # block 5's fp16 scale
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(np.array([np.nan], np.float16).tobytes())
+    ckpt = open_gguf(gguf_files(path))                  # the file changed: read again
+    with pytest.raises(ValueError, match="blk.2.ffn_up.weight scales in .*bad.gguf holds 1 NaN or Inf"):
+        load_gguf_model(ckpt, gguf_model_config(ckpt), torch.float32, "cpu", show_progress=False)
