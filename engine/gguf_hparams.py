@@ -55,9 +55,12 @@ def apply_gguf_hparams(hf, arch: str, meta: dict, tensors: dict) -> None:
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             if get(key) is not None:
                 setattr(hf, key, float(get(key)))
-        # llama.cpp scales queries by head_dim ** -0.5, except for the 27B models (by (hidden / heads) ** -0.5)
+        # attention.scale where the file has it; else as llama.cpp: head_dim ** -0.5, but (hidden / heads) ** -0.5
+        # for the 27B models
         big = hf.num_hidden_layers == (46 if arch == "gemma2" else 62)
         hf.query_pre_attn_scalar = hf.hidden_size // hf.num_attention_heads if big else head_dim
+        if get("attention.scale"):
+            hf.query_pre_attn_scalar = float(get("attention.scale")) ** -2
     if arch == "gemma3":
         local = {"rope_type": "default", "rope_theta": float(get("rope.freq_base_swa", 10000.0))}
         hf.rope_parameters = {"full_attention": rope, "sliding_attention": local}
