@@ -8,7 +8,6 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -200,7 +199,7 @@ def load_gguf_weights(model, ckpt: GGUFCheckpoint, cfg: ModelConfig, show_progre
                 tensors["weight"] = _rows(read_dense(t.data, t.tensor_type, (n, k)), rows)
                 check_finite(name, ckpt.first, tensors["weight"])
             else:
-                g = read_grouped(np.asarray(t.data), t.tensor_type, n, k)
+                g = read_grouped(t.data, t.tensor_type, n, k, module.device)   # unpacked where it will live
                 check_finite(f"{name} scales", ckpt.first, g.scales)
                 if g.offsets is not None:
                     check_finite(f"{name} offsets", ckpt.first, g.offsets)

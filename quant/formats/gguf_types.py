@@ -59,55 +59,65 @@ class GroupedCodes:
                             None if self.offsets is None else self.offsets.to(device), self.group_size)
 
 
-def _f16(raw: np.ndarray) -> torch.Tensor:
+def _f16(raw: torch.Tensor) -> torch.Tensor:
     """[B, 2] uint8 -> [B] fp16."""
-    return torch.from_numpy(np.ascontiguousarray(raw).view(np.float16).reshape(-1).copy())
+    return raw.contiguous().view(torch.float16).reshape(-1)
 
 
-def _nibbles_32(qs: np.ndarray) -> np.ndarray:
+def _bits(raw: torch.Tensor) -> torch.Tensor:
+    """[..., C] bytes -> [..., 8, C]: bit j of every byte (little-endian bit order)."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=raw.device).view(8, 1)
+    return (raw.unsqueeze(-2) >> shifts) & 1
+
+
+def _nibbles_32(qs: torch.Tensor) -> torch.Tensor:
     """[B, 16] bytes -> [B, 32]: low nibbles are weights 0..15, high nibbles 16..31."""
-    return np.concatenate([qs & 0x0F, qs >> 4], axis=1)
+    return torch.cat([qs & 0x0F, qs >> 4], dim=1)
 
 
-def _bits_32(qh: np.ndarray) -> np.ndarray:
+def _bits_32(qh: torch.Tensor) -> torch.Tensor:
     """[B, 4] bytes, one little-endian uint32 -> [B, 32]: bit i belongs to weight i."""
-    return np.unpackbits(qh, axis=1, bitorder="little")
+    return _bits(qh.unsqueeze(-1)).reshape(qh.shape[0], 32)
 
 
-def _k_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _k_scales_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q4_K / Q5_K: [B, 12] bytes -> 6-bit sub-block scales and mins [B, 8] each. Bytes 0-3 hold scales 0-3 (low
     6 bits) and the top 2 bits of scales 4-7, bytes 4-7 the same for the mins, bytes 8-11 the low 4 bits of
     scales 4-7 (low nibble) and mins 4-7 (high nibble)."""
     s, m, lo = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
-    scales = np.concatenate([s & 0x3F, (lo & 0x0F) | ((s >> 6) << 4)], axis=1)
-    mins = np.concatenate([m & 0x3F, (lo >> 4) | ((m >> 6) << 4)], axis=1)
+    scales = torch.cat([s & 0x3F, (lo & 0x0F) | ((s >> 6) << 4)], dim=1)
+    mins = torch.cat([m & 0x3F, (lo >> 4) | ((m >> 6) << 4)], dim=1)
     return scales, mins
 
 
-def _k_nibbles(qs: np.ndarray) -> np.ndarray:
+def _k_nibbles(qs: torch.Tensor) -> torch.Tensor:
     """Q4_K / Q5_K: [B, 128] bytes -> [B, 256]: each run of 32 bytes holds sub-block 2j in its low nibbles and
     sub-block 2j + 1 in its high nibbles."""
-    b = qs.shape[0]
-    runs = qs.reshape(b, 4, 1, 32)
-    return np.concatenate([runs & 0x0F, runs >> 4], axis=2).reshape(b, 256)
+    runs = qs.reshape(-1, 4, 1, 32)
+    return torch.cat([runs & 0x0F, runs >> 4], dim=2).reshape(-1, 256)
 
 
-def _blocks(data: np.ndarray, qtype: T, k: int) -> np.ndarray:
-    """[N, bytes per row] uint8 -> [N * K / block, block bytes]."""
+def _blocks(data, qtype: T, k: int, device) -> torch.Tensor:
+    """[N, bytes per row] uint8 (numpy, as GGUFReader gives it, or torch) -> [N * K / block, block bytes] on
+    device."""
     block, size = GGML_QUANT_SIZES[qtype]
     if k % block:
         raise ValueError(f"{qtype.name} needs rows that are a multiple of {block} weights, got {k}")
-    if data.dtype != np.uint8 or data.shape[-1] != k // block * size:
-        raise ValueError(f"{qtype.name} data has shape {data.shape} and dtype {data.dtype}, expected uint8 rows of "
-                         f"{k // block * size} bytes for {k} weights")
-    return np.ascontiguousarray(data).reshape(-1, size)
+    if isinstance(data, np.ndarray):
+        if data.dtype != np.uint8:
+            raise ValueError(f"{qtype.name} data has dtype {data.dtype}, expected uint8")
+        data = torch.from_numpy(np.array(data))                  # a copy: the reader's memmap is read-only
+    if data.dtype != torch.uint8 or data.shape[-1] != k // block * size:
+        raise ValueError(f"{qtype.name} data has shape {tuple(data.shape)} and dtype {data.dtype}, expected uint8 "
+                         f"rows of {k // block * size} bytes for {k} weights")
+    return data.to(device).reshape(-1, size)
 
 
-def read_grouped(data: np.ndarray, qtype: T, n: int, k: int) -> GroupedCodes:
+def read_grouped(data, qtype: T, n: int, k: int, device: torch.device | str = "cpu") -> GroupedCodes:
     """A quantized GGUF matrix (data: [N, bytes per row] uint8, as GGUFReader gives it) -> codes, scales, offsets
-    per group, each [N, ...]."""
-    b = _blocks(data, qtype, k)
-    f32 = torch.float32
+    per group, each [N, ...], computed on `device` (bit operations: milliseconds a matrix on a GPU)."""
+    b = _blocks(data, qtype, k, device)
+    f32, i32 = torch.float32, torch.int32
     if qtype in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1):
         d = _f16(b[:, 0:2])
         has_min = qtype in (T.Q4_1, T.Q5_1)
@@ -116,7 +126,7 @@ def read_grouped(data: np.ndarray, qtype: T, n: int, k: int) -> GroupedCodes:
             q = _nibbles_32(b[:, at + 4:]) | (_bits_32(b[:, at:at + 4]) << 4)
         else:
             q = _nibbles_32(b[:, at:])
-        codes = torch.from_numpy(q.astype(np.int32))
+        codes = q.to(i32)
         if has_min:
             offsets = _f16(b[:, 2:4])
         elif qtype == T.Q4_0:
@@ -125,7 +135,7 @@ def read_grouped(data: np.ndarray, qtype: T, n: int, k: int) -> GroupedCodes:
             codes, offsets = codes - 16, None                   # Q5_0: signed codes, no offset
         scales = d
     elif qtype == T.Q8_0:
-        codes = torch.from_numpy(b[:, 2:].view(np.int8).astype(np.int32))
+        codes = b[:, 2:].contiguous().view(torch.int8).to(i32)
         scales, offsets = _f16(b[:, 0:2]), None
     elif qtype in (T.Q4_K, T.Q5_K):
         d, dmin = _f16(b[:, 0:2]).to(f32), _f16(b[:, 2:4]).to(f32)
@@ -133,17 +143,17 @@ def read_grouped(data: np.ndarray, qtype: T, n: int, k: int) -> GroupedCodes:
         if qtype == T.Q4_K:
             q = _k_nibbles(b[:, 16:])
         else:
-            high = np.unpackbits(b[:, 16:48].reshape(-1, 1, 32), axis=1, bitorder="little")   # [B, 8, 32]
+            high = _bits(b[:, 16:48])                           # [B, 8, 32]: bit j of byte l -> weight 32 j + l
             q = _k_nibbles(b[:, 48:]) | (high.reshape(-1, 256) << 4)
-        codes = torch.from_numpy(q.astype(np.int32))
-        scales = (d[:, None] * torch.from_numpy(sc.astype(np.float32))).reshape(-1)
-        offsets = -(dmin[:, None] * torch.from_numpy(mn.astype(np.float32))).reshape(-1)
+        codes = q.to(i32)
+        scales = (d[:, None] * sc.to(f32)).reshape(-1)
+        offsets = -(dmin[:, None] * mn.to(f32)).reshape(-1)
     elif qtype == T.Q6_K:
         ql, qh = b[:, 0:128].reshape(-1, 2, 1, 64), b[:, 128:192].reshape(-1, 2, 1, 32)
-        low = np.concatenate([ql & 0x0F, ql >> 4], axis=2).reshape(-1, 256)
-        high = np.concatenate([(qh >> s) & 3 for s in (0, 2, 4, 6)], axis=2).reshape(-1, 256)
-        codes = torch.from_numpy((low | (high << 4)).astype(np.int32) - 32)
-        sc = torch.from_numpy(b[:, 192:208].view(np.int8).astype(np.float32))          # [B, 16]
+        low = torch.cat([ql & 0x0F, ql >> 4], dim=2).reshape(-1, 256)
+        high = torch.cat([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=2).reshape(-1, 256)
+        codes = (low | (high << 4)).to(i32) - 32
+        sc = b[:, 192:208].contiguous().view(torch.int8).to(f32)                      # [B, 16]
         scales = (_f16(b[:, 208:210]).to(f32)[:, None] * sc).reshape(-1)
         offsets = None
     else:
