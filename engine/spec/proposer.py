@@ -1,0 +1,46 @@
+"""Proposers: where the k tokens a speculating sequence verifies come from."""
+from quant_serve.engine.config import SpeculativeConfig
+from quant_serve.engine.scheduler import SchedulerOutput
+from quant_serve.engine.sequence import Sequence
+from quant_serve.engine.spec.ngram import propose_ngram
+from quant_serve.engine.spec.step import can_speculate
+
+
+def num_to_propose(seq: Sequence, k: int, max_model_len: int) -> int:
+    """At most k, and never past max_tokens or max_model_len: the step emits up to (proposals + 1) tokens."""
+    if seq.num_pending_tokens or seq.num_computed_tokens != seq.num_tokens - 1 or not can_speculate(seq):
+        return 0        # only a decode whose tokens are all on the host
+    room = max_model_len - seq.num_tokens - 1
+    if seq.params.max_tokens is not None:
+        room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
+    return max(0, min(k, room))
+
+
+class NgramProposer:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+        self.config = config
+        self.max_model_len = max_model_len
+
+    def propose(self, running: list[Sequence]) -> bool:
+        """Sets spec_token_ids of the running sequences that find a match. -> whether any did."""
+        found = False
+        cfg = self.config
+        for seq in running:
+            k = num_to_propose(seq, cfg.num_speculative_tokens, self.max_model_len)
+            seq.spec_token_ids = propose_ngram(seq.token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max) \
+                if k else []
+            found |= bool(seq.spec_token_ids)
+        return found
+
+    def draft_probs(self) -> None:
+        return None                      # point masses
+
+    def sync(self, out: SchedulerOutput) -> None:
+        pass
+
+
+def make_proposer(config: SpeculativeConfig, engine):
+    if config.method == "ngram":
+        return NgramProposer(config, engine.max_model_len)
+    from quant_serve.engine.spec.draft import DraftProposer
+    return DraftProposer(config, engine)
