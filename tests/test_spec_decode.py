@@ -1,0 +1,107 @@
+"""Speculative decoding: prompt-lookup proposals, the acceptance rules (greedy exact; rejection sampling keeps the
+target distribution), and the engine's output identical with and without speculation under greedy decoding."""
+import pytest
+import torch
+
+from quant_serve.engine.config import SpeculativeConfig
+from quant_serve.engine.sampling_params import SamplingParams
+from quant_serve.engine.spec.ngram import propose_ngram
+from quant_serve.engine.spec.verify import accept_greedy, accept_sampled
+
+from conftest import TINY
+from helpers import assert_all_blocks_free, make_engine
+
+
+def test_propose_ngram_exact_cases():
+    assert propose_ngram([1, 2, 3, 4, 1, 2], 3, 1, 3) == [3, 4, 1]          # suffix [1, 2] seen at 0
+    assert propose_ngram([5, 6, 7], 2, 1, 2) == []                           # nothing repeats
+    assert propose_ngram([1, 2, 1, 2, 1, 2], 4, 2, 2) == [1, 2]              # latest occurrence, cut at the end
+    # the longest suffix wins: [9, 1] matches at 4 (-> 2, 7, 9), [1] alone would match later
+    assert propose_ngram([9, 1, 2, 3, 9, 1, 2, 7, 9, 1], 3, 1, 3) == [2, 7, 9]
+    assert propose_ngram([4, 8, 4, 9, 3, 8], 2, 1, 1) == [4, 9]              # n = 1
+    assert propose_ngram([4, 8, 4, 9, 3, 8], 2, 2, 3) == []                  # below prompt_lookup_min
+    assert propose_ngram([1, 2, 1, 2], 0, 1, 2) == []                        # k = 0
+
+
+def test_accept_greedy_exact_cases():
+    assert accept_greedy([5, 6, 7], [5, 6]) == [5, 6, 7]                     # all accepted + bonus
+    assert accept_greedy([5, 9, 7], [5, 6]) == [5, 9]                        # first mismatch: the target's token
+    assert accept_greedy([4, 6, 7], [5, 6]) == [4]
+    assert accept_greedy([3], []) == [3]
+
+
+def _empirical(draws: list[int], vocab: int) -> torch.Tensor:
+    return torch.bincount(torch.tensor(draws), minlength=vocab).double() / len(draws)
+
+
+@pytest.mark.parametrize("draft_kind", ["distribution", "point"])
+def test_rejection_sampler_keeps_the_target_distribution(draft_kind):
+    """Token 1 of each draw must follow the target p0, and token 2 (given token 1 accepted the proposal) p1,
+    whatever the proposer's q. 20,000 draws on a 5-token vocabulary: the standard error of a frequency is at most
+    0.0035; the tolerance is 0.015 (over 4 sigma), far below the gap to q (>= 0.2 on some token)."""
+    vocab, n = 5, 20000
+    gen = torch.Generator().manual_seed(1234)
+    p = torch.tensor([[0.50, 0.20, 0.15, 0.10, 0.05], [0.05, 0.05, 0.30, 0.40, 0.20], [0.2] * 5],
+                     dtype=torch.float64)                                          # [k + 1, V], k = 2
+    q = torch.tensor([[0.10, 0.50, 0.10, 0.20, 0.10], [0.40, 0.10, 0.10, 0.10, 0.30]], dtype=torch.float64)
+    firsts, seconds = [], []
+    for _ in range(n):
+        if draft_kind == "distribution":     # the proposer samples its tokens from q
+            draft = [int(torch.multinomial(q[j], 1, generator=gen)) for j in range(2)]
+            out = accept_sampled(p, draft, q, gen)
+        else:                                # prompt lookup: a fixed proposal, q a point mass
+            draft = [1, 2]
+            out = accept_sampled(p, draft, None, gen)
+        assert 1 <= len(out) <= 3 and out[:len(out) - 1] == draft[:len(out) - 1]
+        firsts.append(out[0])
+        if len(out) >= 2:
+            seconds.append(out[1])
+    assert (_empirical(firsts, vocab) - p[0]).abs().max() < 0.015
+    # the second token's position always conditions on the first token being the draft's; it must follow p1
+    tol = 4 * (0.25 / len(seconds)) ** 0.5
+    assert (_empirical(seconds, vocab) - p[1]).abs().max() < max(tol, 0.015)
+    if draft_kind == "point":                 # acceptance probability of a point mass is p(d)
+        assert abs(len(seconds) / n - 0.20) < 0.015
+
+
+def _requests():
+    copy = ("Copy this exactly: the quick brown fox jumps over the lazy dog, then the quick brown fox jumps over the "
+            "lazy dog again. Copy: the quick brown fox")
+    return [
+        ("copy", copy, SamplingParams(max_tokens=20, temperature=0)),
+        ("count", "1, 2, 3, 4, 5, 6, 7,", SamplingParams(max_tokens=7, temperature=0)),      # ends mid-run
+        ("stop", "1, 2, 3, 4, 5, 6, 7,", SamplingParams(max_tokens=20, temperature=0, stop=["99, 99, 99"])),
+        ("penalty", copy, SamplingParams(max_tokens=9, temperature=0, repetition_penalty=1.2)),  # never speculates
+        ("random", copy, SamplingParams(max_tokens=12, temperature=0.8, seed=3)),
+    ]
+
+
+def _run(engine) -> dict[str, tuple]:
+    for rid, prompt, sp in _requests():
+        engine.add_request(rid, prompt, sp)
+    results = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                o = out.outputs[0]
+                results[out.request_id] = (o.token_ids, o.text, o.finish_reason, o.stop_reason)
+    return results
+
+
+@pytest.fixture(scope="module")
+def plain_results():
+    return _run(make_engine(TINY, max_model_len=256))
+
+
+def test_ngram_speculation_is_exact_under_greedy(plain_results):
+    engine = make_engine(TINY, max_model_len=256, speculative=SpeculativeConfig(
+        num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3, disable_by_batch_size=8))
+    got = _run(engine)
+    for rid in ("copy", "count", "stop", "penalty"):
+        assert got[rid] == plain_results[rid], rid
+    assert got["stop"][2:] == ("stop", "99, 99, 99") and len(got["count"][0]) == 7
+    stats = engine.spec_stats
+    assert stats.num_accepted_tokens >= 10 and stats.num_draft_tokens > stats.num_accepted_tokens
+    assert sum(stats.accepted_per_pos) == stats.num_accepted_tokens
+    assert len(got["random"][0]) == 12
+    assert_all_blocks_free(engine)
