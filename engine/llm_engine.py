@@ -163,6 +163,7 @@ class LLMEngine:
         for seq in request.seqs:
             self.scheduler.abort(seq.request_id)
             self.runner.sampler.release(seq.request_id)
+            self.proposer.release(seq.request_id)
             self._seq_owner.pop(seq.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
@@ -329,6 +330,7 @@ class LLMEngine:
             if seq.is_finished and (left[id(seq)] == 0 or id(seq) in stopped):
                 text += request.detokenizers[index].finish()
                 self.runner.sampler.release(seq.request_id)
+                self.proposer.release(seq.request_id)
             old_text, old_ids = deltas.get((request.request_id, index), ("", []))
             deltas[(request.request_id, index)] = (old_text + text, old_ids + [token])
             touched[request.request_id] = request

@@ -32,6 +32,9 @@ class NgramProposer:
             found |= bool(seq.spec_token_ids)
         return found
 
+    def release(self, request_id: str) -> None:
+        pass
+
     def draft_probs(self) -> None:
         return None                      # point masses
 

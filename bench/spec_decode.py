@@ -1,0 +1,222 @@
+"""Speculative decoding: what verification costs on the GPU, what is accepted on real text, and the projected
+batch-1 speedup from the two.
+
+    python bench/spec_decode.py verify-cost --out bench/results/spec-verify-cost-h200.json       # GPU
+    python bench/spec_decode.py acceptance --out bench/results/spec-acceptance-tiny-qwen2.json   # CPU is fine
+    python bench/spec_decode.py project --verify-cost A.json --acceptance B.json [--out C.json]
+
+verify-cost: dummy Qwen2.5-7B AWQ under a 24 GiB cap (as bench/e2e.py builds it); median time of one target step
+that forwards t tokens per sequence (t = 1, 2, 4, 8: the last known token + t - 1 proposals) and takes the logits of
+all of them, at batch 1, 4, 16, next to the plain decode step (CUDA graph) at t = 1.
+acceptance: tiny-qwen2 target, greedy, k proposals; prompt lookup and a draft model (tiny-qwen2 cut to its first
+DRAFT_LAYERS layers: same tokenizer, a fraction of the cost) on a copy-heavy task (a held-out paragraph of
+/work/shared/data/val.txt, then its start again: the model continues by copying) and free generation (the start of
+a paragraph alone).
+project: time per token relative to plain decode = (speculating steps x verify cost ratio at k + 1 tokens
+[+ k draft forwards x draft cost ratio] + plain decode steps) / tokens; speedup = its inverse.
+"""
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+TINY = SHARED / "models" / "tiny-qwen2"
+VAL = SHARED / "data" / "val.txt"
+DRAFT_LAYERS = 2
+K = 4
+
+
+def truncated_model(model_dir: Path, num_layers: int, out_dir: Path) -> Path:
+    """model_dir's first num_layers decoder layers (+ embeddings, final norm, head) as a checkpoint: a cheap draft
+    with the same tokenizer."""
+    from safetensors.torch import load_file, save_file
+    out_dir = Path(out_dir)
+    if (out_dir / "model.safetensors").is_file():
+        return out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    weights = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        for name, t in load_file(str(f)).items():
+            parts = name.split(".")
+            if parts[:2] == ["model", "layers"] and int(parts[2]) >= num_layers:
+                continue
+            weights[name] = t
+    save_file(weights, str(out_dir / "model.safetensors"))
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config["num_hidden_layers"] = num_layers
+    if "layer_types" in config:
+        config["layer_types"] = config["layer_types"][:num_layers]
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    for f in Path(model_dir).iterdir():
+        if f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
+            (out_dir / f.name).write_bytes(f.read_bytes())
+    return out_dir
+
+
+def paragraphs(n: int, min_chars: int = 200) -> list[str]:
+    docs = [d.strip() for d in VAL.read_text().split("<|endoftext|>")]
+    return [d for d in docs if len(d) >= min_chars and "<|im_start|>" not in d][:n]
+
+
+def tasks(n: int) -> dict[str, list[str]]:
+    paras = paragraphs(n)
+    return {"copy": [f"{p}\n<|endoftext|>\n{p[:40]}" for p in paras],      # the paragraph, then its start again
+            "free": [p[:40] for p in paras]}
+
+
+def run_acceptance(args) -> dict:
+    sys.path.insert(0, str(REPO / "tests"))
+    from quant_serve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+    from quant_serve.engine.llm_engine import LLMEngine
+    from quant_serve.engine.sampling_params import SamplingParams
+    draft = truncated_model(TINY, DRAFT_LAYERS, Path(args.work) / f"tiny-qwen2-{DRAFT_LAYERS}-layers")
+    methods = {"ngram": SpeculativeConfig(num_speculative_tokens=K, prompt_lookup_min=1, prompt_lookup_max=3,
+                                          disable_by_batch_size=64),
+               "draft_model": SpeculativeConfig(method="draft_model", model=str(draft), num_speculative_tokens=K,
+                                                disable_by_batch_size=64)}
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
+    result = {"target": str(TINY), "draft_model": f"tiny-qwen2, first {DRAFT_LAYERS} of 8 layers",
+              "num_speculative_tokens": K, "max_tokens": args.max_tokens, "device": "cpu", "greedy": True,
+              "tasks": {}}
+    for task, prompts in tasks(args.num_prompts).items():
+        for name, spec in methods.items():
+            engine = LLMEngine(EngineConfig(model=str(TINY), dtype="float32", device="cpu", max_model_len=1024,
+                                            cache=CacheConfig(num_gpu_blocks=512),
+                                            scheduler=SchedulerConfig(max_num_seqs=64), speculative=spec),
+                               show_progress=False)
+            start = time.perf_counter()
+            outs = engine.generate(prompts, params)
+            s = engine.spec_stats
+            generated = sum(len(o.outputs[0].token_ids) for o in outs)
+            # decode entries that did not speculate: every token not emitted by a verification, less the first
+            # token of each request (sampled by its prefill)
+            plain = generated - s.num_drafts - s.num_accepted_tokens - len(prompts)
+            result["tasks"].setdefault(task, {})[name] = {
+                "num_prompts": len(prompts), "generated_tokens": generated, "num_drafts": s.num_drafts,
+                "num_draft_tokens": s.num_draft_tokens, "num_accepted_tokens": s.num_accepted_tokens,
+                "accepted_per_pos": list(s.accepted_per_pos), "acceptance_rate": round(s.acceptance_rate, 4),
+                "mean_accepted_per_draft": round(s.num_accepted_tokens / max(1, s.num_drafts), 4),
+                "mean_accepted_length": round(s.mean_accepted_length, 4), "plain_decode_steps": plain,
+                "cpu_seconds": round(time.perf_counter() - start, 2)}
+            print(task, name, result["tasks"][task][name], file=sys.stderr)
+    return result
+
+
+@torch.inference_mode()
+def run_verify_cost(args) -> dict:
+    sys.path.insert(0, str(REPO / "bench"))
+    from e2e import CONFIGS, engine_for
+    from quant_serve.engine.scheduler import ScheduledSeq, SchedulerOutput
+    from quant_serve.engine.sampling_params import SamplingParams
+    from quant_serve.engine.sequence import Sequence
+    engine = engine_for(CONFIGS["qwen2.5-7b-awq"], "auto", 64, 4096, False)
+    runner, bm = engine.runner, engine.block_manager
+    vocab = engine.model_config.vocab_size
+    result = {"model": "dummy Qwen2.5-7B AWQ g128, 24 GiB cap", "context": args.context, "steps": {}}
+    gen = torch.Generator().manual_seed(0)
+
+    def timed(fn) -> float:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    for batch in (1, 4, 16):
+        seqs = []
+        for i in range(batch):
+            ids = torch.randint(3, vocab, (args.context,), generator=gen).tolist()
+            seq = Sequence(f"b{batch}-{i}", ids, SamplingParams(max_tokens=None, temperature=0))
+            assert bm.allocate_slots(seq, args.context + 8)
+            runner.execute(SchedulerOutput([ScheduledSeq(seq, args.context)], args.context))   # the prefill
+            seq.num_computed_tokens = args.context - 1        # re-decode the last token: context stays fixed
+            seqs.append(seq)
+        row = {"decode_graph_ms": 1e3 * timed(lambda: runner.execute(
+            SchedulerOutput([ScheduledSeq(s, 1) for s in seqs], batch)))}
+        for t in (1, 2, 4, 8):
+            for s in seqs:
+                s.spec_token_ids = [5] * (t - 1)
+            out = SchedulerOutput([ScheduledSeq(s, t) for s in seqs], batch * t)
+
+            def verify():
+                hidden, starts, _ = runner.forward(out)
+                engine.model.compute_logits(hidden).argmax(dim=-1)
+            row[f"verify_{t}_ms"] = 1e3 * timed(verify)
+            for s in seqs:
+                s.spec_token_ids = []
+        row.update({f"verify_{t}_over_decode": row[f"verify_{t}_ms"] / row["decode_graph_ms"] for t in (1, 2, 4, 8)})
+        result["steps"][f"batch_{batch}"] = row
+        print(batch, row, file=sys.stderr)
+        for s in seqs:
+            bm.free(s)
+    return result
+
+
+def interpolate(cost: dict, tokens: int) -> float:
+    """Verify cost ratio at `tokens` tokens per sequence, linear between the measured 1, 2, 4, 8."""
+    points = sorted((int(k.split("_")[1]), v) for k, v in cost.items() if k.endswith("_over_decode"))
+    for (t0, c0), (t1, c1) in zip(points, points[1:]):
+        if t0 <= tokens <= t1:
+            return c0 + (c1 - c0) * (tokens - t0) / (t1 - t0)
+    return points[-1][1]
+
+
+def project(verify: dict, acceptance: dict, draft_cost_ratio: float) -> dict:
+    cost = verify["steps"]["batch_1"]
+    k = acceptance["num_speculative_tokens"]
+    c = interpolate(cost, k + 1)
+    out = {"verify_over_decode_at_k_plus_1": c, "draft_cost_ratio": draft_cost_ratio, "tasks": {}}
+    for task, methods in acceptance["tasks"].items():
+        for name, m in methods.items():
+            tokens = m["num_drafts"] + m["num_accepted_tokens"] + m["plain_decode_steps"]
+            draft_cost = k * draft_cost_ratio if name == "draft_model" else 0.0
+            time_units = m["num_drafts"] * (c + draft_cost) + m["plain_decode_steps"]
+            out["tasks"].setdefault(task, {})[name] = {"projected_speedup": round(tokens / time_units, 3)}
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    v = sub.add_parser("verify-cost")
+    v.add_argument("--context", type=int, default=512)
+    v.add_argument("--repeats", type=int, default=20)
+    a = sub.add_parser("acceptance")
+    a.add_argument("--num-prompts", type=int, default=8)
+    a.add_argument("--max-tokens", type=int, default=64)
+    a.add_argument("--work", default="/tmp/spec-bench", help="where the truncated draft checkpoint is written")
+    j = sub.add_parser("project")
+    j.add_argument("--verify-cost", required=True)
+    j.add_argument("--acceptance", required=True)
+    j.add_argument("--draft-cost-ratio", type=float, default=0.1,
+                   help="one draft forward / one target decode step (Qwen2.5-0.5B for a 7B INT4 target: ~0.1, "
+                        "an assumption until measured)")
+    for sp in (v, a, j):
+        sp.add_argument("--out", default=None)
+    args = p.parse_args()
+    if args.command == "verify-cost":
+        result = run_verify_cost(args)
+    elif args.command == "acceptance":
+        result = run_acceptance(args)
+    else:
+        result = project(json.loads(Path(args.verify_cost).read_text()), json.loads(Path(args.acceptance).read_text()),
+                         args.draft_cost_ratio)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
