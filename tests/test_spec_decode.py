@@ -105,3 +105,50 @@ def test_ngram_speculation_is_exact_under_greedy(plain_results):
     assert sum(stats.accepted_per_pos) == stats.num_accepted_tokens
     assert len(got["random"][0]) == 12
     assert_all_blocks_free(engine)
+
+
+@pytest.fixture(scope="module")
+def two_layer_draft(tmp_path_factory):
+    """tiny-qwen2 cut to its first 2 layers: the same tokenizer, proposals that are often wrong (rollbacks)."""
+    import importlib.util
+    from conftest import REPO
+    spec = importlib.util.spec_from_file_location("spec_decode_bench", REPO / "bench" / "spec_decode.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench.truncated_model(TINY, 2, tmp_path_factory.mktemp("draft") / "tiny-2-layers")
+
+
+def test_draft_model_speculation_is_exact_under_greedy(plain_results, two_layer_draft):
+    engine = make_engine(TINY, max_model_len=256, speculative=SpeculativeConfig(
+        method="draft_model", model=str(two_layer_draft), num_speculative_tokens=3, disable_by_batch_size=8))
+    got = _run(engine)
+    for rid in ("copy", "count", "stop", "penalty"):
+        assert got[rid] == plain_results[rid], rid
+    stats = engine.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens     # both accepted and rejected proposals
+    assert_all_blocks_free(engine)
+    draft = engine.proposer
+    assert not draft.shadows and draft.block_manager.num_free_blocks == draft.block_manager.num_blocks
+
+
+def test_speculation_turns_off_above_the_batch_size():
+    engine = make_engine(TINY, max_model_len=256, speculative=SpeculativeConfig(
+        num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3, disable_by_batch_size=2))
+    outs = engine.generate(["1, 2, 3, 4, 5, 6, 7,"] * 3, SamplingParams(max_tokens=8, temperature=0))
+    assert engine.spec_stats.num_drafts == 0 and all(len(o.outputs[0].token_ids) == 8 for o in outs)
+    assert_all_blocks_free(engine)
+
+
+def test_draft_model_with_another_tokenizer_is_refused(tmp_path, two_layer_draft):
+    import json
+    import shutil
+    other = tmp_path / "other"
+    shutil.copytree(two_layer_draft, other)
+    tok = json.loads((other / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    first = next(iter(vocab))
+    vocab[first + "_changed"] = vocab.pop(first)
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ValueError, match="different tokenizer"):
+        make_engine(TINY, max_model_len=256, speculative=SpeculativeConfig(
+            method="draft_model", model=str(other), num_speculative_tokens=2))
