@@ -152,3 +152,16 @@ def test_draft_model_with_another_tokenizer_is_refused(tmp_path, two_layer_draft
     with pytest.raises(ValueError, match="different tokenizer"):
         make_engine(TINY, max_model_len=256, speculative=SpeculativeConfig(
             method="draft_model", model=str(other), num_speculative_tokens=2))
+
+
+def test_memory_plan_counts_the_draft_model(two_layer_draft):
+    from quant_serve.engine.memory import plan_memory
+    config = TINY.parent.parent / "configs" / "qwen2.5-7b-instruct"
+    alone = plan_memory(config, gpu_mem_gb=24.0, max_model_len=4096)
+    both = plan_memory(config, gpu_mem_gb=24.0, max_model_len=4096, draft_model=two_layer_draft)
+    draft_kv_per_token = 2 * 2 * 2 * 64 * 2            # K and V, 2 layers, 2 KV heads, head_dim 64, fp16
+    assert both.draft_weights_bytes == both.weights_bytes - alone.weights_bytes > 0
+    assert both.draft_kv_cache_bytes == both.kv_cache_tokens * draft_kv_per_token
+    free = alone.usable_bytes - both.weights_bytes - both.activation_bytes - both.cuda_graph_bytes - \
+        both.overhead_bytes
+    assert both.num_blocks == free // ((both.kv_bytes_per_token + draft_kv_per_token) * both.block_size)
