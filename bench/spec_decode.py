@@ -75,15 +75,25 @@ def run_acceptance(args) -> dict:
     from quant_serve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
     from quant_serve.engine.llm_engine import LLMEngine
     from quant_serve.engine.sampling_params import SamplingParams
-    draft = truncated_model(TINY, DRAFT_LAYERS, Path(args.work) / f"tiny-qwen2-{DRAFT_LAYERS}-layers")
-    methods = {"ngram": SpeculativeConfig(num_speculative_tokens=K, prompt_lookup_min=1, prompt_lookup_max=3,
-                                          disable_by_batch_size=64),
-               "draft_model": SpeculativeConfig(method="draft_model", model=str(draft), num_speculative_tokens=K,
-                                                disable_by_batch_size=64)}
+    methods = {"ngram": SpeculativeConfig(num_speculative_tokens=K, prompt_lookup_min=args.ngram_min,
+                                          prompt_lookup_max=args.ngram_max, disable_by_batch_size=64)}
+    drafts = {}
+    for draft in args.drafts:
+        if draft.startswith("cut:"):
+            layers = int(draft[4:])
+            path = truncated_model(TINY, layers, Path(args.work) / f"tiny-qwen2-{layers}-layers")
+            drafts[f"draft_model:tiny-qwen2-first-{layers}-of-8-layers"] = path
+        else:
+            drafts[f"draft_model:{Path(draft).name}"] = Path(draft)
+    for name, path in drafts.items():
+        methods[name] = SpeculativeConfig(method="draft_model", model=str(path), num_speculative_tokens=K,
+                                          disable_by_batch_size=64)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
-    result = {"target": str(TINY), "draft_model": f"tiny-qwen2, first {DRAFT_LAYERS} of 8 layers",
+    result = {"target": str(TINY), "drafts": {k: str(v) for k, v in drafts.items()},
+              "ngram": {"prompt_lookup_min": args.ngram_min, "prompt_lookup_max": args.ngram_max},
               "num_speculative_tokens": K, "max_tokens": args.max_tokens, "device": "cpu", "greedy": True,
-              "tasks": {}}
+              "copy_task": "a held-out val.txt paragraph, <|endoftext|>, then its first 40 characters again",
+              "free_task": "the first 40 characters of the paragraph alone", "tasks": {}}
     for task, prompts in tasks(args.num_prompts).items():
         for name, spec in methods.items():
             engine = LLMEngine(EngineConfig(model=str(TINY), dtype="float32", device="cpu", max_model_len=1024,
@@ -94,9 +104,9 @@ def run_acceptance(args) -> dict:
             outs = engine.generate(prompts, params)
             s = engine.spec_stats
             generated = sum(len(o.outputs[0].token_ids) for o in outs)
-            # decode entries that did not speculate: every token not emitted by a verification, less the first
-            # token of each request (sampled by its prefill)
-            plain = generated - s.num_drafts - s.num_accepted_tokens - len(prompts)
+            # decode entries that did not speculate: every token not emitted by a verification, less the first (sampled by its prefill)
+            # token of each request (sampled by its prefill); an EOS inside an accepted run drops the rest (>= 0)
+            plain = max(0, generated - s.num_drafts - s.num_accepted_tokens - len(prompts))
             result["tasks"].setdefault(task, {})[name] = {
                 "num_prompts": len(prompts), "generated_tokens": generated, "num_drafts": s.num_drafts,
                 "num_draft_tokens": s.num_draft_tokens, "num_accepted_tokens": s.num_accepted_tokens,
@@ -179,8 +189,8 @@ def project(verify: dict, acceptance: dict, draft_cost_ratio: float) -> dict:
     out = {"verify_over_decode_at_k_plus_1": c, "draft_cost_ratio": draft_cost_ratio, "tasks": {}}
     for task, methods in acceptance["tasks"].items():
         for name, m in methods.items():
-            tokens = m["num_drafts"] + m["num_accepted_tokens"] + m["plain_decode_steps"]
-            draft_cost = k * draft_cost_ratio if name == "draft_model" else 0.0
+            tokens = m["generated_tokens"] - m["num_prompts"]            # decode tokens (the first is the prefill's)
+            draft_cost = k * draft_cost_ratio if name.startswith("draft_model") else 0.0
             time_units = m["num_drafts"] * (c + draft_cost) + m["plain_decode_steps"]
             out["tasks"].setdefault(task, {})[name] = {"projected_speedup": round(tokens / time_units, 3)}
     return out
@@ -196,6 +206,10 @@ def main() -> None:
     a.add_argument("--num-prompts", type=int, default=8)
     a.add_argument("--max-tokens", type=int, default=64)
     a.add_argument("--work", default="/tmp/spec-bench", help="where the truncated draft checkpoint is written")
+    a.add_argument("--drafts", nargs="*", default=[f"cut:{DRAFT_LAYERS}"],
+                   help="draft models: a directory, or cut:N for tiny-qwen2's first N layers")
+    a.add_argument("--ngram-min", type=int, default=2)
+    a.add_argument("--ngram-max", type=int, default=4)
     j = sub.add_parser("project")
     j.add_argument("--verify-cost", required=True)
     j.add_argument("--acceptance", required=True)

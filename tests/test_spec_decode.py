@@ -165,3 +165,30 @@ def test_memory_plan_counts_the_draft_model(two_layer_draft):
     free = alone.usable_bytes - both.weights_bytes - both.activation_bytes - both.cuda_graph_bytes - \
         both.overhead_bytes
     assert both.num_blocks == free // ((both.kv_bytes_per_token + draft_kv_per_token) * both.block_size)
+
+
+def test_stop_token_inside_an_accepted_run_ends_there(plain_results):
+    """A stop token (handled like EOS) among the accepted tokens of a verification ends the sequence at it; the
+    tokens verified after it vanish."""
+    rid, prompt, params = _requests()[0]
+    plain = plain_results[rid][0]
+
+    def spec_run(stop_token_ids):
+        engine = make_engine(TINY, max_model_len=256, speculative=SpeculativeConfig(
+            num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3))
+        verified = []
+        apply = engine.scheduler._apply_verified
+        engine.scheduler._apply_verified = lambda item, tokens: \
+            verified.append((len(item.seq.output_token_ids), list(tokens))) or apply(item, tokens)
+        sp = SamplingParams(max_tokens=params.max_tokens, temperature=0, stop_token_ids=stop_token_ids)
+        out = engine.generate(prompt, sp)[0].outputs[0]
+        assert_all_blocks_free(engine)
+        return out, verified
+
+    _, verified = spec_run([])
+    # a token that first appears as an accepted (not the last) token of a verification
+    stop = next(t for base, run in verified for j, t in enumerate(run[:-1]) if plain.index(t) == base + j)
+    out, verified = spec_run([stop])
+    assert out.token_ids == plain[:plain.index(stop) + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    assert any(stop in run[:-1] for _, run in verified)
