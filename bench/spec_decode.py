@@ -3,17 +3,20 @@ batch-1 speedup from the two.
 
     python bench/spec_decode.py verify-cost --out bench/results/spec-verify-cost-h200.json       # GPU
     python bench/spec_decode.py acceptance --out bench/results/spec-acceptance-tiny-qwen2.json   # CPU is fine
-    python bench/spec_decode.py project --verify-cost A.json --acceptance B.json [--out C.json]
+    python bench/spec_decode.py project --acceptance B.json [--verify-cost A.json] [--out C.json]
 
 verify-cost: dummy Qwen2.5-7B AWQ under a 24 GiB cap (as bench/e2e.py builds it); median time of one target step
 that forwards t tokens per sequence (t = 1, 2, 4, 8: the last known token + t - 1 proposals) and takes the logits of
 all of them, at batch 1, 4, 16, next to the plain decode step (CUDA graph) at t = 1.
-acceptance: tiny-qwen2 target, greedy, k proposals; prompt lookup and a draft model (tiny-qwen2 cut to its first
-DRAFT_LAYERS layers: same tokenizer, a fraction of the cost) on a copy-heavy task (a held-out paragraph of
+acceptance: tiny-qwen2 target, greedy, k proposals; prompt lookup and draft models (--drafts: tiny-qwen2 cut to its
+first N layers, or a directory such as the shared tiny-qwen2-awq: the target in INT4 as its own draft) on a
+copy-heavy task (a held-out paragraph of
 /work/shared/data/val.txt, then its start again: the model continues by copying) and free generation (the start of
 a paragraph alone).
 project: time per token relative to plain decode = (speculating steps x verify cost ratio at k + 1 tokens
-[+ k draft forwards x draft cost ratio] + plain decode steps) / tokens; speedup = its inverse.
+[+ k draft forwards x draft cost ratio] + plain decode steps) / tokens; speedup = its inverse. Without a
+verify-cost JSON it gives the break-even: the largest verify cost ratio at which each method still reaches 1.0x
+and 1.6x.
 """
 import argparse
 import json
@@ -196,6 +199,25 @@ def project(verify: dict, acceptance: dict, draft_cost_ratio: float) -> dict:
     return out
 
 
+def break_even(acceptance: dict, draft_cost_ratio: float, speedups=(1.0, 1.6)) -> dict:
+    """Without a GPU measurement: the largest verify cost ratio (k + 1 tokens / one decode step) at which each task
+    and method still reaches each speedup; None where even a free verification would not."""
+    k = acceptance["num_speculative_tokens"]
+    out = {}
+    for task, methods in acceptance["tasks"].items():
+        for name, m in methods.items():
+            tokens = m["generated_tokens"] - m["num_prompts"]
+            draft_cost = k * draft_cost_ratio if name.startswith("draft_model") else 0.0
+            row = {}
+            for goal in speedups:
+                # tokens / (drafts * (c + draft_cost) + plain) >= goal
+                budget = tokens / goal - m["plain_decode_steps"]
+                c = budget / m["num_drafts"] - draft_cost if m["num_drafts"] else None
+                row[f"max_verify_cost_for_{goal}x"] = round(c, 3) if c is not None and c > 0 else None
+            out.setdefault(task, {})[name] = row
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -211,7 +233,7 @@ def main() -> None:
     a.add_argument("--ngram-min", type=int, default=2)
     a.add_argument("--ngram-max", type=int, default=4)
     j = sub.add_parser("project")
-    j.add_argument("--verify-cost", required=True)
+    j.add_argument("--verify-cost", default=None, help="verify-cost JSON; without it only the break-even costs")
     j.add_argument("--acceptance", required=True)
     j.add_argument("--draft-cost-ratio", type=float, default=0.1,
                    help="one draft forward / one target decode step (Qwen2.5-0.5B for a 7B INT4 target: ~0.1, "
@@ -224,8 +246,10 @@ def main() -> None:
     elif args.command == "acceptance":
         result = run_acceptance(args)
     else:
-        result = project(json.loads(Path(args.verify_cost).read_text()), json.loads(Path(args.acceptance).read_text()),
-                         args.draft_cost_ratio)
+        acceptance = json.loads(Path(args.acceptance).read_text())
+        result = {"break_even": break_even(acceptance, args.draft_cost_ratio)}
+        if args.verify_cost:
+            result.update(project(json.loads(Path(args.verify_cost).read_text()), acceptance, args.draft_cost_ratio))
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:
