@@ -107,7 +107,7 @@ def run_acceptance(args) -> dict:
             outs = engine.generate(prompts, params)
             s = engine.spec_stats
             generated = sum(len(o.outputs[0].token_ids) for o in outs)
-            # decode entries that did not speculate: every token not emitted by a verification, less the first (sampled by its prefill)
+            # decode entries that did not speculate: every token not emitted by a verification, less the first
             # token of each request (sampled by its prefill); an EOS inside an accepted run drops the rest (>= 0)
             plain = max(0, generated - s.num_drafts - s.num_accepted_tokens - len(prompts))
             result["tasks"].setdefault(task, {})[name] = {
@@ -128,21 +128,31 @@ def run_verify_cost(args) -> dict:
     from quant_serve.engine.scheduler import ScheduledSeq, SchedulerOutput
     from quant_serve.engine.sampling_params import SamplingParams
     from quant_serve.engine.sequence import Sequence
-    engine = engine_for(CONFIGS["qwen2.5-7b-awq"], "auto", 64, 4096, False)
+    if args.model is None:
+        engine = engine_for(CONFIGS["qwen2.5-7b-awq"], "auto", 64, 4096, False)
+        model = "dummy Qwen2.5-7B AWQ g128, 24 GiB cap"
+    else:                    # a local model on this machine's device (checks the script itself on the CPU)
+        from quant_serve.engine.config import CacheConfig, EngineConfig
+        from quant_serve.engine.llm_engine import LLMEngine
+        engine = LLMEngine(EngineConfig(model=args.model, max_model_len=args.context + 64,
+                                        cache=CacheConfig(num_gpu_blocks=64 * (args.context // 16 + 2))),
+                           show_progress=False)
+        model = args.model
     runner, bm = engine.runner, engine.block_manager
     vocab = engine.model_config.vocab_size
-    result = {"model": "dummy Qwen2.5-7B AWQ g128, 24 GiB cap", "context": args.context, "steps": {}}
+    result = {"model": model, "device": str(engine.device), "context": args.context, "steps": {}}
     gen = torch.Generator().manual_seed(0)
+    sync = torch.cuda.synchronize if engine.device != "cpu" else (lambda: None)
 
     def timed(fn) -> float:
         for _ in range(3):
             fn()
-        torch.cuda.synchronize()
+        sync()
         times = []
         for _ in range(args.repeats):
             start = time.perf_counter()
             fn()
-            torch.cuda.synchronize()
+            sync()
             times.append(time.perf_counter() - start)
         return statistics.median(times)
 
@@ -224,6 +234,7 @@ def main() -> None:
     v = sub.add_parser("verify-cost")
     v.add_argument("--context", type=int, default=512)
     v.add_argument("--repeats", type=int, default=20)
+    v.add_argument("--model", default=None, help="a local model instead of the dummy Qwen2.5-7B (script check)")
     a = sub.add_parser("acceptance")
     a.add_argument("--num-prompts", type=int, default=8)
     a.add_argument("--max-tokens", type=int, default=64)

@@ -15,7 +15,7 @@ from quant_serve.engine.model_runner import ModelRunner
 from quant_serve.engine.sampling_params import SamplingParams
 from quant_serve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from quant_serve.engine.sequence import Sequence, SequenceStatus
-from quant_serve.engine.spec.proposer import num_to_propose
+from quant_serve.engine.spec.step import num_to_propose
 
 logger = logging.getLogger("quant_serve")
 

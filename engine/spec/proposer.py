@@ -3,17 +3,7 @@ from quant_serve.engine.config import SpeculativeConfig
 from quant_serve.engine.scheduler import SchedulerOutput
 from quant_serve.engine.sequence import Sequence
 from quant_serve.engine.spec.ngram import propose_ngram
-from quant_serve.engine.spec.step import can_speculate
-
-
-def num_to_propose(seq: Sequence, k: int, max_model_len: int) -> int:
-    """At most k, and never past max_tokens or max_model_len: the step emits up to (proposals + 1) tokens."""
-    if seq.num_pending_tokens or seq.num_computed_tokens != seq.num_tokens - 1 or not can_speculate(seq):
-        return 0        # only a decode whose tokens are all on the host
-    room = max_model_len - seq.num_tokens - 1
-    if seq.params.max_tokens is not None:
-        room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
-    return max(0, min(k, room))
+from quant_serve.engine.spec.step import num_to_propose
 
 
 class NgramProposer:
