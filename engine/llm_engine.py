@@ -82,6 +82,11 @@ class LLMEngine:
         logger.info("KV cache: %d blocks = %d tokens, max concurrency %.1f at max_model_len %d",
                     num_blocks, num_blocks * config.cache.block_size,
                     num_blocks * config.cache.block_size / self.max_model_len, self.max_model_len)
+        spec = config.speculative
+        if spec.enabled:
+            logger.info("speculative decoding: %s, %d tokens per step, off above %d unfinished sequences",
+                        "prompt lookup" if spec.method == "ngram" else f"draft model {spec.model}",
+                        spec.num_speculative_tokens, spec.disable_by_batch_size)
         if num_cpu_blocks:
             logger.info("KV CPU tier: %d blocks = %d tokens", num_cpu_blocks, num_cpu_blocks * config.cache.block_size)
 

@@ -44,9 +44,13 @@ class DraftProposer:
                                   engine.config.seed)
         self.block_manager = BlockManager(num_blocks, cache.block_size, enable_prefix_caching=False)
         self.shadows: dict[str, Sequence] = {}
-        if engine.device != "cpu":
+        if engine.device != "cpu":       # compile before the first request; decode graphs for proposals 2..k
             sched = engine.config.scheduler
+            if not engine.config.enforce_eager:
+                self.runner.plan_decode_graphs(min(sched.max_num_seqs, 512), engine.max_model_len)
             self.runner.warmup(sched.max_num_batched_tokens, sched.max_num_seqs, engine.max_model_len)
+            if not engine.config.enforce_eager:
+                self.runner.capture_decode_graphs()
         logger.info("draft model %s: %d KV blocks", self.model_dir, num_blocks)
 
     def _shadow(self, seq: Sequence) -> Sequence:
