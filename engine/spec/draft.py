@@ -44,6 +44,7 @@ class DraftProposer:
                                   engine.config.seed)
         self.block_manager = BlockManager(num_blocks, cache.block_size, enable_prefix_caching=False)
         self.shadows: dict[str, Sequence] = {}
+        self.synced: dict[str, int] = {}        # request id -> target tokens the shadow was last synced with
         if engine.device != "cpu":       # compile before the first request; decode graphs for proposals 2..k
             sched = engine.config.scheduler
             if not engine.config.enforce_eager:
@@ -60,17 +61,20 @@ class DraftProposer:
             shadow = Sequence(seq.request_id, seq.prompt_token_ids, SamplingParams(max_tokens=None))
             shadow.status = SequenceStatus.RUNNING
             self.shadows[seq.request_id] = shadow
-        common = 0
+        # the target's tokens at the last sync still match (they only grow); compare from there
         limit = min(shadow.num_computed_tokens, len(seq.token_ids))
+        common = min(self.synced.get(seq.request_id, 0), limit)
         while common < limit and shadow.token_ids[common] == seq.token_ids[common]:
             common += 1
         shadow.token_ids = list(seq.token_ids)
+        self.synced[seq.request_id] = len(seq.token_ids)
         shadow.num_computed_tokens = common
         self.block_manager.trim(shadow)
         return shadow
 
     def _drop(self, request_id: str) -> None:
         shadow = self.shadows.pop(request_id)
+        self.synced.pop(request_id, None)
         self.block_manager.free(shadow)
 
     def propose(self, running: list[Sequence]) -> bool:
