@@ -3,6 +3,7 @@ and vLLM's spec-decode counters in /metrics."""
 import json
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from quant_serve.engine.sampling_params import SamplingParams
@@ -38,11 +39,25 @@ def test_speculative_flags_like_vllm():
             raise AssertionError(f"accepted {bad}")
 
 
-def test_ngram_speculation_through_the_openai_api(tmp_path):
+def _draft(tmp_path):
+    import importlib.util
+    from conftest import REPO
+    spec = importlib.util.spec_from_file_location("spec_decode_bench", REPO / "bench" / "spec_decode.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench.truncated_model(TINY, 2, tmp_path / "tiny-2-layers")
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_through_the_openai_api(method, tmp_path):
     expected = make_engine(TINY, max_model_len=512).generate(PROMPT, SamplingParams(max_tokens=24, temperature=0))
-    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    if method == "ngram":
+        spec = ["--speculative-config", json.dumps(
+            {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3})]
+    else:
+        spec = ["--speculative-model", str(_draft(tmp_path)), "--num-speculative-tokens", "3"]
     args = [str(TINY), "--num-gpu-blocks-override", "64", "--max-model-len", "512", "--dtype", "float32",
-            "--served-model-name", "tiny", "--speculative-config", json.dumps(spec)]
+            "--served-model-name", "tiny", *spec]
     with running_server(args, tmp_path / "server.log") as server:
         r = httpx.post(server.url + "/v1/completions", timeout=120, json={
             "model": "tiny", "prompt": PROMPT, "max_tokens": 24, "temperature": 0})
