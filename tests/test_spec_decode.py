@@ -77,10 +77,12 @@ def _requests():
 
 
 def _run(engine) -> dict[str, tuple]:
-    for rid, prompt, sp in _requests():
-        engine.add_request(rid, prompt, sp)
-    results = {}
-    while engine.has_unfinished_requests():
+    """Arrivals staggered over the first steps: prompt chunks share steps with verifications."""
+    pending, results, steps = _requests(), {}, 0
+    while pending or engine.has_unfinished_requests():
+        if pending and steps % 2 == 0:
+            engine.add_request(*pending.pop(0))
+        steps += 1
         for out in engine.step():
             if out.finished:
                 o = out.outputs[0]
