@@ -222,3 +222,19 @@ def test_cuda_speculation_under_graphs(method, tmp_path_factory):
         assert stats.acceptance_rate >= 0.8, stats
         assert engine.proposer.block_manager.num_free_blocks == engine.proposer.block_manager.num_blocks
     assert_all_blocks_free(engine)
+
+
+def test_abort_while_speculating_frees_both_pools(two_layer_draft):
+    engine = make_engine(TINY, max_model_len=256, speculative=SpeculativeConfig(
+        method="draft_model", model=str(two_layer_draft), num_speculative_tokens=3))
+    for rid, prompt, sp in _requests()[:2]:
+        engine.add_request(rid, prompt, sp)
+    for _ in range(4):
+        engine.step()
+    assert engine.proposer.shadows and engine.spec_stats.num_drafts > 0
+    engine.abort("copy")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_all_blocks_free(engine)
+    draft = engine.proposer
+    assert not draft.shadows and draft.block_manager.num_free_blocks == draft.block_manager.num_blocks
