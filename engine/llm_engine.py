@@ -196,12 +196,12 @@ class LLMEngine:
             if self.proposer.propose(self.scheduler.running):
                 self._verify_step()
                 return outputs
-            prev, mode = None, "none"
-        # _emit_pending always runs before the next _apply: a stop string it finds ends the sequence before any
-        # later token of it is applied.
+            prev, mode = None, "none"        # nothing to verify: an ordinary step
         else:
             mode = self._look_ahead_mode(prev[0]) if prev is not None else "none"
             outputs = []
+        # _emit_pending always runs before the next _apply: a stop string it finds ends the sequence before any
+        # later token of it is applied.
         if mode == "launch":
             self.scheduler.advance(prev[0])
             launched = self._schedule_and_launch(prev[1].carry(prev[0]))
@@ -267,13 +267,12 @@ class LLMEngine:
         usual); its tokens are emitted by the next step() call."""
         out = self._schedule()
         if out is not None:
-            tokens, logprobs = run_verify_step(self.runner, out, self.spec_stats, self.proposer.draft_probs())
+            tokens, logprobs = run_verify_step(self.runner, out, self.spec_stats)   # proposals are point masses
             self.scheduler.advance(out)
             for item, lp in zip(out.scheduled, logprobs):
                 if lp is not None and item.advanced and not item.seq.is_finished:
                     item.seq.output_logprobs.append(lp)
             self._pending += self.scheduler.apply_tokens(out, tokens)
-            self.proposer.sync(out)
         for seq in self.scheduler.running:        # proposals the budget left out
             seq.spec_token_ids = []
 

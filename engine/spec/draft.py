@@ -118,9 +118,3 @@ class DraftProposer:
         """The target sequence ended: its shadow's blocks go back to the draft's pool."""
         if request_id in self.shadows:
             self._drop(request_id)
-
-    def draft_probs(self) -> None:
-        return None          # greedy proposals: point masses, which the acceptance rule handles exactly
-
-    def sync(self, out: SchedulerOutput) -> None:
-        pass                 # the next propose() rolls each shadow back to what the target accepted

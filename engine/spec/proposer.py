@@ -1,6 +1,5 @@
 """Proposers: where the k tokens a speculating sequence verifies come from."""
 from quant_serve.engine.config import SpeculativeConfig
-from quant_serve.engine.scheduler import SchedulerOutput
 from quant_serve.engine.sequence import Sequence
 from quant_serve.engine.spec.ngram import propose_ngram
 from quant_serve.engine.spec.step import num_to_propose
@@ -23,13 +22,7 @@ class NgramProposer:
         return found
 
     def release(self, request_id: str) -> None:
-        pass
-
-    def draft_probs(self) -> None:
-        return None                      # point masses
-
-    def sync(self, out: SchedulerOutput) -> None:
-        pass
+        """Nothing is kept per sequence."""
 
 
 def make_proposer(config: SpeculativeConfig, engine):
