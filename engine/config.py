@@ -101,6 +101,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4             # ngram: longest, tried first
     model: str | None = None               # draft_model: a model with the target's tokenizer
     disable_by_batch_size: int = SPEC_DISABLE_BATCH_SIZE   # off while more sequences than this are unfinished
+    # per sequence: after this many verifications in a row accept nothing, skip proposing for 1, 2, 4, ... 32
+    # steps (a verification that accepts nothing costs more than a decode step); 0 = never back off
+    backoff_after: int = 2
 
     def __post_init__(self):
         if self.method not in SPEC_METHODS:
@@ -112,6 +115,8 @@ class SpeculativeConfig:
                              f"({self.prompt_lookup_max})")
         if self.method == "draft_model" and self.num_speculative_tokens and not self.model:
             raise ValueError("speculative method draft_model needs a draft model (--speculative-model)")
+        if self.backoff_after < 0:
+            raise ValueError(f"backoff_after must be >= 0, got {self.backoff_after}")
         if self.disable_by_batch_size < 1:
             raise ValueError(f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
 

@@ -100,7 +100,7 @@ def batched_tokens(args) -> int:
 # vLLM's --speculative-config keys (and its older flag names) -> SpeculativeConfig fields
 _SPEC_KEYS = {"method": "method", "num_speculative_tokens": "num_speculative_tokens", "model": "model",
               "prompt_lookup_min": "prompt_lookup_min", "prompt_lookup_max": "prompt_lookup_max",
-              "disable_by_batch_size": "disable_by_batch_size"}
+              "disable_by_batch_size": "disable_by_batch_size", "backoff_after": "backoff_after"}
 
 
 def speculative_config_from_args(args) -> SpeculativeConfig:

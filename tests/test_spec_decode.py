@@ -238,3 +238,30 @@ def test_abort_while_speculating_frees_both_pools(two_layer_draft):
     assert_all_blocks_free(engine)
     draft = engine.proposer
     assert not draft.shadows and draft.block_manager.num_free_blocks == draft.block_manager.num_blocks
+
+
+def test_backoff_after_verifications_that_accept_nothing():
+    from quant_serve.engine.sequence import Sequence
+    from quant_serve.engine.spec.backoff import Backoff
+    seq = Sequence("s", [1, 2, 3], SamplingParams())
+    backoff = Backoff(after=2)
+    allowed = []
+
+    def step(proposals: list[int], emitted: list[int]):
+        ok = backoff.allow(seq)
+        allowed.append(ok)
+        seq.spec_token_ids = proposals if ok else []
+        backoff.proposed(seq)
+        seq.token_ids += emitted if ok else emitted[:1]
+    step([7, 8], [7, 9])          # 1 accepted
+    step([5], [6])                # miss 1
+    step([5], [6])                # miss 2: skip the next 1 step
+    step([5], [6])                # skipped
+    step([5], [6])                # miss 3: skip the next 2
+    step([5], [6])
+    step([5], [6])
+    step([4, 4], [4, 4, 4])       # allowed again, all accepted: misses reset
+    step([5], [6])                # miss 1: still allowed after
+    step([5], [6])
+    assert allowed == [True, True, True, False, True, False, False, True, True, True]
+    assert Backoff(after=0).allow(seq)

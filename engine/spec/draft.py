@@ -15,6 +15,7 @@ from quant_serve.engine.model_runner import ModelRunner
 from quant_serve.engine.sampling_params import SamplingParams
 from quant_serve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from quant_serve.engine.sequence import Sequence, SequenceStatus
+from quant_serve.engine.spec.backoff import Backoff
 from quant_serve.engine.spec.step import num_to_propose
 
 logger = logging.getLogger("quant_serve")
@@ -45,6 +46,7 @@ class DraftProposer:
         self.block_manager = BlockManager(num_blocks, cache.block_size, enable_prefix_caching=False)
         self.shadows: dict[str, Sequence] = {}
         self.synced: dict[str, int] = {}        # request id -> target tokens the shadow was last synced with
+        self.backoff = Backoff(config.backoff_after)
         if engine.device != "cpu":       # compile before the first request; decode graphs for proposals 2..k
             sched = engine.config.scheduler
             if not engine.config.enforce_eager:
@@ -86,7 +88,7 @@ class DraftProposer:
         for seq in running:
             seq.spec_token_ids = []
             k = num_to_propose(seq, self.config.num_speculative_tokens, self.max_model_len)
-            if k:
+            if k and self.backoff.allow(seq):
                 wanted.append((seq, self._shadow(seq), k))
         # first forward: each shadow's uncomputed tokens (catch-up, or the whole prompt the first time)
         batch = []
@@ -105,6 +107,8 @@ class DraftProposer:
                 shadow.num_computed_tokens = shadow.num_tokens
                 shadow.append_token(token)
                 seq.spec_token_ids.append(token)
+        for seq, _, _ in batch:
+            self.backoff.proposed(seq)
         return any(seq.spec_token_ids for seq, _, _ in batch)
 
     @torch.inference_mode()
@@ -116,5 +120,6 @@ class DraftProposer:
 
     def release(self, request_id: str) -> None:
         """The target sequence ended: its shadow's blocks go back to the draft's pool."""
+        self.backoff.release(request_id)
         if request_id in self.shadows:
             self._drop(request_id)
