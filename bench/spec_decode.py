@@ -94,6 +94,7 @@ def run_acceptance(args) -> dict:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     result = {"target": str(TINY), "drafts": {k: str(v) for k, v in drafts.items()},
               "ngram": {"prompt_lookup_min": args.ngram_min, "prompt_lookup_max": args.ngram_max},
+              "backoff_after": methods["ngram"].backoff_after,
               "num_speculative_tokens": K, "max_tokens": args.max_tokens, "device": "cpu", "greedy": True,
               "copy_task": "a held-out val.txt paragraph, <|endoftext|>, then its first 40 characters again",
               "free_task": "the first 40 characters of the paragraph alone", "tasks": {}}
