@@ -25,6 +25,8 @@ def register(sub) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graph reserve")
     p.add_argument("--quantize-lm-head", action="store_true",
                    help="plan for serve --quantize-lm-head (an INT4 g128 head instead of the float one)")
+    p.add_argument("--speculative-model", default=None,
+                   help="plan for serve --speculative-model: the draft's weights and its KV cache beside the target's")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)
 
@@ -40,7 +42,8 @@ def run(args) -> int:
     plan = plan_memory(model_dir, gpu_mem_gb=memory_gb, gpu_memory_utilization=args.gpu_memory_utilization,
                        kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
                        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                       enforce_eager=args.enforce_eager, weights_dtype=args.dtype, int4_head=args.quantize_lm_head)
+                       enforce_eager=args.enforce_eager, weights_dtype=args.dtype, int4_head=args.quantize_lm_head,
+                       draft_model=resolve_model_dir(args.speculative_model) if args.speculative_model else None)
     projection = project_decode(plan, caps) if caps else None
     if args.json:
         json.dump({**plan.to_dict(), **({"projection": projection} if projection else {})}, sys.stdout, indent=2)
