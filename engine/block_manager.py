@@ -142,6 +142,15 @@ class BlockManager:
             self.gpu.set_hash(table[j], h, tokens, parent)
             parent = h
 
+    def trim(self, seq: Sequence) -> None:
+        """Releases the blocks past the sequence's computed tokens (slots of rejected speculative tokens). They were
+        allocated by this step and never hashed (only full computed blocks are)."""
+        keep = -(-seq.num_computed_tokens // self.block_size)
+        for block_id in reversed(seq.block_table[keep:]):
+            assert self.blocks[block_id].hash is None, f"block {block_id} past the computed tokens is hashed"
+            self.gpu.release(block_id)
+        del seq.block_table[keep:]
+
     def free(self, seq: Sequence) -> None:
         pool = self.cpu if seq.status == SequenceStatus.SWAPPED else self.gpu
         # Reverse order: a sequence's tail blocks are the least likely to be shared, so they are evicted first.

@@ -85,6 +85,46 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
 
 
+SPEC_METHODS = ("ngram", "draft_model")
+# Speculation turns itself off above this many unfinished sequences: verifying k+1 tokens per sequence is nearly free
+# only while a step is bound by reading the weights. Provisional (not yet measured): the H200 figures of
+# `python bench/spec_decode.py verify-cost` (step time at 1/2/4/8 tokens per sequence, batch 1/4/16) set it.
+SPEC_DISABLE_BATCH_SIZE = 4
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's --speculative-config keys). num_speculative_tokens 0 = off."""
+    method: str = "ngram"                  # ngram (prompt lookup) | draft_model
+    num_speculative_tokens: int = 0        # k: tokens proposed per step and verified in one forward
+    prompt_lookup_min: int = 2             # ngram: shortest suffix matched against prompt + output
+    prompt_lookup_max: int = 4             # ngram: longest, tried first
+    model: str | None = None               # draft_model: a model with the target's tokenizer
+    disable_by_batch_size: int = SPEC_DISABLE_BATCH_SIZE   # off while more sequences than this are unfinished
+    # per sequence: after this many verifications in a row accept nothing, skip proposing for 1, 2, 4, ... 32
+    # steps (a verification that accepts nothing costs more than a decode step); 0 = never back off
+    backoff_after: int = 2
+
+    def __post_init__(self):
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative method {self.method!r} is not one of {', '.join(SPEC_METHODS)}")
+        if self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= prompt_lookup_max "
+                             f"({self.prompt_lookup_max})")
+        if self.method == "draft_model" and self.num_speculative_tokens and not self.model:
+            raise ValueError("speculative method draft_model needs a draft model (--speculative-model)")
+        if self.backoff_after < 0:
+            raise ValueError(f"backoff_after must be >= 0, got {self.backoff_after}")
+        if self.disable_by_batch_size < 1:
+            raise ValueError(f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_speculative_tokens > 0
+
+
 HEAD_GROUP_SIZE = 128                     # inputs per scale of the --quantize-lm-head copy
 
 
@@ -105,6 +145,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kernels: KernelOptions = field(default_factory=KernelOptions)   # kernel switches and the GPU profile
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
 
 def resolve_max_model_len(model: ModelConfig, wanted: int | None) -> int:

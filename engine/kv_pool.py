@@ -3,6 +3,7 @@ size) and in the CPU tier."""
 import torch
 
 from quant_serve.engine.config import EngineConfig, ModelConfig
+from quant_serve.engine.loader import resolve_model_dir
 from quant_serve.engine.memory import MemoryPlan, kv_dtype_bytes, plan_memory
 
 
@@ -10,6 +11,20 @@ def _bytes_per_block(config: EngineConfig, model_config: ModelConfig, dtype: tor
     cache, cfg = config.cache, model_config
     kv_bytes = kv_dtype_bytes(cache.kv_cache_dtype, dtype)
     return 2 * cfg.num_layers * cache.block_size * cfg.num_kv_heads * cfg.head_dim * kv_bytes
+
+
+def _draft_model(config: EngineConfig) -> str | None:
+    spec = config.speculative
+    return spec.model if spec.enabled and spec.method == "draft_model" else None
+
+
+def _draft_bytes_per_block(config: EngineConfig, dtype: torch.dtype) -> int:
+    """The draft model's KV per block (its cache holds as many blocks as the target's, in the model dtype)."""
+    if _draft_model(config) is None:
+        return 0
+    from quant_serve.engine.loader import load_model_config
+    cfg, _ = load_model_config(resolve_model_dir(_draft_model(config)))
+    return 2 * cfg.num_layers * config.cache.block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
 def num_gpu_blocks(config: EngineConfig, model_config: ModelConfig, model_dir, device: str, dtype: torch.dtype,
@@ -24,7 +39,8 @@ def num_gpu_blocks(config: EngineConfig, model_config: ModelConfig, model_dir, d
         plan = _plan(config, model_dir, device, dtype, max_model_len)
         num_blocks = plan.num_blocks
     else:
-        num_blocks = int((cache.kv_cache_memory_gb or 1.0) * 2**30) // _bytes_per_block(config, model_config, dtype)
+        num_blocks = int((cache.kv_cache_memory_gb or 1.0) * 2**30) // (
+            _bytes_per_block(config, model_config, dtype) + _draft_bytes_per_block(config, dtype))
     fit = num_blocks * cache.block_size
     if fit < max_model_len:
         raise ValueError(f"KV cache holds {fit} tokens ({num_blocks} blocks), fewer than one sequence at "
@@ -52,7 +68,9 @@ def _plan(config: EngineConfig, model_dir, device: str, dtype: torch.dtype, max_
                        max_num_batched_tokens=sched.max_num_batched_tokens, max_num_seqs=sched.max_num_seqs,
                        block_size=cache.block_size, enforce_eager=config.enforce_eager,
                        weights_dtype=str(dtype).replace("torch.", ""), int4_head=config.quantize_lm_head,
-                       quantization=config.quantization)
+                       quantization=config.quantization,
+                       draft_model=None if _draft_model(config) is None else
+                       resolve_model_dir(_draft_model(config)))
     if not plan.fits:
         raise ValueError(plan.error_message())
     return plan

@@ -2,6 +2,7 @@
 import dataclasses
 import logging
 import time
+from collections import Counter
 
 import torch
 from tqdm import tqdm
@@ -19,6 +20,8 @@ from quant_serve.engine.sampler import needs_last_token_on_host
 from quant_serve.engine.sampling_params import SamplingParams
 from quant_serve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from quant_serve.engine.sequence import Sequence
+from quant_serve.engine.spec.proposer import make_proposer
+from quant_serve.engine.spec.step import SpecStats, run_verify_step
 from quant_serve.engine.structured import GrammarCompiler
 from quant_serve.engine.structured_mask import GrammarMasks
 from quant_serve.kernels.gpu import configure
@@ -72,12 +75,19 @@ class LLMEngine:
         self._pending: list[tuple[Sequence, int]] = []   # tokens of the last step, not yet detokenized
         self._inflight: tuple[SchedulerOutput, LaunchedStep] | None = None   # launched, not yet resolved
         self.stats = EngineStats()
+        self.spec_stats = SpecStats()
+        self.proposer = make_proposer(config.speculative, self)
         logger.info("model %s: %s, %s on %s; %s", self.model_dir, self.model_config.architecture,
                     str(self.dtype).replace("torch.", ""), self.device,
                     self.quant_config.describe() if self.quant_config else "unquantized")
         logger.info("KV cache: %d blocks = %d tokens, max concurrency %.1f at max_model_len %d",
                     num_blocks, num_blocks * config.cache.block_size,
                     num_blocks * config.cache.block_size / self.max_model_len, self.max_model_len)
+        spec = config.speculative
+        if spec.enabled:
+            logger.info("speculative decoding: %s, %d tokens per step, off above %d unfinished sequences",
+                        "prompt lookup" if spec.method == "ngram" else f"draft model {spec.model}",
+                        spec.num_speculative_tokens, spec.disable_by_batch_size)
         if num_cpu_blocks:
             logger.info("KV CPU tier: %d blocks = %d tokens", num_cpu_blocks, num_cpu_blocks * config.cache.block_size)
 
@@ -159,6 +169,7 @@ class LLMEngine:
         for seq in request.seqs:
             self.scheduler.abort(seq.request_id)
             self.runner.sampler.release(seq.request_id)
+            self.proposer.release(seq.request_id)
             self._seq_owner.pop(seq.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
@@ -176,9 +187,22 @@ class LLMEngine:
         for it, so the host's bookkeeping between two steps no longer leaves the GPU idle."""
         prev = self._inflight
         self._inflight = None
+        if self._speculating():
+            if prev is not None:        # proposals need the last tokens on the host: resolve the step in flight
+                outputs = self._emit_pending()
+                self.scheduler.advance(prev[0])
+                self._apply(*prev)
+                return outputs
+            outputs = self._emit_pending()     # stop strings end their sequences before any proposal
+            if self.proposer.propose(self.scheduler.running):
+                self._verify_step()
+                return outputs
+            prev, mode = None, "none"        # nothing to verify: an ordinary step
+        else:
+            mode = self._look_ahead_mode(prev[0]) if prev is not None else "none"
+            outputs = []
         # _emit_pending always runs before the next _apply: a stop string it finds ends the sequence before any
         # later token of it is applied.
-        mode = self._look_ahead_mode(prev[0]) if prev is not None else "none"
         if mode == "launch":
             self.scheduler.advance(prev[0])
             launched = self._schedule_and_launch(prev[1].carry(prev[0]))
@@ -197,7 +221,7 @@ class LLMEngine:
             launched = self._schedule_and_launch(None)
         else:
             launched = self._schedule_and_launch(None)
-            outputs = self._emit_pending()
+            outputs += self._emit_pending()
         if launched is not None:
             if self.config.async_scheduling:
                 self._inflight = launched      # resolved by the next call, after it launched the following step
@@ -206,9 +230,8 @@ class LLMEngine:
                 self._apply(*launched)
         return outputs
 
-    def _schedule_and_launch(self, carry: Carry | None, sample: bool = True) -> \
-            tuple[SchedulerOutput, LaunchedStep | ForwardStep] | None:
-        """Schedules the next step and queues it on the device: forward and sampling, or the forward alone."""
+    def _schedule(self) -> SchedulerOutput | None:
+        """The next step's SchedulerOutput; None (its transfers done) when it schedules no sequence."""
         out = self.scheduler.schedule()
         self.stats.num_preemptions_total += len(out.preempted)
         self._count_transfers(out)
@@ -220,7 +243,39 @@ class LLMEngine:
             request, _ = self._seq_owner[item.seq.request_id]
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
+        return out
+
+    def _schedule_and_launch(self, carry: Carry | None, sample: bool = True) -> \
+            tuple[SchedulerOutput, LaunchedStep | ForwardStep] | None:
+        """Schedules the next step and queues it on the device: forward and sampling, or the forward alone."""
+        out = self._schedule()
+        if out is None:
+            return None
         return out, (self.runner.launch(out, carry) if sample else self.runner.launch_forward(out, carry))
+
+    # ---- speculative decoding ----------------------------------------------------------------------------
+    def _speculating(self) -> bool:
+        """Speculation runs while few sequences are unfinished (verifying k + 1 tokens is then nearly free) and no
+        forward hands its K/V to an observer."""
+        spec = self.config.speculative
+        if not spec.enabled or self.runner.observes_kv:
+            return False
+        sched = self.scheduler
+        return len(sched.running) + len(sched.waiting) + len(sched.swapped) <= spec.disable_by_batch_size
+
+    def _verify_step(self) -> None:
+        """A synchronous step that verifies the running sequences' proposals (and runs every other scheduled entry as
+        usual); its tokens are emitted by the next step() call."""
+        out = self._schedule()
+        if out is not None:
+            tokens, logprobs = run_verify_step(self.runner, out, self.spec_stats)   # proposals are point masses
+            self.scheduler.advance(out)
+            for item, lp in zip(out.scheduled, logprobs):
+                if lp is not None and item.advanced and not item.seq.is_finished:
+                    item.seq.output_logprobs.append(lp)
+            self._pending += self.scheduler.apply_tokens(out, tokens)
+        for seq in self.scheduler.running:        # proposals the budget left out
+            seq.spec_token_ids = []
 
     def _apply(self, out: SchedulerOutput, launched: LaunchedStep) -> None:
         """Waits for an advanced step and applies its tokens; their text is made by the next _emit_pending."""
@@ -257,21 +312,32 @@ class LLMEngine:
         now = time.time()
         touched: dict[str, Request] = {}
         deltas: dict[tuple[str, int], tuple[str, list[int]]] = {}
+        left = Counter(id(seq) for seq, _ in pending)     # a verified step emits several tokens per sequence
+        stopped: set[int] = set()
         for seq, token in pending:
+            left[id(seq)] -= 1
             owner = self._seq_owner.get(seq.request_id)
-            if owner is None:                   # aborted since
+            if owner is None or id(seq) in stopped:   # aborted since, or a stop string ended it at an earlier token
                 continue
             request, index = owner
             self.stats.generation_tokens_total += 1
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
             text, stop = request.detokenizers[index].add_tokens([token])
-            if stop is not None and not seq.is_finished:
-                self.scheduler.finish(seq, "stop", stop)
-            if seq.is_finished:
+            if stop is not None and (not seq.is_finished or left[id(seq)]):
+                if seq.is_finished:             # by a later token of this step (EOS, length): the stop string wins
+                    seq.finish_reason, seq.stop_reason = "stop", stop
+                else:
+                    self.scheduler.finish(seq, "stop", stop)
+                stopped.add(id(seq))
+                if left[id(seq)]:               # tokens after the stop string's are not part of the output
+                    del seq.token_ids[-left[id(seq)]:]
+            if seq.is_finished and (left[id(seq)] == 0 or id(seq) in stopped):
                 text += request.detokenizers[index].finish()
                 self.runner.sampler.release(seq.request_id)
-            deltas[(request.request_id, index)] = (text, [token])
+                self.proposer.release(seq.request_id)
+            old_text, old_ids = deltas.get((request.request_id, index), ("", []))
+            deltas[(request.request_id, index)] = (old_text + text, old_ids + [token])
             touched[request.request_id] = request
         return [self._make_output(r, deltas, now) for r in touched.values()]
 

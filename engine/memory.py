@@ -75,6 +75,8 @@ class MemoryPlan:
     int4_head: bool = False          # --quantize-lm-head: the head counted as its INT4 copy
     embedding_bytes: int = 0         # the input embedding table (a decode step reads a row of it, unless tied)
     tied_embeddings: bool = False    # the head is the embedding table: read whole every step
+    draft_weights_bytes: int = 0     # speculative decoding's draft model (included in weights_bytes)
+    draft_kv_cache_bytes: int = 0    # its KV cache: num_blocks blocks beside the target's (not in kv_cache_bytes)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -275,9 +277,12 @@ def plan_memory(model_dir_or_config: str | Path | dict, gpu_mem_gb: float = 24.0
                 gpu_memory_utilization: float = 0.90, kv_cache_dtype: str = "auto",
                 max_model_len: int | None = None, max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
                 block_size: int = 16, enforce_eager: bool = False, weights_dtype: str = "auto",
-                int4_head: bool = False, quantization: str | None = None) -> MemoryPlan:
-    """int4_head: the engine's --quantize-lm-head (engine/loader.py quantize_head). quantization: gguf:MIX plans
-    dummy weights of that GGUF type mix (a GGUF file's own types are read from its tensor table)."""
+                int4_head: bool = False, draft_model: str | Path | dict | None = None,
+                quantization: str | None = None) -> MemoryPlan:
+    """int4_head: the engine's --quantize-lm-head (engine/loader.py quantize_head). draft_model: a speculative
+    decoding draft: its weights, and its KV cache (as many blocks as the target's, in the weights' dtype), share
+    the card with the target's. quantization: gguf:MIX plans dummy weights of that GGUF type mix (a GGUF file's
+    own types are read from its tensor table)."""
     cfg, model_dir = _load_config(model_dir_or_config)
     a = _arch(cfg)
     float_b = dtype_bytes(a.dtype if weights_dtype == "auto" else weights_dtype)
@@ -300,6 +305,17 @@ def plan_memory(model_dir_or_config: str | Path | dict, gpu_mem_gb: float = 24.0
     if int4_head:
         weights += _int4_head_change(a, float_b)
 
+    draft_weights = draft_kv_per_token = 0
+    if draft_model is not None:
+        dcfg, ddir = _load_config(draft_model)
+        d = _arch(dcfg)
+        d_float_b = dtype_bytes(d.dtype if weights_dtype == "auto" else weights_dtype)
+        draft_weights = (_header_weights_bytes(ddir, weights_dtype, d.tied) if ddir is not None else None) or \
+            _computed_weights_bytes(d, d_float_b, weights_dtype)
+        # the draft's activations come and go between the target's: the target's (larger) reserve covers them
+        draft_kv_per_token = 2 * d.layers * d.kv_heads * d.head_dim * d_float_b
+        weights += draft_weights
+
     gpu_mem = int(gpu_mem_gb * GiB)
     usable = int(gpu_mem * gpu_memory_utilization)
     activations = _activation_bytes(a, float_b, max_num_batched_tokens, max_num_seqs)
@@ -307,7 +323,7 @@ def plan_memory(model_dir_or_config: str | Path | dict, gpu_mem_gb: float = 24.0
     overhead = CUDA_CONTEXT_RESERVE + FRAGMENTATION_RESERVE
     kv_per_token = 2 * a.layers * a.kv_heads * a.head_dim * kv_b
     free = usable - weights - activations - graphs - overhead
-    num_blocks = max(0, free // (kv_per_token * block_size))
+    num_blocks = max(0, free // ((kv_per_token + draft_kv_per_token) * block_size))
     tokens = num_blocks * block_size
     return MemoryPlan(
         gpu_mem_bytes=gpu_mem, gpu_memory_utilization=gpu_memory_utilization, usable_bytes=usable,
@@ -318,7 +334,8 @@ def plan_memory(model_dir_or_config: str | Path | dict, gpu_mem_gb: float = 24.0
         max_concurrency=tokens / max_model_len,
         max_model_len_fit=min(tokens, a.max_position // block_size * block_size),
         fits=num_blocks >= math.ceil(max_model_len / block_size), int4_head=int4_head,
-        embedding_bytes=a.vocab * a.hidden * float_b, tied_embeddings=a.tied)
+        embedding_bytes=a.vocab * a.hidden * float_b, tied_embeddings=a.tied, draft_weights_bytes=draft_weights,
+        draft_kv_cache_bytes=tokens * draft_kv_per_token)
 
 
 def format_plan(plan: MemoryPlan) -> str:
@@ -337,6 +354,9 @@ def format_plan(plan: MemoryPlan) -> str:
         f"{plan.max_concurrency:.2f} at max_model_len {plan.max_model_len:,}",
         f"largest context that fits: {plan.max_model_len_fit:,} tokens",
     ]
+    if plan.draft_weights_bytes:
+        lines[3:3] = [row("  of which draft", plan.draft_weights_bytes, "(speculative decoding)")]
+        lines.insert(-2, row("draft KV cache", plan.draft_kv_cache_bytes, "(as many blocks as the target's)"))
     if not plan.fits:
         lines.append("DOES NOT FIT: " + plan.error_message())
     return "\n".join(lines)

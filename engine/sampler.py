@@ -192,6 +192,13 @@ def _apply_min_p_top_k_top_p(logits: torch.Tensor, seqs: list[Sequence]) -> torc
     return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
 
 
+def sampling_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """The distribution a random row samples from: logits [R, V] fp32 of non-greedy rows without bias, penalties
+    or min_tokens -> probabilities [R, V] after temperature, min_p, top_k and top_p (speculative verification)."""
+    temperature = to_device([s.params.temperature for s in seqs], torch.float32, logits.device)[:, None]
+    return _apply_min_p_top_k_top_p(logits / temperature, seqs).softmax(dim=-1)
+
+
 class Sampler:
     def __init__(self, seed: int = 0, grammars: GrammarMasks | None = None):
         self.seed = seed
@@ -217,6 +224,10 @@ class Sampler:
             gen.manual_seed(seq.params.seed)
             self._request_generators[seq.request_id] = gen
         return gen
+
+    def generator_for(self, seq: Sequence, device: torch.device) -> torch.Generator:
+        """The generator a row's random draws come from: its own when seeded, else the shared one."""
+        return self._shared_generator(device) if seq.params.seed is None else self._request_generator(seq, device)
 
     def _sample_random(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """logits: [R, V] penalized rows of non-greedy sequences. Returns sampled ids [R]."""

@@ -18,9 +18,12 @@ class ScheduledSeq:
     # entry is made, because postprocess later moves num_computed_tokens and num_tokens.
     sample: bool = field(init=False)
     advanced: bool = field(init=False, default=False)   # Scheduler.advance() applied it (the sequence was running)
+    # speculative decoding: the last num_spec_tokens of the new tokens are the sequence's proposals (spec_token_ids)
+    num_spec_tokens: int = field(init=False, default=0)
 
     def __post_init__(self):
-        self.sample = self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        self.num_spec_tokens = len(self.seq.spec_token_ids)
+        self.sample = self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens + self.num_spec_tokens
 
 
 @dataclass
@@ -88,7 +91,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(seq.num_tokens + len(seq.spec_token_ids) - seq.num_computed_tokens, budget)
+            if seq.spec_token_ids and num_new < 1 + len(seq.spec_token_ids):   # proposals only verify together
+                seq.spec_token_ids = []
+                num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if num_new == 0 or self._ends_with_pending_token(seq):
                 i += 1
                 continue
@@ -160,6 +166,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         seq.num_preemptions += 1
+        seq.spec_token_ids = []
         self.num_preemptions_total += 1
         # Swap into the CPU tier when it has room: the sequence later continues exactly where it stopped.
         if self.block_manager.swap_out(seq):
@@ -186,13 +193,16 @@ class Scheduler:
             seq = item.seq
             item.advanced = seq.status == SequenceStatus.RUNNING   # not if aborted or finished since schedule()
             if item.advanced:
-                seq.num_computed_tokens += item.num_new_tokens
+                # of a speculating entry only the last known token counts now; apply_tokens adds the accepted ones
+                seq.num_computed_tokens += item.num_new_tokens - item.num_spec_tokens
                 self.block_manager.cache_full_blocks(seq)
                 seq.num_pending_tokens += item.sample
 
-    def apply_tokens(self, output: SchedulerOutput, sampled: list[int | None]) -> list[tuple[Sequence, int]]:
+    def apply_tokens(self, output: SchedulerOutput, sampled: list[int | list[int] | None]
+                     ) -> list[tuple[Sequence, int]]:
         """The advanced step's tokens: each replaces its pending token and may end the sequence. A sequence that
-        ended meanwhile (aborted, a stop string) drops it; a preempted one keeps it. -> the (seq, token) applied"""
+        ended meanwhile (aborted, a stop string) drops it; a preempted one keeps it. A speculating entry gets the
+        list of tokens its verification emitted. -> the (seq, token) applied"""
         assert len(sampled) == len(output.scheduled)
         applied = []
         for item, token in zip(output.scheduled, sampled):
@@ -205,11 +215,34 @@ class Scheduler:
             seq.num_pending_tokens -= 1
             if seq.is_finished:
                 continue
+            if isinstance(token, list):
+                applied += self._apply_verified(item, token)
+                continue
             seq.append_token(token)
             applied.append((seq, token))
             reason = self._check_stop(seq, token)
             if reason is not None:
                 self.finish(seq, *reason)
+        return applied
+
+    def _apply_verified(self, item: ScheduledSeq, tokens: list[int]) -> list[tuple[Sequence, int]]:
+        """A speculating entry's emitted tokens: the accepted proposals (their K/V, computed by the step, stay valid)
+        and the target's own last token. Stops at the first token that ends the sequence; then the blocks past the
+        computed tokens (the rejected proposals' slots) go back to the pool."""
+        seq = item.seq
+        seq.spec_token_ids = []
+        applied = []
+        for j, token in enumerate(tokens):
+            seq.append_token(token)
+            applied.append((seq, token))
+            reason = self._check_stop(seq, token)
+            if reason is not None:
+                self.finish(seq, *reason)
+                return applied
+            if j < len(tokens) - 1:
+                seq.num_computed_tokens += 1
+        self.block_manager.trim(seq)
+        self.block_manager.cache_full_blocks(seq)
         return applied
 
     def _check_stop(self, seq: Sequence, token: int) -> tuple[str, int | None] | None:

@@ -41,6 +41,8 @@ class Sequence:
     prompt_logprobs: list[Logprob | None] = field(default_factory=list)  # entry 0 is None (no context)
     # Sampled by a step still in flight: counted in num_tokens (the next step is scheduled on it), not yet known.
     num_pending_tokens: int = 0
+    # Proposed by speculative decoding for the next step to verify: scheduled after token_ids, not part of them.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         if not self.token_ids:

@@ -40,6 +40,10 @@ class EngineSnapshot:
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
     requests_finished_total: int = 0
+    spec_num_drafts_total: int = 0
+    spec_num_draft_tokens_total: int = 0
+    spec_num_accepted_tokens_total: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()     # accepted tokens by draft position
 
 
 class AsyncEngine:
@@ -241,7 +245,11 @@ class AsyncEngine:
             prompt_tokens_total=stats.prompt_tokens_total, generation_tokens_total=stats.generation_tokens_total,
             num_preemptions_total=engine.scheduler.num_preemptions_total,
             prefix_cache_queries_total=bm.prefix_queries, prefix_cache_hits_total=bm.prefix_hits,
-            requests_finished_total=stats.requests_finished_total)
+            requests_finished_total=stats.requests_finished_total,
+            spec_num_drafts_total=engine.spec_stats.num_drafts,
+            spec_num_draft_tokens_total=engine.spec_stats.num_draft_tokens,
+            spec_num_accepted_tokens_total=engine.spec_stats.num_accepted_tokens,
+            spec_accepted_per_pos=tuple(engine.spec_stats.accepted_per_pos))
 
 
 class RequestStream:

@@ -181,6 +181,8 @@ def format_summary(title: str, result: dict) -> str:
     row("Batch-1 decode (tok/s)", result.get("decode_tok_s"))
     row("Unconstrained output throughput (tok/s)", result.get("unconstrained", {}).get("output_tok_s"))
     row("Constrained / unconstrained", result.get("constrained_over_unconstrained"), "{:.3f}")
+    row("Spec decode acceptance rate", result.get("speculative", {}).get("acceptance_rate"), "{:.3f}")
+    row("Spec decode mean accepted length", result.get("speculative", {}).get("mean_accepted_length"), "{:.3f}")
     for key, name in _LATENCIES:
         if result.get(f"{key}_mean_s") is None:
             continue

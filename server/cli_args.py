@@ -2,8 +2,10 @@
 that builds an engine (generate, serve, bench, kernels)."""
 import argparse
 
-from quant_serve.engine.config import (OFFLINE_BATCHED_TOKENS, SERVE_BATCHED_TOKENS, CacheConfig, EngineConfig,
-                                       SchedulerConfig)
+import json
+
+from quant_serve.engine.config import (OFFLINE_BATCHED_TOKENS, SERVE_BATCHED_TOKENS, SPEC_DISABLE_BATCH_SIZE,
+                                       CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -79,12 +81,59 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
                    help="schedule and launch each step while the previous one still runs "
                         "(--no-async-scheduling: resolve every step before scheduling the next)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding as in vLLM, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", "model": '
+                        'DIR, "num_speculative_tokens": 4}\'; the flags below override its keys')
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="tokens proposed per step and verified in one forward (0: off; default: off)")
+    p.add_argument("--speculative-model", default=None,
+                   help="draft model (same tokenizer) for draft_model speculation; 'ngram' for prompt lookup")
+    p.add_argument("--speculative-disable-batch-size", type=int, default=None,
+                   help=f"speculation off while more sequences than this are unfinished "
+                        f"(default: {SPEC_DISABLE_BATCH_SIZE}, provisional until measured on the H200)")
 
 
 def batched_tokens(args) -> int:
     if args.max_num_batched_tokens is not None:
         return args.max_num_batched_tokens
     return SERVE_BATCHED_TOKENS if getattr(args, "command", None) == "serve" else OFFLINE_BATCHED_TOKENS
+
+
+# vLLM's --speculative-config keys (and its older flag names) -> SpeculativeConfig fields
+_SPEC_KEYS = {"method": "method", "num_speculative_tokens": "num_speculative_tokens", "model": "model",
+              "prompt_lookup_min": "prompt_lookup_min", "prompt_lookup_max": "prompt_lookup_max",
+              "disable_by_batch_size": "disable_by_batch_size", "backoff_after": "backoff_after"}
+
+
+def speculative_config_from_args(args) -> SpeculativeConfig:
+    fields: dict = {}
+    if getattr(args, "speculative_config", None):
+        try:
+            given = json.loads(args.speculative_config)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"error: --speculative-config is not valid JSON: {e}")
+        if not isinstance(given, dict):
+            raise SystemExit("error: --speculative-config must be a JSON object")
+        unknown = sorted(set(given) - set(_SPEC_KEYS))
+        if unknown:
+            raise SystemExit(f"error: --speculative-config has unknown keys {unknown} (known: {sorted(_SPEC_KEYS)})")
+        fields = {_SPEC_KEYS[k]: v for k, v in given.items()}
+    model = getattr(args, "speculative_model", None)
+    if model == "ngram" or model == "[ngram]":
+        fields["method"] = "ngram"
+    elif model:
+        fields["method"], fields["model"] = "draft_model", model
+    if getattr(args, "num_speculative_tokens", None) is not None:
+        fields["num_speculative_tokens"] = args.num_speculative_tokens
+    if getattr(args, "speculative_disable_batch_size", None) is not None:
+        fields["disable_by_batch_size"] = args.speculative_disable_batch_size
+    if fields.get("method") in ("ngram", "draft_model") and "num_speculative_tokens" not in fields:
+        raise SystemExit("error: speculative decoding needs num_speculative_tokens (--num-speculative-tokens)")
+    try:
+        return SpeculativeConfig(**fields)
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"error: speculative config: {e}")
 
 
 def engine_config_from_args(args) -> EngineConfig:
@@ -102,4 +151,5 @@ def engine_config_from_args(args) -> EngineConfig:
                           enable_prefix_caching=args.enable_prefix_caching,
                           kv_scale_source=args.kv_scale_source, cpu_kv_gb=args.cpu_kv_gb),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=batched_tokens(args),
-                                  enable_chunked_prefill=args.enable_chunked_prefill))
+                                  enable_chunked_prefill=args.enable_chunked_prefill),
+        speculative=speculative_config_from_args(args))

@@ -91,6 +91,15 @@ def run_offline_cmd(args) -> int:
         result.update(run_offline(engine, args.num_prompts, args.input_len, args.output_len, args.range_ratio,
                                   args.bench_seed, structured_outputs=structured))
     result["decode_bytes_per_step"] = decode_bytes_per_step(engine.model)
+    spec = engine.spec_stats
+    if engine.config.speculative.enabled:
+        result["speculative"] = {"method": engine.config.speculative.method,
+                                 "num_speculative_tokens": engine.config.speculative.num_speculative_tokens,
+                                 "num_drafts": spec.num_drafts, "num_draft_tokens": spec.num_draft_tokens,
+                                 "num_accepted_tokens": spec.num_accepted_tokens,
+                                 "acceptance_rate": spec.acceptance_rate,
+                                 "mean_accepted_length": spec.mean_accepted_length,
+                                 "accepted_per_pos": list(spec.accepted_per_pos)}
     if args.measure_bandwidth and engine.device != "cpu":
         bandwidth = measure_copy_bandwidth()
         result["copy_bandwidth_bytes_s"] = bandwidth

@@ -26,6 +26,8 @@ def register(sub) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graph reserve")
     p.add_argument("--quantize-lm-head", action="store_true",
                    help="plan for serve --quantize-lm-head (an INT4 g128 head instead of the float one)")
+    p.add_argument("--speculative-model", default=None,
+                   help="plan for serve --speculative-model: the draft's weights and its KV cache beside the target's")
     p.add_argument("--quantization", default=None,
                    help="gguf:Q4_K_M: plan random weights of that GGUF type mix (serve --load-format dummy); a GGUF "
                         "file's own types are read from its tensor table")
@@ -45,7 +47,8 @@ def run(args) -> int:
                        kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
                        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                        enforce_eager=args.enforce_eager, weights_dtype=args.dtype, int4_head=args.quantize_lm_head,
-                       quantization=args.quantization)
+                       quantization=args.quantization,
+                       draft_model=resolve_model_dir(args.speculative_model) if args.speculative_model else None)
     projection = project_decode(plan, caps) if caps else None
     if args.json:
         json.dump({**plan.to_dict(), **({"projection": projection} if projection else {})}, sys.stdout, indent=2)

@@ -44,7 +44,12 @@ class _SnapshotCollector:
                     ("vllm:num_preemptions", "Preemptions.", s.num_preemptions_total),
                     ("vllm:prefix_cache_queries", "Tokens looked up in the prefix cache.",
                      s.prefix_cache_queries_total),
-                    ("vllm:prefix_cache_hits", "Tokens served by the prefix cache.", s.prefix_cache_hits_total)]
+                    ("vllm:prefix_cache_hits", "Tokens served by the prefix cache.", s.prefix_cache_hits_total),
+                    ("vllm:spec_decode_num_drafts", "Speculative proposals verified.", s.spec_num_drafts_total),
+                    ("vllm:spec_decode_num_draft_tokens", "Speculative tokens proposed and verified.",
+                     s.spec_num_draft_tokens_total),
+                    ("vllm:spec_decode_num_accepted_tokens", "Speculative tokens accepted.",
+                     s.spec_num_accepted_tokens_total)]
         for name, doc, value in gauges:
             family = GaugeMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
@@ -53,6 +58,12 @@ class _SnapshotCollector:
             family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
             yield family
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Speculative tokens accepted, by position in the proposal.",
+                                      labels=["model_name", "position"])
+        for position, value in enumerate(s.spec_accepted_per_pos):
+            per_pos.add_metric([self.model_name, str(position)], value)
+        yield per_pos
 
 
 class ServerMetrics:

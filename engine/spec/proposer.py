@@ -1,0 +1,35 @@
+"""Proposers: where the k tokens a speculating sequence verifies come from."""
+from quant_serve.engine.config import SpeculativeConfig
+from quant_serve.engine.sequence import Sequence
+from quant_serve.engine.spec.backoff import Backoff
+from quant_serve.engine.spec.ngram import propose_ngram
+from quant_serve.engine.spec.step import num_to_propose
+
+
+class NgramProposer:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+        self.config = config
+        self.max_model_len = max_model_len
+        self.backoff = Backoff(config.backoff_after)
+
+    def propose(self, running: list[Sequence]) -> bool:
+        """Sets spec_token_ids of the running sequences that find a match. -> whether any did."""
+        found = False
+        cfg = self.config
+        for seq in running:
+            k = num_to_propose(seq, cfg.num_speculative_tokens, self.max_model_len)
+            seq.spec_token_ids = propose_ngram(seq.token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max) \
+                if k and self.backoff.allow(seq) else []
+            self.backoff.proposed(seq)
+            found |= bool(seq.spec_token_ids)
+        return found
+
+    def release(self, request_id: str) -> None:
+        self.backoff.release(request_id)
+
+
+def make_proposer(config: SpeculativeConfig, engine):
+    if config.method == "ngram":
+        return NgramProposer(config, engine.max_model_len)
+    from quant_serve.engine.spec.draft import DraftProposer
+    return DraftProposer(config, engine)
