@@ -1,5 +1,7 @@
 """End-to-end speed on the GPU, in one run: batch-1 decode and throughput under a 24 GiB cap, for the dummy
-INT4 Qwen2.5-7B (AWQ g128) and Llama-3.1-8B (GPTQ g128) configs, next to Hugging Face transformers bf16 generate.
+INT4 Qwen2.5-7B (AWQ g128) and Llama-3.1-8B (GPTQ g128) configs, next to Hugging Face transformers bf16 generate;
+the Qwen2.5-7B config also as a GGUF Q4_K_M (llama.cpp's type mix: Q4_K with Q6_K for the head and half the v /
+down projections; issue 33's target: batch 1 within 10% of AWQ, 24 GiB throughput within 15%).
 
     python bench/e2e.py --out bench/results/e2e-h200.json [--quick] [--profile a10] [--only qwen]
 
@@ -26,14 +28,18 @@ PROFILE = ["this"]    # --profile: the GPU profile every engine of this run assu
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 CONFIGS = {"qwen2.5-7b-awq": SHARED / "configs" / "qwen2.5-7b-instruct",
-           "llama-3.1-8b-gptq": SHARED / "configs" / "llama-3.1-8b-instruct"}
+           "llama-3.1-8b-gptq": SHARED / "configs" / "llama-3.1-8b-instruct",
+           "qwen2.5-7b-gguf-q4_k_m": SHARED / "configs" / "qwen2.5-7b-instruct"}
+QUANTIZATION = {"qwen2.5-7b-gguf-q4_k_m": "gguf:Q4_K_M"}     # --quantization of the dummy load; else the config's
 TOKENIZER = Path(__file__).resolve().parents[1] / "engine" / "demo_model"   # any tokenizer: prompts are random ids
 
 
 def engine_for(config_dir: Path, kv: str, max_num_seqs: int, max_model_len: int, enforce_eager: bool,
-               batched_tokens: int = OFFLINE_BATCHED_TOKENS, int4_head: bool = False) -> LLMEngine:
+               batched_tokens: int = OFFLINE_BATCHED_TOKENS, int4_head: bool = False,
+               quantization: str | None = None) -> LLMEngine:
     return LLMEngine(EngineConfig(
         model=str(config_dir), tokenizer=str(TOKENIZER), load_format="dummy", max_model_len=max_model_len,
+        quantization=quantization,
         enforce_eager=enforce_eager, quantize_lm_head=int4_head,
         cache=CacheConfig(kv_cache_dtype=kv, gpu_memory_gb=24.0, gpu_memory_utilization=0.90),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=batched_tokens),
@@ -69,7 +75,7 @@ def measure(name: str, config_dir: Path, kv: str, n_conc: int, bandwidth: float,
             batched_tokens: int = OFFLINE_BATCHED_TOKENS, batch1: bool = True, int4_head: bool = False) -> dict:
     start = time.perf_counter()
     engine = engine_for(config_dir, kv, max_num_seqs=256, max_model_len=4096, enforce_eager=enforce_eager,
-                        batched_tokens=batched_tokens, int4_head=int4_head)
+                        batched_tokens=batched_tokens, int4_head=int4_head, quantization=QUANTIZATION.get(name))
     torch.cuda.reset_peak_memory_stats()
     run = {"startup_s": time.perf_counter() - start,
            "kv_cache_tokens": engine.block_manager.num_blocks * engine.config.cache.block_size,
@@ -160,6 +166,13 @@ def main() -> int:
             "output_tok_s"),
         "hf_batch1_tok_s": result.get("hf_batch1_tok_s"), "hf_batch64_tok_s": result.get("hf_batch64_tok_s"),
         "concurrency": n_conc, "profile": args.profile}
+    g16, g8 = runs.get("qwen2.5-7b-gguf-q4_k_m/auto", {}), runs.get("qwen2.5-7b-gguf-q4_k_m/fp8", {})
+    g_thr = g8.get("throughput", {}).get("output_tok_s")
+    result["summary"] |= {
+        "gguf_q4_k_m_batch1_tok_s": g16.get("batch1_tok_s"), "gguf_q4_k_m_throughput_tok_s": g_thr,
+        "gguf_vs_awq_batch1": (g16["batch1_tok_s"] / q16["batch1_tok_s"]
+                               if g16.get("batch1_tok_s") and q16.get("batch1_tok_s") else None),
+        "gguf_vs_awq_throughput": (g_thr / thr["output_tok_s"] if g_thr and thr.get("output_tok_s") else None)}
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(json.dumps(result["summary"], indent=2))
     return 0

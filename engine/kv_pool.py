@@ -68,6 +68,7 @@ def _plan(config: EngineConfig, model_dir, device: str, dtype: torch.dtype, max_
                        max_num_batched_tokens=sched.max_num_batched_tokens, max_num_seqs=sched.max_num_seqs,
                        block_size=cache.block_size, enforce_eager=config.enforce_eager,
                        weights_dtype=str(dtype).replace("torch.", ""), int4_head=config.quantize_lm_head,
+                       quantization=config.quantization,
                        draft_model=None if _draft_model(config) is None else
                        resolve_model_dir(_draft_model(config)))
     if not plan.fits:

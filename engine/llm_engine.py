@@ -38,7 +38,8 @@ class LLMEngine:
         self.model_config, _ = load_model_config(self.model_dir)
         self.tokenizer = load_tokenizer(config.tokenizer or str(self.model_dir))
         self.device = default_device() if config.device == "auto" else config.device
-        quantized = self.model_config.quantization_config is not None and config.quantization != "none"
+        quantized = (self.model_config.quantization_config is not None and config.quantization != "none") or \
+            (config.quantization or "").lower().startswith("gguf:")
         self.dtype = pick_dtype(config.dtype, self.model_config, self.device, quantized)
         self.max_model_len = resolve_max_model_len(self.model_config, config.max_model_len)
         config.scheduler.max_model_len = self.max_model_len

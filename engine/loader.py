@@ -6,9 +6,10 @@ import torch
 from tqdm import tqdm
 
 from quant_serve.engine.checkpoint import (INDEX, check_finite, check_float_tensor, check_layer_count,
-                                           check_model_config, check_raw_config, list_weight_files, open_weights,
-                                           read_json_object, read_tensor_names)
+                                           check_raw_config, list_weight_files, open_weights, read_json_object,
+                                           read_tensor_names)
 from quant_serve.engine.config import HEAD_GROUP_SIZE, ModelConfig
+from quant_serve.engine.hf_config import DTYPES, model_config_from_hf
 from quant_serve.engine.kv_scales import checkpoint_scale_value, parse_kv_scale_name
 from quant_serve.engine.models.decoder import DecoderForCausalLM
 
@@ -17,17 +18,17 @@ logger = logging.getLogger("quant_serve")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
                            "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM")
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
-_DTYPES = {"float16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
-           "float": torch.float32}
+_DTYPES = DTYPES
 
 
 def resolve_model_dir(model: str, revision: str | None = None) -> Path:
     """A local directory as is; otherwise a Hugging Face hub id, downloaded (or found in the local hub cache)."""
     path = Path(model).expanduser()
-    if path.is_dir():
+    if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
         return path
     if path.exists():
-        raise ValueError(f"model path {model} is a file, expected a directory holding config.json and weights")
+        raise ValueError(f"model path {model} is a file, expected a directory holding config.json and weights "
+                         "(or a .gguf file)")
     if model.startswith((".", "/", "~")) or model.count("/") != 1:
         raise FileNotFoundError(f"model directory {model} does not exist (and it is not a hub id like org/name)")
     from huggingface_hub import snapshot_download
@@ -36,7 +37,13 @@ def resolve_model_dir(model: str, revision: str | None = None) -> Path:
 
 
 def load_model_config(model_dir: Path) -> tuple[ModelConfig, dict]:
-    """Read config.json through transformers' AutoConfig (both rope_theta and rope_parameters styles)."""
+    """Read config.json through transformers' AutoConfig (both rope_theta and rope_parameters styles); a GGUF
+    checkpoint's config from its metadata (engine/gguf_loader.py)."""
+    from quant_serve.engine.gguf_loader import gguf_files, gguf_model_config, open_gguf
+    files = gguf_files(model_dir)
+    if files is not None:
+        cfg = gguf_model_config(open_gguf(files))
+        return cfg, {"quantization_config": cfg.quantization_config}
     config_file = Path(model_dir) / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"no config.json in {model_dir}")
@@ -52,80 +59,7 @@ def load_model_config(model_dir: Path) -> tuple[ModelConfig, dict]:
         hf = AutoConfig.from_pretrained(str(model_dir))
     except Exception as e:                  # transformers' errors for malformed values are of many types
         raise ValueError(f"cannot read {config_file} with transformers: {type(e).__name__}: {e}") from e
-    rope = dict(getattr(hf, "rope_parameters", None) or {})
-    local_rope = rope.get("sliding_attention")          # Gemma 3: one rope per layer type
-    rope = dict(rope.get("full_attention", rope))
-    theta, scaling = _rope(rope, getattr(hf, "rope_theta", 10000.0), getattr(hf, "rope_scaling", None))
-    num_heads = hf.num_attention_heads
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
-    partial = rope.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", None)) or 1.0
-    eos = hf.eos_token_id
-    eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-    gen_file = Path(model_dir) / "generation_config.json"
-    if gen_file.is_file():
-        gen_eos = read_json_object(gen_file).get("eos_token_id")
-        gen_eos = gen_eos if isinstance(gen_eos, list) else ([gen_eos] if gen_eos is not None else [])
-        eos = tuple(dict.fromkeys([*eos, *gen_eos]))
-    dtype = getattr(hf, "dtype", None) or raw.get("torch_dtype") or "float16"
-    if isinstance(dtype, str):
-        dtype = _DTYPES.get(dtype, torch.float16)
-    cfg = ModelConfig(
-        architecture=arch, model_type=hf.model_type, vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
-        intermediate_size=hf.intermediate_size, num_layers=hf.num_hidden_layers, num_heads=num_heads,
-        num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads, head_dim=head_dim,
-        rms_norm_eps=hf.rms_norm_eps, rope_theta=float(theta), rope_scaling=scaling,
-        max_position_embeddings=hf.max_position_embeddings,
-        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-        attention_bias=bool(getattr(hf, "attention_bias", False)) or hf.model_type == "qwen2",
-        mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-        hidden_act=getattr(hf, "hidden_activation", None) or hf.hidden_act,
-        eos_token_ids=eos, bos_token_id=getattr(hf, "bos_token_id", None), torch_dtype=dtype,
-        quantization_config=raw.get("quantization_config"), layer_windows=_layer_windows(hf),
-        rotary_dim=None if partial == 1.0 else int(head_dim * partial),
-        **_family_fields(arch, hf, local_rope))
-    check_model_config(cfg, config_file, getattr(hf, "head_dim", None) is not None)
-    return cfg, raw
-
-
-def _rope(rope: dict, theta: float, scaling: dict | None) -> tuple[float, dict | None]:
-    """rope_parameters (or the older rope_theta / rope_scaling) -> (base, scaling or None for plain rope)."""
-    theta = rope.get("rope_theta", theta)
-    scaling = rope if rope.get("rope_type", "default") != "default" else scaling
-    if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
-        scaling = None
-    return float(theta), scaling
-
-
-def _layer_windows(hf) -> tuple[int, ...]:
-    """Each layer's sliding window (0: global): from layer_types where the config has them (Gemma 2/3, Qwen2/3
-    with use_sliding_window), else the one window on every layer (Mistral, Phi-3); () when no layer slides.
-    transformers' Qwen2/3 configs already drop sliding_window unless use_sliding_window is set."""
-    window = getattr(hf, "sliding_window", None)
-    if not window:
-        return ()
-    types = getattr(hf, "layer_types", None)
-    windows = tuple(window if t == "sliding_attention" else 0 for t in types) if types else \
-        (window,) * hf.num_hidden_layers
-    return windows if any(windows) else ()
-
-
-def _family_fields(arch: str, hf, local_rope: dict | None) -> dict:
-    """The ModelConfig fields that set Qwen3, Gemma 2/3 and Phi-3 apart from the Llama block."""
-    if arch == "Qwen3ForCausalLM":
-        return {"qk_norm": True}
-    if arch == "Phi3ForCausalLM":
-        return {"fused_checkpoint": True}
-    if arch not in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
-        return {}
-    fields = {"gemma_norm": True, "sandwich_norms": True, "embed_scale": hf.hidden_size ** 0.5,
-              "query_pre_attn_scalar": float(hf.query_pre_attn_scalar),
-              "final_logit_softcap": float(getattr(hf, "final_logit_softcapping", None) or 0.0)}
-    if arch == "Gemma2ForCausalLM":       # Gemma 3's attention ignores attn_logit_softcapping (as transformers)
-        return fields | {"attn_logit_softcap": float(getattr(hf, "attn_logit_softcapping", None) or 0.0)}
-    fields["qk_norm"] = True
-    if local_rope is not None:
-        fields["local_rope_theta"], fields["local_rope_scaling"] = _rope(dict(local_rope), 10000.0, None)
-    return fields
+    return model_config_from_hf(hf, arch, raw, config_file, model_dir), raw
 
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device, quant_config) -> DecoderForCausalLM:
@@ -188,7 +122,7 @@ def load_weights(model: DecoderForCausalLM, names: dict[str, Path],
                     else:
                         logger.warning("ignoring unexpected tensor %s in %s", key, file)
             for (module_name, shard), tensors in list(source_tensors.items()):
-                prefix = _source_prefix(model, module_name, shard)
+                prefix = model.source_prefix(module_name, shard)
                 try:
                     modules[module_name].load_shard(shard, tensors, prefix)
                 except ValueError as e:
@@ -204,14 +138,6 @@ def load_weights(model: DecoderForCausalLM, names: dict[str, Path],
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {', '.join(missing[:5])}")
     return kv_scales
-
-
-def _source_prefix(model: DecoderForCausalLM, module_name: str, shard: int) -> str:
-    parent, _, leaf = module_name.rpartition(".")
-    for source, (merged, index) in model.packed_modules.items():
-        if merged == leaf and index == shard:
-            return f"{parent}.{source}"
-    return module_name
 
 
 def init_dummy_weights(model: DecoderForCausalLM, seed: int = 0) -> None:
@@ -261,7 +187,25 @@ def load_model(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device, lo
 
 def _load_model(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device, load_format: str,
                 quantization: str | None, show_progress: bool, seed: int):
+    from quant_serve.engine.gguf_loader import gguf_files, load_gguf_model, open_gguf
     from quant_serve.quant.formats import load_quant_config
+    files = gguf_files(model_dir)
+    if files is not None:
+        if load_format not in ("auto", "gguf"):
+            raise ValueError(f"{model_dir} is a GGUF checkpoint: --load-format {load_format} does not apply (use "
+                             "auto, or dummy with a config.json directory and --quantization gguf:Q4_K_M)")
+        if quantization not in (None, "gguf"):
+            raise ValueError(f"--quantization {quantization} disagrees with the checkpoint, which is GGUF")
+        return load_gguf_model(open_gguf(files), cfg, dtype, device, show_progress)
+    if load_format == "dummy" and quantization and quantization.lower().startswith("gguf:"):
+        from quant_serve.quant.formats.gguf_config import dummy_gguf_config
+        quant_config = dummy_gguf_config(quantization.split(":", 1)[1], cfg.num_layers)
+        model = build_model(cfg, dtype, device, quant_config)
+        init_dummy_weights(model, seed)
+        model.checkpoint_kv_scales = {}
+        logger.info("dummy GGUF %s: linear layers %s", quantization,
+                    quant_config.describe_paths())
+        return model.eval(), quant_config
     if load_format == "dummy":
         raw = read_json_object(Path(model_dir) / "config.json")
         quant_config = load_quant_config(raw, model_dir, None, quantization)
@@ -304,6 +248,11 @@ def pick_dtype(requested: str, cfg: ModelConfig, device: str, quantized: bool) -
 
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
+
+    from quant_serve.engine.gguf_loader import gguf_files, gguf_tokenizer, open_gguf
+    files = gguf_files(path)
+    if files is not None:
+        return gguf_tokenizer(open_gguf(files))
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as e:

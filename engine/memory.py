@@ -57,7 +57,7 @@ class MemoryPlan:
     gpu_memory_utilization: float
     usable_bytes: int
     weights_bytes: int
-    weights_source: str              # "safetensors" (exact header sizes) or "config" (computed)
+    weights_source: str              # "safetensors" (exact header sizes), "config" (computed), "gguf: TYPES" (by type)
     activation_bytes: int
     cuda_graph_bytes: int
     overhead_bytes: int
@@ -151,10 +151,23 @@ def _arch(cfg: dict) -> _Arch:
 def _load_config(src) -> tuple[dict, Path | None]:
     if isinstance(src, dict):
         return src, None
+    from quant_serve.engine.gguf_loader import gguf_files
+    if gguf_files(src) is not None:
+        return _gguf_config(src), None
     path = Path(src)
     model_dir = path.parent if path.is_file() else path
     from transformers import AutoConfig  # heavy import, only when reading from disk
     return AutoConfig.from_pretrained(str(model_dir)).to_dict(), model_dir
+
+
+def _gguf_config(src) -> dict:
+    """A GGUF's config as a transformers config dict, with the tensor table under "gguf_tensors"."""
+    from quant_serve.engine.gguf_loader import gguf_files, gguf_hf_config, open_gguf
+    ckpt = open_gguf(gguf_files(src))
+    cfg = gguf_hf_config(ckpt).to_dict()
+    # GGUF weights run in fp16 (pick_dtype for quantized models); a tied head is the absence of output.weight
+    return {**cfg, "dtype": "float16", "tie_word_embeddings": "output.weight" not in ckpt.tensors,
+            "gguf_tensors": ckpt.tensors}
 
 
 def _quant_linear_bytes(k: int, n: int, q: dict, float_b: int, scale_b: int) -> int:
@@ -264,10 +277,12 @@ def plan_memory(model_dir_or_config: str | Path | dict, gpu_mem_gb: float = 24.0
                 gpu_memory_utilization: float = 0.90, kv_cache_dtype: str = "auto",
                 max_model_len: int | None = None, max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
                 block_size: int = 16, enforce_eager: bool = False, weights_dtype: str = "auto",
-                int4_head: bool = False, draft_model: str | Path | dict | None = None) -> MemoryPlan:
+                int4_head: bool = False, draft_model: str | Path | dict | None = None,
+                quantization: str | None = None) -> MemoryPlan:
     """int4_head: the engine's --quantize-lm-head (engine/loader.py quantize_head). draft_model: a speculative
     decoding draft: its weights, and its KV cache (as many blocks as the target's, in the weights' dtype), share
-    the card with the target's."""
+    the card with the target's. quantization: gguf:MIX plans dummy weights of that GGUF type mix (a GGUF file's
+    own types are read from its tensor table)."""
     cfg, model_dir = _load_config(model_dir_or_config)
     a = _arch(cfg)
     float_b = dtype_bytes(a.dtype if weights_dtype == "auto" else weights_dtype)
@@ -277,7 +292,12 @@ def plan_memory(model_dir_or_config: str | Path | dict, gpu_mem_gb: float = 24.0
         raise ValueError(f"max_model_len {max_model_len} must be in 1..{a.max_position} (the model's limit)")
 
     weights, source = None, "config"
-    if model_dir is not None:
+    if "gguf_tensors" in cfg or (quantization or "").lower().startswith("gguf:"):
+        from quant_serve.engine.gguf_plan import describe_mix, file_weight_bytes, mix_weight_bytes
+        weights, mix = (file_weight_bytes(cfg["gguf_tensors"], float_b) if "gguf_tensors" in cfg
+                        else mix_weight_bytes(cfg, quantization.split(":", 1)[1], float_b))
+        source = f"gguf: {describe_mix(mix)}"
+    elif model_dir is not None:
         weights = _header_weights_bytes(model_dir, weights_dtype, a.tied)
         source = "safetensors" if weights is not None else "config"
     if weights is None:

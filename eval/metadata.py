@@ -9,13 +9,16 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-HASHED_SUFFIXES = (".safetensors", ".json")
+HASHED_SUFFIXES = (".safetensors", ".json", ".gguf")
 
 
 def model_hash(model_dir: str | Path) -> str:
-    """Short sha256 over the weight files and JSON configs (names and contents), so edited weights hash apart."""
+    """Short sha256 over the weight files and JSON configs (names and contents), so edited weights hash apart; a
+    GGUF checkpoint (a .gguf file or its split parts): over its files."""
+    from quant_serve.engine.gguf_loader import gguf_files
     h = hashlib.sha256()
-    for path in sorted(Path(model_dir).iterdir()):
+    files = gguf_files(model_dir) if Path(model_dir).is_file() else sorted(Path(model_dir).iterdir())
+    for path in files:
         if path.is_file() and path.name.endswith(HASHED_SUFFIXES):
             h.update(path.name.encode() + b"\0")
             with path.open("rb") as f:

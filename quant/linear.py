@@ -93,7 +93,7 @@ class QuantLinear(nn.Module):
         self.source_prefixes = list(source_prefixes) or [f"shard {i}" for i in range(len(output_sizes))]
         self.parts: nn.ModuleList | None = None
         self._shards: list = [None] * len(output_sizes)
-        for name in ("qweight", "scales", "qzeros", "perm", "bias"):
+        for name in ("qweight", "scales", "qzeros", "offsets", "perm", "bias"):
             self.register_buffer(name, None)
         self.packed: W4A16Weights | FragWeights | None = None   # the kernels' layout on CUDA (repacked at load)
         self._folds: dict[bool, bool] = {}                        # folds_norm's answers (the layout is fixed)
@@ -119,6 +119,8 @@ class QuantLinear(nn.Module):
         w.qweight = w.qweight.to(self.device).contiguous()
         w.scales = w.scales.to(self.device, scale_dtype(w.scales.dtype, self.dtype)).contiguous()
         w.qzeros = None if w.qzeros is None else w.qzeros.to(self.device).contiguous()
+        if w.offsets is not None:                  # GGUF: W = q * s + o, o in the scales' dtype rule
+            w.offsets = w.offsets.to(self.device, scale_dtype(w.offsets.dtype, self.dtype)).contiguous()
         w.perm = None if w.perm is None else w.perm.to(self.device)
         w.bias = None if w.bias is None else w.bias.to(self.device, self.dtype)
         self._shards[shard_id] = w
@@ -152,6 +154,14 @@ class QuantLinear(nn.Module):
         else:
             self.qzeros = torch.cat([s.qzeros if s.qzeros is not None else _eights(s.scales) for s in shards],
                                     dim=1)                                         # [G, N/8]
+        self.offsets = None
+        if any(s.offsets is not None for s in shards):
+            if self.qzeros is not None or any(s.offsets is None for s in shards):
+                raise ValueError(f"{', '.join(self.source_prefixes)}: a merged layer cannot mix float offsets "
+                                 "(GGUF) with integer zero points")
+            odtypes = {s.offsets.dtype for s in shards}
+            odtype = odtypes.pop() if len(odtypes) == 1 else torch.float32
+            self.offsets = torch.cat([s.offsets.to(odtype) for s in shards], dim=1)   # [G, N]
         self.perm = shards[0].perm
         self.bias = torch.cat([s.bias for s in shards]) if self.has_bias else None
         self._shards = None
@@ -161,13 +171,17 @@ class QuantLinear(nn.Module):
         """On CUDA keep only the kernels' layout (one copy of the weights on the GPU)."""
         if self.device.type != "cuda":
             return
-        self.packed = prepare_kernel_weights(self.qweight, self.scales, self.qzeros, self.group_size, self.perm)
+        # GGUF (float offsets): scales and offsets in the activation dtype, as checkpoints' scales are; Q4_K's fp32
+        # products round to 11 significant bits there, and the layer reads 5 bits a weight instead of 6
+        self.packed = prepare_kernel_weights(self.qweight, self.scales, self.qzeros, self.group_size, self.perm,
+                                             self.offsets, self.dtype if self.offsets is not None else None)
         self._folds = {}
-        self.qweight = self.scales = self.qzeros = self.perm = None
+        self.qweight = self.scales = self.qzeros = self.perm = self.offsets = None
         words = self.packed.words if isinstance(self.packed, FragWeights) else self.packed.qweight
         self.register_buffer("packed_qweight", words)                    # counted as a weight (memory, bench)
         self.register_buffer("packed_scales", self.packed.scales)
         self.register_buffer("packed_qzeros", self.packed.qzeros)
+        self.register_buffer("packed_offsets", self.packed.offsets)
 
     @classmethod
     def round_to_nearest(cls, weight: torch.Tensor, group_size: int, dtype: torch.dtype, device,
@@ -187,16 +201,19 @@ class QuantLinear(nn.Module):
             del q
         layer.qweight, layer.scales = torch.cat(codes, dim=1), torch.cat(scales, dim=1)
         layer.qzeros = pack_int4_cols(torch.cat(zeros, dim=1))                  # [G, N/8]
-        layer.perm, layer.bias, layer._shards = None, None, None
+        layer.perm, layer.bias, layer.offsets, layer._shards = None, None, None, None
         layer._repack_for_kernels()
         return layer
 
     def init_dummy(self, gen: torch.Generator) -> None:
-        """Random codes and scales (weights about N(0, 0.02)) for --load-format dummy."""
+        """Random codes and scales (weights about N(0, 0.02)) for --load-format dummy; a GGUF layer gets float
+        per-group offsets (-8 s, as Q4_0) in place of the symmetric zero point."""
         k, n, g = self.in_features, self.out_features, -(-self.in_features // self.group_size)
         codes = torch.randint(-2**31, 2**31, (k // 8, n), generator=gen, dtype=torch.int64, device=gen.device)
         self.qweight = codes.to(torch.int32).to(self.device)
-        self.scales = torch.full((g, n), 0.02 / 4.6, dtype=self.dtype, device=self.device)
+        gguf = getattr(self.quant_config, "float_offsets", False)      # fp32 as a loaded Q4_K layer holds them
+        self.scales = torch.full((g, n), 0.02 / 4.6, dtype=torch.float32 if gguf else self.dtype, device=self.device)
+        self.offsets = -8 * self.scales if gguf else None
         self.qzeros, self.perm, self.parts, self._shards = None, None, None, None
         self.bias = torch.zeros(n, dtype=self.dtype, device=self.device) if self.has_bias else None
         self._repack_for_kernels()
@@ -205,11 +222,11 @@ class QuantLinear(nn.Module):
         """fp32 W [N, K] with K in the original input order (what nn.Linear would hold)."""
         if self.parts is not None:
             return torch.cat([p.dequantized_weight() for p in self.parts], dim=0)
-        qweight, scales, qzeros, perm = self.qweight, self.scales, self.qzeros, self.perm
+        qweight, scales, qzeros, perm, offsets = self.qweight, self.scales, self.qzeros, self.perm, self.offsets
         if self.packed is not None:
             qweight, scales, qzeros, _ = standard_layout(self.packed)
-            perm = self.packed.perm
-        w = dequantize_w4(qweight, scales, qzeros, self.group_size)   # [K, N], internal row order
+            perm, offsets = self.packed.perm, self.packed.offsets
+        w = dequantize_w4(qweight, scales, qzeros, self.group_size, offsets=offsets)   # [K, N], internal order
         if perm is not None:
             w = torch.empty_like(w).index_copy_(0, perm, w)
         return w.t()
@@ -219,6 +236,9 @@ class QuantLinear(nn.Module):
             return torch.cat([p(x) for p in self.parts], dim=-1)
         if self.packed is not None:
             return w4a16_matmul(x, self.packed, bias=self.bias)
+        if self.offsets is not None:
+            return w4a16_matmul(x, self.qweight, self.scales, None, self.group_size, self.perm, self.bias,
+                                offsets=self.offsets)
         return w4a16_matmul_ref(x, self.qweight, self.scales, self.qzeros, self.group_size, self.perm, self.bias)
 
     def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
@@ -263,7 +283,8 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, output_sizes={self.output_sizes}, group_size={self.group_size}, "
-                f"bias={self.has_bias}, act_order={self.perm is not None or self.parts is not None}")
+                f"bias={self.has_bias}, act_order={self.perm is not None or self.parts is not None}, "
+                f"offsets={self.offsets is not None}")
 
 
 def scale_dtype(checkpoint: torch.dtype, model: torch.dtype) -> torch.dtype:

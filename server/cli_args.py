@@ -37,15 +37,18 @@ def demo_model_dir() -> str | None:
 def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) -> None:
     if model_positional:
         p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                       help="model directory or hub id (default: the bundled demo model)")
-    p.add_argument("--model", default=None, help="model directory or hub id (default: the bundled demo model)")
+                       help="model directory, .gguf file or hub id (default: the bundled demo model)")
+    p.add_argument("--model", default=None,
+                   help="model directory, .gguf file (or a directory holding one) or hub id (default: the bundled "
+                        "demo model)")
     p.add_argument("--tokenizer", default=None)
     p.add_argument("--revision", default=None)
     p.add_argument("--dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32", "half", "float"])
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     p.add_argument("--quantization", "-q", default=None,
-                   help="override the detected quantization: awq, gptq, compressed-tensors, none")
+                   help="override the detected quantization: awq, gptq, compressed-tensors, none; with "
+                        "--load-format dummy also gguf:Q4_K_M (random weights with llama.cpp's Q4_K_M type mix)")
     p.add_argument("--quantize-lm-head", action="store_true",
                    help="INT4 g128 copy of the output head at load (round-to-nearest): the largest matrix a decode "
                         "step reads; quant-serve eval --quantize-lm-head measures what it costs")

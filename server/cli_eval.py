@@ -23,7 +23,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("eval", help="compare quantized models with a reference: perplexity, KLD, tasks",
                               description=__doc__, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", action="append", default=[], metavar="DIR",
-                   help="candidate model directory; repeat for several (each is named by its directory name)")
+                   help="candidate model directory or .gguf file; repeat for several (each is named by its "
+                        "directory or file name)")
     p.add_argument("--reference", required=True, metavar="DIR", help="reference (FP16/BF16) model directory")
     p.add_argument("--data", action="append", required=True, metavar="FILE",
                    help="held-out plain text for perplexity and KLD; repeat to concatenate files")

@@ -1,4 +1,5 @@
-"""`quant-serve plan MODEL`: what fits on this card, from config.json (and safetensors headers) alone."""
+"""`quant-serve plan MODEL`: what fits on this card, from config.json (and safetensors headers, or a GGUF's tensor
+table) alone."""
 import argparse
 import json
 import sys
@@ -6,7 +7,7 @@ import sys
 
 def register(sub) -> None:
     p = sub.add_parser("plan", help="plan GPU memory (weights, activations, KV capacity) without loading the model")
-    p.add_argument("model", help="model directory (config.json is enough) or hub id")
+    p.add_argument("model", help="model directory (config.json is enough), .gguf file or hub id")
     from quant_serve.kernels.gpu import PROFILES
     p.add_argument("--gpu", default=None, choices=sorted(PROFILES),
                    help="the card: its memory (unless --gpu-memory-gb) and a projected decode speed (tok/s at batch "
@@ -27,6 +28,9 @@ def register(sub) -> None:
                    help="plan for serve --quantize-lm-head (an INT4 g128 head instead of the float one)")
     p.add_argument("--speculative-model", default=None,
                    help="plan for serve --speculative-model: the draft's weights and its KV cache beside the target's")
+    p.add_argument("--quantization", default=None,
+                   help="gguf:Q4_K_M: plan random weights of that GGUF type mix (serve --load-format dummy); a GGUF "
+                        "file's own types are read from its tensor table")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)
 
@@ -43,6 +47,7 @@ def run(args) -> int:
                        kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
                        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                        enforce_eager=args.enforce_eager, weights_dtype=args.dtype, int4_head=args.quantize_lm_head,
+                       quantization=args.quantization,
                        draft_model=resolve_model_dir(args.speculative_model) if args.speculative_model else None)
     projection = project_decode(plan, caps) if caps else None
     if args.json:

@@ -229,6 +229,15 @@ class DecoderForCausalLM(nn.Module):
         cap = self.config.final_logit_softcap
         return torch.tanh(logits / cap) * cap if cap else logits          # Gemma 2
 
+    def source_prefix(self, module_name: str, shard: int) -> str:
+        """The checkpoint module that fills shard `shard` of our module (model.layers.0.self_attn.qkv_proj, 1 ->
+        model.layers.0.self_attn.k_proj)."""
+        parent, _, leaf = module_name.rpartition(".")
+        for source, (merged, index) in self.packed_modules.items():
+            if merged == leaf and index == shard:
+                return f"{parent}.{source}"
+        return module_name
+
     @property
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.model.layers]

@@ -55,6 +55,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, long: bool 
         return inv_freq.float()
     if rope_type == "linear":
         return (inv_freq / scaling["factor"]).float()
+    if rope_type == "freq_factors":         # a GGUF's rope_freqs tensor (llama.cpp's form of llama 3's scaling)
+        return (inv_freq / torch.tensor(scaling["factors"], dtype=torch.float64)).float()
     if rope_type == "llama3":
         factor = scaling["factor"]
         low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
@@ -71,7 +73,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, long: bool 
         factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
         shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
         return 1.0 / (factors * theta ** shape)
-    raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: default, linear, llama3, longrope)")
+    raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: default, linear, llama3, longrope, "
+                     "freq_factors)")
 
 
 def longrope_attention_factor(scaling: dict, max_position_embeddings: int) -> float:

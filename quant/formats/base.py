@@ -26,6 +26,7 @@ class Int4Weights:
     qzeros: torch.Tensor | None           # int32 [G, N/8], real zeros; None = all 8
     perm: torch.Tensor | None = None      # int64 [K]; internal row r = original input channel perm[r]
     bias: torch.Tensor | None = None      # [N]
+    offsets: torch.Tensor | None = None   # [G, N] float per-group offsets (GGUF), only with qzeros None
 
 
 @dataclass

@@ -1,0 +1,114 @@
+"""GGUF checkpoints as a QuantConfig: each linear layer's implementation follows its tensors' GGUF types (a Q4_K_M
+file mixes Q4_K and Q6_K): all INT4 types -> QuantLinear with float offsets, all float -> DenseLinear, anything
+else -> W8Linear (8-bit codes; an INT4 shard merged with an 8-bit one is widened losslessly, and groups of 32 are
+split into the finer group of the other shard)."""
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar
+
+import torch
+from gguf import GGMLQuantizationType as T
+
+from quant_serve.quant.formats.base import Int4Weights, QuantConfig
+from quant_serve.quant.formats.gguf_types import GroupedCodes, group_size_of, int4_layout, path_of, w8_layout
+from quant_serve.quant.linear import DenseLinear, QuantLinear
+from quant_serve.quant.linear_w8 import W8Linear, W8Weights
+
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+OFFSET_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_1, T.Q5_K)      # loaded with per-group float offsets
+PATH_NAMES = {"int4": "INT4 (W4A16, float offsets)", "w8": "8-bit (W8A16)", "dense": "float (dense)"}
+
+
+@dataclass
+class GGUFConfig(QuantConfig):
+    """type_of: HF module prefix (model.layers.3.self_attn.v_proj, lm_head) -> the GGUF type of its weight."""
+    type_of: Callable[[str], T] = field(default=None, repr=False)
+    type_mix: dict[str, int] = field(default_factory=dict)    # GGUF type name -> tensors (the report's "mix")
+    layer_paths: Counter = field(default_factory=Counter)     # path -> linear layers built on it (start-up log)
+
+    marker: ClassVar[str] = "weight"
+    float_offsets: ClassVar[bool] = True                      # QuantLinear.init_dummy: GGUF INT4 has offsets
+
+    def describe(self) -> str:
+        mix = ", ".join(f"{name} x {count}" for name, count in sorted(self.type_mix.items(), key=lambda kv: -kv[1]))
+        paths = ", ".join(f"{count} {path.upper()}" for path, count in sorted(self.layer_paths.items()))
+        return f"gguf ({mix}; linear layers: {paths})" if mix else "gguf"
+
+    def describe_paths(self) -> str:
+        return ", ".join(f"{count} {PATH_NAMES[path]}" for path, count in sorted(self.layer_paths.items()))
+
+    def make_linear(self, in_features: int, output_sizes: list[int], bias: bool, dtype: torch.dtype, device,
+                    source_prefixes: list[str]):
+        types = [self.type_of(p) for p in source_prefixes]
+        paths = {path_of(t) for t in types}
+        if "dense" in paths:            # a float shard beside quantized ones: the quantized ones are dequantized
+            path, layer = "dense", DenseLinear(in_features, output_sizes, bias, dtype, device)
+        elif paths == {"int4"}:
+            path = "int4"
+            layer = QuantLinear(in_features, output_sizes, bias, dtype, device, self, 32, list(source_prefixes))
+        else:
+            path = "w8"
+            group = min(group_size_of(t) for t in types)
+            layer = W8Linear(in_features, output_sizes, bias, dtype, device, self, group, list(source_prefixes))
+            layer.dummy_offsets = any(t in OFFSET_TYPES for t in types)
+        self.layer_paths[path] += 1
+        return layer
+
+    def convert(self, tensors, prefix, in_features, out_features, group_size) -> Int4Weights:
+        g = _codes(tensors, prefix, in_features, out_features)
+        if g.group_size != group_size:
+            raise ValueError(f"{prefix}: GGUF groups of {g.group_size}, the layer expects {group_size}")
+        qweight, scales, offsets = int4_layout(g)
+        return Int4Weights(qweight, scales, None, None, tensors.get("bias"), offsets)
+
+    def convert_w8(self, tensors, prefix, in_features, out_features, group_size) -> W8Weights:
+        g = _codes(tensors, prefix, in_features, out_features)
+        if g.group_size % group_size:
+            raise ValueError(f"{prefix}: GGUF groups of {g.group_size} cannot be split into groups of {group_size}")
+        repeat = g.group_size // group_size            # one group of 32 = two of 16 with the same scale and offset
+        g = GroupedCodes(g.codes, g.scales.repeat_interleave(repeat, dim=1),
+                         None if g.offsets is None else g.offsets.repeat_interleave(repeat, dim=1), group_size)
+        qweight, scales, offsets = w8_layout(g)
+        return W8Weights(qweight, scales, offsets, tensors.get("bias"))
+
+
+def _codes(tensors: dict, prefix: str, k: int, n: int) -> GroupedCodes:
+    g = tensors.get("codes")
+    if not isinstance(g, GroupedCodes):
+        raise ValueError(f"{prefix}: expected GGUF grouped codes, found {', '.join(sorted(tensors)) or 'nothing'}")
+    if tuple(g.codes.shape) != (n, k):
+        raise ValueError(f"{prefix}.weight has shape {tuple(g.codes.shape)}, expected {(n, k)}")
+    return g
+
+
+# ---- llama.cpp's Q4_K_M / Q5_K_M type choice, for --load-format dummy --quantization gguf:Q4_K_M --------------
+
+def _more_bits(layer: int, num_layers: int) -> bool:
+    """llama.cpp's use_more_bits: the first and last eighth of the layers and every third between get Q6_K."""
+    return layer < num_layers // 8 or layer >= 7 * num_layers // 8 or (layer - num_layers // 8) % 3 == 2
+
+
+def q4_k_m_type(prefix: str, num_layers: int, base: T = T.Q4_K) -> T:
+    """The type llama.cpp's Q4_K_M (base Q4_K) or Q5_K_M (base Q5_K) gives a weight: Q6_K for the head and for
+    half of the attn_v / ffn_down layers, the base type elsewhere."""
+    if prefix == "lm_head":
+        return T.Q6_K
+    m = _LAYER.search(prefix)
+    if m and prefix.endswith(("v_proj", "down_proj")) and _more_bits(int(m[1]), num_layers):
+        return T.Q6_K
+    return base
+
+
+DUMMY_MIXES = {"Q4_K_M": q4_k_m_type,
+               "Q5_K_M": lambda prefix, num_layers: q4_k_m_type(prefix, num_layers, T.Q5_K)}
+
+
+def dummy_gguf_config(mix: str, num_layers: int) -> GGUFConfig:
+    """A GGUFConfig for random weights with a real file's type mix (`--quantization gguf:Q4_K_M`)."""
+    if mix.upper() not in DUMMY_MIXES:
+        raise ValueError(f"--quantization gguf:{mix}: unknown GGUF type mix (supported: "
+                         f"{', '.join('gguf:' + m for m in DUMMY_MIXES)})")
+    rule = DUMMY_MIXES[mix.upper()]
+    return GGUFConfig("gguf", 4, 32, f"--quantization gguf:{mix}", None,
+                      type_of=lambda prefix: rule(prefix, num_layers), type_mix={mix.upper(): 1})

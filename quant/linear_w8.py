@@ -1,0 +1,111 @@
+"""8-bit weight-only linear (kernels/w8a16): the layers of GGUF files whose type has no INT4 form (Q8_0, Q5_0,
+Q5_1, Q5_K, Q6_K), loaded without re-quantizing. Beside quant/linear.py's QuantLinear; the same shard protocol."""
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from quant_serve.kernels.norm_act import silu_and_mul
+from quant_serve.kernels.w8a16.dispatch import w8a16_matmul
+from quant_serve.kernels.w8a16.reference import dequantize_w8
+from quant_serve.quant.linear import scale_dtype
+
+
+@dataclass
+class W8Weights:
+    """One source module in the W8 layout (kernels/w8a16/reference.py)."""
+    qweight: torch.Tensor                 # int8 [K, N]
+    scales: torch.Tensor                  # [G, N]
+    offsets: torch.Tensor | None          # [G, N] or None (= 0)
+    bias: torch.Tensor | None = None      # [N]
+
+
+class W8Linear(nn.Module):
+    """y = x @ W (+ bias), W[k, n] = q[k, n] * s[g, n] + o[g, n]; N = sum(output_sizes), shards concatenated along
+    N at finalize. quant_config.convert_w8 turns one source module's tensors into W8Weights."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, dtype: torch.dtype,
+                 device: torch.device | str, quant_config, group_size: int, source_prefixes: list[str] = ()):
+        super().__init__()
+        self.in_features = in_features
+        self.output_sizes = list(output_sizes)
+        self.out_features = sum(output_sizes)
+        self.group_size = group_size
+        self.has_bias = bias
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.quant_config = quant_config
+        self.source_prefixes = list(source_prefixes) or [f"shard {i}" for i in range(len(output_sizes))]
+        self._shards: list[W8Weights | None] | None = [None] * len(output_sizes)
+        self.dummy_offsets = False            # init_dummy: per-group offsets too (a GGUF Q5_K / INT4 shard's)
+        for name in ("qweight", "scales", "offsets", "bias"):
+            self.register_buffer(name, None)
+
+    def load_shard(self, shard_id: int, tensors: dict, prefix: str) -> None:
+        if not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(f"{prefix}: shard {shard_id} out of range for output_sizes {self.output_sizes}")
+        if self._shards[shard_id] is not None:
+            raise ValueError(f"{prefix}: shard {shard_id} loaded twice")
+        n, k = self.output_sizes[shard_id], self.in_features
+        w = self.quant_config.convert_w8(tensors, prefix, k, n, self.group_size)
+        g = -(-k // self.group_size)
+        if tuple(w.qweight.shape) != (k, n) or tuple(w.scales.shape) != (g, n):
+            raise ValueError(f"{prefix}: W8 codes {tuple(w.qweight.shape)} and scales {tuple(w.scales.shape)}, "
+                             f"expected {(k, n)} and {(g, n)}")
+        if (w.bias is not None) != self.has_bias:
+            raise ValueError(f"{prefix}.bias {'present' if w.bias is not None else 'missing'}, but the config says "
+                             f"this layer has {'a' if self.has_bias else 'no'} bias")
+        sdtype = self._param_dtype(w.scales.dtype)
+        w.qweight = w.qweight.to(self.device, torch.int8).contiguous()
+        w.scales = w.scales.to(self.device, sdtype).contiguous()
+        w.offsets = None if w.offsets is None else w.offsets.to(self.device, sdtype).contiguous()
+        w.bias = None if w.bias is None else w.bias.to(self.device, self.dtype)
+        self._shards[shard_id] = w
+
+    def finalize(self) -> None:
+        if self._shards is None:
+            return
+        missing = [p for p, s in zip(self.source_prefixes, self._shards) if s is None]
+        if missing:
+            raise ValueError(f"8-bit layer never received tensors for {', '.join(missing)}")
+        shards = self._shards
+        dtypes = {s.scales.dtype for s in shards}
+        sdtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+        self.qweight = torch.cat([s.qweight for s in shards], dim=1)                        # [K, N]
+        self.scales = torch.cat([s.scales.to(sdtype) for s in shards], dim=1)              # [G, N]
+        self.offsets = None if all(s.offsets is None for s in shards) else torch.cat(
+            [torch.zeros_like(s.scales, dtype=sdtype) if s.offsets is None else s.offsets.to(sdtype)
+             for s in shards], dim=1)                                                      # [G, N]
+        self.bias = torch.cat([s.bias for s in shards]) if self.has_bias else None
+        self._shards = None
+
+    def init_dummy(self, gen: torch.Generator) -> None:
+        """Random 6-bit codes and fp32 scales (weights about N(0, 0.02)), as a loaded Q6_K layer holds them (and
+        fp32 offsets where dummy_offsets), for --load-format dummy."""
+        k, n = self.in_features, self.out_features
+        g = -(-k // self.group_size)
+        codes = torch.randint(-32, 32, (k, n), generator=gen, dtype=torch.int8, device=gen.device)
+        self.qweight = codes.to(self.device)
+        self.scales = torch.full((g, n), 0.02 / 18.5, dtype=self._param_dtype(torch.float32), device=self.device)
+        self.offsets = torch.zeros_like(self.scales) if self.dummy_offsets else None
+        self._shards = None
+        self.bias = torch.zeros(n, dtype=self.dtype, device=self.device) if self.has_bias else None
+
+    def _param_dtype(self, checkpoint: torch.dtype) -> torch.dtype:
+        """Scales and offsets: exact on the CPU path (fp32 for Q5_K / Q6_K's products of two scales); on CUDA in the
+        activation dtype, as checkpoints' scales are (Q6_K: 9 bits a weight instead of 10, its products rounded)."""
+        return self.dtype if self.device.type == "cuda" else scale_dtype(checkpoint, self.dtype)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """fp32 W [N, K] (what nn.Linear would hold)."""
+        return dequantize_w8(self.qweight, self.scales, self.offsets, self.group_size).t()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return w8a16_matmul(x, self.qweight, self.scales, self.offsets, self.group_size, self.bias)
+
+    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(self(x))
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, output_sizes={self.output_sizes}, group_size={self.group_size}, "
+                f"bias={self.has_bias}, offsets={self.offsets is not None}")
