@@ -1,0 +1,117 @@
+"""Replicas on Ray Serve (server/cluster.py) on CPU: a local Ray instance, two replicas of the bundled demo model.
+Needs the cluster extra (pip install '.[cluster]'); CI runs it in its own stage (.ci/run)."""
+import json
+import random
+import socket
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="ray is not installed: the cluster tests need pip install '.[cluster]'")
+serve = pytest.importorskip("ray.serve", reason="ray[serve] is not installed: pip install '.[cluster]'")
+
+from quant_serve.server.cluster import args_from_config, build_application  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+REPLICAS = 2
+USERS = 8
+SYSTEM_PROMPTS = [f"You are {who}. " + " ".join([f"Rule {i}: {rule}." for i in range(6)])
+                  for who, rule in [("a lighthouse keeper", "answer in one short sentence"),
+                                    ("a ship's cook", "mention one spice in every reply"),
+                                    ("a train conductor", "always state the next station"),
+                                    ("a museum guard", "never raise your voice")]]
+
+
+def _free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=REPLICAS + 1, include_dashboard=False, log_to_driver=False)
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+def deploy(routing: str) -> None:
+    """A fresh application (fresh replicas, empty prefix caches) with this routing."""
+    args = args_from_config({"device": "cpu", "max-model-len": 512, "num-gpu-blocks-override": 256,
+                             "replicas": REPLICAS, "routing": routing})
+    serve.run(build_application(args), name="quant-serve", route_prefix="/")
+
+
+def post(url: str, path: str, body: dict) -> tuple[int, dict, dict]:
+    req = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, dict(r.headers), json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), json.load(e)
+
+
+def chat(system: str, user: int, max_tokens: int = 1) -> dict:
+    return {"model": "quant-serve-demo", "max_tokens": max_tokens, "temperature": 0,
+            "messages": [{"role": "system", "content": system},
+                         {"role": "user", "content": f"I am user {user}; what should I do today?"}]}
+
+
+def shared_full_blocks(url: str, system: str) -> int:
+    """Prompt tokens two users of this system prompt share, in whole KV blocks of 16: what a cache hit can cover."""
+    ids = [post(url, "/tokenize", {k: v for k, v in chat(system, u).items() if k == "messages"})[2]["tokens"]
+           for u in (0, 1)]
+    common = next((i for i, (a, b) in enumerate(zip(*ids)) if a != b), min(map(len, ids)))
+    return common // 16 * 16
+
+
+def run_load(url: str) -> tuple[float, dict[int, set[str]]]:
+    """4 system prompts x USERS users in a shuffled order; the prefix-cache hit rate over the tokens that could hit
+    (every request after its system prompt's first), and the replicas each system prompt went to."""
+    order = [(p, u) for p in range(len(SYSTEM_PROMPTS)) for u in range(USERS)]
+    random.Random(0).shuffle(order)
+    shareable = [shared_full_blocks(url, s) for s in SYSTEM_PROMPTS]
+    assert all(n >= 4 * 16 for n in shareable), shareable       # each prompt's routing blocks are all shared
+    seen, hits, could_hit, replicas = set(), 0, 0, {}
+    for p, u in order:
+        status, headers, body = post(url, "/v1/chat/completions", chat(SYSTEM_PROMPTS[p], u))
+        assert status == 200, body
+        replicas.setdefault(p, set()).add(headers["x-quant-serve-replica"])
+        if p in seen:
+            could_hit += shareable[p]
+            hits += min(body["usage"]["prompt_tokens_details"]["cached_tokens"], shareable[p])
+        seen.add(p)
+    return hits / could_hit, replicas
+
+
+def test_prefix_affinity_keeps_each_system_prompt_on_one_replica_and_hits_its_cache(cluster):
+    start = time.monotonic()
+    deploy("prefix")
+    with urllib.request.urlopen(cluster + "/health") as r:
+        assert json.load(r) == {"status": "ok", "replicas_running": REPLICAS, "replicas_target": REPLICAS}
+    affinity, affinity_replicas = run_load(cluster)
+    # the single server's errors, through the ingress and a replica
+    status, _, body = post(cluster, "/v1/chat/completions", {"model": "quant-serve-demo", "messages": []})
+    assert status == 400 and body["error"]["type"] == "invalid_request_error"
+    status, _, body = post(cluster, "/v1/chat/completions", {**chat("x", 0), "model": "nope"})
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+
+    deploy("round-robin")
+    round_robin, rr_replicas = run_load(cluster)
+    print(f"\nprefix-cache hit rate over the tokens that could hit, {len(SYSTEM_PROMPTS)} system prompts x {USERS} "
+          f"users, {REPLICAS} replicas: affinity {affinity:.3f}, round-robin {round_robin:.3f} "
+          f"({time.monotonic() - start:.0f} s)")
+    assert all(len(r) == 1 for r in affinity_replicas.values()), affinity_replicas
+    assert affinity >= 0.9
+    assert all(len(r) == REPLICAS for r in rr_replicas.values()), rr_replicas
+    # round-robin computes each system prompt once on every replica: at best (USERS - REPLICAS) / (USERS - 1)
+    assert round_robin <= (USERS - REPLICAS) / (USERS - 1) + 1e-9
+    assert affinity > round_robin
