@@ -47,7 +47,10 @@ def args_from_config(config: dict) -> argparse.Namespace:
             argv += [flag, *map(str, value)]
         else:
             argv += [flag, str(value)]
-    return parser.parse_args(argv)
+    try:
+        return parser.parse_args(argv)
+    except SystemExit:       # argparse printed why; a config file's mistake is a ValueError, not an exit
+        raise ValueError(f"the application's args are not valid `quant-serve serve` flags: {' '.join(argv)}") from None
 
 
 class Ingress:

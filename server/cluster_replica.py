@@ -39,6 +39,7 @@ class EngineReplica:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._lifespan = None
         self._start_lock = asyncio.Lock()
+        self._metrics_task: asyncio.Task | None = None
 
     async def _started(self) -> None:
         async with self._start_lock:
@@ -46,6 +47,17 @@ class EngineReplica:
                 lifespan = self.app.router.lifespan_context(self.app)
                 await lifespan.__aenter__()
                 self._lifespan = lifespan
+                self._metrics_task = asyncio.create_task(self._export_metrics())
+
+    async def _export_metrics(self, period_s: float = 1.0) -> None:
+        from quant_serve.server.cluster_metrics import ReplicaMetrics
+        try:
+            exported = ReplicaMetrics(self.app.state.ctx.served_model_names[0])
+            while True:
+                exported.update(self.app.state.async_engine.snapshot)
+                await asyncio.sleep(period_s)
+        except Exception:
+            logger.exception("exporting this replica's metrics failed; they stop here")
 
     def check_health(self) -> None:
         """Ray Serve calls this periodically; raising makes it replace the replica."""

@@ -33,9 +33,12 @@ def _free_port() -> int:
     return port
 
 
+METRICS_PORT = _free_port()
+
+
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=REPLICAS + 1, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=REPLICAS + 1, include_dashboard=False, log_to_driver=False, _metrics_export_port=METRICS_PORT)
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield f"http://127.0.0.1:{port}"
@@ -73,23 +76,43 @@ def shared_full_blocks(url: str, system: str) -> int:
     return common // 16 * 16
 
 
-def run_load(url: str) -> tuple[float, dict[int, set[str]]]:
+def run_load(url: str) -> tuple[float, dict[int, set[str]], dict[str, int]]:
     """4 system prompts x USERS users in a shuffled order; the prefix-cache hit rate over the tokens that could hit
-    (every request after its system prompt's first), and the replicas each system prompt went to."""
+    (every request after its system prompt's first), the replicas each system prompt went to and the cached tokens
+    each replica reported."""
     order = [(p, u) for p in range(len(SYSTEM_PROMPTS)) for u in range(USERS)]
     random.Random(0).shuffle(order)
     shareable = [shared_full_blocks(url, s) for s in SYSTEM_PROMPTS]
     assert all(n >= 4 * 16 for n in shareable), shareable       # each prompt's routing blocks are all shared
-    seen, hits, could_hit, replicas = set(), 0, 0, {}
+    seen, hits, could_hit, replicas, cached = set(), 0, 0, {}, {}
     for p, u in order:
         status, headers, body = post(url, "/v1/chat/completions", chat(SYSTEM_PROMPTS[p], u))
         assert status == 200, body
-        replicas.setdefault(p, set()).add(headers["x-quant-serve-replica"])
+        replica = headers["x-quant-serve-replica"]
+        replicas.setdefault(p, set()).add(replica)
+        cached[replica] = cached.get(replica, 0) + body["usage"]["prompt_tokens_details"]["cached_tokens"]
         if p in seen:
             could_hit += shareable[p]
             hits += min(body["usage"]["prompt_tokens_details"]["cached_tokens"], shareable[p])
         seen.add(p)
-    return hits / could_hit, replicas
+    return hits / could_hit, replicas, cached
+
+
+def exported_prefix_hits(timeout_s: float = 40.0, expected: dict[str, int] | None = None) -> dict[str, int]:
+    """ray_quant_serve_prefix_cache_hits_total by replica, from Ray's metrics export (it lags by seconds: polled
+    until it shows `expected`)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10).read().decode()
+        found = {}
+        for line in text.splitlines():
+            if line.startswith("ray_quant_serve_prefix_cache_hits_total{"):
+                labels = dict(kv.split("=", 1) for kv in line[line.index("{") + 1:line.rindex("}")].split(","))
+                replica = labels["replica"].strip('"')
+                found[replica] = found.get(replica, 0) + int(float(line.rsplit(" ", 1)[1]))
+        if found == expected or time.monotonic() > deadline:
+            return found
+        time.sleep(1)
 
 
 def test_prefix_affinity_keeps_each_system_prompt_on_one_replica_and_hits_its_cache(cluster):
@@ -97,7 +120,10 @@ def test_prefix_affinity_keeps_each_system_prompt_on_one_replica_and_hits_its_ca
     deploy("prefix")
     with urllib.request.urlopen(cluster + "/health") as r:
         assert json.load(r) == {"status": "ok", "replicas_running": REPLICAS, "replicas_target": REPLICAS}
-    affinity, affinity_replicas = run_load(cluster)
+    affinity, affinity_replicas, cached = run_load(cluster)
+    # each replica's prefix-cache hits, labelled by replica in Ray's metrics export: what the responses said
+    assert exported_prefix_hits(expected={r: n for r, n in cached.items() if n}) == {r: n for r, n in cached.items()
+                                                                                      if n}
     # the single server's errors, through the ingress and a replica
     status, _, body = post(cluster, "/v1/chat/completions", {"model": "quant-serve-demo", "messages": []})
     assert status == 400 and body["error"]["type"] == "invalid_request_error"
@@ -105,7 +131,7 @@ def test_prefix_affinity_keeps_each_system_prompt_on_one_replica_and_hits_its_ca
     assert status == 404 and body["error"]["code"] == "model_not_found"
 
     deploy("round-robin")
-    round_robin, rr_replicas = run_load(cluster)
+    round_robin, rr_replicas, _ = run_load(cluster)
     print(f"\nprefix-cache hit rate over the tokens that could hit, {len(SYSTEM_PROMPTS)} system prompts x {USERS} "
           f"users, {REPLICAS} replicas: affinity {affinity:.3f}, round-robin {round_robin:.3f} "
           f"({time.monotonic() - start:.0f} s)")

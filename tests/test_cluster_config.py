@@ -1,0 +1,33 @@
+"""The Ray Serve application's configuration (docs/cluster.yaml, server/cluster.py's args_from_config): the
+`quant-serve serve` flags by name, checked as on the command line. No Ray needed."""
+from pathlib import Path
+
+import pytest
+import yaml
+
+from quant_serve.server.cluster import args_from_config
+
+CONFIG = Path(__file__).resolve().parents[1] / "docs" / "cluster.yaml"
+
+
+def test_the_documented_config_reads_as_serve_flags():
+    config = yaml.safe_load(CONFIG.read_text())
+    (app,) = config["applications"]
+    assert app["import_path"] == "quant_serve.server.cluster:app_builder"
+    args = args_from_config(app["args"])
+    assert (args.model, args.served_model_name, args.replicas, args.routing) == (
+        "Qwen/Qwen2.5-7B-Instruct-AWQ", ["qwen2.5-7b-instruct"], 4, "prefix")
+    assert (args.routing_prefix_blocks, args.routing_load_factor, args.kv_cache_dtype, args.max_model_len) == (
+        4, 1.25, "fp8", 8192)
+    assert args.api_key_file == "/etc/quant-serve/api-key" and args.command == "serve"
+
+
+def test_flags_without_values_and_bad_options():
+    args = args_from_config({"enforce-eager": True, "enable_prefix_caching": False, "async-scheduling": True,
+                             "replica-gpus": None})
+    assert args.enforce_eager and not args.enable_prefix_caching and args.async_scheduling
+    assert args.replica_gpus is None and args.replicas == 0
+    with pytest.raises(ValueError, match="unknown serve option 'replicaz'"):
+        args_from_config({"replicaz": 2})
+    with pytest.raises(ValueError, match="--routing random"):      # argparse's own check, as on the command line
+        args_from_config({"routing": "random"})
