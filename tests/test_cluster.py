@@ -17,6 +17,7 @@ from quant_serve.server.cluster import args_from_config, build_application  # no
 pytestmark = pytest.mark.slow
 
 REPLICAS = 2
+ENGINE_ACTOR = "EngineReplica"       # in the replica actors' names
 USERS = 8
 SYSTEM_PROMPTS = [f"You are {who}. " + " ".join([f"Rule {i}: {rule}." for i in range(6)])
                   for who, rule in [("a lighthouse keeper", "answer in one short sentence"),
@@ -46,8 +47,15 @@ def cluster():
     ray.shutdown()
 
 
-def deploy(routing: str) -> None:
-    """A fresh application (fresh replicas, empty prefix caches) with this routing."""
+_deployed: list[str] = []
+
+
+def deploy(routing: str, fresh: bool = True) -> None:
+    """A fresh application (fresh replicas, empty prefix caches) with this routing; fresh=False keeps one that
+    already routes this way."""
+    if not fresh and _deployed[-1:] == [routing]:
+        return
+    _deployed.append(routing)
     args = args_from_config({"device": "cpu", "max-model-len": 512, "num-gpu-blocks-override": 256,
                              "replicas": REPLICAS, "routing": routing})
     serve.run(build_application(args), name="quant-serve", route_prefix="/")
@@ -141,3 +149,67 @@ def test_prefix_affinity_keeps_each_system_prompt_on_one_replica_and_hits_its_ca
     # round-robin computes each system prompt once on every replica: at best (USERS - REPLICAS) / (USERS - 1)
     assert round_robin <= (USERS - REPLICAS) / (USERS - 1) + 1e-9
     assert affinity > round_robin
+
+
+def open_stream(url: str, user: int, started, events: list) -> None:
+    """One streamed chat; events gets (time, kind) for each event: 'chunk', 'error', 'done'."""
+    body = {**chat(SYSTEM_PROMPTS[user % len(SYSTEM_PROMPTS)], user, max_tokens=48), "stream": True}
+    body["ignore_eos"] = True
+    req = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        events.append((time.monotonic(), "replica", r.headers["x-quant-serve-replica"]))
+        for line in r:
+            line = line.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                events.append((time.monotonic(), "done", None))
+                break
+            payload = json.loads(line[6:])
+            events.append((time.monotonic(), "error" if "error" in payload else "chunk", payload))
+            started.set()
+
+
+def test_a_replica_killed_mid_stream_ends_its_streams_with_an_error_event_and_is_replaced(cluster):
+    import threading
+    deploy("round-robin", fresh=False)
+    streams = 16
+    runs = [([], threading.Event()) for _ in range(streams)]
+    threads = [threading.Thread(target=open_stream, args=(cluster, u, started, events))
+               for u, (events, started) in enumerate(runs)]
+    for t in threads:
+        t.start()
+    assert all(started.wait(120) for _, started in runs)       # every stream has sent a token
+    victim = next(e[2] for e in runs[0][0] if e[1] == "replica")
+    (name,) = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+               if ENGINE_ACTOR in a["name"] and a["name"].endswith(victim)]
+    killed_at = time.monotonic()
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a stream hangs"
+    ended = []          # seconds from the kill to each of the victim's streams' [DONE]
+    on_victim = [events for events, _ in runs if events[0][2] == victim]
+    assert len(on_victim) == streams // REPLICAS
+    for events, _ in runs:
+        assert events[-1][1] == "done", events[-3:]             # every stream ends with [DONE]
+        if events[0][2] == victim:                               # ... the killed replica's with an error event
+            kind, payload = events[-2][1], events[-2][2]
+            assert kind == "error" and payload["error"]["code"] == "replica_failed", events[-3:]
+            assert events[-1][0] - killed_at < 5.0
+            ended.append(events[-1][0] - killed_at)
+        else:
+            assert events[-2][1] == "chunk" and events[-2][2]["choices"][0]["finish_reason"] == "length"
+    print(f"\nkilled replica {victim}: its {len(ended)} streams ended with an error event within {max(ended):.2f} s")
+    # Ray Serve starts a new replica: /health shows both again, and both serve
+    deadline = time.monotonic() + 90
+    while True:
+        with urllib.request.urlopen(cluster + "/health") as r:
+            running = json.load(r)["replicas_running"]
+        served = {post(cluster, "/v1/chat/completions", chat(SYSTEM_PROMPTS[0], u))[1]["x-quant-serve-replica"]
+                  for u in range(4)}
+        if running == REPLICAS and len(served) == REPLICAS and victim not in served:
+            break
+        assert time.monotonic() < deadline, f"the killed replica was not replaced: {running} running, {served}"
+        time.sleep(1)
