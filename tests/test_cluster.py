@@ -213,3 +213,30 @@ def test_a_replica_killed_mid_stream_ends_its_streams_with_an_error_event_and_is
             break
         assert time.monotonic() < deadline, f"the killed replica was not replaced: {running} running, {served}"
         time.sleep(1)
+
+
+def test_a_client_that_goes_away_frees_its_sequence_on_the_replica(cluster):
+    import http.client
+    deploy("round-robin", fresh=False)
+    handle = serve.get_deployment_handle("EngineReplica", "quant-serve")
+
+    def running() -> dict[str, int]:       # round-robin: consecutive calls visit every replica
+        stats = [handle.stats.remote().result() for _ in range(2 * REPLICAS)]
+        return {s["replica"]: s["num_running"] for s in stats}
+
+    host, port = cluster.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    body = {"model": "quant-serve-demo", "prompt": "hello there", "max_tokens": 400, "ignore_eos": True,
+            "stream": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    for _ in range(3):                       # a few events: the sequence runs on its replica
+        assert response.readline()
+    assert sum(running().values()) == 1
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    deadline = time.monotonic() + 10        # the 400 tokens would take far longer
+    while sum(running().values()) != 0:
+        assert time.monotonic() < deadline, "the replica kept generating for a client that went away"
+        time.sleep(0.2)
