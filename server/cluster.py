@@ -200,12 +200,17 @@ def serve_local(args: argparse.Namespace) -> int:
         from ray import serve
     except ImportError:
         raise ValueError("--replicas needs Ray Serve: pip install 'quant-serve[cluster]'") from None
+    import signal
+
+    def stop(signum, frame):      # SIGTERM as Ctrl-C: the replicas and the local Ray instance go down with us
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, stop)
     ray.init(include_dashboard=False)
-    serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(build_application(args), name="quant-serve", route_prefix="/")
-    logger.info("serving on http://%s:%d with %d replicas (%s routing)", args.host, args.port, args.replicas,
-                args.routing)
     try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(build_application(args), name="quant-serve", route_prefix="/")
+        logger.info("serving on http://%s:%d with %d replicas (%s routing)", args.host, args.port, args.replicas,
+                    args.routing)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
