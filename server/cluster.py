@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import json
 import logging
+import secrets
 import time
 
 from quant_serve.server import cli_args
@@ -93,6 +94,12 @@ class Ingress:
         ids = self.prompt_ids(path, body)
         return prefix_key(ids, self.block_size, self.args.routing_prefix_blocks) if ids else None
 
+    def authorized(self, request) -> bool:
+        if not self.args.api_key:
+            return True
+        given = request.headers.get("authorization", "").encode()
+        return secrets.compare_digest(given, f"Bearer {self.args.api_key}".encode())
+
     # ---- replicas ----------------------------------------------------------------------------------------
     async def replicas_running(self) -> int:
         """From the Serve controller, read at most once a second."""
@@ -122,7 +129,8 @@ class Ingress:
                                            code="no_replica"), status_code=503,
                                 headers={"Retry-After": str(RETRY_AFTER_S)})
         body = await request.body()
-        key = await asyncio.to_thread(self.prefix_key, request.url.path, body)
+        # a client without the key gets the replica's 401; no tokenizing on its behalf here
+        key = await asyncio.to_thread(self.prefix_key, request.url.path, body) if self.authorized(request) else None
         client = (request.client.host, request.client.port) if request.client else None
         parts = HTTPRequestParts(request.method, request.url.path, request.url.query.encode(),
                                  list(request.headers.raw), body, client)
