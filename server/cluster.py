@@ -23,10 +23,6 @@ RETRY_AFTER_S = 1
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
-def parse_serve_argv(argv: list[str]) -> argparse.Namespace:
-    return serve_parser().parse_args(argv)
-
-
 def args_from_config(config: dict) -> argparse.Namespace:
     """The `serve` flags from a config file's args mapping ({"model": "...", "max-model-len": 4096, ...}): the
     same names and checks as on the command line."""
@@ -134,6 +130,7 @@ class Ingress:
         client = (request.client.host, request.client.port) if request.client else None
         parts = HTTPRequestParts(request.method, request.url.path, request.url.query.encode(),
                                  list(request.headers.raw), body, client)
+        # the router reads the key from this keyword (cluster_router.PREFIX_KEY_KWARG)
         stream = self.engine.options(stream=True).handle.remote(parts, prefix_key=key)
         try:
             head = await stream.__anext__()
