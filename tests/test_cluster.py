@@ -138,6 +138,18 @@ def test_prefix_affinity_keeps_each_system_prompt_on_one_replica_and_hits_its_ca
     status, _, body = post(cluster, "/v1/chat/completions", {**chat("x", 0), "model": "nope"})
     assert status == 404 and body["error"]["code"] == "model_not_found"
 
+    # a hot prefix: 16 requests of one system prompt at once; past 1.25 x the mean load its owner passes
+    # requests on to the next replica on the ring instead of queueing them all
+    from concurrent.futures import ThreadPoolExecutor
+    hot = chat(SYSTEM_PROMPTS[0], 0, max_tokens=16)
+    with ThreadPoolExecutor(16) as pool:
+        served = list(pool.map(lambda _: post(cluster, "/v1/chat/completions", hot)[1]["x-quant-serve-replica"],
+                               range(16)))
+    counts = sorted(served.count(r) for r in set(served))
+    print(f"\nhot prefix, 16 concurrent requests: {counts} per replica", end="")
+    # (which replica takes the most depends on when Ray Serve's load reports arrive: not checked)
+    assert len(counts) == REPLICAS
+
     deploy("round-robin")
     round_robin, rr_replicas, _ = run_load(cluster)
     print(f"\nprefix-cache hit rate over the tokens that could hit, {len(SYSTEM_PROMPTS)} system prompts x {USERS} "
