@@ -1,0 +1,64 @@
+"""The Ray Serve application's configuration (docs/cluster.yaml, server/cluster.py's args_from_config): the
+`quant-serve serve` flags by name, checked as on the command line. No Ray needed."""
+from pathlib import Path
+
+import pytest
+import yaml
+
+from quant_serve.server.cluster import args_from_config
+
+CONFIG = Path(__file__).resolve().parents[1] / "docs" / "cluster.yaml"
+
+
+def test_the_documented_config_reads_as_serve_flags():
+    config = yaml.safe_load(CONFIG.read_text())
+    (app,) = config["applications"]
+    assert app["import_path"] == "quant_serve.server.cluster:app_builder"
+    args = args_from_config(app["args"])
+    assert (args.model, args.served_model_name, args.replicas, args.routing) == (
+        "Qwen/Qwen2.5-7B-Instruct-AWQ", ["qwen2.5-7b-instruct"], 4, "prefix")
+    assert (args.routing_prefix_blocks, args.routing_load_factor, args.kv_cache_dtype, args.max_model_len) == (
+        4, 1.25, "fp8", 8192)
+    assert args.api_key_file == "/etc/quant-serve/api-key" and args.command == "serve"
+
+
+def test_flags_without_values_and_bad_options():
+    args = args_from_config({"enforce-eager": True, "enable_prefix_caching": False, "async-scheduling": True,
+                             "replica-gpus": None})
+    assert args.enforce_eager and not args.enable_prefix_caching and args.async_scheduling
+    assert args.replica_gpus is None and args.replicas == 0
+    with pytest.raises(ValueError, match="unknown serve option 'replicaz'"):
+        args_from_config({"replicaz": 2})
+    with pytest.raises(ValueError, match="--routing random"):      # argparse's own check, as on the command line
+        args_from_config({"routing": "random"})
+
+
+def test_the_ingress_keys_requests_by_their_prompt_tokens_and_only_for_clients_with_the_key():
+    import json
+
+    from starlette.requests import Request
+
+    from quant_serve.server.cluster import Ingress
+    from quant_serve.server.prefix_routing import prefix_key
+    from quant_serve.server.protocol import ChatCompletionRequest
+    ingress = Ingress(None, args_from_config({"api-key": "k", "routing-prefix-blocks": 2}))
+    system = {"role": "system", "content": "You keep the lighthouse. " * 12}
+
+    def chat_key(user: str):
+        body = {"model": "m", "messages": [system, {"role": "user", "content": user}]}
+        return ingress.prefix_key("/v1/chat/completions", json.dumps(body).encode())
+
+    messages = ChatCompletionRequest.model_validate({"model": "m", "messages": [system, {"role": "user",
+                                                                                          "content": "hi"}]}).messages
+    ids = ingress.chat.encode(messages)          # the prompt tokens the replica's engine gets
+    assert chat_key("hi") == prefix_key(ids, 16, 2) and chat_key("hi") == chat_key("something else entirely")
+    tokens = list(range(100, 140))
+    completion = json.dumps({"model": "m", "prompt": tokens}).encode()
+    assert ingress.prefix_key("/v1/completions", completion) == prefix_key(tokens, 16, 2)
+    assert ingress.prefix_key("/v1/completions", b"{not json") is None          # the replica answers the 400
+    assert ingress.prefix_key("/v1/models", completion) is None
+
+    def request(auth: bytes | None) -> Request:
+        return Request({"type": "http", "headers": [(b"authorization", auth)] if auth else []})
+    assert ingress.authorized(request(b"Bearer k"))
+    assert not ingress.authorized(request(b"Bearer x")) and not ingress.authorized(request(None))
