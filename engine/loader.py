@@ -9,6 +9,7 @@ from quant_serve.engine.checkpoint import (INDEX, check_finite, check_float_tens
                                            check_raw_config, list_weight_files, open_weights, read_json_object,
                                            read_tensor_names)
 from quant_serve.engine.config import HEAD_GROUP_SIZE, ModelConfig
+from quant_serve.engine.gguf_hub import download_gguf, gguf_only_repo, split_quant_tag
 from quant_serve.engine.hf_config import DTYPES, model_config_from_hf
 from quant_serve.engine.kv_scales import checkpoint_scale_value, parse_kv_scale_name
 from quant_serve.engine.models.decoder import DecoderForCausalLM
@@ -29,11 +30,18 @@ def resolve_model_dir(model: str, revision: str | None = None) -> Path:
     if path.exists():
         raise ValueError(f"model path {model} is a file, expected a directory holding config.json and weights "
                          "(or a .gguf file)")
-    if model.startswith((".", "/", "~")) or model.count("/") != 1:
-        raise FileNotFoundError(f"model directory {model} does not exist (and it is not a hub id like org/name)")
+    repo, quant = split_quant_tag(model)
+    if model.startswith((".", "/", "~")) or repo.count("/") != 1:
+        raise FileNotFoundError(f"model directory {model} does not exist (and it is not a hub id like org/name, "
+                                "or org/name:Q4_K_M for one quantization of a GGUF repository)")
+    if quant is not None:
+        return download_gguf(repo, quant, revision)
     from huggingface_hub import snapshot_download
     logger.info("downloading %s from the Hugging Face hub", model)
-    return Path(snapshot_download(model, revision=revision, allow_patterns=HUB_PATTERNS))
+    path = Path(snapshot_download(model, revision=revision, allow_patterns=HUB_PATTERNS))
+    if not (path / "config.json").is_file():
+        gguf_only_repo(model, revision)        # a GGUF repository: ValueError naming its quantizations
+    return path
 
 
 def load_model_config(model_dir: Path) -> tuple[ModelConfig, dict]:

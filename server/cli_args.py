@@ -37,10 +37,11 @@ def demo_model_dir() -> str | None:
 def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) -> None:
     if model_positional:
         p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                       help="model directory, .gguf file or hub id (default: the bundled demo model)")
+                       help="model directory, .gguf file or hub id (org/name, or org/name:Q4_K_M for one "
+                            "quantization of a GGUF repo; default: the bundled demo model)")
     p.add_argument("--model", default=None,
-                   help="model directory, .gguf file (or a directory holding one) or hub id (default: the bundled "
-                        "demo model)")
+                   help="model directory, .gguf file (or a directory holding one) or hub id (org/name, or "
+                        "org/name:Q4_K_M for one quantization of a GGUF repo; default: the bundled demo model)")
     p.add_argument("--tokenizer", default=None)
     p.add_argument("--revision", default=None)
     p.add_argument("--dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32", "half", "float"])

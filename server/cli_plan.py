@@ -7,7 +7,8 @@ import sys
 
 def register(sub) -> None:
     p = sub.add_parser("plan", help="plan GPU memory (weights, activations, KV capacity) without loading the model")
-    p.add_argument("model", help="model directory (config.json is enough), .gguf file or hub id")
+    p.add_argument("model", help="model directory (config.json is enough), .gguf file or hub id (org/name:Q4_K_M "
+                                 "for a GGUF repo)")
     from quant_serve.kernels.gpu import PROFILES
     p.add_argument("--gpu", default=None, choices=sorted(PROFILES),
                    help="the card: its memory (unless --gpu-memory-gb) and a projected decode speed (tok/s at batch "
