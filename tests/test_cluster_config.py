@@ -62,3 +62,42 @@ def test_the_ingress_keys_requests_by_their_prompt_tokens_and_only_for_clients_w
         return Request({"type": "http", "headers": [(b"authorization", auth)] if auth else []})
     assert ingress.authorized(request(b"Bearer k"))
     assert not ingress.authorized(request(b"Bearer x")) and not ingress.authorized(request(None))
+
+
+@pytest.mark.parametrize("option, value", [("routing-prefix-blocks", 0), ("routing-load-factor", 0.9),
+                                           ("replica-max-ongoing-requests", 0), ("replicas", 0)])
+def test_bad_routing_options_are_refused_when_the_application_is_built(option, value):
+    from quant_serve.server.cluster import build_application
+    args = args_from_config({"replicas": 2, option: value})
+    with pytest.raises(ValueError, match=f"{option.split('-')[0]}.* >= 1"):     # before any Ray import or start
+        build_application(args)
+
+
+def test_serve_local_starts_its_own_ray_and_shuts_serve_down_on_sigterm(monkeypatch):
+    """`quant-serve serve --replicas N` on SIGTERM: serve.shutdown, then ray.shutdown, exit 0; and a Ray instance of
+    its own, never one that `ray start` left on the machine. Ray's calls are recorded, not run."""
+    import signal
+    import sys
+    import time
+    ray = pytest.importorskip("ray", reason="ray is not installed: pip install '.[cluster]'")
+    serve = pytest.importorskip("ray.serve", reason="ray[serve] is not installed: pip install '.[cluster]'")
+    from quant_serve.server import cluster
+    calls = []
+
+    def ray_init(**kwargs):          # as ray.init does: a SIGTERM handler that kills the Ray processes and exits 1
+        calls.append(("ray.init", kwargs.get("address")))
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    monkeypatch.setattr(ray, "init", ray_init)
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append(("ray.shutdown",)))
+    monkeypatch.setattr(serve, "start", lambda **_: calls.append(("serve.start",)))
+    monkeypatch.setattr(serve, "run", lambda app, **_: calls.append(("serve.run", app)))
+    monkeypatch.setattr(serve, "shutdown", lambda: calls.append(("serve.shutdown",)))
+    monkeypatch.setattr(cluster, "build_application", lambda args: "the app")
+    monkeypatch.setattr(time, "sleep", lambda s: signal.raise_signal(signal.SIGTERM))
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        assert cluster.serve_local(args_from_config({"replicas": 2, "port": 8123})) == 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert calls == [("ray.init", "local"), ("serve.start",), ("serve.run", "the app"), ("serve.shutdown",),
+                     ("ray.shutdown",)]
