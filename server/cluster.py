@@ -69,12 +69,14 @@ class Ingress:
         """The prompt's token ids as the replica will build them; None where there is no prompt or the request is
         malformed (the replica answers it with the single server's error)."""
         from quant_serve.server.protocol import ChatCompletionRequest
+        from quant_serve.server.structured_request import plan_tools
         try:
             data = json.loads(body)
             if path == "/v1/chat/completions":
                 req = ChatCompletionRequest.model_validate(data)
+                plan = plan_tools(req, None)       # the tools the template renders, ahead of the messages
                 return self.chat.encode(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                        None, req.chat_template_kwargs)
+                                        None, req.chat_template_kwargs, plan.template_tools if plan else None)
             prompt = data["prompt"]
             if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
                 prompt = prompt[0]        # a batch of prompts: the first one routes them all

@@ -101,3 +101,28 @@ def test_serve_local_starts_its_own_ray_and_shuts_serve_down_on_sigterm(monkeypa
         signal.signal(signal.SIGTERM, previous)
     assert calls == [("ray.init", "local"), ("serve.start",), ("serve.run", "the app"), ("serve.shutdown",),
                      ("ray.shutdown",)]
+
+
+def test_a_chat_with_tools_is_keyed_by_the_prompt_the_template_renders_with_them():
+    import json
+
+    from quant_serve.server.cluster import Ingress
+    from quant_serve.server.prefix_routing import prefix_key
+    from quant_serve.server.protocol import ChatCompletionRequest
+    from quant_serve.server.chat_template import ChatEncoder
+    ingress = Ingress(None, args_from_config({"routing-prefix-blocks": 2}))
+    # the demo model's template ignores tools; most tool-calling templates (Qwen2.5, Llama 3.1) render them first
+    ingress.tokenizer.chat_template = ("{% for t in tools or [] %}tool {{ t.function.name }}: "
+                                       "{{ t.function.description }}\n{% endfor %}"
+                                       "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
+    ingress.chat = ChatEncoder(ingress.tokenizer)
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    body = {"model": "m", "messages": [{"role": "system", "content": "You keep the lighthouse. " * 12},
+                                       {"role": "user", "content": "hi"}], "tools": tools}
+    req = ChatCompletionRequest.model_validate(body)
+    with_tools = ingress.chat.encode(req.messages, tools=[t.model_dump(exclude_none=True, by_alias=True)
+                                                          for t in req.tools])
+    assert with_tools[:32] != ingress.chat.encode(req.messages)[:32]    # the template puts the tools first
+    assert ingress.prefix_key("/v1/chat/completions", json.dumps(body).encode()) == prefix_key(with_tools, 16, 2)
