@@ -126,3 +126,17 @@ def test_a_chat_with_tools_is_keyed_by_the_prompt_the_template_renders_with_them
                                                           for t in req.tools])
     assert with_tools[:32] != ingress.chat.encode(req.messages)[:32]    # the template puts the tools first
     assert ingress.prefix_key("/v1/chat/completions", json.dumps(body).encode()) == prefix_key(with_tools, 16, 2)
+
+
+def test_a_replica_checks_the_key_the_application_was_built_with_not_its_own_environment(monkeypatch):
+    from types import SimpleNamespace
+    pytest.importorskip("ray.serve", reason="ray[serve] is not installed: pip install '.[cluster]'")
+    from quant_serve.server import cluster_replica
+    monkeypatch.setattr(cluster_replica.serve, "get_replica_context",
+                        lambda: SimpleNamespace(replica_id=SimpleNamespace(unique_id="r1")))
+    # built where no key is set (build_application resolves it: None), run on a node whose environment has one
+    args = args_from_config({"replicas": 1, "device": "cpu", "max-model-len": 128, "num-gpu-blocks-override": 16})
+    monkeypatch.setenv("QUANT_SERVE_API_KEY", "only-on-this-node")
+    assert cluster_replica.EngineReplica(args).app.state.api_key is None
+    args.api_key = "k"
+    assert cluster_replica.EngineReplica(args).app.state.api_key == "k"
