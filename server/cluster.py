@@ -69,12 +69,14 @@ class Ingress:
         """The prompt's token ids as the replica will build them; None where there is no prompt or the request is
         malformed (the replica answers it with the single server's error)."""
         from quant_serve.server.protocol import ChatCompletionRequest
+        from quant_serve.server.structured_request import plan_tools
         try:
             data = json.loads(body)
             if path == "/v1/chat/completions":
                 req = ChatCompletionRequest.model_validate(data)
+                plan = plan_tools(req, None)       # the tools the template renders, ahead of the messages
                 return self.chat.encode(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                        None, req.chat_template_kwargs)
+                                        None, req.chat_template_kwargs, plan.template_tools if plan else None)
             prompt = data["prompt"]
             if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
                 prompt = prompt[0]        # a batch of prompts: the first one routes them all
@@ -167,13 +169,22 @@ async def _relay(stream, sse: bool):
 
 def build_application(args: argparse.Namespace):
     """The Ray Serve application for these `serve` flags (args.replicas engine replicas)."""
+    # checked here, not where they are used: there a bad value fails every request (a 500 from the ingress, a router
+    # that cannot start) instead of the start
+    if args.replicas < 1:
+        raise ValueError(f"a Ray Serve application needs replicas >= 1, got {args.replicas}")
+    if args.routing_prefix_blocks < 1:
+        raise ValueError(f"--routing-prefix-blocks must be >= 1, got {args.routing_prefix_blocks}")
+    if args.routing_load_factor < 1.0:
+        raise ValueError(f"--routing-load-factor must be >= 1 (a bound under the mean load cannot be met), got "
+                         f"{args.routing_load_factor}")
+    if args.replica_max_ongoing_requests < 1:
+        raise ValueError(f"--replica-max-ongoing-requests must be >= 1, got {args.replica_max_ongoing_requests}")
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
     from quant_serve.server.cluster_replica import EngineReplica
     from quant_serve.server.cluster_router import ROUTERS
-    if args.replicas < 1:
-        raise ValueError(f"a Ray Serve application needs replicas >= 1, got {args.replicas}")
     # the key is resolved once, here, so that every replica checks the same one whatever its environment
     api_key, _ = resolve_api_key(args)
     args = argparse.Namespace(**{**vars(args), "api_key": api_key, "api_key_file": None, "func": None})
@@ -209,8 +220,12 @@ def serve_local(args: argparse.Namespace) -> int:
 
     def stop(signum, frame):      # SIGTERM as Ctrl-C: the replicas and the local Ray instance go down with us
         raise KeyboardInterrupt
+    # "local": a Ray instance of our own even where `ray start` left one on this machine (ray.init() would join that
+    # one, and serve.shutdown below would tear down every Serve application on it)
+    ray.init(address="local", include_dashboard=False)
+    # after ray.init, which installs its own SIGTERM handler (kill the Ray processes, sys.exit(1)): that one skips
+    # serve.shutdown and leaves the raylet's agent processes behind
     signal.signal(signal.SIGTERM, stop)
-    ray.init(include_dashboard=False)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(build_application(args), name="quant-serve", route_prefix="/")
@@ -221,6 +236,8 @@ def serve_local(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
     return 0

@@ -35,7 +35,9 @@ class EngineReplica:
     """The Ray Serve deployment class (wrapped by serve.deployment in cluster.py)."""
 
     def __init__(self, args):
-        self.app = build_single_app(args)
+        # the key was resolved once where the application was built (args.api_key, None for none): not this
+        # replica's environment, which on another node may name a key the ingress does not check
+        self.app = build_single_app(args, environ={})
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._lifespan = None
         self._start_lock = asyncio.Lock()

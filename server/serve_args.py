@@ -111,12 +111,13 @@ def startup_report(engine) -> list[str]:
     return lines
 
 
-def build_single_app(args):
-    """The engine and the FastAPI app, from the parsed `serve` flags, exactly as `quant-serve serve` builds them."""
+def build_single_app(args, environ=os.environ):
+    """The engine and the FastAPI app, from the parsed `serve` flags, exactly as `quant-serve serve` builds them.
+    environ: where an API key not given by flag is looked up."""
     from quant_serve.engine.llm_engine import LLMEngine
     from quant_serve.server.app import ServerOptions, build_app
 
-    api_key, _ = resolve_api_key(args)
+    api_key, _ = resolve_api_key(args, environ)
     engine = LLMEngine(cli_args.engine_config_from_args(args))
     for line in startup_report(engine):
         logger.info(line)

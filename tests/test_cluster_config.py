@@ -62,3 +62,81 @@ def test_the_ingress_keys_requests_by_their_prompt_tokens_and_only_for_clients_w
         return Request({"type": "http", "headers": [(b"authorization", auth)] if auth else []})
     assert ingress.authorized(request(b"Bearer k"))
     assert not ingress.authorized(request(b"Bearer x")) and not ingress.authorized(request(None))
+
+
+@pytest.mark.parametrize("option, value", [("routing-prefix-blocks", 0), ("routing-load-factor", 0.9),
+                                           ("replica-max-ongoing-requests", 0), ("replicas", 0)])
+def test_bad_routing_options_are_refused_when_the_application_is_built(option, value):
+    from quant_serve.server.cluster import build_application
+    args = args_from_config({"replicas": 2, option: value})
+    with pytest.raises(ValueError, match=f"{option.split('-')[0]}.* >= 1"):     # before any Ray import or start
+        build_application(args)
+
+
+def test_serve_local_starts_its_own_ray_and_shuts_serve_down_on_sigterm(monkeypatch):
+    """`quant-serve serve --replicas N` on SIGTERM: serve.shutdown, then ray.shutdown, exit 0; and a Ray instance of
+    its own, never one that `ray start` left on the machine. Ray's calls are recorded, not run."""
+    import signal
+    import sys
+    import time
+    ray = pytest.importorskip("ray", reason="ray is not installed: pip install '.[cluster]'")
+    serve = pytest.importorskip("ray.serve", reason="ray[serve] is not installed: pip install '.[cluster]'")
+    from quant_serve.server import cluster
+    calls = []
+
+    def ray_init(**kwargs):          # as ray.init does: a SIGTERM handler that kills the Ray processes and exits 1
+        calls.append(("ray.init", kwargs.get("address")))
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    monkeypatch.setattr(ray, "init", ray_init)
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append(("ray.shutdown",)))
+    monkeypatch.setattr(serve, "start", lambda **_: calls.append(("serve.start",)))
+    monkeypatch.setattr(serve, "run", lambda app, **_: calls.append(("serve.run", app)))
+    monkeypatch.setattr(serve, "shutdown", lambda: calls.append(("serve.shutdown",)))
+    monkeypatch.setattr(cluster, "build_application", lambda args: "the app")
+    monkeypatch.setattr(time, "sleep", lambda s: signal.raise_signal(signal.SIGTERM))
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        assert cluster.serve_local(args_from_config({"replicas": 2, "port": 8123})) == 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert calls == [("ray.init", "local"), ("serve.start",), ("serve.run", "the app"), ("serve.shutdown",),
+                     ("ray.shutdown",)]
+
+
+def test_a_chat_with_tools_is_keyed_by_the_prompt_the_template_renders_with_them():
+    import json
+
+    from quant_serve.server.cluster import Ingress
+    from quant_serve.server.prefix_routing import prefix_key
+    from quant_serve.server.protocol import ChatCompletionRequest
+    from quant_serve.server.chat_template import ChatEncoder
+    ingress = Ingress(None, args_from_config({"routing-prefix-blocks": 2}))
+    # the demo model's template ignores tools; most tool-calling templates (Qwen2.5, Llama 3.1) render them first
+    ingress.tokenizer.chat_template = ("{% for t in tools or [] %}tool {{ t.function.name }}: "
+                                       "{{ t.function.description }}\n{% endfor %}"
+                                       "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
+    ingress.chat = ChatEncoder(ingress.tokenizer)
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    body = {"model": "m", "messages": [{"role": "system", "content": "You keep the lighthouse. " * 12},
+                                       {"role": "user", "content": "hi"}], "tools": tools}
+    req = ChatCompletionRequest.model_validate(body)
+    with_tools = ingress.chat.encode(req.messages, tools=[t.model_dump(exclude_none=True, by_alias=True)
+                                                          for t in req.tools])
+    assert with_tools[:32] != ingress.chat.encode(req.messages)[:32]    # the template puts the tools first
+    assert ingress.prefix_key("/v1/chat/completions", json.dumps(body).encode()) == prefix_key(with_tools, 16, 2)
+
+
+def test_a_replica_checks_the_key_the_application_was_built_with_not_its_own_environment(monkeypatch):
+    from types import SimpleNamespace
+    pytest.importorskip("ray.serve", reason="ray[serve] is not installed: pip install '.[cluster]'")
+    from quant_serve.server import cluster_replica
+    monkeypatch.setattr(cluster_replica.serve, "get_replica_context",
+                        lambda: SimpleNamespace(replica_id=SimpleNamespace(unique_id="r1")))
+    # built where no key is set (build_application resolves it: None), run on a node whose environment has one
+    args = args_from_config({"replicas": 1, "device": "cpu", "max-model-len": 128, "num-gpu-blocks-override": 16})
+    monkeypatch.setenv("QUANT_SERVE_API_KEY", "only-on-this-node")
+    assert cluster_replica.EngineReplica(args).app.state.api_key is None
+    args.api_key = "k"
+    assert cluster_replica.EngineReplica(args).app.state.api_key == "k"
