@@ -236,10 +236,8 @@ class QuantLinear(nn.Module):
             return torch.cat([p(x) for p in self.parts], dim=-1)
         if self.packed is not None:
             return w4a16_matmul(x, self.packed, bias=self.bias)
-        if self.offsets is not None:
-            return w4a16_matmul(x, self.qweight, self.scales, None, self.group_size, self.perm, self.bias,
-                                offsets=self.offsets)
-        return w4a16_matmul_ref(x, self.qweight, self.scales, self.qzeros, self.group_size, self.perm, self.bias)
+        return w4a16_matmul_ref(x, self.qweight, self.scales, self.qzeros, self.group_size, self.perm, self.bias,
+                                self.offsets)
 
     def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """As DenseLinear.forward_silu_mul; on the kernel layout the GEMV's split-K reduce applies it (one launch
