@@ -39,9 +39,14 @@ def apply_gguf_hparams(hf, arch: str, meta: dict, tensors: dict) -> None:
     if rotary and int(rotary) < head_dim:
         rope["partial_rotary_factor"] = int(rotary) / head_dim
         hf.partial_rotary_factor = int(rotary) / head_dim
-    if str(get("rope.scaling.type", "")) == "linear" and get("rope.scaling.factor"):
-        rope |= {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    scaling_type = str(get("rope.scaling.type", "none") or "none")
     long, short = _vector(tensors, "rope_factors_long.weight"), _vector(tensors, "rope_factors_short.weight")
+    if scaling_type not in ("none", "linear") and not (scaling_type == "longrope" and long is not None):
+        # YaRN & co. change every position's rotation: dropping them would serve wrong logits without a word
+        raise ValueError(f"GGUF rope scaling {scaling_type!r} ({arch}.rope.scaling.type) is not supported "
+                         "(supported: none, linear, LongRoPE factors, llama 3 rope_freqs)")
+    if scaling_type == "linear" and get("rope.scaling.factor"):
+        rope |= {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
     if long is not None and short is not None:                          # Phi-3 LongRoPE
         rope |= {"rope_type": "longrope", "long_factor": long, "short_factor": short,
                  "original_max_position_embeddings": int(get("rope.scaling.original_context_length",

@@ -5,7 +5,8 @@ As the GPU holds them (quant/formats/gguf_types.py, the kernels' layouts): INT4 
 codes + a scale and an offset per 32; Q8_0 / Q5_0 K*N int8 + a scale per 32; Q5_1 / Q5_K + an offset; Q6_K a
 scale per 16; scales and offsets in the model dtype. A merged layer (qkv, gate_up) whose shards take different
 paths is one W8 layer at the finest group (an INT4 shard widened to int8). Embeddings and norms are dequantized to
-the model dtype. (The CPU path keeps Q4_K / Q5_K / Q6_K's fp32 scales: exact, and more bytes than counted.)"""
+the model dtype. (The CPU path keeps Q4_K / Q5_K / Q6_K's fp32 scales: exact, and more bytes than counted; so does
+a bf16 model on CUDA, Gemma's: its scales stay fp32 rather than narrow to bf16.)"""
 import re
 from collections import Counter
 

@@ -171,10 +171,11 @@ class QuantLinear(nn.Module):
         """On CUDA keep only the kernels' layout (one copy of the weights on the GPU)."""
         if self.device.type != "cuda":
             return
-        # GGUF (float offsets): scales and offsets in the activation dtype, as checkpoints' scales are; Q4_K's fp32
+        # GGUF (float offsets): on an fp16 model scales and offsets in fp16, as checkpoints' scales are; Q4_K's fp32
         # products round to 11 significant bits there, and the layer reads 5 bits a weight instead of 6
         self.packed = prepare_kernel_weights(self.qweight, self.scales, self.qzeros, self.group_size, self.perm,
-                                             self.offsets, self.dtype if self.offsets is not None else None)
+                                             self.offsets, None if self.offsets is None else
+                                             gguf_kernel_scale_dtype(self.scales.dtype, self.dtype))
         self._folds = {}
         self.qweight = self.scales = self.qzeros = self.perm = self.offsets = None
         words = self.packed.words if isinstance(self.packed, FragWeights) else self.packed.qweight
@@ -236,10 +237,8 @@ class QuantLinear(nn.Module):
             return torch.cat([p(x) for p in self.parts], dim=-1)
         if self.packed is not None:
             return w4a16_matmul(x, self.packed, bias=self.bias)
-        if self.offsets is not None:
-            return w4a16_matmul(x, self.qweight, self.scales, None, self.group_size, self.perm, self.bias,
-                                offsets=self.offsets)
-        return w4a16_matmul_ref(x, self.qweight, self.scales, self.qzeros, self.group_size, self.perm, self.bias)
+        return w4a16_matmul_ref(x, self.qweight, self.scales, self.qzeros, self.group_size, self.perm, self.bias,
+                                self.offsets)
 
     def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """As DenseLinear.forward_silu_mul; on the kernel layout the GEMV's split-K reduce applies it (one launch
@@ -290,6 +289,13 @@ class QuantLinear(nn.Module):
 def scale_dtype(checkpoint: torch.dtype, model: torch.dtype) -> torch.dtype:
     """Keep the checkpoint's scales when they match the model dtype, else fp32: never narrow fp16 scales to bf16."""
     return checkpoint if checkpoint == model else torch.float32
+
+
+def gguf_kernel_scale_dtype(checkpoint: torch.dtype, model: torch.dtype) -> torch.dtype:
+    """GGUF scales and offsets on CUDA: fp16 on an fp16 model (Q4_K / Q5_K / Q6_K's fp32 products rounded to 11
+    bits, for fewer bytes a decode step); else scale_dtype's rule: a bf16 model (Gemma) would round them to 8 bits,
+    coarser than Q8_0's or Q6_K's own steps."""
+    return torch.float16 if model == torch.float16 else scale_dtype(checkpoint, model)
 
 
 def _eights(scales: torch.Tensor) -> torch.Tensor:

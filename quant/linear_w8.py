@@ -8,7 +8,7 @@ from torch import nn
 from quant_serve.kernels.norm_act import silu_and_mul
 from quant_serve.kernels.w8a16.dispatch import w8a16_matmul
 from quant_serve.kernels.w8a16.reference import dequantize_w8
-from quant_serve.quant.linear import scale_dtype
+from quant_serve.quant.linear import gguf_kernel_scale_dtype, scale_dtype
 
 
 @dataclass
@@ -92,9 +92,11 @@ class W8Linear(nn.Module):
         self.bias = torch.zeros(n, dtype=self.dtype, device=self.device) if self.has_bias else None
 
     def _param_dtype(self, checkpoint: torch.dtype) -> torch.dtype:
-        """Scales and offsets: exact on the CPU path (fp32 for Q5_K / Q6_K's products of two scales); on CUDA in the
-        activation dtype, as checkpoints' scales are (Q6_K: 9 bits a weight instead of 10, its products rounded)."""
-        return self.dtype if self.device.type == "cuda" else scale_dtype(checkpoint, self.dtype)
+        """Scales and offsets: exact on the CPU path (fp32 for Q5_K / Q6_K's products of two scales); on CUDA fp16
+        on an fp16 model (Q6_K: 9 bits a weight instead of 10, its products rounded), never bf16."""
+        if self.device.type == "cuda":
+            return gguf_kernel_scale_dtype(checkpoint, self.dtype)
+        return scale_dtype(checkpoint, self.dtype)
 
     def dequantized_weight(self) -> torch.Tensor:
         """fp32 W [N, K] (what nn.Linear would hold)."""

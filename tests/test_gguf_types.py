@@ -59,3 +59,16 @@ def test_unsupported_type_and_bad_rows():
         quantize(np.zeros((2, 96), np.float32), T.Q4_K)
     with pytest.raises(ValueError, match="expected uint8 rows"):
         read_grouped(np.zeros((2, 10), np.uint8), T.Q4_0, 2, 32)
+
+
+@pytest.mark.parametrize("model,checkpoint,want", [(torch.float16, torch.float32, torch.float16),
+                                                   (torch.bfloat16, torch.float16, torch.float32),
+                                                   (torch.bfloat16, torch.float32, torch.float32)])
+def test_cuda_scale_dtype_never_narrows_to_bf16(model, checkpoint, want):
+    """On CUDA a GGUF layer's scales go to fp16 on an fp16 model; a bf16 model (Gemma) keeps them in fp32: bf16's
+    8 bits are coarser than Q8_0's steps (they were cast to the model dtype, bf16 too)."""
+    from quant_serve.quant.linear import gguf_kernel_scale_dtype
+    from quant_serve.quant.linear_w8 import W8Linear
+    assert gguf_kernel_scale_dtype(checkpoint, model) == want
+    layer = W8Linear(64, [32], False, model, "cuda", None, 32)      # no tensor made: the choice alone
+    assert layer._param_dtype(checkpoint) == want

@@ -1,0 +1,26 @@
+"""engine/gguf_hparams.py on hand-made metadata: what the GGUF says that transformers' mapping leaves out."""
+from types import SimpleNamespace
+
+import pytest
+
+from quant_serve.engine.gguf_hparams import apply_gguf_hparams
+
+
+def _hf():
+    return SimpleNamespace(hidden_size=256, num_attention_heads=4, num_hidden_layers=2, max_position_embeddings=4096)
+
+
+def test_linear_rope_scaling_is_carried():
+    hf = _hf()
+    apply_gguf_hparams(hf, "llama", {"llama.rope.freq_base": 500000.0, "llama.rope.scaling.type": "linear",
+                                     "llama.rope.scaling.factor": 4.0}, {})
+    assert hf.rope_parameters == {"rope_type": "linear", "rope_theta": 500000.0, "factor": 4.0}
+
+
+@pytest.mark.parametrize("kind", ["yarn", "longrope"])
+def test_unsupported_rope_scaling_is_refused(kind):
+    """A YaRN GGUF (or a LongRoPE one without its factor tensors) was loaded as plain rope: wrong logits, no error."""
+    meta = {"qwen2.rope.scaling.type": kind, "qwen2.rope.scaling.factor": 4.0,
+            "qwen2.rope.scaling.original_context_length": 32768}
+    with pytest.raises(ValueError, match=f"rope scaling '{kind}'.*not supported"):
+        apply_gguf_hparams(_hf(), "qwen2", meta, {})
