@@ -60,7 +60,11 @@ def download_gguf(repo: str, quant: str, revision: str | None = None) -> Path:
     except Exception as exc:          # offline (HF_HUB_OFFLINE, no network): what the local hub cache holds
         logger.info("hub not reachable (%s); looking for %s:%s in the local hub cache", type(exc).__name__,
                     repo, quant)
-        snapshot = Path(snapshot_download(repo, revision=revision, local_files_only=True))
+        try:
+            snapshot = Path(snapshot_download(repo, revision=revision, local_files_only=True))
+        except Exception:            # not cached either: the hub's own error is the one to show
+            raise RuntimeError(f"cannot list the files of {repo} on the hub ({type(exc).__name__}: {exc}), and the "
+                               "local hub cache does not hold it") from exc
         files = [p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*.gguf")]
     chosen = select_gguf_files(files, quant)
     logger.info("GGUF %s:%s -> %s", repo, quant, ", ".join(chosen))

@@ -53,6 +53,8 @@ def test_quant_tag_loads_from_the_offline_hub_cache(tmp_path, monkeypatch):
     assert resolve_model_dir("someone/tiny-GGUF:q4_0") == snapshot / "tiny-Q4_0.gguf"
     with pytest.raises(ValueError, match=r"'Q2_K'.*\(it has: Q4_0, Q8_0\)"):
         resolve_model_dir("someone/tiny-GGUF:Q2_K")
+    with pytest.raises(RuntimeError, match=r"someone/other-GGUF on the hub \(OfflineModeIsEnabled.*local hub cache"):
+        resolve_model_dir("someone/other-GGUF:Q4_0")
     params = SamplingParams(max_tokens=8, temperature=0)
     served = make_engine("someone/tiny-GGUF:Q4_0").generate(["The meaning of the word"], params)
     direct = make_engine(original).generate(["The meaning of the word"], params)
