@@ -18,6 +18,25 @@ def metadata(reader) -> dict:
     return out
 
 
+# Tokens that end generation where the vocabulary has them as control tokens, besides the file's eos / eot / eom
+# ids, as llama.cpp decides: a chat template's turn end is often not the file's eos (Gemma's <end_of_turn>).
+END_OF_GENERATION = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+                     "<|end_of_text|>", "<EOT>", "<|return|>", "<\uff5cend\u2581of\u2581sentence\uff5c>")
+_CONTROL_TYPES = (3, 4)              # gguf.TokenType CONTROL, USER_DEFINED
+
+
+def end_of_generation_ids(reader) -> list[int]:
+    """The file's eot / eom ids and its control tokens spelled like an end of turn or of text, in id order."""
+    ids = {int(reader.fields[key].contents()) for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+           if key in reader.fields}
+    tokens, types = reader.fields.get("tokenizer.ggml.tokens"), reader.fields.get("tokenizer.ggml.token_type")
+    if tokens is not None and types is not None:
+        control = [i for i, t in enumerate(types.contents()) if t in _CONTROL_TYPES]
+        # one string at a time: the whole vocabulary as Python strings costs ~0.3 s on a 150k-token file
+        ids |= {i for i in control if tokens.contents(i) in END_OF_GENERATION}
+    return sorted(ids)
+
+
 def _vector(tensors: dict, name: str) -> list[float] | None:
     t = tensors.get(name)
     return None if t is None else np.asarray(t.data, dtype=np.float32).reshape(-1).tolist()

@@ -5,7 +5,7 @@ come from the GGUF metadata through transformers' GGUF support."""
 import functools
 import logging
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -27,6 +27,7 @@ class GGUFCheckpoint:
     arch: str                                   # GGUF general.architecture
     tensors: dict                               # GGUF tensor name -> gguf.ReaderTensor
     metadata: dict                              # GGUF key -> value (engine/gguf_hparams.py; no vocabulary)
+    end_of_generation: list[int] = field(default_factory=list)   # stop ids beside eos (end_of_generation_ids)
 
     @property
     def first(self) -> Path:
@@ -83,14 +84,15 @@ def open_gguf(files: list[Path]) -> GGUFCheckpoint:
 def _open_gguf(key: tuple) -> GGUFCheckpoint:
     from gguf import GGUFReader
     files = [Path(path) for path, _, _ in key]
-    from quant_serve.engine.gguf_hparams import metadata
-    tensors, arch, meta = {}, None, {}
+    from quant_serve.engine.gguf_hparams import end_of_generation_ids, metadata
+    tensors, arch, meta, stops = {}, None, {}, None
     for file in files:
         try:
             reader = GGUFReader(str(file))
         except Exception as e:             # the reader raises ValueError / struct errors for a damaged file
             raise ValueError(f"cannot read {file} as GGUF: {type(e).__name__}: {e}") from e
         meta = meta or metadata(reader)                   # split parts after the first hold no hyper-parameters
+        stops = end_of_generation_ids(reader) if stops is None else stops
         arch = arch or meta.get("general.architecture")
         for t in reader.tensors:
             if t.name in tensors:
@@ -101,7 +103,7 @@ def _open_gguf(key: tuple) -> GGUFCheckpoint:
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r} in {files[0]}; supported: "
                          f"{', '.join(GGUF_ARCHITECTURES)}")
-    return GGUFCheckpoint(list(files), arch, tensors, meta)
+    return GGUFCheckpoint(list(files), arch, tensors, meta, stops)
 
 
 def gguf_hf_config(ckpt: GGUFCheckpoint):
@@ -122,7 +124,9 @@ def gguf_model_config(ckpt: GGUFCheckpoint) -> ModelConfig:
     hf = gguf_hf_config(ckpt)
     cfg = model_config_from_hf(hf, GGUF_ARCHITECTURES[ckpt.arch], {}, ckpt.first, None)
     # quantized GGUF weights run as fp16 on CUDA (pick_dtype, quantized): the file's own float type says nothing
+    eos = tuple(dict.fromkeys([*cfg.eos_token_ids, *ckpt.end_of_generation]))
     return replace(cfg, tie_word_embeddings="output.weight" not in ckpt.tensors, torch_dtype=torch.float16,
+                   eos_token_ids=eos,
                    quantization_config={"quant_method": "gguf", "types": ckpt.type_mix()})
 
 

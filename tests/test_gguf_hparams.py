@@ -3,7 +3,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from quant_serve.engine.gguf_hparams import apply_gguf_hparams
+from quant_serve.engine.gguf_hparams import apply_gguf_hparams, end_of_generation_ids
 
 
 def _hf():
@@ -24,3 +24,22 @@ def test_unsupported_rope_scaling_is_refused(kind):
             "qwen2.rope.scaling.original_context_length": 32768}
     with pytest.raises(ValueError, match=f"rope scaling '{kind}'.*not supported"):
         apply_gguf_hparams(_hf(), "qwen2", meta, {})
+
+
+def test_end_of_turn_tokens_stop_generation(tmp_path):
+    """A Gemma GGUF's eos is <eos> while its chat turns end with <end_of_turn>: the file's eot / eom ids and the
+    control tokens spelled like an end of turn stop generation too (as in llama.cpp); a normal token of that
+    spelling does not."""
+    import gguf
+    tokens = ["<pad>", "<eos>", "<end_of_turn>", "hello", "<|im_end|>", "<EOT>", "<start_of_turn>", "<|eom_id|>"]
+    types = [3, 3, 3, 1, 4, 1, 3, 1]
+    writer = gguf.GGUFWriter(str(tmp_path / "vocab.gguf"), "gemma2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_eos_token_id(1)
+    writer.add_uint32("tokenizer.ggml.eom_token_id", 7)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert end_of_generation_ids(gguf.GGUFReader(str(tmp_path / "vocab.gguf"))) == [2, 4, 7]
