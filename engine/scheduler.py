@@ -99,6 +99,10 @@ class Scheduler:
                 i += 1
                 continue
             while not bm.allocate_slots(seq, num_new):
+                if seq.spec_token_ids:      # proposals never preempt a sequence: without them it may fit
+                    seq.spec_token_ids = []
+                    num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                    continue
                 # Everything before index i is already scheduled, so the last entry is the newest unscheduled one.
                 victim = self.running.pop()
                 self._preempt(victim)
