@@ -240,7 +240,8 @@ class Scheduler:
             seq.append_token(token)
             applied.append((seq, token))
             reason = self._check_stop(seq, token)
-            if reason is not None:
+            if reason is not None:      # the accepted tokens before it were computed: their full blocks are cached
+                self.block_manager.cache_full_blocks(seq)
                 self.finish(seq, *reason)
                 return applied
             if j < len(tokens) - 1:

@@ -261,3 +261,19 @@ def test_proposals_that_do_not_fit_are_dropped_not_preempting(new_sched):
     sched.postprocess(out, [TOKEN, TOKEN])
     for seq in (a, b):
         sched.abort(seq.request_id)
+
+
+def test_blocks_filled_by_a_finishing_verification_are_cached(new_sched):
+    """A verification whose accepted proposals fill a block and whose last token ends the sequence leaves that block
+    in the prefix cache, as plain decoding does for every computed full block."""
+    sched = new_sched(block_size=4)
+    a = add(sched, "a", [1, 2, 3], eos=(99,))
+    step(sched)                                  # prefill; a = [1, 2, 3, 50], 3 computed
+    a.spec_token_ids = [5, 6, 7, 8]
+    out = sched.schedule()
+    assert plan(out) == [("a", 5)]
+    sched.postprocess(out, [[5, 6, 7, 8, 99]])   # all accepted, the target's own token is EOS
+    assert (a.finish_reason, a.output_token_ids) == ("stop", [50, 5, 6, 7, 8, 99])
+    b = add(sched, "b", [1, 2, 3, 50, 5, 6, 7, 8, 9])
+    assert len(sched.block_manager.get_computed_blocks(b)) == 2     # positions 0-7: both blocks
+    sched.abort("b")
