@@ -167,7 +167,10 @@ class ModelRunner:
         bs = self.block_size
         for item in out.scheduled:
             seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
-            known = (seq.token_ids + seq.spec_token_ids if item.num_spec_tokens else seq.token_ids)[start:start + n]
+            # a speculating entry: its last known token, then its proposals (no copy of the whole context)
+            known = seq.token_ids[start:start + n] + seq.spec_token_ids if item.num_spec_tokens else \
+                seq.token_ids[start:start + n]
+            assert len(known) <= n, (seq.request_id, len(known), n)
             if len(known) < n:             # the last input is the sequence's pending token
                 fill_at.append(len(input_ids) + len(known))
                 fill_from.append(carry.rows[id(seq)])

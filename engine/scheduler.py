@@ -99,6 +99,10 @@ class Scheduler:
                 i += 1
                 continue
             while not bm.allocate_slots(seq, num_new):
+                if seq.spec_token_ids:      # proposals never preempt a sequence: without them it may fit
+                    seq.spec_token_ids = []
+                    num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                    continue
                 # Everything before index i is already scheduled, so the last entry is the newest unscheduled one.
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -236,7 +240,8 @@ class Scheduler:
             seq.append_token(token)
             applied.append((seq, token))
             reason = self._check_stop(seq, token)
-            if reason is not None:
+            if reason is not None:      # the accepted tokens before it were computed: their full blocks are cached
+                self.block_manager.cache_full_blocks(seq)
                 self.finish(seq, *reason)
                 return applied
             if j < len(tokens) - 1:

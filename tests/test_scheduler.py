@@ -247,3 +247,33 @@ def test_no_admission_in_a_step_that_preempted(new_sched):
     assert c.block_table == [2] and c.num_computed_tokens == 4
     run_to_end(sched)
     assert c.output_token_ids == [TOKEN] * 2
+
+
+def test_proposals_that_do_not_fit_are_dropped_not_preempting(new_sched):
+    """Speculative proposals needing a block the pool lacks are dropped; no sequence is preempted for them."""
+    sched = new_sched(num_blocks=2, block_size=4)
+    a, b = add(sched, "a", [1, 2, 3]), add(sched, "b", [4, 5, 6])
+    step(sched)                          # prefill: each fills 3 of its block's 4 slots and samples one token
+    a.spec_token_ids = [7, 8]            # positions 3..5: a second block, none free
+    out = sched.schedule()
+    assert not out.preempted and plan(out) == [("a", 1), ("b", 1)]
+    assert a.spec_token_ids == [] and out.scheduled[0].num_spec_tokens == 0
+    sched.postprocess(out, [TOKEN, TOKEN])
+    for seq in (a, b):
+        sched.abort(seq.request_id)
+
+
+def test_blocks_filled_by_a_finishing_verification_are_cached(new_sched):
+    """A verification whose accepted proposals fill a block and whose last token ends the sequence leaves that block
+    in the prefix cache, as plain decoding does for every computed full block."""
+    sched = new_sched(block_size=4)
+    a = add(sched, "a", [1, 2, 3], eos=(99,))
+    step(sched)                                  # prefill; a = [1, 2, 3, 50], 3 computed
+    a.spec_token_ids = [5, 6, 7, 8]
+    out = sched.schedule()
+    assert plan(out) == [("a", 5)]
+    sched.postprocess(out, [[5, 6, 7, 8, 99]])   # all accepted, the target's own token is EOS
+    assert (a.finish_reason, a.output_token_ids) == ("stop", [50, 5, 6, 7, 8, 99])
+    b = add(sched, "b", [1, 2, 3, 50, 5, 6, 7, 8, 9])
+    assert len(sched.block_manager.get_computed_blocks(b)) == 2     # positions 0-7: both blocks
+    sched.abort("b")

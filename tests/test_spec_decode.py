@@ -265,3 +265,20 @@ def test_backoff_after_verifications_that_accept_nothing():
     step([5], [6])
     assert allowed == [True, True, True, False, True, False, False, True, True, True]
     assert Backoff(after=0).allow(seq)
+
+
+def test_draft_catch_up_stays_within_the_step_budget(plain_results, two_layer_draft):
+    """A first proposal forwards the prompt through the draft in chunks of at most max_num_batched_tokens (its warmup
+    and the memory plan size activations for that), not all prompts at once; the greedy tokens stay exact."""
+    engine = make_engine(TINY, max_model_len=256, chunk=16, speculative=SpeculativeConfig(
+        method="draft_model", model=str(two_layer_draft), num_speculative_tokens=3, disable_by_batch_size=8))
+    sizes = []
+    forward = engine.proposer.runner.forward
+    engine.proposer.runner.forward = lambda out, *a, **kw: \
+        sizes.append(sum(item.num_new_tokens for item in out.scheduled)) or forward(out, *a, **kw)
+    requests = _requests()[:2]
+    outs = engine.generate([prompt for _, prompt, _ in requests], [sp for _, _, sp in requests])
+    for (rid, _, _), out in zip(requests, outs):
+        assert out.outputs[0].token_ids == plain_results[rid][0], rid
+    assert max(sizes) <= 16 and sum(sizes) > 40 and engine.spec_stats.num_accepted_tokens > 0
+    assert_all_blocks_free(engine)

@@ -31,6 +31,7 @@ class DraftProposer:
     def __init__(self, config: SpeculativeConfig, engine):
         self.config = config
         self.max_model_len = engine.max_model_len
+        self.max_num_batched_tokens = engine.config.scheduler.max_num_batched_tokens
         self.model_dir = resolve_model_dir(config.model)
         self.model_config, _ = load_model_config(self.model_dir)
         check_same_tokenizer(engine.tokenizer, load_tokenizer(str(self.model_dir)), self.model_dir)
@@ -90,7 +91,6 @@ class DraftProposer:
             k = num_to_propose(seq, self.config.num_speculative_tokens, self.max_model_len)
             if k and self.backoff.allow(seq):
                 wanted.append((seq, self._shadow(seq), k))
-        # first forward: each shadow's uncomputed tokens (catch-up, or the whole prompt the first time)
         batch = []
         for seq, shadow, k in wanted:
             # room for the proposals' K/V too (k - 1 of them are forwarded); a full pool: no proposal
@@ -98,6 +98,7 @@ class DraftProposer:
                 batch.append((seq, shadow, k))
             else:
                 self._drop(seq.request_id)
+        self._catch_up([shadow for _, shadow, _ in batch])
         for step in range(max((k for _, _, k in batch), default=0)):
             active = [(seq, shadow) for seq, shadow, k in batch if k > step]
             out = SchedulerOutput([ScheduledSeq(shadow, shadow.num_tokens - shadow.num_computed_tokens)
@@ -110,6 +111,25 @@ class DraftProposer:
         for seq, _, _ in batch:
             self.backoff.proposed(seq)
         return any(seq.spec_token_ids for seq, _, _ in batch)
+
+    @torch.inference_mode()
+    def _catch_up(self, shadows: list[Sequence]) -> None:
+        """While the shadows' uncomputed tokens exceed the step's token budget (what the draft's warmup and the memory
+        plan sized its activations for; a first proposal for long prompts), forwards all but each one's last in
+        chunks of at most the budget. Within it (the usual 1 or 2 tokens) the first proposal forward takes them."""
+        budget = self.max_num_batched_tokens
+        while sum(shadow.num_tokens - shadow.num_computed_tokens for shadow in shadows) > budget:
+            chunk, left = [], budget
+            for shadow in shadows:
+                n = min(shadow.num_tokens - 1 - shadow.num_computed_tokens, left)
+                if n > 0:
+                    chunk.append(ScheduledSeq(shadow, n))
+                    left -= n
+            if not chunk:
+                return
+            self.runner.forward(SchedulerOutput(chunk, 0))
+            for item in chunk:
+                item.seq.num_computed_tokens += item.num_new_tokens
 
     @torch.inference_mode()
     def _forward_argmax(self, out: SchedulerOutput) -> list[int]:
