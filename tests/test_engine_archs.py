@@ -46,6 +46,26 @@ CONFIGS = {
 }
 
 
+def random_model_dir(name: str, path, overrides: dict | None = None):
+    """CONFIGS[name] (with `overrides` set on it) as a seeded random-weight checkpoint with tiny-qwen2's tokenizer
+    in `path`: weights N(0, 0.08), norms around their identity (0 for Gemma's 1 + w, else 1)."""
+    config = CONFIGS[name]()
+    for key, value in (overrides or {}).items():
+        setattr(config, key, value)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+            elif "norm" in pname:
+                p.normal_(0.0 if "gemma" in name else 1.0, 0.2)
+    model.save_pretrained(str(path))
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(TINY / f, path / f)
+    return path
+
+
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     """name -> a saved random-weight checkpoint (fp32; norms and biases random too, so that a missed (1 + w) or
@@ -54,19 +74,7 @@ def model_dirs(tmp_path_factory):
 
     def get(name: str):
         if name not in cache:
-            path = tmp_path_factory.mktemp(name)
-            torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(CONFIGS[name](), dtype=torch.float32)
-            with torch.no_grad():
-                for pname, p in model.named_parameters():
-                    if p.dim() == 2:
-                        p.normal_(0, 0.08)
-                    elif "norm" in pname:
-                        p.normal_(0.0 if "gemma" in name else 1.0, 0.2)
-            model.save_pretrained(str(path))
-            for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-                shutil.copy(TINY / f, path / f)
-            cache[name] = path
+            cache[name] = random_model_dir(name, tmp_path_factory.mktemp(name))
         return cache[name]
     return get
 

@@ -2,16 +2,12 @@
 GGUF the way llama.cpp's converter writes it (Gemma's norms as 1 + w, llama's q/k row order, Phi-3's LongRoPE
 factors and llama 3's rope frequencies as tensors, head_dim as key_length) loads into the model the safetensors
 checkpoint gives: the same logits up to the F16 rounding of the weights."""
-import shutil
-
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from conftest import TINY
 from gguf_fixtures import write_gguf
 from helpers import make_engine
-from test_engine_archs import CONFIGS, prompts
+from test_engine_archs import prompts, random_model_dir
 
 GGUF_ARCH = {"qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3", "llama3.2": "llama"}
 # What a GGUF cannot say, as real models have it: llama.cpp scales Gemma's queries by head_dim ** -0.5 (but for the
@@ -22,21 +18,7 @@ GGUF_FAITHFUL = {"gemma2": {"query_pre_attn_scalar": 64},
 
 
 def _model_dir(name: str, path):
-    config = CONFIGS[name]()
-    for key, value in GGUF_FAITHFUL.get(name, {}).items():
-        setattr(config, key, value)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.08)
-            elif "norm" in pname:
-                p.normal_(0.0 if "gemma" in name else 1.0, 0.2)
-    model.save_pretrained(str(path))
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(TINY / f, path / f)
-    return path
+    return random_model_dir(name, path, GGUF_FAITHFUL.get(name))
 
 
 @pytest.mark.parametrize("name", list(GGUF_ARCH))
