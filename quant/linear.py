@@ -3,11 +3,8 @@ checkpoint's separate modules; `load_shard` receives one source module's raw ten
 import torch
 from torch import nn
 
-from quant_serve.kernels.attention_merge import DecodePartials, merge_partials
 from quant_serve.kernels.norm_act import silu_and_mul
 from quant_serve.kernels.w4a16.dispatch import prepare_kernel_weights, standard_layout, w4a16_matmul
-from quant_serve.kernels.w4a16.fold import (folded_norm_applies, folded_norm_ref, residual_ref, w4a16_normed,
-                                            w4a16_residual)
 from quant_serve.kernels.w4a16.frag import FragWeights
 from quant_serve.kernels.w4a16.reference import dequantize_w4, pack_int4_cols, pack_int4_rows, w4a16_matmul_ref
 from quant_serve.kernels.w4a16.rows import W4A16Weights
@@ -96,7 +93,6 @@ class QuantLinear(nn.Module):
         for name in ("qweight", "scales", "qzeros", "offsets", "perm", "bias"):
             self.register_buffer(name, None)
         self.packed: W4A16Weights | FragWeights | None = None   # the kernels' layout on CUDA (repacked at load)
-        self._folds: dict[bool, bool] = {}                        # folds_norm's answers (the layout is fixed)
 
     def load_shard(self, shard_id: int, tensors: dict[str, torch.Tensor], prefix: str) -> None:
         if not 0 <= shard_id < len(self.output_sizes):
@@ -176,7 +172,6 @@ class QuantLinear(nn.Module):
         self.packed = prepare_kernel_weights(self.qweight, self.scales, self.qzeros, self.group_size, self.perm,
                                              self.offsets, None if self.offsets is None else
                                              gguf_kernel_scale_dtype(self.scales.dtype, self.dtype))
-        self._folds = {}
         self.qweight = self.scales = self.qzeros = self.perm = self.offsets = None
         words = self.packed.words if isinstance(self.packed, FragWeights) else self.packed.qweight
         self.register_buffer("packed_qweight", words)                    # counted as a weight (memory, bench)
@@ -247,38 +242,6 @@ class QuantLinear(nn.Module):
         if self.parts is None and self.packed is not None and not hooked:
             return w4a16_matmul(x, self.packed, bias=self.bias, silu_mul=True)
         return silu_and_mul(self(x))
-
-    def folds_norm(self, silu_mul: bool = False) -> bool:
-        """Can a decode step with its RMSNorms folded into the matmuls (engine/models/decoder.py) use this layer:
-        the fragment layout on CUDA (kernels/w4a16/fold.py:folded_norm_applies, asked once per layer), no act-order
-        parts, no hooks (eval's per-layer error hooks must see the layer called)?"""
-        if self._forward_hooks or self._forward_pre_hooks or self.parts is not None or self.packed is None:
-            return False
-        if silu_mul not in self._folds:
-            self._folds[silu_mul] = folded_norm_applies(self.packed, silu_mul)
-        return self._folds[silu_mul]
-
-    def forward_residual(self, x: torch.Tensor | DecodePartials, residual: torch.Tensor
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [1, K], residual [1, N] -> (x @ W (+ bias) + residual, its sums of squares by 64 columns [1, N / 64]
-        fp32): one kernel where folds_norm, else the twin. x may be a batch-1 decode's split partials
-        (kernels/attention_merge.py): merged while the kernel stages x, or by merge_partials first."""
-        if isinstance(x, DecodePartials):
-            if self.packed is not None and self.folds_norm() and x.out.dtype == torch.float16 and \
-                    x.o.shape[0] == 1 and x.features == self.in_features:
-                return w4a16_residual(x, self.packed, residual, self.bias)
-            x = merge_partials(x).reshape(x.out.shape[0], -1)
-        if self.packed is not None and x.is_cuda and self.folds_norm():
-            return w4a16_residual(x, self.packed, residual, self.bias)
-        return residual_ref(self(x), residual)
-
-    def forward_normed(self, h: torch.Tensor, norm, silu_mul: bool = False) -> torch.Tensor:
-        """RMSNorm(h) * norm.weight @ W (+ bias), optionally its SwiGLU; norm: kernels.w4a16_fold.FoldedNorm with
-        h's sums of squares (forward_residual's). One kernel where folds_norm, else the twin."""
-        if self.packed is not None and h.is_cuda and self.folds_norm(silu_mul):
-            return w4a16_normed(h, self.packed, norm, self.bias, silu_mul)
-        x = folded_norm_ref(h, norm)
-        return self.forward_silu_mul(x) if silu_mul else self(x)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, output_sizes={self.output_sizes}, group_size={self.group_size}, "

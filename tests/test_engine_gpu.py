@@ -94,28 +94,26 @@ def test_greedy_graph_takes_the_argmax_inside_and_matches_eager():
 
 
 def test_batch_one_folds_the_norms_and_matches_the_plain_path(monkeypatch):
-    """Batch-1 decode on CUDA folds every RMSNorm into the INT4 matmuls around it (engine/models/decoder.py,
-    _forward_folded): the fixture takes that path, and its greedy tokens and logprobs are the plain path's (the
+    """Batch-1 decode on CUDA folds every RMSNorm into the INT4 matmuls around it (engine/models/fused_decode.py): the fixture takes that path, and its greedy tokens and logprobs are the plain path's (the
     variance is summed in another order: near-ties may flip, the rest agrees). o_proj merges the attention's
     split partials itself: the merge kernel's tokens (KernelOptions.fold_merge off)."""
     from dataclasses import replace
 
-    from quant_serve.engine.models.decoder import DecoderModel
+    from quant_serve.engine.models import fused_decode
     from quant_serve.kernels.attention_merge import DecodePartials
     from quant_serve.kernels.gpu import configure, runtime_for
-    from quant_serve.quant.linear import QuantLinear
     engine = make_engine(awq_model_dir(), dtype="float16", device="cuda", enforce_eager=True)
     model = engine.runner.model.model
-    assert model._norms_fold(torch.zeros(1, 8, device="cuda"))
+    assert fused_decode.applies(model, torch.zeros(1, 8, device="cuda"))
     ids = engine.tokenizer.encode((DATA / "val.txt").read_text()[:20000])
     prompts = [ids[i * 500: i * 500 + 150 + 60 * i] for i in range(4)]     # 150-330 tokens: split contexts
     params = SamplingParams(max_tokens=16, min_tokens=16, temperature=0.0, logprobs=1)
-    inputs, real = [], QuantLinear.forward_residual
+    inputs, real = [], fused_decode.residual
 
-    def spy(self, x, residual):
+    def spy(linear, x, stream):
         inputs.append(type(x))
-        return real(self, x, residual)
-    monkeypatch.setattr(QuantLinear, "forward_residual", spy)
+        return real(linear, x, stream)
+    monkeypatch.setattr(fused_decode, "residual", spy)
     folded = [engine.generate([p], params)[0].outputs[0] for p in prompts]
     assert DecodePartials in inputs                       # o_proj merged the decode's split partials itself
     options = runtime_for(torch.device("cuda")).options
@@ -126,7 +124,7 @@ def test_batch_one_folds_the_norms_and_matches_the_plain_path(monkeypatch):
         configure(torch.device("cuda"), options)
     agree = sum(a == b for f, m in zip(folded, merged_apart) for a, b in zip(f.token_ids, m.token_ids)) / (16 * 4)
     assert agree >= 0.95, agree                    # the fp32 sum over splits in another order: a near-tie may flip
-    monkeypatch.setattr(DecoderModel, "_norms_fold", lambda self, x: False)
+    monkeypatch.setattr(fused_decode, "applies", lambda model, x: False)
     plain = [engine.generate([p], params)[0].outputs[0] for p in prompts]
     assert [f.token_ids[0] for f in folded] == [p.token_ids[0] for p in plain]
     agree = sum(a == b for f, p in zip(folded, plain) for a, b in zip(f.token_ids, p.token_ids)) / (16 * 4)

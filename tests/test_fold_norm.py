@@ -5,7 +5,7 @@ plain path. The kernels themselves: tests/test_kernels_w4a16_mma.py (GPU) and te
 import pytest
 import torch
 
-from quant_serve.engine.models.decoder import DecoderModel
+from quant_serve.engine.models import fused_decode
 from quant_serve.engine.sampling_params import SamplingParams
 from helpers import awq_model_dir, make_engine
 from quant_serve.kernels.norm_act import rms_norm_ref
@@ -39,13 +39,13 @@ def test_folded_decoder_path_matches_the_plain_one(monkeypatch):
     params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0.0, logprobs=2)
     plain = [engine.generate([p], params)[0].outputs[0] for p in prompts]          # batch 1: one token a step
     calls = []
-    real = DecoderModel._forward_folded
+    real = fused_decode.forward
 
-    def counted(self, *args):
+    def counted(*args):
         calls.append(1)
-        return real(self, *args)
-    monkeypatch.setattr(DecoderModel, "_norms_fold", lambda self, x: True)
-    monkeypatch.setattr(DecoderModel, "_forward_folded", counted)
+        return real(*args)
+    monkeypatch.setattr(fused_decode, "applies", lambda model, x: x.shape[0] == 1)
+    monkeypatch.setattr(fused_decode, "forward", counted)
     folded = [engine.generate([p], params)[0].outputs[0] for p in prompts]
     assert len(calls) >= 3 * 11                                                   # every decode step took it
     for a, b in zip(plain, folded):

@@ -12,12 +12,12 @@ from torch import nn
 
 from quant_serve.engine.attention import AttentionMetadata, paged_attention_forward
 from quant_serve.engine.config import ModelConfig
+from quant_serve.engine.models import fused_decode
 from quant_serve.engine.models.layers import (GELU_ACTS, SILU_ACTS, RMSNorm, RotaryEmbedding, gelu_tanh_and_mul,
                                               make_norm, rope_inv_freq)
 from quant_serve.kernels.attention_merge import DecodePartials
 from quant_serve.kernels.gemv import gemv, gemv_applies
 from quant_serve.kernels.gpu import options_for
-from quant_serve.kernels.w4a16.fold import FoldedNorm
 from quant_serve.quant.linear import DenseLinear, make_linear
 
 __all__ = ["DecoderForCausalLM", "DecoderModel", "RMSNorm", "RotaryEmbedding", "rope_inv_freq"]
@@ -54,7 +54,7 @@ class Attention(nn.Module):
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata,
                rotary: RotaryEmbedding, merge: bool = True) -> torch.Tensor | DecodePartials:
         """qkv [T, (Hq + 2 Hkv) D] -> the attention output before o_proj [T, Hq D]; merge False: a decode step
-        may return the decode kernel's split partials instead (o_proj.forward_residual merges them)."""
+        may return the decode kernel's split partials instead (engine/models/fused_decode.py's o_proj merges them)."""
         num_tokens = qkv.shape[0]
         q, k, v = qkv.split(self.split_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -150,45 +150,12 @@ class DecoderModel(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         if self.embed_scale is not None:
             x = x * self.embed_scale
-        if x.shape[0] == 1 and self._norms_fold(x):
-            return self._forward_folded(x, positions, meta)
+        if fused_decode.applies(self, x):                   # batch-1 decode: the norms folded into the matmuls
+            return fused_decode.forward(self, x, positions, meta)
         for layer in self.layers:
             rotary = self.local_rotary if layer.self_attn.window else self.rotary
             x, residual = layer(positions, x, residual, meta, rotary)
         return self.norm(x, residual)[0]
-
-    def _norms_fold(self, x: torch.Tensor) -> bool:
-        """On CUDA with KernelOptions.fold_norms, a Llama-style block (ModelConfig.llama_block) whose every INT4
-        matmul can fold the RMSNorms around it (QuantLinear.folds_norm)."""
-        if not x.is_cuda or not self.folds_norms or not options_for(x.device).fold_norms:
-            return False
-        for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            for linear, silu_mul in ((attn.qkv_proj, False), (attn.o_proj, False), (mlp.gate_up_proj, True),
-                                     (mlp.down_proj, False)):
-                if not (hasattr(linear, "folds_norm") and linear.folds_norm(silu_mul)):
-                    return False
-        return True
-
-    def _forward_folded(self, x: torch.Tensor, positions, meta) -> torch.Tensor:
-        """One token (batch-1 decode) with the RMSNorms folded into the matmuls: o_proj and down_proj add the
-        residual in their epilogue and leave the stream's sums of squares by 64 columns; qkv_proj and gate_up_proj
-        normalize the stream as they stage it. Two launches a layer fewer than forward's path (its norm kernels),
-        same roundings; the variance is summed in another order (fp32). o_proj also merges the decode kernel's
-        split partials as it stages them (one launch a layer fewer; KernelOptions.fold_merge off: the merge kernel)."""
-        merge = not options_for(x.device).fold_merge
-        residual = x
-        qkv = self.layers[0].self_attn.qkv_proj(self.layers[0].input_layernorm(x))
-        ss = None
-        for i, layer in enumerate(self.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            if i > 0:
-                qkv = attn.qkv_proj.forward_normed(residual, _folded(ss, layer.input_layernorm))
-            a = attn.attend(positions, qkv, meta, self.rotary, merge)
-            residual, ss = attn.o_proj.forward_residual(a, residual)
-            act = mlp.gate_up_proj.forward_normed(residual, _folded(ss, layer.post_attention_layernorm), True)
-            residual, ss = mlp.down_proj.forward_residual(act, residual)
-        return self.norm(residual)
 
 
 class DecoderForCausalLM(nn.Module):
@@ -241,10 +208,6 @@ class DecoderForCausalLM(nn.Module):
     @property
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.model.layers]
-
-
-def _folded(ss: torch.Tensor, norm: RMSNorm) -> FoldedNorm:
-    return FoldedNorm(ss, norm.weight, norm.eps)
 
 
 def _quantized_head(quant_config) -> bool:
