@@ -26,9 +26,6 @@ from quant_serve.kernels.w4a16.fold import (FoldedNorm, folded_norm_applies, fol
                                             w4a16_normed, w4a16_residual)
 from quant_serve.quant.linear import QuantLinear
 
-# (the layer's attribute path, whether its output goes through SwiGLU): the four matmuls of a fused layer
-FUSED_LINEARS = (("self_attn.qkv_proj", False), ("self_attn.o_proj", False), ("mlp.gate_up_proj", True),
-                 ("mlp.down_proj", False))
 _KERNEL_FOLDS: "weakref.WeakKeyDictionary[QuantLinear, dict[bool, bool]]" = weakref.WeakKeyDictionary()
 
 
@@ -39,8 +36,9 @@ def applies(model, x: torch.Tensor) -> bool:
     if x.shape[0] != 1 or not x.is_cuda or not model.folds_norms or not options_for(x.device).fold_norms:
         return False
     for layer in model.layers:
-        for path, silu_mul in FUSED_LINEARS:
-            linear = layer.get_submodule(path)
+        attn, mlp = layer.self_attn, layer.mlp
+        for linear, silu_mul in ((attn.qkv_proj, False), (attn.o_proj, False), (mlp.gate_up_proj, True),
+                                 (mlp.down_proj, False)):
             if not isinstance(linear, QuantLinear) or _observed(linear) or not kernel_folds(linear, silu_mul):
                 return False
     return True
