@@ -20,6 +20,7 @@ logger = logging.getLogger("quant_serve.server")
 
 ENGINE_DEPLOYMENT = "EngineReplica"
 RETRY_AFTER_S = 1
+REPLICA_CHECK_S = 1.0      # how often a request waiting for its replica's first bytes checks that one is still up
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
@@ -99,13 +100,17 @@ class Ingress:
         return secrets.compare_digest(given, f"Bearer {self.args.api_key}".encode())
 
     # ---- replicas ----------------------------------------------------------------------------------------
-    async def replicas_running(self) -> int:
-        """From the Serve controller, read at most once a second."""
+    async def replicas_running(self) -> int | None:
+        """From the Serve controller, read at most once a second; None while the controller cannot be read."""
         read_at, count = self._replicas
         if time.monotonic() - read_at > 1.0:
             from ray import serve
-            app_name = serve.get_replica_context().app_name
-            status = await asyncio.to_thread(serve.status)
+            try:
+                app_name = serve.get_replica_context().app_name
+                status = await asyncio.to_thread(serve.status)
+            except Exception as e:
+                logger.warning("the Serve controller's status cannot be read: %r", e)
+                return None
             deployment = status.applications[app_name].deployments.get(ENGINE_DEPLOYMENT)
             count = deployment.replica_states.get("RUNNING", 0) if deployment is not None else 0
             self._replicas = (time.monotonic(), count)
@@ -116,16 +121,15 @@ class Ingress:
         from starlette.responses import JSONResponse, StreamingResponse
 
         from quant_serve.server.cluster_replica import HTTPRequestParts
-        from quant_serve.server.protocol import error_body
         running = await self.replicas_running()
         if request.url.path == "/health":
-            body = {"status": "ok" if running else "no replica up", "replicas_running": running,
-                    "replicas_target": self.args.replicas}
+            state = "ok" if running else "no replica up" if running == 0 else "cluster status unavailable"
+            body = {"status": state, "replicas_running": running, "replicas_target": self.args.replicas}
             return JSONResponse(body, status_code=200 if running else 503)
         if not running:
-            return JSONResponse(error_body("no engine replica is up; retry later", "server_error",
-                                           code="no_replica"), status_code=503,
-                                headers={"Retry-After": str(RETRY_AFTER_S)})
+            why = ("no engine replica is up; retry later", "no_replica") if running == 0 else \
+                ("the cluster's status cannot be read; retry later", "cluster_status_unavailable")
+            return _unavailable(*why)
         body = await request.body()
         # a client without the key gets the replica's 401; no tokenizing on its behalf here
         key = await asyncio.to_thread(self.prefix_key, request.url.path, body) if self.authorized(request) else None
@@ -135,16 +139,45 @@ class Ingress:
         # the router reads the key from this keyword (cluster_router.PREFIX_KEY_KWARG)
         stream = self.engine.options(stream=True).handle.remote(parts, prefix_key=key)
         try:
-            head = await stream.__anext__()
+            head = await self._first_chunk(stream)
+        except _NoReplica:
+            stream.cancel()
+            logger.warning("no replica left to answer %s", request.url.path)
+            return _unavailable("no engine replica is up; retry later", "no_replica")
         except Exception as e:
             stream.cancel()
             logger.warning("a replica failed before answering %s: %r", request.url.path, e)
-            return JSONResponse(error_body("the replica serving this request failed; retry", "server_error",
-                                           code="replica_failed"), status_code=503,
-                                headers={"Retry-After": str(RETRY_AFTER_S)})
+            return _unavailable("the replica serving this request failed; retry", "replica_failed")
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in head.headers}
         sse = headers.get("content-type", "").startswith("text/event-stream")
         return StreamingResponse(_relay(stream, sse), status_code=head.status, headers=headers)
+
+
+    async def _first_chunk(self, stream):
+        """The response head from the replica. Ray's router holds a request while no replica is up (they are being
+        replaced), with no time limit: the wait checks every REPLICA_CHECK_S that one still is, and gives up with
+        _NoReplica when the controller says none is (a slow answer from a live replica is waited for)."""
+        head = asyncio.ensure_future(stream.__anext__())
+        while True:
+            done, _ = await asyncio.wait({head}, timeout=REPLICA_CHECK_S)
+            if done:
+                return head.result()
+            if await self.replicas_running() == 0:
+                head.cancel()
+                raise _NoReplica
+
+
+class _NoReplica(Exception):
+    pass
+
+
+def _unavailable(message: str, code: str):
+    """503 with Retry-After, as the OpenAI error object."""
+    from starlette.responses import JSONResponse
+
+    from quant_serve.server.protocol import error_body
+    return JSONResponse(error_body(message, "server_error", code=code), status_code=503,
+                        headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 async def _relay(stream, sse: bool):

@@ -1,5 +1,6 @@
 """The Ray Serve application's configuration (docs/cluster.yaml, server/cluster.py's args_from_config): the
 `quant-serve serve` flags by name, checked as on the command line. No Ray needed."""
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -140,3 +141,81 @@ def test_a_replica_checks_the_key_the_application_was_built_with_not_its_own_env
     assert cluster_replica.EngineReplica(args).app.state.api_key is None
     args.api_key = "k"
     assert cluster_replica.EngineReplica(args).app.state.api_key == "k"
+
+
+class _Stream:
+    """A deployment handle's response stream whose head never comes (Ray's router holding the request)."""
+    cancelled = False
+
+    async def __anext__(self):
+        await asyncio.Event().wait()
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class _Handle:
+    def __init__(self):
+        self.stream = _Stream()
+
+    def options(self, stream: bool):
+        return self
+
+    @property
+    def handle(self):
+        return self
+
+    def remote(self, parts, prefix_key=None):
+        return self.stream
+
+
+def _call(ingress, path: str, body: bytes = b""):
+    from starlette.requests import Request
+
+    async def receive():
+        return {"type": "http.request", "body": body, "more_body": False}
+    scope = {"type": "http", "method": "POST" if body else "GET", "path": path, "headers": [], "query_string": b""}
+    return asyncio.run(asyncio.wait_for(ingress(Request(scope, receive)), timeout=10))
+
+
+def test_a_request_held_for_a_replica_that_is_gone_gets_a_503_and_an_unreadable_status_is_a_503(monkeypatch):
+    pytest.importorskip("ray.serve", reason="ray[serve] is not installed: pip install '.[cluster]'")
+    import json
+
+    import quant_serve.server.cluster as cluster
+    from quant_serve.server.cluster import Ingress
+    monkeypatch.setattr(cluster, "REPLICA_CHECK_S", 0.05)
+    handle = _Handle()
+    ingress = Ingress(handle, args_from_config({"replicas": 2}))
+    counts = iter([1, 1, 1, 0])        # up when the request arrives, then the last replica dies
+
+    async def running():
+        return next(counts)
+    monkeypatch.setattr(ingress, "replicas_running", running)
+    body = json.dumps({"model": "m", "prompt": "hello"}).encode()
+    response = _call(ingress, "/v1/completions", body)
+    assert response.status_code == 503 and response.headers["retry-after"] == "1"
+    assert json.loads(response.body)["error"]["code"] == "no_replica" and handle.stream.cancelled
+
+    async def unreadable():
+        return None
+    monkeypatch.setattr(ingress, "replicas_running", unreadable)
+    response = _call(ingress, "/v1/completions", body)
+    assert response.status_code == 503 and response.headers["retry-after"] == "1"
+    assert json.loads(response.body)["error"]["code"] == "cluster_status_unavailable"
+    health = _call(ingress, "/health")
+    assert health.status_code == 503 and json.loads(health.body)["status"] == "cluster status unavailable"
+
+
+def test_the_controller_failing_to_answer_reads_as_unknown_not_as_an_error(monkeypatch):
+    pytest.importorskip("ray.serve", reason="ray[serve] is not installed: pip install '.[cluster]'")
+    from ray import serve
+
+    from quant_serve.server.cluster import Ingress
+    ingress = Ingress(_Handle(), args_from_config({"replicas": 2}))
+
+    def broken():
+        raise ConnectionError("controller gone")
+    monkeypatch.setattr(serve, "get_replica_context", lambda: type("C", (), {"app_name": "a"})())
+    monkeypatch.setattr(serve, "status", broken)
+    assert asyncio.run(ingress.replicas_running()) is None
