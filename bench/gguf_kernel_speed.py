@@ -4,11 +4,17 @@ copies that exceed the L2).
 
   python bench/kernel_speed.py --weights gguf-q4_k --out bench/results/kernels-gguf-q4_k-h200.json
   python bench/kernel_speed.py --weights q8_0,q6_k --ms 1,4,16,64 --out bench/results/kernels-gguf-w8-h200.json
+  python bench/kernel_speed.py --weights awq-g128,gguf-q4_k,gguf-q4_k-f16,q6_k --ms 1,16,64,256 \
+      --out bench/results/kernels-gguf-kquant-h200.json      (Q4_K two-level next to AWQ g128 and the old layout)
 
 Formats (how the GGUF loader lays them out, kernels/w4a16/reference.py and kernels/w8a16/reference.py):
   gguf-q4_0   INT4, groups of 32, w = (q - 8) d: symmetric, no offsets (the zero-point path)
   gguf-q4_1   INT4, groups of 32, w = q d + m: float offsets
-  gguf-q4_k   INT4, groups of 32 (6-bit sub-scales and sub-mins of fp16 super-scales), float offsets
+  gguf-q4_k   INT4, Q4_K's two-level scales as stored (kernels/w4a16/kquant.py: int16 sub-codes per 32, fp16 d and
+              dmin per 256; 4.625 bits a weight): what the loader builds for a layer of Q4_K shards
+  gguf-q4_k-f16  INT4, groups of 32, fp16 scale + fp16 offset per group (5 bits; Q4_K before the two-level layout,
+              and a Q4_K shard merged with another INT4 type)
+  awq-g128    INT4, groups of 128, packed int4 zero points (AWQ's layout: the issue-33 target)
   q8_0        int8 codes, groups of 32, no offsets (W8A16)
   q6_k        int8 codes (q - 32), groups of 16, no offsets (W8A16)
   q5_k        int8 codes, groups of 32, float offsets (W8A16)
@@ -23,19 +29,47 @@ import dataclasses
 import torch
 
 from quant_serve.kernels.w4a16.dispatch import call_plan, prepare_kernel_weights, w4a16_forward
-from quant_serve.kernels.w4a16.reference import dequantize_w4, pack_int4_rows
+from quant_serve.kernels.w4a16.kquant import kquant_bytes, kquant_scales_offsets, pack_sub_codes, pack_superscales
+from quant_serve.kernels.w4a16.reference import dequantize_w4, pack_int4_cols, pack_int4_rows
 from quant_serve.kernels.w8a16.dispatch import w8a16_forward
 from quant_serve.kernels.w8a16.plan import plan_w8a16
 from quant_serve.kernels.w8a16.reference import dequantize_w8
 
 # format -> (bits, group size, float offsets)
 FORMATS = {"gguf-q4_0": (4, 32, False), "gguf-q4_1": (4, 32, True), "gguf-q4_k": (4, 32, True),
+           "gguf-q4_k-f16": (4, 32, True), "awq-g128": (4, 128, False),
            "q8_0": (8, 32, False), "q6_k": (8, 16, False), "q5_k": (8, 32, True)}
+
+
+def _int4_special(fmt: str, k: int, n: int, device: str) -> dict:
+    """gguf-q4_k (two-level scales) and awq-g128 (packed zero points) layers, prepared as the loader does."""
+    qweight = pack_int4_rows(torch.randint(0, 16, (k, n), device=device))
+    if fmt == "awq-g128":
+        groups = k // 128
+        scales = (torch.rand(groups, n, device=device) * 0.002 + 0.0005).half()
+        zeros = torch.randint(0, 16, (groups, n), device=device)
+        qzeros = pack_int4_cols(zeros)
+        w = prepare_kernel_weights(qweight, scales, qzeros, 128)
+        dense = dequantize_w4(qweight, scales, qzeros, 128, torch.float16)
+        nbytes = k * n // 2 + groups * n * 2 + groups * n // 2
+    else:
+        groups = k // 32
+        sub = pack_sub_codes(torch.randint(1, 64, (groups, n), device=device),
+                             torch.randint(0, 64, (groups, n), device=device))
+        d = (torch.rand(groups // 8, n, device=device) * 4e-5 + 1e-5).half()
+        sup = pack_superscales(d, (d.float() * 8).half())
+        w = prepare_kernel_weights(qweight, sub, None, 32, scale_dtype=torch.float16, superscales=sup)
+        scales, offsets = kquant_scales_offsets(sub, sup)
+        dense = dequantize_w4(qweight, scales, None, 32, torch.float32, offsets).half()
+        nbytes = kquant_bytes(k, n)
+    return {"call": lambda x, c=None: w4a16_forward(x, w, None, c), "weights": w, "dense": dense, "nbytes": nbytes}
 
 
 def random_layer(fmt: str, k: int, n: int, device: str = "cuda") -> dict:
     """A random layer of the format, in the loader's layout, prepared as at load -> {call(x), dense fp16 [K, N],
     nbytes (weights + scales + offsets)}."""
+    if fmt in ("gguf-q4_k", "awq-g128"):
+        return _int4_special(fmt, k, n, device)
     bits, gs, has_offsets = FORMATS[fmt]
     groups = k // gs
     scales = (torch.rand(groups, n, device=device) * 0.002 + 0.0005).half()

@@ -208,8 +208,7 @@ def load_gguf_weights(model, ckpt: GGUFCheckpoint, cfg: ModelConfig, show_progre
                 if g.offsets is not None:
                     check_finite(f"{name} offsets", ckpt.first, g.offsets)
                 if rows is not None:
-                    g = replace(g, codes=g.codes[rows], scales=g.scales[rows],
-                                offsets=None if g.offsets is None else g.offsets[rows])
+                    g = g.rows(rows)
                 tensors["codes"] = g
             module.load_shard(shard, tensors, prefix)
             used.add(name)

@@ -4,8 +4,9 @@ import torch
 from torch import nn
 
 from quant_serve.kernels.norm_act import silu_and_mul
-from quant_serve.kernels.w4a16.dispatch import prepare_kernel_weights, standard_layout, w4a16_matmul
+from quant_serve.kernels.w4a16.dispatch import prepare_kernel_weights, twin_args, w4a16_matmul
 from quant_serve.kernels.w4a16.frag import FragWeights
+from quant_serve.kernels.w4a16.kquant import kquant_scales_offsets, pack_sub_codes, pack_superscales
 from quant_serve.kernels.w4a16.reference import dequantize_w4, pack_int4_cols, pack_int4_rows, w4a16_matmul_ref
 from quant_serve.kernels.w4a16.rows import W4A16Weights
 from quant_serve.quant.rtn import quantize_rtn
@@ -90,8 +91,9 @@ class QuantLinear(nn.Module):
         self.source_prefixes = list(source_prefixes) or [f"shard {i}" for i in range(len(output_sizes))]
         self.parts: nn.ModuleList | None = None
         self._shards: list = [None] * len(output_sizes)
-        for name in ("qweight", "scales", "qzeros", "offsets", "perm", "bias"):
+        for name in ("qweight", "scales", "qzeros", "offsets", "superscales", "perm", "bias"):
             self.register_buffer(name, None)
+        self.dummy_two_level = False       # init_dummy: GGUF Q4_K's two-level scales (set by GGUFConfig)
         self.packed: W4A16Weights | FragWeights | None = None   # the kernels' layout on CUDA (repacked at load)
 
     def load_shard(self, shard_id: int, tensors: dict[str, torch.Tensor], prefix: str) -> None:
@@ -109,11 +111,15 @@ class QuantLinear(nn.Module):
             raise ValueError(f"{prefix}.bias is missing: the config says this layer has a bias")
         if w.bias is not None and tuple(w.bias.shape) != (n,):
             raise ValueError(f"{prefix}.bias has shape {tuple(w.bias.shape)}, expected {(n,)}")
-        check_float(w.scales, f"{prefix} scales")
+        if w.superscales is None:
+            check_float(w.scales, f"{prefix} scales")
         if w.bias is not None:
             check_float(w.bias, f"{prefix}.bias")
         w.qweight = w.qweight.to(self.device).contiguous()
-        w.scales = w.scales.to(self.device, scale_dtype(w.scales.dtype, self.dtype)).contiguous()
+        if w.superscales is not None:              # GGUF Q4_K: int16 sub-codes, int32 super-scales, as stored
+            w.scales, w.superscales = w.scales.to(self.device).contiguous(), w.superscales.to(self.device).contiguous()
+        else:
+            w.scales = w.scales.to(self.device, scale_dtype(w.scales.dtype, self.dtype)).contiguous()
         w.qzeros = None if w.qzeros is None else w.qzeros.to(self.device).contiguous()
         if w.offsets is not None:                  # GGUF: W = q * s + o, o in the scales' dtype rule
             w.offsets = w.offsets.to(self.device, scale_dtype(w.offsets.dtype, self.dtype)).contiguous()
@@ -140,7 +146,18 @@ class QuantLinear(nn.Module):
         self._shards = None
 
     def _set(self, shards: list) -> None:
-        """Concatenate converted shards along N into the layer's buffers."""
+        """Concatenate converted shards along N into the layer's buffers. GGUF Q4_K shards keep their two-level
+        scales when all shards have them (the kernels read them; the CPU twin their fp32 products); a Q4_K shard
+        merged with another INT4 type becomes fp32 products."""
+        self.superscales = None
+        if any(s.superscales is not None for s in shards):
+            if all(s.superscales is not None for s in shards):
+                self.superscales = torch.cat([s.superscales for s in shards], dim=1)          # [G/8, N] int32
+            else:
+                for s in shards:
+                    if s.superscales is not None:
+                        s.scales, s.offsets = kquant_scales_offsets(s.scales, s.superscales)
+                        s.superscales = None
         dtypes = {s.scales.dtype for s in shards}
         sdtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
         self.qweight = torch.cat([s.qweight for s in shards], dim=1)                 # [K/8, N]
@@ -169,15 +186,20 @@ class QuantLinear(nn.Module):
             return
         # GGUF (float offsets): on an fp16 model scales and offsets in fp16, as checkpoints' scales are; Q4_K's fp32
         # products round to 11 significant bits there, and the layer reads 5 bits a weight instead of 6
-        self.packed = prepare_kernel_weights(self.qweight, self.scales, self.qzeros, self.group_size, self.perm,
-                                             self.offsets, None if self.offsets is None else
-                                             gguf_kernel_scale_dtype(self.scales.dtype, self.dtype))
-        self.qweight = self.scales = self.qzeros = self.perm = self.offsets = None
+        if self.superscales is not None:          # GGUF Q4_K two-level: nothing cast; the layout follows self.dtype
+            self.packed = prepare_kernel_weights(self.qweight, self.scales, None, self.group_size, self.perm,
+                                                 scale_dtype=self.dtype, superscales=self.superscales)
+        else:
+            self.packed = prepare_kernel_weights(self.qweight, self.scales, self.qzeros, self.group_size, self.perm,
+                                                 self.offsets, None if self.offsets is None else
+                                                 gguf_kernel_scale_dtype(self.scales.dtype, self.dtype))
+        self.qweight = self.scales = self.qzeros = self.perm = self.offsets = self.superscales = None
         words = self.packed.words if isinstance(self.packed, FragWeights) else self.packed.qweight
         self.register_buffer("packed_qweight", words)                    # counted as a weight (memory, bench)
         self.register_buffer("packed_scales", self.packed.scales)
         self.register_buffer("packed_qzeros", self.packed.qzeros)
         self.register_buffer("packed_offsets", self.packed.offsets)
+        self.register_buffer("packed_superscales", self.packed.superscales)
 
     @classmethod
     def round_to_nearest(cls, weight: torch.Tensor, group_size: int, dtype: torch.dtype, device,
@@ -210,6 +232,13 @@ class QuantLinear(nn.Module):
         gguf = getattr(self.quant_config, "float_offsets", False)      # fp32 as a loaded Q4_K layer holds them
         self.scales = torch.full((g, n), 0.02 / 4.6, dtype=torch.float32 if gguf else self.dtype, device=self.device)
         self.offsets = -8 * self.scales if gguf else None
+        self.superscales = None
+        if self.dummy_two_level:      # Q4_K as stored: sc = m = 40, d = 0.02 / 4.6 / 40, dmin = 8 d (about as above)
+            d = torch.full((-(-g // 8), n), 0.02 / 4.6 / 40, dtype=torch.float16, device=self.device)
+            self.scales = pack_sub_codes(torch.full((g, n), 40, device=self.device),
+                                         torch.full((g, n), 40, device=self.device))
+            self.superscales = pack_superscales(d, 8 * d)
+            self.offsets = None
         self.qzeros, self.perm, self.parts, self._shards = None, None, None, None
         self.bias = torch.zeros(n, dtype=self.dtype, device=self.device) if self.has_bias else None
         self._repack_for_kernels()
@@ -219,9 +248,10 @@ class QuantLinear(nn.Module):
         if self.parts is not None:
             return torch.cat([p.dequantized_weight() for p in self.parts], dim=0)
         qweight, scales, qzeros, perm, offsets = self.qweight, self.scales, self.qzeros, self.perm, self.offsets
+        if self.superscales is not None:
+            scales, offsets = kquant_scales_offsets(scales, self.superscales)
         if self.packed is not None:
-            qweight, scales, qzeros, _ = standard_layout(self.packed)
-            perm, offsets = self.packed.perm, self.packed.offsets
+            qweight, scales, qzeros, _, perm, offsets = twin_args(self.packed)
         w = dequantize_w4(qweight, scales, qzeros, self.group_size, offsets=offsets)   # [K, N], internal order
         if perm is not None:
             w = torch.empty_like(w).index_copy_(0, perm, w)
@@ -232,8 +262,10 @@ class QuantLinear(nn.Module):
             return torch.cat([p(x) for p in self.parts], dim=-1)
         if self.packed is not None:
             return w4a16_matmul(x, self.packed, bias=self.bias)
-        return w4a16_matmul_ref(x, self.qweight, self.scales, self.qzeros, self.group_size, self.perm, self.bias,
-                                self.offsets)
+        scales, offsets = self.scales, self.offsets
+        if self.superscales is not None:          # the CPU twin of Q4_K's two-level scales: their fp32 products
+            scales, offsets = kquant_scales_offsets(scales, self.superscales)
+        return w4a16_matmul_ref(x, self.qweight, scales, self.qzeros, self.group_size, self.perm, self.bias, offsets)
 
     def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """As DenseLinear.forward_silu_mul; on the kernel layout the GEMV's split-K reduce applies it (one launch
@@ -246,7 +278,8 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, output_sizes={self.output_sizes}, group_size={self.group_size}, "
                 f"bias={self.has_bias}, act_order={self.perm is not None or self.parts is not None}, "
-                f"offsets={self.offsets is not None}")
+                f"offsets={self.offsets is not None}, "
+                f"two_level={self.superscales is not None or getattr(self.packed, 'superscales', None) is not None}")
 
 
 def scale_dtype(checkpoint: torch.dtype, model: torch.dtype) -> torch.dtype:

@@ -73,7 +73,7 @@ def test_perplexity_matches_transformers_on_dequantized_weights(gguf_dir, held_o
     assert abs(math.exp(ours) / math.exp(reference) - 1) < 1e-3, (math.exp(ours), math.exp(reference))
     assert math.exp(ours) < 200                                          # a working model, not noise
     paths = engine.quant_config.describe_paths()
-    assert paths == {"Q4_K_M": "20 INT4 (W4A16, float offsets), 12 8-bit (W8A16)",
+    assert paths == {"Q4_K_M": "20 INT4 Q4_K (W4A16, two-level scales, 4.625 bits), 12 8-bit (W8A16)",
                      "Q5_K_M": "32 8-bit (W8A16)"}.get(mix, "32 INT4 (W4A16, float offsets)")
 
 
@@ -129,7 +129,7 @@ def test_served_through_openai_api(gguf_dir, held_out_ids, tmp_path):
             "temperature": 0})
         assert chat.status_code == 200, chat.text
         assert chat.json()["usage"]["prompt_tokens"] > 5          # the template's role markers were rendered
-        assert "20 INT4 (W4A16, float offsets), 12 8-bit (W8A16)" in server.log()
+        assert "20 INT4 Q4_K (W4A16, two-level scales, 4.625 bits), 12 8-bit (W8A16)" in server.log()
     assert served == pytest.approx(_transformers_nll(path, ids), rel=1e-4)
 
 
@@ -149,6 +149,8 @@ def _loaded_bytes(model) -> int:
             total += b.numel() * b.element_size()
         elif leaf in ("scales", "offsets"):
             total += b.numel() * 2
+        elif leaf == "superscales":                                   # GGUF Q4_K's int32 d | dmin
+            total += b.numel() * 4
     return total
 
 
@@ -181,8 +183,8 @@ def test_dummy_q4_k_m_mix(tmp_path):
     w8 = [i for i, layer in enumerate(layers) if isinstance(layer.mlp.down_proj, W8Linear)]
     assert w8 == [0, 3, 6, 7]
     assert all(isinstance(layers[i].self_attn.qkv_proj, W8Linear) == (i in w8) for i in range(8))
-    assert isinstance(layers[1].mlp.gate_up_proj, QuantLinear) and layers[1].mlp.gate_up_proj.offsets is not None
-    assert engine.quant_config.describe_paths() == "24 INT4 (W4A16, float offsets), 8 8-bit (W8A16)"
+    assert isinstance(layers[1].mlp.gate_up_proj, QuantLinear) and layers[1].mlp.gate_up_proj.superscales is not None
+    assert engine.quant_config.describe_paths() == "24 INT4 Q4_K (W4A16, two-level scales, 4.625 bits), 8 8-bit (W8A16)"
     plan = plan_memory(TINY, weights_dtype="float16", quantization="gguf:Q4_K_M")
     assert plan.weights_source == "gguf: Q4_K x 48, Q6_K x 8"
     assert plan.weights_bytes == _loaded_bytes(engine.model)         # the dummy holds what a file's layers hold

@@ -16,6 +16,7 @@ import torch
 
 from quant_serve.kernels.norm_act import silu_and_mul, silu_and_mul_ref
 from quant_serve.kernels.w4a16.frag import FragWeights, frag_standard, prepare_frag
+from quant_serve.kernels.w4a16.kquant import KQ_GROUP, kquant_scales_offsets
 from quant_serve.kernels.w4a16.plan import (KernelPlan, frag_layout_works, frag_offsets_work, layout_for, plan_w4a16,
                                             probed_runtime)
 from quant_serve.kernels.w4a16.reference import w4a16_matmul_ref
@@ -26,14 +27,19 @@ from quant_serve.kernels.w4a16.rules import MMAConfig, TMAConfig, W4A16Config
 def prepare_kernel_weights(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
                            group_size: int, perm: torch.Tensor | None = None,
                            offsets: torch.Tensor | None = None,
-                           scale_dtype: torch.dtype | None = None) -> "W4A16Weights | FragWeights":
+                           scale_dtype: torch.dtype | None = None,
+                           superscales: torch.Tensor | None = None) -> "W4A16Weights | FragWeights":
     """Standard internal layout -> the layout the GPU kernels read (plan.layout_for on the device's runtime). Run
     once at load, on the weights' device; also runs the device's kernel probes (never first inside a graph).
     offsets [G, N] (GGUF, W = q * s + o) are stored in the scales' dtype. scale_dtype (the activation dtype,
     fp16 / bf16): scales and offsets are cast to it first, as every checkpoint's scales are; the GGUF loader hands
     Q4_K's fp32 scales and offsets (6-bit sub-scales and sub-mins times fp16 super-scales), which fp16 rounds to
     11 significant bits (the products have up to 17). The fragment layout (fp16 scales only) dequantizes with one
-    fp16 fma, the row layout in fp32."""
+    fp16 fma, the row layout in fp32.
+    superscales (Q4_K kept two-level, kernels/w4a16/kquant.py): scales are the int16 sub-codes, nothing is cast,
+    and scale_dtype names the activation dtype the layout is chosen for (the fragment kernels take fp16 only)."""
+    if superscales is not None:
+        return _prepare_kquant(qweight, scales, superscales, scale_dtype or torch.float16)
     if scale_dtype is not None:
         scales = scales.to(scale_dtype)
         offsets = None if offsets is None else offsets.to(scale_dtype)
@@ -46,6 +52,29 @@ def prepare_kernel_weights(qweight: torch.Tensor, scales: torch.Tensor, qzeros: 
     if layout == "frag" and frag_layout_works(qweight.device):
         return prepare_frag(qweight, scales, qzeros, group_size, perm, offsets)
     return prepare_w4a16(qweight, scales, qzeros, group_size, perm, offsets=offsets)
+
+
+def _prepare_kquant(qweight: torch.Tensor, sub_codes: torch.Tensor, superscales: torch.Tensor,
+                    act_dtype: torch.dtype) -> "W4A16Weights | FragWeights":
+    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    if qweight.device.type != "cuda":
+        return prepare_w4a16(qweight, sub_codes, None, KQ_GROUP, superscales=superscales)
+    runtime = probed_runtime(qweight.device)
+    layout, _ = layout_for(k, n, KQ_GROUP, act_dtype, runtime.caps, runtime.options, True,
+                           frag_offsets_work(qweight.device, kquant=True))
+    if layout == "frag" and frag_layout_works(qweight.device):
+        return prepare_frag(qweight, sub_codes, None, KQ_GROUP, superscales=superscales)
+    return prepare_w4a16(qweight, sub_codes, None, KQ_GROUP, superscales=superscales)
+
+
+def twin_args(w: "W4A16Weights | FragWeights") -> tuple:
+    """Kernel layout -> (qweight, scales, qzeros, group_size, perm, offsets) for the torch twin (k-quant scales
+    expanded to their exact fp32 products)."""
+    qweight, scales, qzeros, group_size = standard_layout(w)
+    offsets = w.offsets
+    if w.superscales is not None:
+        scales, offsets = kquant_scales_offsets(scales, w.superscales)
+    return qweight, scales, qzeros, group_size, w.perm, offsets
 
 
 def standard_layout(w: "W4A16Weights | FragWeights") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
@@ -66,8 +95,7 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor | W4A16Weights | FragWei
     x2 = x.reshape(-1, x.shape[-1])                                                  # [M, K]
     if not x.is_cuda:
         if isinstance(qweight, (W4A16Weights, FragWeights)):
-            perm, offsets = qweight.perm, qweight.offsets
-            qweight, scales, qzeros, group_size = standard_layout(qweight)
+            qweight, scales, qzeros, group_size, perm, offsets = twin_args(qweight)
         y = w4a16_matmul_ref(x2, qweight, scales, qzeros, group_size, perm, bias, offsets)
         y = silu_and_mul_ref(y) if silu_mul else y
         return y.reshape(*lead, y.shape[-1])

@@ -13,7 +13,8 @@ import torch
 from quant_serve.kernels.w4a16.reference import pack_int4_rows, unpack_int4_rows
 from quant_serve.kernels.w4a16.rows import check_offsets
 
-ZP_NONE, ZP_INT4, ZP_OFFSETS = 0, 1, 2   # the kernels' ZP_MODE: symmetric (z = 8), packed int4 zeros, float offsets
+# the kernels' ZP_MODE: symmetric (z = 8), packed int4 zeros, float offsets, k-quant two-level scales (kquant.py)
+ZP_NONE, ZP_INT4, ZP_OFFSETS, ZP_KQUANT = 0, 1, 2, 3
 
 
 def frag_words(codes: torch.Tensor) -> torch.Tensor:
@@ -52,15 +53,20 @@ class FragWeights:
     out_features: int
     perm: torch.Tensor | None = None
     offsets: torch.Tensor | None = None
+    superscales: torch.Tensor | None = None   # int32 [G/8, N] (Q4_K's d | dmin); scales are then int16 sub-codes
 
     @property
     def zp_mode(self) -> int:
-        """The kernels' ZP_MODE constexpr: ZP_OFFSETS, ZP_INT4 or ZP_NONE."""
+        """The kernels' ZP_MODE constexpr: ZP_KQUANT, ZP_OFFSETS, ZP_INT4 or ZP_NONE."""
+        if self.superscales is not None:
+            return ZP_KQUANT
         return ZP_OFFSETS if self.offsets is not None else ZP_INT4 if self.qzeros is not None else ZP_NONE
 
     def zero_args(self) -> tuple[torch.Tensor, int]:
         """The kernels' zero-point pointer and its group stride: the offsets [G, N], the packed zeros [G, N/8], or
-        the words (never read) and 0."""
+        the words (never read) and 0; k-quant: the super-scales [G/8, N]."""
+        if self.superscales is not None:
+            return self.superscales, self.superscales.stride(0)
         if self.offsets is not None:
             return self.offsets, self.offsets.stride(0)
         if self.qzeros is not None:
@@ -69,7 +75,8 @@ class FragWeights:
 
 
 def prepare_frag(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None, group_size: int,
-                 perm: torch.Tensor | None = None, offsets: torch.Tensor | None = None) -> FragWeights:
+                 perm: torch.Tensor | None = None, offsets: torch.Tensor | None = None,
+                 superscales: torch.Tensor | None = None) -> FragWeights:
     """Standard internal layout (kernels/w4a16/reference.py) -> FragWeights, once at load on the weights' device.
     offsets are cast to the scales' dtype (fp16: the kernels dequantize with one fp16 fma, q * s + o); a loader
     with fp32 scales / offsets (Q4_K) casts its scales to fp16 first, as for any checkpoint."""
@@ -78,14 +85,15 @@ def prepare_frag(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tens
         raise ValueError(f"the fragment layout needs out_features % 16 == 0, got {n}")
     if 0 < group_size < k and group_size % 16:
         raise ValueError(f"the fragment layout needs a group size that is a multiple of 16, got {group_size}")
-    check_offsets(offsets, scales, qzeros)
+    check_offsets(offsets, scales, qzeros, superscales)
     kp = -(-k // 64) * 64
     codes = unpack_int4_rows(qweight)
     codes = torch.cat([codes, codes.new_zeros(kp - k, n)]) if kp > k else codes
     gs = k if group_size <= 0 else group_size
     return FragWeights(frag_words(codes), scales.contiguous(), None if qzeros is None else qzeros.contiguous(),
                        gs, k, n, None if perm is None else perm.to(torch.long),
-                       None if offsets is None else offsets.to(scales.dtype).contiguous())
+                       None if offsets is None else offsets.to(scales.dtype).contiguous(),
+                       None if superscales is None else superscales.contiguous())
 
 
 def frag_standard(fw: FragWeights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:

@@ -120,6 +120,12 @@ def _load_group(k0, s_ptr, z_ptr, n_lo, n_hi, k_in, stride_sg, stride_zg, GROUP:
     """The scales (SCALES) and packed zero words of rows g and g + 8 for the step starting at row k0 (ZP_MODE
     ZP_OFFSETS: their float offsets, loaded as the scales are)."""
     grp = (k0 + k_in) // GROUP
+    if ZP_MODE == 3:                     # k-quant: raw int16 sub-codes and int32 d | dmin, converted at use
+        s_lo = gl.load(s_ptr + grp * stride_sg + n_lo)
+        s_hi = gl.load(s_ptr + grp * stride_sg + n_hi)
+        z_lo = gl.load(z_ptr + (grp // 8) * stride_zg + n_lo)
+        z_hi = gl.load(z_ptr + (grp // 8) * stride_zg + n_hi)
+        return s_lo, s_hi, z_lo, z_hi
     if SCALES:
         s_lo = gl.load(s_ptr + grp * stride_sg + n_lo)
         s_hi = gl.load(s_ptr + grp * stride_sg + n_hi)
@@ -142,6 +148,18 @@ def _load_group(k0, s_ptr, z_ptr, n_lo, n_hi, k_in, stride_sg, stride_zg, GROUP:
 def _scale_pair(s):
     """fp16 scale -> the int32 bits of the fp16 pair (s, s)."""
     return (s.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF) * 0x10001
+
+
+@gluon.jit
+def _kquant_pair(sm, dd):
+    """Q4_K's int16 sub-codes (sc | m << 8) and int32 d | dmin bits -> the int32 bits of the fp16 pairs (s, s) and
+    (o, o): s = f32(d) * sc, o = -f32(dmin) * m, each rounded once to fp16."""
+    codes = sm.to(gl.int32)
+    d = (dd & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
+    dmin = ((dd >> 16) & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
+    s = (d * (codes & 0xFF).to(gl.float32)).to(gl.float16)
+    o = (-(dmin * ((codes >> 8) & 0xFF).to(gl.float32))).to(gl.float16)
+    return _scale_pair(s), _scale_pair(o)
 
 
 @gluon.jit
@@ -197,8 +215,14 @@ def _tile_words(pid_n, N, KP, GROUP: gl.constexpr, EVEN_N: gl.constexpr, BLOCK_N
 def _dequant_step(words, s_lo, s_hi, z_lo, z_hi, n_lo, n_hi, ZP_MODE: gl.constexpr, BLOCK_N: gl.constexpr,
                   BLOCK_K: gl.constexpr, A_LAYOUT: gl.constexpr, SCALED: gl.constexpr = True):
     """A step's raw loads (_load_step) -> its dequantized A tile fp16 [BLOCK_N, BLOCK_K] (SCALED False: q - z).
-    ZP_MODE: 0 symmetric (z = 8), 1 packed int4 zero points, 2 float offsets (scaled only: q * s + o)."""
-    if ZP_MODE == 2:
+    ZP_MODE: 0 symmetric (z = 8), 1 packed int4 zero points, 2 float offsets (scaled only: q * s + o), 3 k-quant
+    two-level scales (scaled only; s and o formed in fp32, then fp16 for the f16x2 fma)."""
+    if ZP_MODE == 3:
+        gl.static_assert(SCALED, "k-quant scales need the scales applied to each weight (no SCALE_AFTER)")
+        s_lo, z_lo = _kquant_pair(s_lo, z_lo)
+        s_hi, z_hi = _kquant_pair(s_hi, z_hi)
+        a = _frag_dequant(words, s_lo, s_hi, z_lo, z_hi, BLOCK_N, BLOCK_K, A_LAYOUT, True, True)
+    elif ZP_MODE == 2:
         gl.static_assert(SCALED, "float offsets need the scales applied to each weight (no SCALE_AFTER)")
         a = _frag_dequant(words, _scale_pair(s_lo), _scale_pair(s_hi), _scale_pair(z_lo), _scale_pair(z_hi),
                           BLOCK_N, BLOCK_K, A_LAYOUT, True, True)

@@ -316,8 +316,8 @@ def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None
         x = torch.nn.functional.pad(x, (0, kp - k)).contiguous()     # pad keeps a transposed input's strides
         k = kp
     group = fw.group_size if fw.scales.shape[0] > 1 else 0           # 0: one group for all of K
-    # float offsets scale each weight (the fp16 fma of q * s + o): no scales after the MMA
-    v = mma_variant(m, kp, group, block_n, block_k, split_k, wgmma, scale_after and fw.offsets is None, x_staged,
+    # float offsets and k-quant scales scale each weight (the fp16 fma of q * s + o): no scales after the MMA
+    v = mma_variant(m, kp, group, block_n, block_k, split_k, wgmma, scale_after and fw.zp_mode < 2, x_staged,
                     a_smem, x_once)
     bk, per, splits = v.block_k, v.per_split, v.splits
     if merge is not None and v.x_steps == 0:

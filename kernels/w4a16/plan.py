@@ -122,17 +122,24 @@ def frag_layout_works(device: torch.device) -> bool:
     return _mma_kernels_work(index)
 
 
-def _probe(device_index: int, kernel: str, cols: int, rows: int, call, fallback: str, offsets: bool = False) -> bool:
+def _probe(device_index: int, kernel: str, cols: int, rows: int, call, fallback: str, offsets: bool = False,
+           kquant: bool = False) -> bool:
     """One tiny call of a Gluon kernel before any layer relies on it: `call(x, fw)` over x = ones [rows, 64] and
     codes 0, symmetric (z = 8), scale 1 must give 64 x (0 - 8) = -512 everywhere; with offsets, codes 3, scale 1
-    and offset -0.5 must give 64 x 2.5 = 160."""
+    and offset -0.5 must give 64 x 2.5 = 160; kquant: the same through Q4_K's two-level scales (sc = m = 1, d = 1,
+    dmin = 0.5, two groups of 32)."""
     from quant_serve.kernels.w4a16.frag import prepare_frag
+    from quant_serve.kernels.w4a16.kquant import pack_sub_codes, pack_superscales
     try:
         dev = torch.device("cuda", device_index)
-        code_word = 0x33333333 if offsets else 0
+        code_word = 0x33333333 if offsets or kquant else 0
         ones = torch.ones(1, cols, dtype=torch.float16, device=dev)
-        fw = prepare_frag(torch.full((8, cols), code_word, dtype=torch.int32, device=dev), ones, None, -1,
-                          offsets=-0.5 * ones if offsets else None)
+        words = torch.full((8, cols), code_word, dtype=torch.int32, device=dev)
+        if kquant:
+            sub = pack_sub_codes(torch.ones(2, cols, device=dev), torch.ones(2, cols, device=dev))
+            fw = prepare_frag(words, sub, None, 32, superscales=pack_superscales(ones, 0.5 * ones))
+        else:
+            fw = prepare_frag(words, ones, None, -1, offsets=-0.5 * ones if offsets else None)
         y = call(torch.ones(rows, 64, dtype=torch.float16, device=dev), fw)
         if bool((y == (160 if offsets else -512)).all()):
             return True
@@ -143,25 +150,28 @@ def _probe(device_index: int, kernel: str, cols: int, rows: int, call, fallback:
     return False
 
 
-def frag_offsets_work(device: torch.device) -> bool:
-    """The fragment kernels the device's plan can pick dequantize float offsets right (one probe each, cached)."""
+def frag_offsets_work(device: torch.device, kquant: bool = False) -> bool:
+    """The fragment kernels the device's plan can pick dequantize float offsets (kquant: Q4_K's two-level
+    scales) right (one probe each, cached)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _frag_offsets_work(index)
+    return _frag_offsets_work(index, kquant)
 
 
 @lru_cache(maxsize=None)
-def _frag_offsets_work(device_index: int) -> bool:
+def _frag_offsets_work(device_index: int, kquant: bool = False) -> bool:
     from quant_serve.kernels.w4a16.mma import w4a16_mma
     from quant_serve.kernels.w4a16.tma import w4a16_tma
     runtime = probed_runtime(torch.device("cuda", device_index))
-    fallback = "GGUF INT4 layers with offsets use the row-layout kernels"
-    ok = _probe(device_index, "tensor-core kernel with offsets", 16, 1, w4a16_mma, fallback, offsets=True)
+    what = "k-quant scales" if kquant else "offsets"
+    fallback = f"GGUF INT4 layers with {what} use the row-layout kernels"
+    flags = dict(kquant=True) if kquant else dict(offsets=True)
+    ok = _probe(device_index, f"tensor-core kernel with {what}", 16, 1, w4a16_mma, fallback, **flags)
     if ok and runtime.caps.wgmma:
-        ok = _probe(device_index, "wgmma kernel with offsets", 64, 17,
-                    lambda x, fw: w4a16_mma(x, fw, block_n=64, wgmma=True), fallback, offsets=True)
+        ok = _probe(device_index, f"wgmma kernel with {what}", 64, 17,
+                    lambda x, fw: w4a16_mma(x, fw, block_n=64, wgmma=True), fallback, **flags)
     if ok and runtime.caps.tma:
-        ok = _probe(device_index, "TMA kernel with offsets", 128, 40,
-                    lambda x, fw: w4a16_tma(x, fw, block_n=64, consumers=1), fallback, offsets=True)
+        ok = _probe(device_index, f"TMA kernel with {what}", 128, 40,
+                    lambda x, fw: w4a16_tma(x, fw, block_n=64, consumers=1), fallback, **flags)
     return ok
 
 

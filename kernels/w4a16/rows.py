@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
+from quant_serve.kernels.w4a16.kquant import check_kquant
 from quant_serve.kernels.w4a16.reference import pack_int4_rows, unpack_int4_rows
 
 DEFAULT_PACK_K = 128
@@ -24,6 +25,13 @@ class W4A16Weights:
     pack_k: int
     perm: torch.Tensor | None  # int64 [K]: y = x[:, perm] @ W
     offsets: torch.Tensor | None = None
+    superscales: torch.Tensor | None = None   # int32 [G/8, N]: Q4_K's d | dmin (kquant.py); scales are then the
+                                              # int16 sub-codes
+
+    @property
+    def offset_mode(self) -> int:
+        """The row kernels' OFFSETS constexpr: 0 zero points, 1 float offsets, 2 k-quant two-level scales."""
+        return 2 if self.superscales is not None else 1 if self.offsets is not None else 0
 
     @property
     def out_features(self) -> int:
@@ -66,7 +74,8 @@ def weight_bytes(w: "W4A16Weights") -> torch.Tensor:
 
 def prepare_w4a16(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None, group_size: int,
                   perm: torch.Tensor | None = None, pack_k: int = DEFAULT_PACK_K,
-                  offsets: torch.Tensor | None = None) -> W4A16Weights:
+                  offsets: torch.Tensor | None = None,
+                  superscales: torch.Tensor | None = None) -> W4A16Weights:
     """Standard internal layout (reference.py) -> W4A16Weights. Run once at load, on the weights' device.
     offsets (GGUF Q4_0 / Q4_1 / Q4_K) are cast to the scales' dtype: the loader may hand fp32 scales and offsets
     (Q4_K's sub-scales times super-scales), which the caller casts to the activation dtype (fp16 / bf16) first, as
@@ -77,7 +86,7 @@ def prepare_w4a16(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Ten
     num_groups = scales.shape[0]
     if num_groups != -(-k // gs):
         raise ValueError(f"scales have {num_groups} groups, expected ceil({k}/{gs})")
-    check_offsets(offsets, scales, qzeros)
+    check_offsets(offsets, scales, qzeros, superscales)
     if pack_k not in (128, 256, 512):              # pack_k/2 is a dot's K
         raise ValueError(f"pack_k must be 128, 256 or 512, got {pack_k}")
     if num_groups > 1 and gs % (pack_k // 8):
@@ -92,11 +101,19 @@ def prepare_w4a16(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Ten
         out[:, n0:n0 + step] = _to_bytes(codes, pack_k)
     return W4A16Weights(words, scales.contiguous(), None if qzeros is None else qzeros.contiguous(), gs, k, pack_k,
                         None if perm is None else perm.to(torch.long),
-                        None if offsets is None else offsets.to(scales.dtype).contiguous())
+                        None if offsets is None else offsets.to(scales.dtype).contiguous(),
+                        None if superscales is None else superscales.contiguous())
 
 
-def check_offsets(offsets: torch.Tensor | None, scales: torch.Tensor, qzeros: torch.Tensor | None) -> None:
-    """Float offsets must match the scales' [G, N] and exclude integer zero points (reference.py's layout)."""
+def check_offsets(offsets: torch.Tensor | None, scales: torch.Tensor, qzeros: torch.Tensor | None,
+                  superscales: torch.Tensor | None = None) -> None:
+    """Float offsets must match the scales' [G, N] and exclude integer zero points (reference.py's layout);
+    k-quant super-scales go with int16 sub-codes as the scales, nothing else."""
+    if superscales is not None:
+        if offsets is not None or qzeros is not None:
+            raise ValueError("k-quant two-level scales carry their own offsets: no zero points or float offsets")
+        check_kquant(scales, superscales)
+        return
     if offsets is None:
         return
     if qzeros is not None:

@@ -148,7 +148,7 @@ def w4a16_gemm(x: torch.Tensor, w, bias: torch.Tensor | None, block_m: int, bloc
         HAS_ZEROS=w.qzeros is not None, HAS_BIAS=bias is not None, SLICE_GROUPS=w.slice_groups,
         SPLIT=splits > 1, ONE_LAUNCH=one_launch, EVEN_N=N % block_n == 0, EVEN_K=K % w.pack_k == 0, FAST=fast,
         PERMUTED=N % 4 == 0, SWAP=swap, BLOCK_M=block_m, BLOCK_N=block_n, PACK_K=w.pack_k, GROUP_M=group_m,
-        OFFSETS=w.offsets is not None, num_warps=num_warps, num_stages=num_stages)
+        OFFSETS=w.offset_mode, num_warps=num_warps, num_stages=num_stages)
     if splits > 1 and not one_launch:
         launch_splitk_reduce(ws, bias, out, splits)
     return out
@@ -167,7 +167,7 @@ def w4a16_dequantize(w, dtype: torch.dtype, block_n: int = 128) -> torch.Tensor:
         w.scales.shape[0], w.group_size, w.scales.stride(0) // 2 if fast else w.scales.stride(0),
         zeros.stride(0), out.stride(0), N // 4,
         HAS_ZEROS=w.qzeros is not None, SLICE_GROUPS=w.slice_groups, EVEN_N=N % block_n == 0,
-        FAST=fast, PERMUTED=N % 4 == 0, BLOCK_N=block_n, PACK_K=w.pack_k, OFFSETS=w.offsets is not None,
+        FAST=fast, PERMUTED=N % 4 == 0, BLOCK_N=block_n, PACK_K=w.pack_k, OFFSETS=w.offset_mode,
         num_warps=4)
     return out
 

@@ -93,7 +93,7 @@ def fast_dequant_ok(x: torch.Tensor, w, out_dtype: torch.dtype | None = None) ->
     points (float offsets take the plain path: GGUF's groups of 32 slice a chunk, which the fast path never takes
     either)."""
     return (x.is_cuda and not interpreting() and w.scales.dtype == torch.float16
-            and not w.slice_groups and w.offsets is None
+            and not w.slice_groups and w.offset_mode == 0
             and (out_dtype or x.dtype) == torch.float16 and w.qweight.shape[1] % 4 == 0
             and w.scales.stride(-1) == 1)
 
@@ -101,6 +101,8 @@ def fast_dequant_ok(x: torch.Tensor, w, out_dtype: torch.dtype | None = None) ->
 def zero_arg(w) -> torch.Tensor:
     """The row-layout kernels' zero-point argument: packed int4 zeros, the float offsets (OFFSETS), or any tensor
     (symmetric: never read)."""
+    if w.superscales is not None:
+        return w.superscales
     return w.qzeros if w.qzeros is not None else w.offsets if w.offsets is not None else w.qweight
 
 
@@ -110,6 +112,8 @@ def _group_params(s_ptr, z_ptr, g, stride_sg, stride_zg, offs_n, n_mask,
     """Scale (its own dtype) and zero point (fp32) of group g (a scalar -> [1, BN], or [R, 1] -> [R, BN]).
     OFFSETS: z_ptr holds float offsets [G, N] (stride_zg) and the second value is the group's offset (fp32); it
     takes the zero point's registers, so an offset layer holds no more than a zero-point one."""
+    if OFFSETS == 2:                                            # k-quant: int16 sub-codes, int32 d | dmin
+        return _kquant_params(s_ptr, z_ptr, g, stride_sg, stride_zg, offs_n, n_mask, EVEN_N)
     if EVEN_N:
         s = tl.load(s_ptr + g * stride_sg + offs_n[None, :])
     else:
@@ -125,6 +129,21 @@ def _group_params(s_ptr, z_ptr, g, stride_sg, stride_zg, offs_n, n_mask,
     else:
         z = s.to(tl.float32) * 0.0 + 8.0                        # symmetric
     return s, z
+
+
+@triton.jit
+def _kquant_params(s_ptr, z_ptr, g, stride_sg, stride_zg, offs_n, n_mask, EVEN_N: tl.constexpr):
+    """Q4_K's group g (kernels/w4a16/kquant.py) -> (scale f32(d) * sc, offset -f32(dmin) * m), both fp32: the
+    products gguf.quants.dequantize forms, exact in fp32."""
+    if EVEN_N:
+        sm = tl.load(s_ptr + g * stride_sg + offs_n[None, :]).to(tl.int32)
+        dd = tl.load(z_ptr + (g // 8) * stride_zg + offs_n[None, :])
+    else:
+        sm = tl.load(s_ptr + g * stride_sg + offs_n[None, :], mask=n_mask[None, :], other=0).to(tl.int32)
+        dd = tl.load(z_ptr + (g // 8) * stride_zg + offs_n[None, :], mask=n_mask[None, :], other=0)
+    d = (dd & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    dmin = ((dd >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return d * (sm & 0xFF).to(tl.float32), -(dmin * ((sm >> 8) & 0xFF).to(tl.float32))
 
 
 @triton.jit
@@ -364,7 +383,7 @@ def w4a16_gemv(x: torch.Tensor, w, bias: torch.Tensor | None, block_n: int, spli
         HAS_ZEROS=w.qzeros is not None, HAS_BIAS=bias is not None, SLICE_GROUPS=w.slice_groups,
         SPLIT=splits > 1, ONE_LAUNCH=one_launch, EVEN_N=N % block_n == 0, EVEN_K=K % w.pack_k == 0, FAST=fast,
         PERMUTED=N % 4 == 0, BLOCK_N=block_n, ROWS=rows, STAGES=num_stages if pipeline else 0, PACK_K=w.pack_k,
-        OFFSETS=w.offsets is not None, num_warps=num_warps, num_stages=num_stages)
+        OFFSETS=w.offset_mode, num_warps=num_warps, num_stages=num_stages)
     if splits > 1 and not one_launch:
         launch_splitk_reduce(ws, bias, out, splits, silu_mul=fused)   # [M, N/2] when fused
         return out

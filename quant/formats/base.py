@@ -27,6 +27,8 @@ class Int4Weights:
     perm: torch.Tensor | None = None      # int64 [K]; internal row r = original input channel perm[r]
     bias: torch.Tensor | None = None      # [N]
     offsets: torch.Tensor | None = None   # [G, N] float per-group offsets (GGUF), only with qzeros None
+    superscales: torch.Tensor | None = None   # int32 [G/8, N]: GGUF Q4_K kept two-level (kernels/w4a16/kquant.py);
+                                              # scales are then its int16 sub-codes [G, N], offsets None
 
 
 @dataclass

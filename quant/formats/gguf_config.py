@@ -11,13 +11,15 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from quant_serve.quant.formats.base import Int4Weights, QuantConfig
-from quant_serve.quant.formats.gguf_types import GroupedCodes, group_size_of, int4_layout, path_of, w8_layout
+from quant_serve.quant.formats.gguf_types import (GroupedCodes, group_size_of, int4_layout, kquant_layout, path_of,
+                                                  w8_layout)
 from quant_serve.quant.linear import DenseLinear, QuantLinear
 from quant_serve.quant.linear_w8 import W8Linear, W8Weights
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 OFFSET_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_1, T.Q5_K)      # loaded with per-group float offsets
-PATH_NAMES = {"int4": "INT4 (W4A16, float offsets)", "w8": "8-bit (W8A16)", "dense": "float (dense)"}
+PATH_NAMES = {"int4": "INT4 (W4A16, float offsets)", "int4k": "INT4 Q4_K (W4A16, two-level scales, 4.625 bits)",
+              "w8": "8-bit (W8A16)", "dense": "float (dense)"}
 
 
 @dataclass
@@ -45,8 +47,10 @@ class GGUFConfig(QuantConfig):
         if "dense" in paths:            # a float shard beside quantized ones: the quantized ones are dequantized
             path, layer = "dense", DenseLinear(in_features, output_sizes, bias, dtype, device)
         elif paths == {"int4"}:
-            path = "int4"
+            # Q4_K shards only: the kernels read the file's two-level scales (on CUDA; the CPU twin their products)
+            path = "int4k" if set(types) == {T.Q4_K} else "int4"
             layer = QuantLinear(in_features, output_sizes, bias, dtype, device, self, 32, list(source_prefixes))
+            layer.dummy_two_level = path == "int4k"
         else:
             path = "w8"
             group = min(group_size_of(t) for t in types)
@@ -59,6 +63,9 @@ class GGUFConfig(QuantConfig):
         g = _codes(tensors, prefix, in_features, out_features)
         if g.group_size != group_size:
             raise ValueError(f"{prefix}: GGUF groups of {g.group_size}, the layer expects {group_size}")
+        if g.superscales is not None:
+            qweight, sub_codes, superscales = kquant_layout(g)
+            return Int4Weights(qweight, sub_codes, None, None, tensors.get("bias"), None, superscales)
         qweight, scales, offsets = int4_layout(g)
         return Int4Weights(qweight, scales, None, None, tensors.get("bias"), offsets)
 

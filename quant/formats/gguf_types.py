@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
+from quant_serve.kernels.w4a16.kquant import pack_sub_codes, pack_superscales
 from quant_serve.kernels.w4a16.reference import pack_int4_rows
 
 INT4_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K)
@@ -53,10 +54,23 @@ class GroupedCodes:
     scales: torch.Tensor                 # fp16 / fp32 [N, K / group]
     offsets: torch.Tensor | None         # like scales, or None (= 0)
     group_size: int
+    # Q4_K as stored (kernels/w4a16/kquant.py), beside the fp32 products above: int16 sc | m << 8 [N, K / 32] and
+    # int32 fp16 bits d | dmin << 16 [N, K / 256]; None for every other type
+    sub_codes: torch.Tensor | None = None
+    superscales: torch.Tensor | None = None
 
     def to(self, device) -> "GroupedCodes":
-        return GroupedCodes(self.codes.to(device), self.scales.to(device),
-                            None if self.offsets is None else self.offsets.to(device), self.group_size)
+        def move(t):
+            return None if t is None else t.to(device)
+        return GroupedCodes(self.codes.to(device), self.scales.to(device), move(self.offsets), self.group_size,
+                            move(self.sub_codes), move(self.superscales))
+
+    def rows(self, index: torch.Tensor) -> "GroupedCodes":
+        """The output rows `index` (a loader's row order) of every per-row tensor."""
+        def pick(t):
+            return None if t is None else t[index]
+        return GroupedCodes(self.codes[index], self.scales[index], pick(self.offsets), self.group_size,
+                            pick(self.sub_codes), pick(self.superscales))
 
 
 def _f16(raw: torch.Tensor) -> torch.Tensor:
@@ -118,6 +132,7 @@ def read_grouped(data, qtype: T, n: int, k: int, device: torch.device | str = "c
     per group, each [N, ...], computed on `device` (bit operations: milliseconds a matrix on a GPU)."""
     b = _blocks(data, qtype, k, device)
     f32, i32 = torch.float32, torch.int32
+    sub_codes = superscales = None
     if qtype in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1):
         d = _f16(b[:, 0:2])
         has_min = qtype in (T.Q4_1, T.Q5_1)
@@ -148,6 +163,9 @@ def read_grouped(data, qtype: T, n: int, k: int, device: torch.device | str = "c
         codes = q.to(i32)
         scales = (d[:, None] * sc.to(f32)).reshape(-1)
         offsets = -(dmin[:, None] * mn.to(f32)).reshape(-1)
+        if qtype == T.Q4_K:
+            sub_codes = pack_sub_codes(sc, mn).reshape(n, k // 32)
+            superscales = pack_superscales(_f16(b[:, 0:2]), _f16(b[:, 2:4])).reshape(n, k // 256)
     elif qtype == T.Q6_K:
         ql, qh = b[:, 0:128].reshape(-1, 2, 1, 64), b[:, 128:192].reshape(-1, 2, 1, 32)
         low = torch.cat([ql & 0x0F, ql >> 4], dim=2).reshape(-1, 256)
@@ -161,7 +179,7 @@ def read_grouped(data, qtype: T, n: int, k: int, device: torch.device | str = "c
                          f"{', '.join(t.name for t in INT4_TYPES + W8_TYPES)})")
     gs = group_size_of(qtype)
     return GroupedCodes(codes.reshape(n, k), scales.reshape(n, k // gs),
-                        None if offsets is None else offsets.reshape(n, k // gs), gs)
+                        None if offsets is None else offsets.reshape(n, k // gs), gs, sub_codes, superscales)
 
 
 def read_dense(data: np.ndarray, qtype: T, shape: tuple[int, ...]) -> torch.Tensor:
@@ -180,6 +198,13 @@ def read_dense(data: np.ndarray, qtype: T, shape: tuple[int, ...]) -> torch.Tens
 def int4_layout(g: GroupedCodes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """INT4 codes [N, K] -> internal (qweight int32 [K/8, N], scales [G, N], offsets [G, N])."""
     return pack_int4_rows(g.codes.t().contiguous()), g.scales.t().contiguous(), g.offsets.t().contiguous()
+
+
+def kquant_layout(g: GroupedCodes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K codes [N, K] -> (qweight int32 [K/8, N], sub_codes int16 [G, N], superscales int32 [G/8, N])."""
+    if g.superscales is None:
+        raise ValueError("kquant_layout needs Q4_K grouped codes (sub-codes and super-scales)")
+    return pack_int4_rows(g.codes.t().contiguous()), g.sub_codes.t().contiguous(), g.superscales.t().contiguous()
 
 
 def w8_layout(g: GroupedCodes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
