@@ -26,6 +26,9 @@ class AttentionMetadata:
     # block_tables sized for max_model_len, not for these sequences (a CUDA graph): the decode kernel's split
     # count cannot follow the contexts (kernels/paged_attention.decode_config)
     wide_table: bool = False
+    # several query tokens per sequence in a CUDA graph's fixed rows (engine/spec/graphs.py): the prefill kernel,
+    # even where the row count happens to equal the sequence count
+    multi_token: bool = False
 
 
 def paged_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -39,7 +42,7 @@ def paged_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p
     (kernels/attention_merge.py) for o_proj to merge. window, softcap: a sliding-window layer's window and the
     score soft-cap (kernels/attention_ref.paged_attention_ref; 0: off). A cos_sin_cache narrower than head_dim
     (partial rotary) is applied in torch, then stored by the store kernel."""
-    decode = meta.max_query_len == 1 and q.shape[0] == meta.block_tables.shape[0]
+    decode = meta.max_query_len == 1 and q.shape[0] == meta.block_tables.shape[0] and not meta.multi_token
     full_rotary = cos_sin_cache.shape[1] == q.shape[-1]
     if meta.kv_observer is None and q.is_cuda and decode and full_rotary and q.shape[-1] & (q.shape[-1] - 1) == 0:
         return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
@@ -71,4 +74,4 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: 
                                   meta.prefill_query_start_loc, softmax_scale, k_scale, v_scale, window, softcap)
         return out
     return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                           softmax_scale, k_scale, v_scale, window, softcap)
+                           softmax_scale, k_scale, v_scale, window, softcap, multi_token=meta.multi_token)

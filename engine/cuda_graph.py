@@ -94,6 +94,7 @@ class DecodeGraphs:
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.greedy: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}       # same keys, bs <= GREEDY_MAX_BATCH
         self.greedy_outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}   # (hidden, token ids)
+        self.pool = None                 # the graphs' memory pool, once captured (the verify graphs share it)
 
     def _meta(self, bs: int, width: int) -> AttentionMetadata:
         return AttentionMetadata(slot_mapping=self.slot_mapping[:bs],
@@ -129,6 +130,7 @@ class DecodeGraphs:
                     lambda: self._greedy_step(args), pool)
         for bs in self.buckets:                 # the carried-token gather, every BLOCK it takes (rows: all -1)
             take_carried(self.input_ids[:bs], self.carry_rows[:bs], self.input_ids)
+        self.pool = pool
         torch.cuda.synchronize()
         logger.info("captured %d CUDA graphs for decode batch sizes %s (%d greedy)", len(self.graphs), self.buckets,
                     len(self.greedy))

@@ -111,11 +111,17 @@ class LLMEngine:
 
     def _start_kernels(self, config: EngineConfig, show_progress: bool) -> None:
         """Compile every kernel variant the step shapes reach (in parallel where Triton can), capture the decode
-        graphs, and run the warm-up forwards, so that no request waits for a compile."""
+        and verification graphs, and run the warm-up forwards, so that no request waits for a compile."""
         start = time.perf_counter()
-        sched = config.scheduler
+        sched, spec = config.scheduler, config.speculative
         graphs = None if config.enforce_eager else \
             self.runner.plan_decode_graphs(min(sched.max_num_seqs, 512), self.max_model_len)
+        verify = None
+        if spec.enabled and not config.enforce_eager:
+            verify = self.runner.plan_verify_graphs(min(spec.disable_by_batch_size, sched.max_num_seqs),
+                                                    spec.num_speculative_tokens + 1, self.max_model_len)
+        elif spec.enabled:
+            logger.info("verification steps run eagerly (--enforce-eager)")
 
         def warmup(progress: bool) -> int:
             return self.runner.warmup(sched.max_num_batched_tokens, sched.max_num_seqs, self.max_model_len, progress)
@@ -123,13 +129,17 @@ class LLMEngine:
             if compiling:
                 logger.info("compiling kernels on %d threads", config.kernels.compile_workers)
                 warmup(False)
-                if graphs is not None:
-                    graphs.run_eagerly()
+                for planned in (graphs, verify):
+                    if planned is not None:
+                        planned.run_eagerly()
         if graphs is not None:
             self.runner.capture_decode_graphs(show_progress)
+        if verify is not None:
+            self.runner.capture_verify_graphs(show_progress)
         forwards = warmup(show_progress)
-        logger.info("kernels ready in %.1f s: %d decode graphs, %d warm-up forwards", time.perf_counter() - start,
-                    0 if graphs is None else len(graphs.graphs), forwards)
+        logger.info("kernels ready in %.1f s: %d decode graphs, %d verify graphs, %d warm-up forwards",
+                    time.perf_counter() - start, 0 if graphs is None else len(graphs.graphs),
+                    0 if verify is None else len(verify.graphs), forwards)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None, n: int = 1) -> None:

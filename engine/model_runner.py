@@ -14,6 +14,7 @@ from quant_serve.engine.models.decoder import DecoderForCausalLM
 from quant_serve.engine.sampler import PendingSample, Sampler, compute_prompt_logprobs, only_argmax
 from quant_serve.engine.scheduler import SchedulerOutput
 from quant_serve.engine.sequence import Logprob, Sequence
+from quant_serve.engine.spec.graphs import VerifyGraphs
 from quant_serve.engine.swap import CpuKVTier
 from quant_serve.engine.transfer import to_device
 from quant_serve.kernels.argmax import argmax_rows
@@ -98,6 +99,7 @@ class ModelRunner:
         self._first_forward_observer: KVRangeObserver | None = None
         self._allocate_kv_cache()
         self.decode_graphs: DecodeGraphs | None = None
+        self.verify_graphs: VerifyGraphs | None = None
         self.cpu_tier = CpuKVTier(self.k_caches + self.v_caches, num_cpu_blocks) if num_cpu_blocks else None
 
     def plan_decode_graphs(self, max_batch: int, max_model_len: int) -> DecodeGraphs:
@@ -109,6 +111,16 @@ class ModelRunner:
     def capture_decode_graphs(self, show_progress: bool = False) -> None:
         """CUDA only; the first forward (scale calibration / range check) still runs eagerly."""
         self.decode_graphs.capture(show_progress)
+
+    def plan_verify_graphs(self, max_batch: int, tokens_per_seq: int, max_model_len: int) -> VerifyGraphs:
+        """The verification graphs (CUDA only; speculation with k = tokens_per_seq - 1 proposals, on up to max_batch
+        sequences); capture_verify_graphs captures them, after the decode graphs, whose memory pool they share."""
+        self.verify_graphs = VerifyGraphs(self.model, max_batch, tokens_per_seq, max_model_len, self.block_size,
+                                          self.device)
+        return self.verify_graphs
+
+    def capture_verify_graphs(self, show_progress: bool = False) -> None:
+        self.verify_graphs.capture(show_progress, self.decode_graphs.pool if self.decode_graphs else None)
 
     @property
     def observes_kv(self) -> bool:
@@ -202,33 +214,52 @@ class ModelRunner:
             ids[tensor(fill_at, torch.int64)] = carry.tokens[tensor(fill_from, torch.int64)]
         return ids, tensor(positions, torch.int64), meta, starts
 
+    def step_path(self, out: SchedulerOutput, carry: "Carry | None" = None, verify: bool = False,
+                  observer=None) -> str:
+        """How a step runs, chosen here only: "verify graph" (verify: every entry's inputs on the host, each at most
+        k + 1 tokens, few enough entries), "decode graph" (one token per sequence) or "eager" (anything else, and
+        any forward whose K/V go to an observer: calibration runs outside graphs)."""
+        if observer is not None:
+            return "eager"
+        lengths = [item.num_new_tokens for item in out.scheduled]
+        if verify and carry is None and self.verify_graphs is not None and self.verify_graphs.can_run(lengths):
+            return "verify graph"
+        if self.decode_graphs is not None and self.decode_graphs.can_run(len(lengths), sum(lengths)):
+            return "decode graph"
+        return "eager"
+
     @torch.inference_mode()
-    def forward(self, out: SchedulerOutput, carry: "Carry | None" = None,
-                greedy: bool = False) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
+    def forward(self, out: SchedulerOutput, carry: "Carry | None" = None, greedy: bool = False,
+                verify: bool = False) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
         """The step's transfers, then the model over the scheduled tokens: (hidden [T, hidden], row starts, None).
         carry: the step in flight whose sampled tokens are inputs here (sequences with a pending token). greedy
         (every row samples its argmax): a decode graph with the head and the argmax inside may run, and the third
-        value is then its token ids [T]."""
+        value is then its token ids [T]. verify (a verification step: logits of every row wanted): a verify graph
+        with the head inside may run, and the third value is then the fp32 logits of every row [T, vocab]."""
         if self.cpu_tier is not None:   # async on CUDA: the host prepares the batch meanwhile
             self.cpu_tier.issue(out.blocks_to_swap_out, out.blocks_to_swap_in)
         first = self._first_forward_observer if self.kv_observer is None else None
         observer = self.kv_observer or first
-        graphs = self.decode_graphs
         num_tokens = sum(item.num_new_tokens for item in out.scheduled)
-        graphed = graphs is not None and observer is None and graphs.can_run(len(out.scheduled), num_tokens)
-        if graphed:
-            shape, packed, carries = graphs.pack_step([item.seq for item in out.scheduled],
-                                                      carry.rows if carry is not None else None)
+        path = self.step_path(out, carry, verify, observer)
+        if path == "verify graph":
+            bucket, packed, starts = self.verify_graphs.pack_step(out.scheduled)
+        elif path == "decode graph":
+            shape, packed, carries = self.decode_graphs.pack_step([item.seq for item in out.scheduled],
+                                                                  carry.rows if carry is not None else None)
         else:
             input_ids, positions, meta, starts = self._prepare(out, carry)
             meta.kv_observer = observer
         if self.cpu_tier is not None:
             self.cpu_tier.wait()
         self.copy_blocks(out.blocks_to_copy)
-        sampled = None
-        if graphed:
-            hidden, sampled = graphs.run(len(out.scheduled), shape, packed, carry.tokens if carries else None,
-                                         greedy)
+        third = None
+        if path == "verify graph":
+            hidden, logits = self.verify_graphs.run(bucket, packed)
+            hidden, third = hidden[:num_tokens], logits[:num_tokens]
+        elif path == "decode graph":
+            hidden, third = self.decode_graphs.run(len(out.scheduled), shape, packed,
+                                                   carry.tokens if carries else None, greedy)
             starts = list(range(len(out.scheduled) + 1))
         else:
             hidden = self.model(input_ids, positions, meta)
@@ -236,7 +267,7 @@ class ModelRunner:
             self._first_forward_observer = None
             first.report(self.model.attention_layers, self.kv_dtype)
         self.num_tokens_forwarded += num_tokens
-        return hidden, starts, sampled
+        return hidden, starts, third
 
     @torch.inference_mode()
     def warmup(self, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,

@@ -62,15 +62,19 @@ def run_verify_step(runner, out: SchedulerOutput, stats: SpecStats, draft_probs:
                     ) -> tuple[list[int | list[int] | None], list[Logprob | None]]:
     """Forward + acceptance. -> per scheduled entry: a token (plain sampling), the emitted tokens (speculating), or
     None; and its Logprob or None. draft_probs: id(seq) -> [k, V] proposer probabilities (None: point masses)."""
-    hidden, starts, _ = runner.forward(out, None, greedy=False)                                  # [T, hidden]
+    # [T, hidden]; all_logits [T, vocab] fp32 where a verify graph ran (its head inside), else None
+    hidden, starts, all_logits = runner.forward(out, None, verify=True)
     runner._prompt_logprobs(out, hidden, starts)
+
+    def logits_of(rows: list[int]) -> torch.Tensor:                                          # [len(rows), vocab]
+        index = to_device(rows, torch.long, hidden.device)
+        return all_logits[index] if all_logits is not None else runner.model.compute_logits(hidden[index])
     tokens: list[int | list[int] | None] = [None] * len(out.scheduled)
     logprobs: list[Logprob | None] = [None] * len(out.scheduled)
     plain = [i for i, item in enumerate(out.scheduled) if item.sample and not item.num_spec_tokens]
     spec = [i for i, item in enumerate(out.scheduled) if item.num_spec_tokens]
     if plain:
-        rows = to_device([starts[i + 1] - 1 for i in plain], torch.long, hidden.device)
-        result = runner.sampler.sample(runner.model.compute_logits(hidden[rows]),
+        result = runner.sampler.sample(logits_of([starts[i + 1] - 1 for i in plain]),
                                        [out.scheduled[i].seq for i in plain]).resolve()
         for i, token, lp in zip(plain, result.token_ids, result.logprobs):
             tokens[i], logprobs[i] = token, lp
@@ -81,7 +85,7 @@ def run_verify_step(runner, out: SchedulerOutput, stats: SpecStats, draft_probs:
         k = out.scheduled[i].num_spec_tokens
         spans.append((len(rows), k))
         rows += range(starts[i + 1] - 1 - k, starts[i + 1])
-    logits = runner.model.compute_logits(hidden[to_device(rows, torch.long, hidden.device)])    # [sum(k+1), V] fp32
+    logits = logits_of(rows)                                                                    # [sum(k+1), V] fp32
     greedy = [_is_greedy(out.scheduled[i].seq) for i in spec]
     argmax = logits.argmax(dim=-1).tolist() if any(greedy) else None
     for i, (row0, k), is_greedy in zip(spec, spans, greedy):

@@ -1,0 +1,212 @@
+"""Verification steps under CUDA graphs (engine/spec/graphs.py): the packed inputs (rows of every entry, the padding
+sequence, the bucket), checked with exact values; on CPU the graphs are stood in for by eager forwards over the same
+static views, so the packing and the logits taken from the graph's head are checked end to end against the engine
+without graphs; on the GPU the captured graphs against eager verification and against no speculation."""
+import os
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")   # before the kernel module is imported (decoration time)
+
+from quant_serve.engine.config import SpeculativeConfig  # noqa: E402
+from quant_serve.engine.sampling_params import SamplingParams  # noqa: E402
+from quant_serve.engine.scheduler import ScheduledSeq  # noqa: E402
+from quant_serve.engine.sequence import Sequence  # noqa: E402
+from quant_serve.engine.spec.graphs import VerifyGraphs, VerifyInputs  # noqa: E402
+from quant_serve.kernels.interpret import patch_triton_interpreter  # noqa: E402
+
+from conftest import TINY  # noqa: E402
+from helpers import assert_all_blocks_free, make_engine  # noqa: E402
+
+patch_triton_interpreter()
+
+
+def test_packed_inputs_read_back_through_the_device_views():
+    layout = VerifyInputs(max_batch=4, tokens_per_seq=3, max_blocks=5)
+    # two entries in the bucket of 4: a speculating one (3 tokens at 33..35) and a plain decode (1 token at 7)
+    packed = layout.pack(4, ids=[[11, 12, 13], [21]], positions=[33, 7], slots=[[530, 531, 532], [119]],
+                         tables=[[1, 6, 3], [7]])
+    assert packed.dtype == np.uint8 and packed.size == layout.table_offset + 4 * 5 * 5
+    blob = torch.full((layout.nbytes,), 0xAB, dtype=torch.uint8)
+    blob[:packed.size] = torch.from_numpy(packed)
+    ids, positions, slots, seq_lens, starts, tables = layout.views(blob)
+    assert ids.dtype == torch.int64 and seq_lens.dtype == torch.int32 and tuple(tables.shape) == (5, 5)
+    assert ids.tolist() == [11, 12, 13, 21] + [0] * 8
+    assert positions.tolist() == [33, 34, 35, 7] + list(range(8))         # the padding rows: positions 0..7
+    assert slots.tolist() == [530, 531, 532, 119] + [-1] * 8              # padding stores nothing
+    assert seq_lens.tolist() == [36, 8, 8, 0, 0]                          # the padding sequence: its own 8 rows
+    assert starts.tolist() == [0, 3, 4, 12, 12, 12]                       # then sequences without rows
+    assert tables.tolist() == [[1, 6, 3, 0, 0], [7, 0, 0, 0, 0]] + [[0] * 5] * 3
+    # a full bucket leaves the padding sequence no rows; a smaller bucket packs fewer table bytes
+    full = layout.pack(1, ids=[[5, 6, 7]], positions=[0], slots=[[16, 17, 18]], tables=[[1]])
+    assert full.size == layout.table_offset + 4 * 2 * 5
+    blob[:full.size] = torch.from_numpy(full)
+    assert layout.views(blob)[3][:2].tolist() == [3, 0] and layout.views(blob)[4][:3].tolist() == [0, 3, 3]
+
+
+def test_pack_refuses_what_no_graph_holds():
+    layout = VerifyInputs(max_batch=2, tokens_per_seq=3, max_blocks=4)
+    with pytest.raises(ValueError, match="entry 0 forwards 4 tokens"):
+        layout.pack(2, ids=[[1, 2, 3, 4]], positions=[0], slots=[[0, 1, 2, 3]], tables=[[0]])
+    with pytest.raises(ValueError, match="3 entries for batch bucket 2"):
+        layout.pack(2, ids=[[1]] * 3, positions=[0] * 3, slots=[[0]] * 3, tables=[[0]] * 3)
+
+
+def test_pack_step_buckets_and_rows():
+    graphs = VerifyGraphs(model=None, max_batch=6, tokens_per_seq=4, max_model_len=64, block_size=16, device="cpu")
+    assert graphs.buckets == [1, 2, 4, 6] and [graphs.bucket_for(n) for n in (1, 2, 3, 5, 6)] == [1, 2, 4, 6, 6]
+    spec = Sequence("a", [3, 4, 5, 6, 7], SamplingParams())
+    spec.num_computed_tokens, spec.block_table, spec.spec_token_ids = 4, [9], [40, 41, 42]
+    plain = Sequence("b", list(range(20)), SamplingParams())
+    plain.num_computed_tokens, plain.block_table = 19, [2, 5]
+    bucket, packed, starts = graphs.pack_step([ScheduledSeq(spec, 4), ScheduledSeq(plain, 1)])
+    assert bucket == 2 and starts == [0, 4, 5]
+    ids, positions, slots, seq_lens, qsl, tables = graphs.inputs.views(packed)
+    assert ids[:5].tolist() == [7, 40, 41, 42, 19] and positions[:5].tolist() == [4, 5, 6, 7, 19]
+    assert slots[:8].tolist() == [148, 149, 150, 151, 83, -1, -1, -1]
+    assert seq_lens[:3].tolist() == [8, 20, 3] and qsl[:4].tolist() == [0, 4, 5, 8]
+    assert graphs.can_run([4, 1]) is False                                 # nothing captured yet
+    graphs.graphs = {b: None for b in graphs.buckets}
+    assert graphs.can_run([4, 1]) and not graphs.can_run([5]) and not graphs.can_run([1] * 7)
+
+
+class EagerGraph:
+    """Stands in for a captured graph on CPU: replay() runs what capture() records into the graph's outputs."""
+
+    def __init__(self, graphs: VerifyGraphs, bs: int, replays: list):
+        self.graphs, self.bs, self.replays = graphs, bs, replays
+
+    def replay(self):
+        self.replays.append(self.bs)
+        for out, got in zip(self.graphs.outputs[self.bs], self.graphs.step(self.bs)):
+            out.copy_(got)
+
+
+def _with_eager_verify_graphs(engine, k: int) -> list:
+    runner, replays = engine.runner, []
+    graphs = runner.plan_verify_graphs(engine.config.speculative.disable_by_batch_size, k + 1, engine.max_model_len)
+    cfg = runner.model_config
+    for bs in graphs.buckets:
+        graphs.graphs[bs] = EagerGraph(graphs, bs, replays)
+        graphs.outputs[bs] = (torch.empty(bs * (k + 1), cfg.hidden_size), torch.empty(bs * (k + 1), cfg.vocab_size))
+    return replays
+
+
+def _requests():
+    copy = ("Copy this exactly: the quick brown fox jumps over the lazy dog, then the quick brown fox jumps over the "
+            "lazy dog again. Copy: the quick brown fox")
+    return [("copy", copy, SamplingParams(max_tokens=16, temperature=0)),
+            ("count", "1, 2, 3, 4, 5, 6, 7,", SamplingParams(max_tokens=9, temperature=0)),
+            ("random", copy, SamplingParams(max_tokens=10, temperature=0.8, seed=3))]
+
+
+def _run(engine) -> dict:
+    pending, results, steps = _requests(), {}, 0
+    while pending or engine.has_unfinished_requests():
+        if pending and steps % 2 == 0:
+            engine.add_request(*pending.pop(0))
+        steps += 1
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = out.outputs[0].token_ids
+    return results
+
+
+def test_graph_inputs_give_the_eager_verification_tokens():
+    """Verification steps through the packed inputs (several buckets, entries with fewer proposals than k, plain
+    decodes beside them, the padding sequence) and the graph's all-row logits give the eager engine's tokens, random
+    sampling included."""
+    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3,
+                             disable_by_batch_size=4)
+    results, stats = [], []
+    for graphed in (False, True):
+        engine = make_engine(TINY, max_model_len=128, speculative=spec)
+        replays = _with_eager_verify_graphs(engine, 3) if graphed else []
+        paths = []
+        real = engine.runner.step_path
+        engine.runner.step_path = lambda *a, **kw: paths.append(real(*a, **kw)) or paths[-1]
+        results.append(_run(engine))
+        stats.append((engine.spec_stats.num_drafts, engine.spec_stats.num_accepted_tokens))
+        assert_all_blocks_free(engine)
+        if graphed:
+            assert "verify graph" in paths and len(set(replays)) >= 2, (paths, replays)
+        else:
+            assert "verify graph" not in paths
+    assert results[0] == results[1] and stats[0] == stats[1] and stats[0][1] > 0
+
+
+def _gpu_engine(model, **kw):
+    spec = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3,
+                             disable_by_batch_size=4)
+    return make_engine(model, dtype="float16", device="cuda", max_model_len=256, speculative=spec, **kw)
+
+
+@pytest.mark.gpu
+def test_cuda_verify_graph_logits_match_eager(tmp_path_factory):
+    """One verification step (entries of 5, 3 and 1 tokens: bucket 4 with a padding sequence) through the captured
+    graph and eagerly over the same cache: the same logits up to fp16 rounding (the matmuls see 20 rows, not 9),
+    the same argmax wherever it is not a near-tie."""
+    from helpers import fp16_model_dir
+    from quant_serve.engine.scheduler import SchedulerOutput
+    engine = _gpu_engine(fp16_model_dir(tmp_path_factory.getbasetemp()))
+    runner, bm = engine.runner, engine.block_manager
+    assert sorted(runner.verify_graphs.graphs) == [1, 2, 4]
+    gen = torch.Generator().manual_seed(0)
+    entries = []
+    for i, (context, proposals) in enumerate([(37, 4), (70, 2), (16, 0)]):
+        ids = torch.randint(3, engine.model_config.vocab_size, (context,), generator=gen).tolist()
+        seq = Sequence(f"s{i}", ids, SamplingParams(max_tokens=None, temperature=0))
+        assert bm.allocate_slots(seq, context + 8)
+        runner.execute(SchedulerOutput([ScheduledSeq(seq, context - 1)], context - 1))     # the prefill
+        seq.num_computed_tokens = context - 1
+        seq.spec_token_ids = torch.randint(3, 1000, (proposals,), generator=gen).tolist()
+        entries.append(ScheduledSeq(seq, 1 + proposals))
+    out = SchedulerOutput(entries, sum(e.num_new_tokens for e in entries))
+    assert runner.step_path(out, verify=True) == "verify graph"
+    hidden_g, starts_g, logits_g = runner.forward(out, verify=True)
+    logits_g = logits_g.clone()
+    graphs, runner.verify_graphs = runner.verify_graphs, None
+    hidden_e, starts_e, none = runner.forward(out, verify=True)
+    runner.verify_graphs = graphs
+    logits_e = engine.model.compute_logits(hidden_e)
+    assert none is None and starts_g == starts_e == [0, 5, 8, 9] and logits_g.shape == logits_e.shape
+    assert (logits_g - logits_e).abs().max() < 5e-2
+    top2 = logits_e.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 5e-2
+    assert clear.sum() >= 6 and torch.equal(logits_g.argmax(-1)[clear], logits_e.argmax(-1)[clear])
+
+
+@pytest.mark.gpu
+def test_cuda_verify_graphs_match_eager_and_plain(tmp_path_factory):
+    """On the GPU (fp16), greedy: the engine with verify graphs, the same engine with verification forced eager,
+    and no speculation agree up to fp16 near-ties (verification runs the prefill kernel over 5 rows a sequence,
+    decode the decode graphs over one)."""
+    from helpers import fp16_model_dir
+    model = fp16_model_dir(tmp_path_factory.getbasetemp())
+    prompts = [prompt for _, prompt, _ in _requests()[:2]] + ["water " * 40]
+    params = SamplingParams(max_tokens=32, temperature=0)
+
+    def tokens(engine):
+        return [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
+
+    def agree(got, ref):
+        return sum(a == b for g, r in zip(got, ref) for a, b in zip(g, r)) / sum(len(r) for r in ref)
+    plain = tokens(make_engine(model, dtype="float16", device="cuda", max_model_len=256))
+    graphed_engine = _gpu_engine(model)
+    paths = []
+    real = graphed_engine.runner.step_path
+    graphed_engine.runner.step_path = lambda *a, **kw: paths.append(real(*a, **kw)) or paths[-1]
+    graphed = tokens(graphed_engine)
+    eager_engine = _gpu_engine(model)
+    eager_engine.runner.verify_graphs = None                     # the decode graphs stay: only verification eager
+    eager = tokens(eager_engine)
+    assert "verify graph" in paths and graphed_engine.spec_stats.num_accepted_tokens > 0
+    assert [g[0] for g in graphed] == [e[0] for e in eager] == [r[0] for r in plain]
+    assert agree(graphed, eager) >= 0.9 and agree(graphed, plain) >= 0.9, (agree(graphed, eager),
+                                                                             agree(graphed, plain))
+    assert_all_blocks_free(graphed_engine)
+    eager_off = _gpu_engine(model, enforce_eager=True)
+    assert eager_off.runner.verify_graphs is None and eager_off.runner.decode_graphs is None
