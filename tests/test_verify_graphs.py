@@ -210,3 +210,16 @@ def test_cuda_verify_graphs_match_eager_and_plain(tmp_path_factory):
     assert_all_blocks_free(graphed_engine)
     eager_off = _gpu_engine(model, enforce_eager=True)
     assert eager_off.runner.verify_graphs is None and eager_off.runner.decode_graphs is None
+
+
+def test_bench_projection_prefers_the_graphed_verify_cost():
+    import importlib.util
+    from conftest import REPO
+    spec = importlib.util.spec_from_file_location("spec_decode_bench", REPO / "bench" / "spec_decode.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    cost = {"decode_graph_ms": 1.6, "verify_1_over_decode": 1.9, "verify_2_over_decode": 2.0,
+            "verify_4_over_decode": 2.2, "verify_graph_2_over_decode": 1.1, "verify_graph_4_over_decode": 1.2,
+            "verify_graph_4_ms": 1.92}
+    assert bench.interpolate(cost, 3) == pytest.approx(1.15) and bench.interpolate(cost, 1) == 1.9
+    assert bench.interpolate({k: v for k, v in cost.items() if "graph_" not in k}, 3) == pytest.approx(2.1)
