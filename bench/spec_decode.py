@@ -163,7 +163,6 @@ def run_verify_cost(args) -> dict:
         return statistics.median(times)
 
     graphed = engine.device != "cpu" and runner.decode_graphs is not None
-    graphs = {}                              # t -> VerifyGraphs (batch buckets up to 16)
     result["verify_graphs"] = graphed
     for batch in BATCHES:
         seqs = []
@@ -185,13 +184,13 @@ def run_verify_cost(args) -> dict:
                 hidden, starts, _ = runner.forward(out)
                 engine.model.compute_logits(hidden).argmax(dim=-1)
             row[f"verify_{t}_ms"] = 1e3 * timed(verify)
-            if t >= 2 and graphed:
-                graphs[t] = graphs.get(t) or capture_verify_graphs(runner, t, engine.max_model_len)
+            if t >= 2 and graphed:     # the graphs of this batch and t alone (one logits buffer at a time)
+                runner.plan_verify_graphs(batch, t, engine.max_model_len)
+                runner.capture_verify_graphs()
 
                 def verify_graph():
                     hidden, starts, logits = runner.forward(out, verify=True)
                     logits.argmax(dim=-1)
-                runner.verify_graphs = graphs[t]
                 assert runner.step_path(out, verify=True) == "verify graph"
                 row[f"verify_graph_{t}_ms"] = 1e3 * timed(verify_graph)
                 runner.verify_graphs = None
@@ -204,14 +203,6 @@ def run_verify_cost(args) -> dict:
         for s in seqs:
             bm.free(s)
     return result
-
-
-def capture_verify_graphs(runner, t: int, max_model_len: int):
-    """Verification graphs at t tokens a sequence for the measured batches, in the decode graphs' pool."""
-    graphs = runner.plan_verify_graphs(max(BATCHES), t, max_model_len)
-    runner.capture_verify_graphs()
-    runner.verify_graphs = None
-    return graphs
 
 
 def interpolate(cost: dict, tokens: int) -> float:

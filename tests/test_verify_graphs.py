@@ -45,6 +45,8 @@ def test_packed_inputs_read_back_through_the_device_views():
     assert full.size == layout.table_offset + 4 * 2 * 5
     blob[:full.size] = torch.from_numpy(full)
     assert layout.views(blob)[3][:2].tolist() == [3, 0] and layout.views(blob)[4][:3].tolist() == [0, 3, 3]
+    odd = VerifyInputs(max_batch=1, tokens_per_seq=5, max_blocks=4)       # 5 rows: columns of 48 bytes, aligned
+    assert (odd.column_bytes, odd.lens_offset, odd.nbytes) == (48, 144, 144 + 4 * 2 + 4 * 3 + 4 * 2 * 4)
 
 
 def test_pack_refuses_what_no_graph_holds():
@@ -81,17 +83,14 @@ class EagerGraph:
 
     def replay(self):
         self.replays.append(self.bs)
-        for out, got in zip(self.graphs.outputs[self.bs], self.graphs.step(self.bs)):
-            out.copy_(got)
+        self.graphs.outputs[self.bs] = self.graphs.step(self.bs)
 
 
 def _with_eager_verify_graphs(engine, k: int) -> list:
     runner, replays = engine.runner, []
     graphs = runner.plan_verify_graphs(engine.config.speculative.disable_by_batch_size, k + 1, engine.max_model_len)
-    cfg = runner.model_config
     for bs in graphs.buckets:
         graphs.graphs[bs] = EagerGraph(graphs, bs, replays)
-        graphs.outputs[bs] = (torch.empty(bs * (k + 1), cfg.hidden_size), torch.empty(bs * (k + 1), cfg.vocab_size))
     return replays
 
 
@@ -223,3 +222,17 @@ def test_bench_projection_prefers_the_graphed_verify_cost():
             "verify_graph_4_ms": 1.92}
     assert bench.interpolate(cost, 3) == pytest.approx(1.15) and bench.interpolate(cost, 1) == 1.9
     assert bench.interpolate({k: v for k, v in cost.items() if "graph_" not in k}, 3) == pytest.approx(2.1)
+
+
+def test_memory_plan_counts_the_verify_logits():
+    import json
+    from quant_serve.engine.config import EngineConfig, SchedulerConfig
+    from quant_serve.engine.kv_pool import verify_rows
+    from quant_serve.engine.memory import plan_memory
+    config = json.loads((TINY / "config.json").read_text())
+    base, spec = plan_memory(config, max_model_len=256), plan_memory(config, max_model_len=256, verify_rows=20)
+    assert spec.cuda_graph_bytes - base.cuda_graph_bytes == 20 * config["vocab_size"] * 4
+    assert plan_memory(config, max_model_len=256, verify_rows=20, enforce_eager=True).cuda_graph_bytes == 0
+    engine = EngineConfig(model=str(TINY), scheduler=SchedulerConfig(max_num_seqs=3),
+                          speculative=SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=8))
+    assert verify_rows(engine) == 3 * 5 and verify_rows(EngineConfig(model=str(TINY))) == 0

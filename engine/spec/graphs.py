@@ -29,7 +29,7 @@ logger = logging.getLogger("quant_serve")
 @dataclass
 class VerifyInputs:
     """Byte layout of a verification step's inputs, the same on the host and in the device blob: int64
-    [max_batch * t] each of input ids, positions and slots, then int32 seq_lens [max_batch + 1], query_start_loc
+    [max_batch * t] each of input ids, positions and slots (each padded to 16 bytes), then int32 seq_lens [max_batch + 1], query_start_loc
     [max_batch + 2] and the block tables [max_batch + 1, max_blocks] (a bucket's graph reads the first rows)."""
     max_batch: int
     tokens_per_seq: int          # t = k + 1
@@ -40,8 +40,14 @@ class VerifyInputs:
         return self.max_batch * self.tokens_per_seq
 
     @property
+    def column_bytes(self) -> int:
+        """Bytes of each int64 column: whole 16-byte units, so that every column starts 16-byte aligned (Triton
+        specializes pointer arguments on it)."""
+        return 16 * -(-self.max_rows // 2)
+
+    @property
     def lens_offset(self) -> int:
-        return 24 * self.max_rows
+        return 3 * self.column_bytes
 
     @property
     def starts_offset(self) -> int:
@@ -58,8 +64,8 @@ class VerifyInputs:
     def views(self, blob):
         """blob (uint8, torch or numpy) -> (ids, positions, slots, seq_lens, query_start_loc, tables [rows,
         max_blocks])."""
-        rows, i64, i32 = self.max_rows, _dtype(blob, 8), _dtype(blob, 4)
-        cols = [blob[8 * rows * i: 8 * rows * (i + 1)].view(i64) for i in range(3)]
+        rows, col, i64, i32 = self.max_rows, self.column_bytes, _dtype(blob, 8), _dtype(blob, 4)
+        cols = [blob[col * i: col * i + 8 * rows].view(i64) for i in range(3)]
         lens = blob[self.lens_offset: self.starts_offset].view(i32)
         starts = blob[self.starts_offset: self.table_offset].view(i32)
         tables = blob[self.table_offset: self.nbytes].view(i32).reshape(-1, self.max_blocks)
@@ -108,6 +114,9 @@ class VerifyGraphs:
         self.slot_mapping.fill_(-1)                      # the capture's forwards store nothing
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}                         # batch bucket -> graph
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}         # (hidden, fp32 logits)
+        # [max_batch * t, vocab] fp32, outside the graph pool: every bucket's graph writes its logits into its first
+        # rows (one copy kernel), where an output of each graph's own would hold a buffer per bucket for good
+        self.logits: torch.Tensor | None = None
 
     def _meta(self, bs: int) -> AttentionMetadata:
         rows = bs * self.tokens_per_seq
@@ -118,10 +127,16 @@ class VerifyGraphs:
 
     def step(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         """What a graph records: the forward of bucket bs over the static inputs and the head over every row.
-        -> (hidden [bs * t, hidden], logits [bs * t, vocab] fp32)"""
+        -> (hidden [bs * t, hidden], logits [bs * t, vocab] fp32: the first rows of self.logits). The first call,
+        before any capture (the warm-up runs of the largest bucket), allocates self.logits."""
         rows = bs * self.tokens_per_seq
         hidden = self.model(self.input_ids[:rows], self.positions[:rows], self._meta(bs))
-        return hidden, self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden)
+        if self.logits is None:
+            self.logits = torch.empty((self.inputs.max_rows, logits.shape[1]), dtype=logits.dtype,
+                                      device=logits.device)
+        self.logits[:rows].copy_(logits)
+        return hidden, self.logits[:rows]
 
     @torch.inference_mode()
     def run_eagerly(self) -> None:
