@@ -278,6 +278,9 @@ class LLMEngine:
         usual); its tokens are emitted by the next step() call."""
         out = self._schedule()
         if out is not None:
+            for item in out.scheduled:            # only proposals verified count for the back-off
+                if item.num_spec_tokens:
+                    self.proposer.backoff.proposed(item.seq)
             tokens, logprobs = run_verify_step(self.runner, out, self.spec_stats)   # proposals are point masses
             self.scheduler.advance(out)
             for item, lp in zip(out.scheduled, logprobs):

@@ -236,3 +236,18 @@ def test_memory_plan_counts_the_verify_logits():
     engine = EngineConfig(model=str(TINY), scheduler=SchedulerConfig(max_num_seqs=3),
                           speculative=SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=8))
     assert verify_rows(engine) == 3 * 5 and verify_rows(EngineConfig(model=str(TINY))) == 0
+
+
+def test_dropped_proposals_are_no_backoff_miss():
+    """A step budget of one token: the scheduler drops every proposal (it never preempts for them), so none is
+    verified and the back-off records none (before, each dropped proposal counted as a miss when the token decoded
+    in its place differed)."""
+    engine = make_engine(TINY, chunk=1, max_model_len=128, speculative=SpeculativeConfig(
+        num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3, backoff_after=1))
+    engine.add_request("r", "1, 2, 3, 4, 5, 6, 7, 1, 2, 3,", SamplingParams(max_tokens=8, temperature=0))
+    records, proposed = engine.proposer.backoff.records, 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        proposed += bool(engine.scheduler.running and records)
+        assert all(not r.proposals and not r.misses and not r.skip for r in records.values()), records
+    assert proposed and engine.spec_stats.num_drafts == 0
