@@ -8,8 +8,9 @@ batch-1 speedup from the two.
 verify-cost: dummy Qwen2.5-7B AWQ under a 24 GiB cap (as bench/e2e.py builds it); median time of one target step
 that forwards t tokens per sequence (t = 1, 2, 4, 5, 8: the last known token + t - 1 proposals) and takes the logits
 of all of them, at batch 1, 4, 16, next to the plain decode step (CUDA graph) at t = 1: eager (verify_{t}_ms) and,
-for t >= 2 on CUDA, replaying the verification graph of that t (verify_graph_{t}_ms, engine/spec/graphs.py; the
-issue-37 goal: verify_graph_5_over_decode <= 1.25 at batch 1). project uses the graphed ratios where present.
+for t >= 2 on CUDA, replaying the verification graph of that t (verify_graph_{t}_ms: the varlen prefill kernel,
+the default; verify_rows_graph_{t}_ms: one decode row per token, KernelOptions.verify_rows; engine/spec/graphs.py;
+the issue-37 goal: <= 1.25 x decode_graph_ms at t = 5, batch 1). project uses verify_graph_{t} where present.
 acceptance: tiny-qwen2 target, greedy, k proposals; prompt lookup and draft models (--drafts: tiny-qwen2 cut to its
 first N layers, or a directory such as the shared tiny-qwen2-awq: the target in INT4 as its own draft) on a
 copy-heavy task (a held-out paragraph of
@@ -184,15 +185,18 @@ def run_verify_cost(args) -> dict:
                 hidden, starts, _ = runner.forward(out)
                 engine.model.compute_logits(hidden).argmax(dim=-1)
             row[f"verify_{t}_ms"] = 1e3 * timed(verify)
-            if t >= 2 and graphed:     # the graphs of this batch and t alone (one logits buffer at a time)
-                runner.plan_verify_graphs(batch, t, engine.max_model_len)
+            for as_rows, key in ((False, "verify_graph"), (True, "verify_rows_graph")):
+                if t < 2 or not graphed:
+                    continue
+                # the graphs of this batch and t alone (one set at a time)
+                runner.plan_verify_graphs(batch, t, engine.max_model_len, as_rows)
                 runner.capture_verify_graphs()
 
                 def verify_graph():
                     hidden, starts, logits = runner.forward(out, verify=True)
                     logits.argmax(dim=-1)
                 assert runner.step_path(out, verify=True) == "verify graph"
-                row[f"verify_graph_{t}_ms"] = 1e3 * timed(verify_graph)
+                row[f"{key}_{t}_ms"] = 1e3 * timed(verify_graph)
                 runner.verify_graphs = None
             for s in seqs:
                 s.spec_token_ids = []

@@ -15,10 +15,11 @@ from quant_serve.engine.config import SpeculativeConfig  # noqa: E402
 from quant_serve.engine.sampling_params import SamplingParams  # noqa: E402
 from quant_serve.engine.scheduler import ScheduledSeq  # noqa: E402
 from quant_serve.engine.sequence import Sequence  # noqa: E402
-from quant_serve.engine.spec.graphs import VerifyGraphs, VerifyInputs  # noqa: E402
+from quant_serve.engine.spec.graphs import VerifyGraphs, VerifyInputs, VerifyRowGraphs  # noqa: E402
+from quant_serve.kernels.gpu import KernelOptions  # noqa: E402
 from quant_serve.kernels.interpret import patch_triton_interpreter  # noqa: E402
 
-from conftest import TINY  # noqa: E402
+from conftest import GPU_PROFILE, TINY  # noqa: E402
 from helpers import assert_all_blocks_free, make_engine  # noqa: E402
 
 patch_triton_interpreter()
@@ -86,12 +87,48 @@ class EagerGraph:
         self.graphs.outputs[self.bs] = self.graphs.step(self.bs)
 
 
-def _with_eager_verify_graphs(engine, k: int) -> list:
+class EagerRowGraph:
+    """The same for a graph of verification rows (a DecodeGraphs graph with the K/V stored first)."""
+
+    def __init__(self, rows, key: tuple[int, int], replays: list):
+        self.rows, self.key, self.replays = rows, key, replays
+
+    def replay(self):
+        self.replays.append(self.key[0])
+        bs, width = self.key
+        self.rows.outputs[self.key] = self.rows.model(self.rows.input_ids[:bs], self.rows.positions[:bs],
+                                                      self.rows._meta(bs, width))
+
+
+def _with_eager_verify_graphs(engine, k: int, as_rows: bool) -> list:
     runner, replays = engine.runner, []
-    graphs = runner.plan_verify_graphs(engine.config.speculative.disable_by_batch_size, k + 1, engine.max_model_len)
-    for bs in graphs.buckets:
-        graphs.graphs[bs] = EagerGraph(graphs, bs, replays)
+    graphs = runner.plan_verify_graphs(engine.config.speculative.disable_by_batch_size, k + 1, engine.max_model_len,
+                                       as_rows)
+    if as_rows:
+        for key in graphs.rows.shapes:
+            graphs.rows.graphs[key] = EagerRowGraph(graphs.rows, key, replays)
+    else:
+        for bs in graphs.buckets:
+            graphs.graphs[bs] = EagerGraph(graphs, bs, replays)
     return replays
+
+
+def _compare_with_eager(runner, diffs: list) -> None:
+    """Every graphed verification forward is followed by the eager one over the same entries: their logits go to
+    diffs (max abs difference; the eager forward stores the same K/V again)."""
+    real = runner.forward
+
+    def forward(out, carry=None, greedy=False, verify=False):
+        hidden, starts, logits = real(out, carry, greedy, verify)
+        if logits is not None:
+            logits = logits.clone()
+            graphs, runner.verify_graphs = runner.verify_graphs, None
+            eager, eager_starts, none = real(out, carry, greedy, verify)
+            runner.verify_graphs = graphs
+            assert none is None and eager_starts == starts and logits.shape[0] == starts[-1]
+            diffs.append(float((runner.model.compute_logits(eager) - logits).abs().max()))
+        return hidden, starts, logits
+    runner.forward = forward
 
 
 def _requests():
@@ -114,20 +151,24 @@ def _run(engine) -> dict:
     return results
 
 
-def test_graph_inputs_give_the_eager_verification_tokens():
+@pytest.mark.parametrize("as_rows", [False, True], ids=["prefill-kernel", "decode-rows"])
+def test_graph_inputs_give_the_eager_verification_tokens(as_rows):
     """Verification steps through the packed inputs (several buckets, entries with fewer proposals than k, plain
-    decodes beside them, the padding sequence) and the graph's all-row logits give the eager engine's tokens, random
-    sampling included."""
+    decodes beside them, the padding sequence or padding rows) and the graph's all-row logits give the eager
+    engine's tokens, random sampling included."""
     spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3,
                              disable_by_batch_size=4)
     results, stats = [], []
     for graphed in (False, True):
         engine = make_engine(TINY, max_model_len=128, speculative=spec)
-        replays = _with_eager_verify_graphs(engine, 3) if graphed else []
-        paths = []
+        replays = _with_eager_verify_graphs(engine, 3, as_rows) if graphed else []
+        paths, diffs = [], []
         real = engine.runner.step_path
         engine.runner.step_path = lambda *a, **kw: paths.append(real(*a, **kw)) or paths[-1]
+        if graphed:
+            _compare_with_eager(engine.runner, diffs)
         results.append(_run(engine))
+        assert all(d < 1e-4 for d in diffs), diffs
         stats.append((engine.spec_stats.num_drafts, engine.spec_stats.num_accepted_tokens))
         assert_all_blocks_free(engine)
         if graphed:
@@ -144,15 +185,19 @@ def _gpu_engine(model, **kw):
 
 
 @pytest.mark.gpu
-def test_cuda_verify_graph_logits_match_eager(tmp_path_factory):
-    """One verification step (entries of 5, 3 and 1 tokens: bucket 4 with a padding sequence) through the captured
-    graph and eagerly over the same cache: the same logits up to fp16 rounding (the matmuls see 20 rows, not 9),
+@pytest.mark.parametrize("as_rows", [False, True], ids=["prefill-kernel", "decode-rows"])
+def test_cuda_verify_graph_logits_match_eager(as_rows, tmp_path_factory):
+    """One verification step (entries of 5, 3 and 1 tokens: bucket 4 with a padding sequence, or 9 rows in the row
+    bucket of 16) through the captured graph and eagerly over the same cache: the same logits up to fp16 rounding (the matmuls see 20 rows, not 9),
     the same argmax wherever it is not a near-tie."""
     from helpers import fp16_model_dir
     from quant_serve.engine.scheduler import SchedulerOutput
     engine = _gpu_engine(fp16_model_dir(tmp_path_factory.getbasetemp()))
     runner, bm = engine.runner, engine.block_manager
     assert sorted(runner.verify_graphs.graphs) == [1, 2, 4]
+    if as_rows:                          # rows of 1..20 tokens, in the decode graphs' pool
+        runner.plan_verify_graphs(4, 5, engine.max_model_len, as_rows=True)
+        runner.capture_verify_graphs()
     gen = torch.Generator().manual_seed(0)
     entries = []
     for i, (context, proposals) in enumerate([(37, 4), (70, 2), (16, 0)]):
@@ -179,7 +224,8 @@ def test_cuda_verify_graph_logits_match_eager(tmp_path_factory):
 
 
 @pytest.mark.gpu
-def test_cuda_verify_graphs_match_eager_and_plain(tmp_path_factory):
+@pytest.mark.parametrize("as_rows", [False, True], ids=["prefill-kernel", "decode-rows"])
+def test_cuda_verify_graphs_match_eager_and_plain(as_rows, tmp_path_factory):
     """On the GPU (fp16), greedy: the engine with verify graphs, the same engine with verification forced eager,
     and no speculation agree up to fp16 near-ties (verification runs the prefill kernel over 5 rows a sequence,
     decode the decode graphs over one)."""
@@ -194,7 +240,8 @@ def test_cuda_verify_graphs_match_eager_and_plain(tmp_path_factory):
     def agree(got, ref):
         return sum(a == b for g, r in zip(got, ref) for a, b in zip(g, r)) / sum(len(r) for r in ref)
     plain = tokens(make_engine(model, dtype="float16", device="cuda", max_model_len=256))
-    graphed_engine = _gpu_engine(model)
+    graphed_engine = _gpu_engine(model, kernels=KernelOptions(profile=GPU_PROFILE[0], verify_rows=as_rows))
+    assert isinstance(graphed_engine.runner.verify_graphs, VerifyRowGraphs if as_rows else VerifyGraphs)
     paths = []
     real = graphed_engine.runner.step_path
     graphed_engine.runner.step_path = lambda *a, **kw: paths.append(real(*a, **kw)) or paths[-1]

@@ -12,7 +12,13 @@ kernel, which reads every per-sequence value on the device (kernels/paged_attent
 in its launch but shapes), so one capture serves every mix of lengths. The head runs inside the graph over all
 rows (fp32 logits); sampling and acceptance stay outside.
 
-The inputs reach the graph as one packed host buffer and one copy (VerifyInputs), laid out like DecodeInputs."""
+The inputs reach the graph as one packed host buffer and one copy (VerifyInputs), laid out like DecodeInputs.
+
+VerifyRowGraphs (KernelOptions.verify_rows) runs the same step as one decode row per token instead: row i of a
+sequence is a decode of position p + i over a context of p + i + 1 tokens, through decode graphs of their own
+(engine/cuda_graph.py, with the K/V store before the decode kernel, since rows of one sequence read each other's
+K/V). The prefill kernel walks each sequence's context in one program per KV head (slow for long contexts at small
+batches); the decode kernel splits it. The head runs outside the graph, over the real rows."""
 import logging
 from dataclasses import dataclass
 
@@ -21,7 +27,7 @@ import torch
 from tqdm import tqdm
 
 from quant_serve.engine.attention import AttentionMetadata
-from quant_serve.engine.cuda_graph import BUCKETS, _capture, _dtype
+from quant_serve.engine.cuda_graph import BUCKETS, DecodeGraphs, _capture, _dtype
 
 logger = logging.getLogger("quant_serve")
 
@@ -196,3 +202,57 @@ class VerifyGraphs:
         self.blob[:host.shape[0]].copy_(host, non_blocking=True)
         self.graphs[bs].replay()
         return self.outputs[bs]
+
+
+class VerifyRowGraphs:
+    """Verification steps as decode rows (see the module's docstring); the same interface as VerifyGraphs."""
+
+    def __init__(self, model, max_batch: int, tokens_per_seq: int, max_model_len: int, block_size: int,
+                 device: torch.device, num_kv_heads: int, kv_fp8: bool = False):
+        self.model = model
+        self.max_batch, self.tokens_per_seq, self.block_size = max_batch, tokens_per_seq, block_size
+        self.rows = DecodeGraphs(model, max_batch * tokens_per_seq, max_model_len, block_size, device, num_kv_heads,
+                                 kv_fp8, store_first=True, name="verification row")
+
+    @property
+    def graphs(self) -> dict:
+        return self.rows.graphs
+
+    @property
+    def buckets(self) -> list[int]:
+        """Row buckets (sequences x tokens)."""
+        return self.rows.buckets
+
+    def run_eagerly(self) -> None:
+        self.rows.run_eagerly()
+
+    def capture(self, show_progress: bool = False, pool=None) -> None:
+        self.rows.capture(show_progress, pool)
+
+    def can_run(self, num_tokens: list[int]) -> bool:
+        return bool(self.graphs) and 0 < len(num_tokens) <= self.max_batch and max(num_tokens) <= self.tokens_per_seq
+
+    def pack_step(self, scheduled: list) -> tuple[tuple[int, tuple[int, int]], np.ndarray, list[int]]:
+        """As VerifyGraphs.pack_step: -> ((rows, graph shape), packed DecodeInputs, row starts [n + 1])."""
+        ids, positions, slots, seq_lens, tables, starts = [], [], [], [], [], [0]
+        bsz = self.block_size
+        for item in scheduled:
+            seq, n, p = item.seq, item.num_new_tokens, item.seq.num_computed_tokens
+            tokens = seq.token_ids[p:p + n] + (list(seq.spec_token_ids) if item.num_spec_tokens else [])
+            if len(tokens) != n:
+                raise ValueError(f"sequence {seq.request_id}: {n} new tokens scheduled, {len(tokens)} on the host")
+            ids += tokens
+            positions += range(p, p + n)
+            slots += [seq.block_table[q // bsz] * bsz + q % bsz for q in range(p, p + n)]
+            seq_lens += range(p + 1, p + n + 1)
+            tables += [seq.block_table] * n
+            starts.append(starts[-1] + n)
+        shape = self.rows.shape_for(len(ids), max(len(t) for t in tables))
+        packed = self.rows.inputs.pack(*shape, ids, positions, slots, seq_lens, tables, [-1] * len(ids))
+        return (len(ids), shape), packed, starts
+
+    def run(self, key: tuple[int, tuple[int, int]], packed: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (hidden [rows, hidden], logits [rows, vocab] fp32) of the real rows."""
+        rows, shape = key
+        hidden, _ = self.rows.run(rows, shape, packed)
+        return hidden, self.model.compute_logits(hidden)
