@@ -20,7 +20,9 @@ GiB = 2**30
 
 # Decode batches are captured from max_num_seqs down to 1 in one shared graph pool; what the pool holds is the
 # decode activations of the largest batch (tens of MiB for 7B at 256 rows) plus per-graph bookkeeping. vLLM logs
-# 0.3-1 GiB for comparable models, so reserve a flat 512 MiB.
+# 0.3-1 GiB for comparable models, so reserve a flat 512 MiB. Speculation's verification graphs (engine/spec/graphs.py)
+# share that pool (their activations are a few rows); their fp32 logits buffer lives outside it (plan_memory's
+# verify_rows).
 CUDA_GRAPH_RESERVE = 512 * MiB
 # CUDA context + cuBLAS/Triton workspaces (about 500 MiB on Ampere/Ada/Hopper), plus caching-allocator
 # fragmentation. Counted inside gpu_mem as on a real 24 GB card, so a caller passing measured free memory (context
