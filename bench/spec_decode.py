@@ -6,8 +6,11 @@ batch-1 speedup from the two.
     python bench/spec_decode.py project --acceptance B.json [--verify-cost A.json] [--out C.json]
 
 verify-cost: dummy Qwen2.5-7B AWQ under a 24 GiB cap (as bench/e2e.py builds it); median time of one target step
-that forwards t tokens per sequence (t = 1, 2, 4, 8: the last known token + t - 1 proposals) and takes the logits of
-all of them, at batch 1, 4, 16, next to the plain decode step (CUDA graph) at t = 1.
+that forwards t tokens per sequence (t = 1, 2, 4, 5, 8: the last known token + t - 1 proposals) and takes the logits
+of all of them, at batch 1, 4, 16, next to the plain decode step (CUDA graph) at t = 1: eager (verify_{t}_ms) and,
+for t >= 2 on CUDA, replaying the verification graph of that t (verify_graph_{t}_ms: the varlen prefill kernel,
+the default; verify_rows_graph_{t}_ms: one decode row per token, KernelOptions.verify_rows; engine/spec/graphs.py;
+the issue-37 goal: <= 1.25 x decode_graph_ms at t = 5, batch 1). project uses verify_graph_{t} where present.
 acceptance: tiny-qwen2 target, greedy, k proposals; prompt lookup and draft models (--drafts: tiny-qwen2 cut to its
 first N layers, or a directory such as the shared tiny-qwen2-awq: the target in INT4 as its own draft) on a
 copy-heavy task (a held-out paragraph of
@@ -20,6 +23,7 @@ and 1.6x.
 """
 import argparse
 import json
+import re
 import statistics
 import sys
 import time
@@ -33,6 +37,8 @@ TINY = SHARED / "models" / "tiny-qwen2"
 VAL = SHARED / "data" / "val.txt"
 DRAFT_LAYERS = 2
 K = 4
+BATCHES = (1, 4, 16)
+TOKENS = (1, 2, 4, 5, 8)                 # tokens per sequence a verification forwards (k + 1)
 
 
 def truncated_model(model_dir: Path, num_layers: int, out_dir: Path) -> Path:
@@ -157,7 +163,9 @@ def run_verify_cost(args) -> dict:
             times.append(time.perf_counter() - start)
         return statistics.median(times)
 
-    for batch in (1, 4, 16):
+    graphed = engine.device != "cpu" and runner.decode_graphs is not None
+    result["verify_graphs"] = graphed
+    for batch in BATCHES:
         seqs = []
         for i in range(batch):
             ids = torch.randint(3, vocab, (args.context,), generator=gen).tolist()
@@ -168,7 +176,7 @@ def run_verify_cost(args) -> dict:
             seqs.append(seq)
         row = {"decode_graph_ms": 1e3 * timed(lambda: runner.execute(
             SchedulerOutput([ScheduledSeq(s, 1) for s in seqs], batch)))}
-        for t in (1, 2, 4, 8):
+        for t in TOKENS:
             for s in seqs:
                 s.spec_token_ids = [5] * (t - 1)
             out = SchedulerOutput([ScheduledSeq(s, t) for s in seqs], batch * t)
@@ -177,9 +185,23 @@ def run_verify_cost(args) -> dict:
                 hidden, starts, _ = runner.forward(out)
                 engine.model.compute_logits(hidden).argmax(dim=-1)
             row[f"verify_{t}_ms"] = 1e3 * timed(verify)
+            for as_rows, key in ((False, "verify_graph"), (True, "verify_rows_graph")):
+                if t < 2 or not graphed:
+                    continue
+                # the graphs of this batch and t alone (one set at a time)
+                runner.plan_verify_graphs(batch, t, engine.max_model_len, as_rows)
+                runner.capture_verify_graphs()
+
+                def verify_graph():
+                    hidden, starts, logits = runner.forward(out, verify=True)
+                    logits.argmax(dim=-1)
+                assert runner.step_path(out, verify=True) == "verify graph"
+                row[f"{key}_{t}_ms"] = 1e3 * timed(verify_graph)
+                runner.verify_graphs = None
             for s in seqs:
                 s.spec_token_ids = []
-        row.update({f"verify_{t}_over_decode": row[f"verify_{t}_ms"] / row["decode_graph_ms"] for t in (1, 2, 4, 8)})
+        row.update({k.replace("_ms", "_over_decode"): v / row["decode_graph_ms"] for k, v in list(row.items())
+                    if k.startswith("verify_")})
         result["steps"][f"batch_{batch}"] = row
         print(batch, row, file=sys.stderr)
         for s in seqs:
@@ -188,8 +210,12 @@ def run_verify_cost(args) -> dict:
 
 
 def interpolate(cost: dict, tokens: int) -> float:
-    """Verify cost ratio at `tokens` tokens per sequence, linear between the measured 1, 2, 4, 8."""
-    points = sorted((int(k.split("_")[1]), v) for k, v in cost.items() if k.endswith("_over_decode"))
+    """Verify cost ratio at `tokens` tokens per sequence, linear between the measured ones (1, 2, 4, 5, 8): the
+    graphed step's where measured (t >= 2), else the eager one's."""
+    eager = {int(m.group(1)): v for k, v in cost.items() if (m := re.fullmatch(r"verify_(\d+)_over_decode", k))}
+    graphed = {int(m.group(1)): v for k, v in cost.items()
+               if (m := re.fullmatch(r"verify_graph_(\d+)_over_decode", k))}
+    points = sorted({**eager, **graphed}.items())
     for (t0, c0), (t1, c1) in zip(points, points[1:]):
         if t0 <= tokens <= t1:
             return c0 + (c1 - c0) * (tokens - t0) / (t1 - t0)

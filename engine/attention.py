@@ -29,6 +29,9 @@ class AttentionMetadata:
     # several query tokens per sequence in a CUDA graph's fixed rows (engine/spec/graphs.py): the prefill kernel,
     # even where the row count happens to equal the sequence count
     multi_token: bool = False
+    # one decode row per token of a verification (engine/spec/graphs.py, VerifyRowGraphs): rows of one sequence in
+    # one launch read each other's K/V, so the store runs before the decode kernel instead of inside it
+    store_first: bool = False
 
 
 def paged_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -42,7 +45,8 @@ def paged_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p
     (kernels/attention_merge.py) for o_proj to merge. window, softcap: a sliding-window layer's window and the
     score soft-cap (kernels/attention_ref.paged_attention_ref; 0: off). A cos_sin_cache narrower than head_dim
     (partial rotary) is applied in torch, then stored by the store kernel."""
-    decode = meta.max_query_len == 1 and q.shape[0] == meta.block_tables.shape[0] and not meta.multi_token
+    decode = meta.max_query_len == 1 and q.shape[0] == meta.block_tables.shape[0] and not meta.multi_token \
+        and not meta.store_first
     full_rotary = cos_sin_cache.shape[1] == q.shape[-1]
     if meta.kv_observer is None and q.is_cuda and decode and full_rotary and q.shape[-1] & (q.shape[-1] - 1) == 0:
         return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
@@ -74,4 +78,5 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: 
                                   meta.prefill_query_start_loc, softmax_scale, k_scale, v_scale, window, softcap)
         return out
     return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                           softmax_scale, k_scale, v_scale, window, softcap, multi_token=meta.multi_token)
+                           softmax_scale, k_scale, v_scale, window, softcap, multi_token=meta.multi_token,
+                           wide_table=meta.wide_table)

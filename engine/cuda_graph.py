@@ -71,8 +71,11 @@ class DecodeInputs:
 
 class DecodeGraphs:
     def __init__(self, model, max_batch: int, max_model_len: int, block_size: int, device: torch.device,
-                 num_kv_heads: int, kv_fp8: bool = False):
+                 num_kv_heads: int, kv_fp8: bool = False, store_first: bool = False, name: str = "decode"):
+        """store_first: rows of one sequence side by side (verification rows, engine/spec/graphs.py): K/V stored
+        before the decode kernel, not inside it, and no greedy graphs (all logits are taken)."""
         self.model = model
+        self.store_first, self.name = store_first, name
         self.buckets = sorted({b for b in BUCKETS if b < max_batch} | {max_batch})
         self.max_batch = max_batch
         max_blocks = -(-max_model_len // block_size)
@@ -101,7 +104,7 @@ class DecodeGraphs:
                                  block_tables=self.tables[:bs * width].view(bs, width),
                                  seq_lens=self.seq_lens[:bs], query_start_loc=self.query_start_loc[:bs + 1],
                                  max_seq_len=width * self.block_size, max_query_len=1,
-                                 wide_table=self.wide[bs])
+                                 wide_table=self.wide[bs], store_first=self.store_first)
 
     @property
     def shapes(self) -> list[tuple[int, int]]:
@@ -114,26 +117,27 @@ class DecodeGraphs:
         for bs, width in self.shapes:
             args = (self.input_ids[:bs], self.positions[:bs], self._meta(bs, width))
             self.model(*args)
-            if bs <= GREEDY_MAX_BATCH:
+            if bs <= GREEDY_MAX_BATCH and not self.store_first:
                 self._greedy_step(args)
         for bs in self.buckets:
             take_carried(self.input_ids[:bs], self.carry_rows[:bs], self.input_ids)
 
     @torch.inference_mode()
-    def capture(self, show_progress: bool = False) -> None:
-        pool = None
-        for bs, width in tqdm(self.shapes, desc="Capturing decode graphs", unit="graph", disable=not show_progress):
+    def capture(self, show_progress: bool = False, pool=None) -> None:
+        """pool: another set of graphs' memory pool to share (they never run at the same time)."""
+        for bs, width in tqdm(self.shapes, desc=f"Capturing {self.name} graphs", unit="graph",
+                              disable=not show_progress):
             args = (self.input_ids[:bs], self.positions[:bs], self._meta(bs, width))
             self.graphs[bs, width], self.outputs[bs, width], pool = _capture(lambda: self.model(*args), pool)
-            if bs <= GREEDY_MAX_BATCH:
+            if bs <= GREEDY_MAX_BATCH and not self.store_first:
                 self.greedy[bs, width], self.greedy_outputs[bs, width], pool = _capture(
                     lambda: self._greedy_step(args), pool)
         for bs in self.buckets:                 # the carried-token gather, every BLOCK it takes (rows: all -1)
             take_carried(self.input_ids[:bs], self.carry_rows[:bs], self.input_ids)
         self.pool = pool
         torch.cuda.synchronize()
-        logger.info("captured %d CUDA graphs for decode batch sizes %s (%d greedy)", len(self.graphs), self.buckets,
-                    len(self.greedy))
+        logger.info("captured %d CUDA graphs for %s batch sizes %s (%d greedy)", len(self.graphs), self.name,
+                    self.buckets, len(self.greedy))
 
     def _greedy_step(self, args) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode step and the argmax of its logits (in the model's dtype, as Sampler takes it)."""

@@ -18,6 +18,15 @@ def _draft_model(config: EngineConfig) -> str | None:
     return spec.model if spec.enabled and spec.method == "draft_model" else None
 
 
+def verify_rows(config: EngineConfig) -> int:
+    """Token rows of the largest verification graph (engine/spec/graphs.py): the batch speculation runs up to
+    times k + 1; 0 without speculation."""
+    spec = config.speculative
+    if not spec.enabled:
+        return 0
+    return min(spec.disable_by_batch_size, config.scheduler.max_num_seqs) * (spec.num_speculative_tokens + 1)
+
+
 def _draft_bytes_per_block(config: EngineConfig, dtype: torch.dtype) -> int:
     """The draft model's KV per block (its cache holds as many blocks as the target's, in the model dtype)."""
     if _draft_model(config) is None:
@@ -68,7 +77,7 @@ def _plan(config: EngineConfig, model_dir, device: str, dtype: torch.dtype, max_
                        max_num_batched_tokens=sched.max_num_batched_tokens, max_num_seqs=sched.max_num_seqs,
                        block_size=cache.block_size, enforce_eager=config.enforce_eager,
                        weights_dtype=str(dtype).replace("torch.", ""), int4_head=config.quantize_lm_head,
-                       quantization=config.quantization,
+                       quantization=config.quantization, verify_rows=verify_rows(config),
                        draft_model=None if _draft_model(config) is None else
                        resolve_model_dir(_draft_model(config)))
     if not plan.fits:

@@ -5,9 +5,8 @@ import time
 from collections import Counter
 
 import torch
-from tqdm import tqdm
 
-from quant_serve.engine import kv_pool
+from quant_serve.engine import kv_pool, offline
 from quant_serve.engine.block_manager import BlockManager
 from quant_serve.engine.config import EngineConfig, resolve_max_model_len
 from quant_serve.engine.detokenizer import IncrementalDetokenizer
@@ -18,14 +17,14 @@ from quant_serve.engine.model_runner import Carry, ForwardStep, LaunchedStep, Mo
 from quant_serve.engine.outputs import EngineStats, Request, RequestMetrics, RequestOutput
 from quant_serve.engine.sampler import needs_last_token_on_host
 from quant_serve.engine.sampling_params import SamplingParams
-from quant_serve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from quant_serve.engine.requests import check_request, encode_prompt
+from quant_serve.engine.scheduler import Scheduler, SchedulerOutput
 from quant_serve.engine.sequence import Sequence
-from quant_serve.engine.spec.proposer import make_proposer
-from quant_serve.engine.spec.step import SpecStats, run_verify_step
+from quant_serve.engine.spec.runtime import Speculation
+from quant_serve.engine.startup import log_engine, start_kernels
 from quant_serve.engine.structured import GrammarCompiler
 from quant_serve.engine.structured_mask import GrammarMasks
 from quant_serve.kernels.gpu import configure
-from quant_serve.kernels.precompile import parallel_compile
 
 logger = logging.getLogger("quant_serve")
 
@@ -61,7 +60,7 @@ class LLMEngine:
             config.cache.kv_scale_source, self.runner.kv_dtype, self.model_dir,
             getattr(self.model, "checkpoint_kv_scales", {}), self.model_config.num_layers))
         if self.device != "cpu":                # the CPU path runs the torch twins: nothing to compile
-            self._start_kernels(config, show_progress)
+            start_kernels(self, config, show_progress)
         # structured outputs: grammars compile against the tokenizer (lazily, on the first constrained request) and
         # the sampler masks the constrained rows of each step
         self.grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
@@ -75,72 +74,10 @@ class LLMEngine:
         self._pending: list[tuple[Sequence, int]] = []   # tokens of the last step, not yet detokenized
         self._inflight: tuple[SchedulerOutput, LaunchedStep] | None = None   # launched, not yet resolved
         self.stats = EngineStats()
-        self.spec_stats = SpecStats()
-        self.proposer = make_proposer(config.speculative, self)
-        logger.info("model %s: %s, %s on %s; %s", self.model_dir, self.model_config.architecture,
-                    str(self.dtype).replace("torch.", ""), self.device,
-                    self.quant_config.describe() if self.quant_config else "unquantized")
-        logger.info("KV cache: %d blocks = %d tokens, max concurrency %.1f at max_model_len %d",
-                    num_blocks, num_blocks * config.cache.block_size,
-                    num_blocks * config.cache.block_size / self.max_model_len, self.max_model_len)
-        spec = config.speculative
-        if spec.enabled:
-            logger.info("speculative decoding: %s, %d tokens per step, off above %d unfinished sequences",
-                        "prompt lookup" if spec.method == "ngram" else f"draft model {spec.model}",
-                        spec.num_speculative_tokens, spec.disable_by_batch_size)
-        if num_cpu_blocks:
-            logger.info("KV CPU tier: %d blocks = %d tokens", num_cpu_blocks, num_cpu_blocks * config.cache.block_size)
+        self.speculation = Speculation(config.speculative, self)
+        log_engine(self, num_blocks, num_cpu_blocks)
 
     # ---- requests ----------------------------------------------------------------------------------------
-    def encode_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
-        ids = list(prompt)
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
-        return None, ids
-
-    def check_prompt_length(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        if num_prompt_tokens == 0:
-            raise ValueError("the prompt is empty: at least one token is needed")
-        if num_prompt_tokens >= self.max_model_len:
-            raise ValueError(f"the prompt has {num_prompt_tokens} tokens, but max_model_len is "
-                             f"{self.max_model_len}: it must leave room for at least one generated token")
-
-    def _start_kernels(self, config: EngineConfig, show_progress: bool) -> None:
-        """Compile every kernel variant the step shapes reach (in parallel where Triton can), capture the decode
-        and verification graphs, and run the warm-up forwards, so that no request waits for a compile."""
-        start = time.perf_counter()
-        sched, spec = config.scheduler, config.speculative
-        graphs = None if config.enforce_eager else \
-            self.runner.plan_decode_graphs(min(sched.max_num_seqs, 512), self.max_model_len)
-        verify = None
-        if spec.enabled and not config.enforce_eager:
-            verify = self.runner.plan_verify_graphs(min(spec.disable_by_batch_size, sched.max_num_seqs),
-                                                    spec.num_speculative_tokens + 1, self.max_model_len)
-        elif spec.enabled:
-            logger.info("verification steps run eagerly (--enforce-eager)")
-
-        def warmup(progress: bool) -> int:
-            return self.runner.warmup(sched.max_num_batched_tokens, sched.max_num_seqs, self.max_model_len, progress)
-        with parallel_compile(config.kernels.compile_workers) as compiling, self.model.model.first_layers(2):
-            if compiling:
-                logger.info("compiling kernels on %d threads", config.kernels.compile_workers)
-                warmup(False)
-                for planned in (graphs, verify):
-                    if planned is not None:
-                        planned.run_eagerly()
-        if graphs is not None:
-            self.runner.capture_decode_graphs(show_progress)
-        if verify is not None:
-            self.runner.capture_verify_graphs(show_progress)
-        forwards = warmup(show_progress)
-        logger.info("kernels ready in %.1f s: %d decode graphs, %d verify graphs, %d warm-up forwards",
-                    time.perf_counter() - start, 0 if graphs is None else len(graphs.graphs),
-                    0 if verify is None else len(verify.graphs), forwards)
-
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None, n: int = 1) -> None:
         params = params or SamplingParams()
@@ -148,12 +85,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if n < 1:
             raise ValueError(f"n must be at least 1, got {n}")
-        text, ids = self.encode_prompt(prompt)
-        self.check_prompt_length(len(ids), params)
-        outside = [t for t in params.logit_bias or {} if t >= self.model_config.vocab_size]
-        if outside:
-            raise ValueError(f"logit_bias token id {outside[0]} is outside the vocabulary "
-                             f"[0, {self.model_config.vocab_size})")
+        text, ids = encode_prompt(self.tokenizer, self.model_config.vocab_size, prompt)
+        check_request(len(ids), params, self.max_model_len, self.model_config.vocab_size)
         if params.structured_outputs is not None:      # a constraint that cannot compile is refused here
             self.grammar_compiler.compile(params.structured_outputs)
         now = time.time() if arrival_time is None else arrival_time
@@ -179,7 +112,7 @@ class LLMEngine:
         for seq in request.seqs:
             self.scheduler.abort(seq.request_id)
             self.runner.sampler.release(seq.request_id)
-            self.proposer.release(seq.request_id)
+            self.speculation.release(seq.request_id)
             self._seq_owner.pop(seq.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
@@ -197,15 +130,13 @@ class LLMEngine:
         for it, so the host's bookkeeping between two steps no longer leaves the GPU idle."""
         prev = self._inflight
         self._inflight = None
-        if self._speculating():
+        if self.speculation.active(self):
+            outputs = self._emit_pending()     # stop strings end their sequences before any proposal
             if prev is not None:        # proposals need the last tokens on the host: resolve the step in flight
-                outputs = self._emit_pending()
                 self.scheduler.advance(prev[0])
                 self._apply(*prev)
                 return outputs
-            outputs = self._emit_pending()     # stop strings end their sequences before any proposal
-            if self.proposer.propose(self.scheduler.running):
-                self._verify_step()
+            if self.speculation.propose_and_verify(self):
                 return outputs
             prev, mode = None, "none"        # nothing to verify: an ordinary step
         else:
@@ -262,30 +193,6 @@ class LLMEngine:
         if out is None:
             return None
         return out, (self.runner.launch(out, carry) if sample else self.runner.launch_forward(out, carry))
-
-    # ---- speculative decoding ----------------------------------------------------------------------------
-    def _speculating(self) -> bool:
-        """Speculation runs while few sequences are unfinished (verifying k + 1 tokens is then nearly free) and no
-        forward hands its K/V to an observer."""
-        spec = self.config.speculative
-        if not spec.enabled or self.runner.observes_kv:
-            return False
-        sched = self.scheduler
-        return len(sched.running) + len(sched.waiting) + len(sched.swapped) <= spec.disable_by_batch_size
-
-    def _verify_step(self) -> None:
-        """A synchronous step that verifies the running sequences' proposals (and runs every other scheduled entry as
-        usual); its tokens are emitted by the next step() call."""
-        out = self._schedule()
-        if out is not None:
-            tokens, logprobs = run_verify_step(self.runner, out, self.spec_stats)   # proposals are point masses
-            self.scheduler.advance(out)
-            for item, lp in zip(out.scheduled, logprobs):
-                if lp is not None and item.advanced and not item.seq.is_finished:
-                    item.seq.output_logprobs.append(lp)
-            self._pending += self.scheduler.apply_tokens(out, tokens)
-        for seq in self.scheduler.running:        # proposals the budget left out
-            seq.spec_token_ids = []
 
     def _apply(self, out: SchedulerOutput, launched: LaunchedStep) -> None:
         """Waits for an advanced step and applies its tokens; their text is made by the next _emit_pending."""
@@ -345,7 +252,7 @@ class LLMEngine:
             if seq.is_finished and (left[id(seq)] == 0 or id(seq) in stopped):
                 text += request.detokenizers[index].finish()
                 self.runner.sampler.release(seq.request_id)
-                self.proposer.release(seq.request_id)
+                self.speculation.release(seq.request_id)
             old_text, old_ids = deltas.get((request.request_id, index), ("", []))
             deltas[(request.request_id, index)] = (old_text + text, old_ids + [token])
             touched[request.request_id] = request
@@ -373,49 +280,19 @@ class LLMEngine:
     def generate(self, prompts: list[str | list[int]] | str, params: SamplingParams | list[SamplingParams] | None
                  = None, use_tqdm: bool = False) -> list[RequestOutput]:
         """Blocking batch generation; results in prompt order."""
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        ids = []
-        for i, (prompt, p) in enumerate(zip(prompts, params_list)):
-            request_id = f"generate-{id(prompts)}-{i}"
-            self.add_request(request_id, prompt, p)
-            ids.append(request_id)
-        final: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm)
-        while len(final) < len(ids):
-            for output in self.step():
-                if output.finished:
-                    final[output.request_id] = output
-                    bar.update(1)
-        bar.close()
-        return [final[i] for i in ids]
+        return offline.generate(self, prompts, params, use_tqdm)
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
-        """Logits at every position of `token_ids` through the paged path, in chunks of the token budget:
-        [len, vocab] fp32 on the CPU. Used by eval; call it while no requests are running."""
-        if len(token_ids) > self.max_model_len:
-            raise ValueError(f"{len(token_ids)} tokens exceed max_model_len {self.max_model_len}")
-        if self.requests:
-            raise RuntimeError(f"score() needs an idle engine; {len(self.requests)} requests are unfinished")
-        self.drain()                            # a step that ran ahead for requests that have since finished
-        seq = Sequence("score", list(token_ids), SamplingParams(max_tokens=None))
-        chunk = self.config.scheduler.max_num_batched_tokens
-        pieces = []
-        try:
-            while seq.num_computed_tokens < seq.num_tokens:
-                n = min(chunk, seq.num_tokens - seq.num_computed_tokens)
-                if not self.block_manager.allocate_slots(seq, n):
-                    raise RuntimeError("KV cache too small to score this sequence")
-                swap_in, swap_out = self.block_manager.take_swaps()   # prefix blocks evicted to the CPU tier
-                out = SchedulerOutput([ScheduledSeq(seq, n)], n, [], self.block_manager.take_copies(), swap_in,
-                                      swap_out)
-                self._count_transfers(out)
-                pieces.append(self.runner.compute_all_logits(out).cpu())
-                seq.num_computed_tokens += n
-        finally:
-            self.block_manager.free(seq)
-        return torch.cat(pieces)
+        """Logits at every position of `token_ids` through the paged path (engine/offline.py): [len, vocab] fp32."""
+        return offline.score(self, token_ids)
+
+    @property
+    def spec_stats(self):
+        return self.speculation.stats
+
+    @property
+    def proposer(self):
+        return self.speculation.proposer
 
     @property
     def kv_cache_usage(self) -> float:

@@ -20,7 +20,9 @@ GiB = 2**30
 
 # Decode batches are captured from max_num_seqs down to 1 in one shared graph pool; what the pool holds is the
 # decode activations of the largest batch (tens of MiB for 7B at 256 rows) plus per-graph bookkeeping. vLLM logs
-# 0.3-1 GiB for comparable models, so reserve a flat 512 MiB.
+# 0.3-1 GiB for comparable models, so reserve a flat 512 MiB. Speculation's verification graphs (engine/spec/graphs.py)
+# share that pool (their activations are a few rows); their fp32 logits buffer lives outside it (plan_memory's
+# verify_rows).
 CUDA_GRAPH_RESERVE = 512 * MiB
 # CUDA context + cuBLAS/Triton workspaces (about 500 MiB on Ampere/Ada/Hopper), plus caching-allocator
 # fragmentation. Counted inside gpu_mem as on a real 24 GB card, so a caller passing measured free memory (context
@@ -278,11 +280,12 @@ def plan_memory(model_dir_or_config: str | Path | dict, gpu_mem_gb: float = 24.0
                 max_model_len: int | None = None, max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
                 block_size: int = 16, enforce_eager: bool = False, weights_dtype: str = "auto",
                 int4_head: bool = False, draft_model: str | Path | dict | None = None,
-                quantization: str | None = None) -> MemoryPlan:
+                quantization: str | None = None, verify_rows: int = 0) -> MemoryPlan:
     """int4_head: the engine's --quantize-lm-head (engine/loader.py quantize_head). draft_model: a speculative
     decoding draft: its weights, and its KV cache (as many blocks as the target's, in the weights' dtype), share
     the card with the target's. quantization: gguf:MIX plans dummy weights of that GGUF type mix (a GGUF file's
-    own types are read from its tensor table)."""
+    own types are read from its tensor table). verify_rows: the token rows of the largest verification graph
+    (speculation: batch x (k + 1)), whose fp32 logits buffer the graphs keep beside their pool."""
     cfg, model_dir = _load_config(model_dir_or_config)
     a = _arch(cfg)
     float_b = dtype_bytes(a.dtype if weights_dtype == "auto" else weights_dtype)
@@ -319,7 +322,7 @@ def plan_memory(model_dir_or_config: str | Path | dict, gpu_mem_gb: float = 24.0
     gpu_mem = int(gpu_mem_gb * GiB)
     usable = int(gpu_mem * gpu_memory_utilization)
     activations = _activation_bytes(a, float_b, max_num_batched_tokens, max_num_seqs)
-    graphs = 0 if enforce_eager else CUDA_GRAPH_RESERVE
+    graphs = 0 if enforce_eager else CUDA_GRAPH_RESERVE + verify_rows * a.vocab * 4
     overhead = CUDA_CONTEXT_RESERVE + FRAGMENTATION_RESERVE
     kv_per_token = 2 * a.layers * a.kv_heads * a.head_dim * kv_b
     free = usable - weights - activations - graphs - overhead

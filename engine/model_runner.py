@@ -14,11 +14,12 @@ from quant_serve.engine.models.decoder import DecoderForCausalLM
 from quant_serve.engine.sampler import PendingSample, Sampler, compute_prompt_logprobs, only_argmax
 from quant_serve.engine.scheduler import SchedulerOutput
 from quant_serve.engine.sequence import Logprob, Sequence
-from quant_serve.engine.spec.graphs import VerifyGraphs
+from quant_serve.engine.spec.graphs import VerifyGraphs, VerifyRowGraphs
 from quant_serve.engine.swap import CpuKVTier
 from quant_serve.engine.transfer import to_device
 from quant_serve.kernels.argmax import argmax_rows
 from quant_serve.kernels.attention_merge import DecodePartials, merge_partials
+from quant_serve.kernels.gpu import options_for
 from quant_serve.kernels.paged_attention import MAX_SPLITS, store_kv
 
 KV_CACHE_DTYPES = {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16,
@@ -99,7 +100,7 @@ class ModelRunner:
         self._first_forward_observer: KVRangeObserver | None = None
         self._allocate_kv_cache()
         self.decode_graphs: DecodeGraphs | None = None
-        self.verify_graphs: VerifyGraphs | None = None
+        self.verify_graphs: VerifyGraphs | VerifyRowGraphs | None = None
         self.cpu_tier = CpuKVTier(self.k_caches + self.v_caches, num_cpu_blocks) if num_cpu_blocks else None
 
     def plan_decode_graphs(self, max_batch: int, max_model_len: int) -> DecodeGraphs:
@@ -112,11 +113,20 @@ class ModelRunner:
         """CUDA only; the first forward (scale calibration / range check) still runs eagerly."""
         self.decode_graphs.capture(show_progress)
 
-    def plan_verify_graphs(self, max_batch: int, tokens_per_seq: int, max_model_len: int) -> VerifyGraphs:
+    def plan_verify_graphs(self, max_batch: int, tokens_per_seq: int, max_model_len: int,
+                           as_rows: bool | None = None) -> VerifyGraphs | VerifyRowGraphs:
         """The verification graphs (CUDA only; speculation with k = tokens_per_seq - 1 proposals, on up to max_batch
-        sequences); capture_verify_graphs captures them, after the decode graphs, whose memory pool they share."""
-        self.verify_graphs = VerifyGraphs(self.model, max_batch, tokens_per_seq, max_model_len, self.block_size,
-                                          self.device)
+        sequences); capture_verify_graphs captures them, after the decode graphs, whose memory pool they share.
+        as_rows: one decode row per token (VerifyRowGraphs); None: as KernelOptions.verify_rows says."""
+        if as_rows is None:
+            as_rows = options_for(self.device).verify_rows
+        if as_rows:
+            self.verify_graphs = VerifyRowGraphs(self.model, max_batch, tokens_per_seq, max_model_len,
+                                                 self.block_size, self.device, self.model_config.num_kv_heads,
+                                                 self.kv_is_fp8)
+        else:
+            self.verify_graphs = VerifyGraphs(self.model, max_batch, tokens_per_seq, max_model_len, self.block_size,
+                                              self.device)
         return self.verify_graphs
 
     def capture_verify_graphs(self, show_progress: bool = False) -> None:

@@ -91,6 +91,9 @@ class KernelOptions:
     fold_merge: bool = True        # batch 1: o_proj merges the decode attention's split partials
     head_gemv: bool = True         # one-row FP16 lm_head through the Triton GEMV instead of cuBLAS
     compile_workers: int = 16      # threads compiling kernels at start (kernels/precompile.py); < 2: one by one
+    # verification graphs attend as one decode row per token (the decode kernel's context splits: few sequences
+    # stay fast on long contexts) instead of the varlen prefill kernel (engine/spec/graphs.py); not yet measured
+    verify_rows: bool = False
 
     def __post_init__(self):
         if self.profile not in PROFILE_NAMES:

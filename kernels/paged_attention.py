@@ -140,17 +140,18 @@ def _num_sms(device: torch.device) -> int:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, softmax_scale: float, k_scale=1.0,
-                    v_scale=1.0, window: int = 0, softcap: float = 0.0, multi_token: bool = False) -> torch.Tensor:
+                    v_scale=1.0, window: int = 0, softcap: float = 0.0, multi_token: bool = False,
+                    wide_table: bool = False) -> torch.Tensor:
     """q: [T, Hq, D]; caches [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks]; seq_lens [B] (context
     including the new tokens); query_start_loc [B+1]. -> [T, Hq, D] in q's dtype. window, softcap: as
     attention_ref.paged_attention_ref (0: off). multi_token: the prefill kernel even where T == B (a CUDA graph's
-    fixed rows, whose per-sequence lengths only the device knows)."""
+    fixed rows, whose per-sequence lengths only the device knows). wide_table: as paged_decode."""
     if not q.is_cuda:
         return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, softmax_scale,
                                    k_scale, v_scale, window, softcap)
     if q.shape[0] == block_tables.shape[0] and not multi_token:
         return paged_decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, softmax_scale,
-                            k_scale, v_scale, window=window, softcap=softcap)
+                            k_scale, v_scale, window=window, softcap=softcap, wide_table=wide_table)
     return paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, softmax_scale,
                          k_scale, v_scale, window=window, softcap=softcap)
 

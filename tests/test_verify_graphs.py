@@ -15,10 +15,11 @@ from quant_serve.engine.config import SpeculativeConfig  # noqa: E402
 from quant_serve.engine.sampling_params import SamplingParams  # noqa: E402
 from quant_serve.engine.scheduler import ScheduledSeq  # noqa: E402
 from quant_serve.engine.sequence import Sequence  # noqa: E402
-from quant_serve.engine.spec.graphs import VerifyGraphs, VerifyInputs  # noqa: E402
+from quant_serve.engine.spec.graphs import VerifyGraphs, VerifyInputs, VerifyRowGraphs  # noqa: E402
+from quant_serve.kernels.gpu import KernelOptions  # noqa: E402
 from quant_serve.kernels.interpret import patch_triton_interpreter  # noqa: E402
 
-from conftest import TINY  # noqa: E402
+from conftest import GPU_PROFILE, TINY  # noqa: E402
 from helpers import assert_all_blocks_free, make_engine  # noqa: E402
 
 patch_triton_interpreter()
@@ -45,6 +46,8 @@ def test_packed_inputs_read_back_through_the_device_views():
     assert full.size == layout.table_offset + 4 * 2 * 5
     blob[:full.size] = torch.from_numpy(full)
     assert layout.views(blob)[3][:2].tolist() == [3, 0] and layout.views(blob)[4][:3].tolist() == [0, 3, 3]
+    odd = VerifyInputs(max_batch=1, tokens_per_seq=5, max_blocks=4)       # 5 rows: columns of 48 bytes, aligned
+    assert (odd.column_bytes, odd.lens_offset, odd.nbytes) == (48, 144, 144 + 4 * 2 + 4 * 3 + 4 * 2 * 4)
 
 
 def test_pack_refuses_what_no_graph_holds():
@@ -81,18 +84,51 @@ class EagerGraph:
 
     def replay(self):
         self.replays.append(self.bs)
-        for out, got in zip(self.graphs.outputs[self.bs], self.graphs.step(self.bs)):
-            out.copy_(got)
+        self.graphs.outputs[self.bs] = self.graphs.step(self.bs)
 
 
-def _with_eager_verify_graphs(engine, k: int) -> list:
+class EagerRowGraph:
+    """The same for a graph of verification rows (a DecodeGraphs graph with the K/V stored first)."""
+
+    def __init__(self, rows, key: tuple[int, int], replays: list):
+        self.rows, self.key, self.replays = rows, key, replays
+
+    def replay(self):
+        self.replays.append(self.key[0])
+        bs, width = self.key
+        self.rows.outputs[self.key] = self.rows.model(self.rows.input_ids[:bs], self.rows.positions[:bs],
+                                                      self.rows._meta(bs, width))
+
+
+def _with_eager_verify_graphs(engine, k: int, as_rows: bool) -> list:
     runner, replays = engine.runner, []
-    graphs = runner.plan_verify_graphs(engine.config.speculative.disable_by_batch_size, k + 1, engine.max_model_len)
-    cfg = runner.model_config
-    for bs in graphs.buckets:
-        graphs.graphs[bs] = EagerGraph(graphs, bs, replays)
-        graphs.outputs[bs] = (torch.empty(bs * (k + 1), cfg.hidden_size), torch.empty(bs * (k + 1), cfg.vocab_size))
+    graphs = runner.plan_verify_graphs(engine.config.speculative.disable_by_batch_size, k + 1, engine.max_model_len,
+                                       as_rows)
+    if as_rows:
+        for key in graphs.rows.shapes:
+            graphs.rows.graphs[key] = EagerRowGraph(graphs.rows, key, replays)
+    else:
+        for bs in graphs.buckets:
+            graphs.graphs[bs] = EagerGraph(graphs, bs, replays)
     return replays
+
+
+def _compare_with_eager(runner, diffs: list) -> None:
+    """Every graphed verification forward is followed by the eager one over the same entries: their logits go to
+    diffs (max abs difference; the eager forward stores the same K/V again)."""
+    real = runner.forward
+
+    def forward(out, carry=None, greedy=False, verify=False):
+        hidden, starts, logits = real(out, carry, greedy, verify)
+        if logits is not None:
+            logits = logits.clone()
+            graphs, runner.verify_graphs = runner.verify_graphs, None
+            eager, eager_starts, none = real(out, carry, greedy, verify)
+            runner.verify_graphs = graphs
+            assert none is None and eager_starts == starts and logits.shape[0] == starts[-1]
+            diffs.append(float((runner.model.compute_logits(eager) - logits).abs().max()))
+        return hidden, starts, logits
+    runner.forward = forward
 
 
 def _requests():
@@ -115,20 +151,24 @@ def _run(engine) -> dict:
     return results
 
 
-def test_graph_inputs_give_the_eager_verification_tokens():
+@pytest.mark.parametrize("as_rows", [False, True], ids=["prefill-kernel", "decode-rows"])
+def test_graph_inputs_give_the_eager_verification_tokens(as_rows):
     """Verification steps through the packed inputs (several buckets, entries with fewer proposals than k, plain
-    decodes beside them, the padding sequence) and the graph's all-row logits give the eager engine's tokens, random
-    sampling included."""
+    decodes beside them, the padding sequence or padding rows) and the graph's all-row logits give the eager
+    engine's tokens, random sampling included."""
     spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3,
                              disable_by_batch_size=4)
     results, stats = [], []
     for graphed in (False, True):
         engine = make_engine(TINY, max_model_len=128, speculative=spec)
-        replays = _with_eager_verify_graphs(engine, 3) if graphed else []
-        paths = []
+        replays = _with_eager_verify_graphs(engine, 3, as_rows) if graphed else []
+        paths, diffs = [], []
         real = engine.runner.step_path
         engine.runner.step_path = lambda *a, **kw: paths.append(real(*a, **kw)) or paths[-1]
+        if graphed:
+            _compare_with_eager(engine.runner, diffs)
         results.append(_run(engine))
+        assert all(d < 1e-4 for d in diffs), diffs
         stats.append((engine.spec_stats.num_drafts, engine.spec_stats.num_accepted_tokens))
         assert_all_blocks_free(engine)
         if graphed:
@@ -145,15 +185,19 @@ def _gpu_engine(model, **kw):
 
 
 @pytest.mark.gpu
-def test_cuda_verify_graph_logits_match_eager(tmp_path_factory):
-    """One verification step (entries of 5, 3 and 1 tokens: bucket 4 with a padding sequence) through the captured
-    graph and eagerly over the same cache: the same logits up to fp16 rounding (the matmuls see 20 rows, not 9),
+@pytest.mark.parametrize("as_rows", [False, True], ids=["prefill-kernel", "decode-rows"])
+def test_cuda_verify_graph_logits_match_eager(as_rows, tmp_path_factory):
+    """One verification step (entries of 5, 3 and 1 tokens: bucket 4 with a padding sequence, or 9 rows in the row
+    bucket of 16) through the captured graph and eagerly over the same cache: the same logits up to fp16 rounding (the matmuls see 20 rows, not 9),
     the same argmax wherever it is not a near-tie."""
     from helpers import fp16_model_dir
     from quant_serve.engine.scheduler import SchedulerOutput
     engine = _gpu_engine(fp16_model_dir(tmp_path_factory.getbasetemp()))
     runner, bm = engine.runner, engine.block_manager
     assert sorted(runner.verify_graphs.graphs) == [1, 2, 4]
+    if as_rows:                          # rows of 1..20 tokens, in the decode graphs' pool
+        runner.plan_verify_graphs(4, 5, engine.max_model_len, as_rows=True)
+        runner.capture_verify_graphs()
     gen = torch.Generator().manual_seed(0)
     entries = []
     for i, (context, proposals) in enumerate([(37, 4), (70, 2), (16, 0)]):
@@ -180,7 +224,8 @@ def test_cuda_verify_graph_logits_match_eager(tmp_path_factory):
 
 
 @pytest.mark.gpu
-def test_cuda_verify_graphs_match_eager_and_plain(tmp_path_factory):
+@pytest.mark.parametrize("as_rows", [False, True], ids=["prefill-kernel", "decode-rows"])
+def test_cuda_verify_graphs_match_eager_and_plain(as_rows, tmp_path_factory):
     """On the GPU (fp16), greedy: the engine with verify graphs, the same engine with verification forced eager,
     and no speculation agree up to fp16 near-ties (verification runs the prefill kernel over 5 rows a sequence,
     decode the decode graphs over one)."""
@@ -195,7 +240,8 @@ def test_cuda_verify_graphs_match_eager_and_plain(tmp_path_factory):
     def agree(got, ref):
         return sum(a == b for g, r in zip(got, ref) for a, b in zip(g, r)) / sum(len(r) for r in ref)
     plain = tokens(make_engine(model, dtype="float16", device="cuda", max_model_len=256))
-    graphed_engine = _gpu_engine(model)
+    graphed_engine = _gpu_engine(model, kernels=KernelOptions(profile=GPU_PROFILE[0], verify_rows=as_rows))
+    assert isinstance(graphed_engine.runner.verify_graphs, VerifyRowGraphs if as_rows else VerifyGraphs)
     paths = []
     real = graphed_engine.runner.step_path
     graphed_engine.runner.step_path = lambda *a, **kw: paths.append(real(*a, **kw)) or paths[-1]
@@ -210,3 +256,45 @@ def test_cuda_verify_graphs_match_eager_and_plain(tmp_path_factory):
     assert_all_blocks_free(graphed_engine)
     eager_off = _gpu_engine(model, enforce_eager=True)
     assert eager_off.runner.verify_graphs is None and eager_off.runner.decode_graphs is None
+
+
+def test_bench_projection_prefers_the_graphed_verify_cost():
+    import importlib.util
+    from conftest import REPO
+    spec = importlib.util.spec_from_file_location("spec_decode_bench", REPO / "bench" / "spec_decode.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    cost = {"decode_graph_ms": 1.6, "verify_1_over_decode": 1.9, "verify_2_over_decode": 2.0,
+            "verify_4_over_decode": 2.2, "verify_graph_2_over_decode": 1.1, "verify_graph_4_over_decode": 1.2,
+            "verify_graph_4_ms": 1.92}
+    assert bench.interpolate(cost, 3) == pytest.approx(1.15) and bench.interpolate(cost, 1) == 1.9
+    assert bench.interpolate({k: v for k, v in cost.items() if "graph_" not in k}, 3) == pytest.approx(2.1)
+
+
+def test_memory_plan_counts_the_verify_logits():
+    import json
+    from quant_serve.engine.config import EngineConfig, SchedulerConfig
+    from quant_serve.engine.kv_pool import verify_rows
+    from quant_serve.engine.memory import plan_memory
+    config = json.loads((TINY / "config.json").read_text())
+    base, spec = plan_memory(config, max_model_len=256), plan_memory(config, max_model_len=256, verify_rows=20)
+    assert spec.cuda_graph_bytes - base.cuda_graph_bytes == 20 * config["vocab_size"] * 4
+    assert plan_memory(config, max_model_len=256, verify_rows=20, enforce_eager=True).cuda_graph_bytes == 0
+    engine = EngineConfig(model=str(TINY), scheduler=SchedulerConfig(max_num_seqs=3),
+                          speculative=SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=8))
+    assert verify_rows(engine) == 3 * 5 and verify_rows(EngineConfig(model=str(TINY))) == 0
+
+
+def test_dropped_proposals_are_no_backoff_miss():
+    """A step budget of one token: the scheduler drops every proposal (it never preempts for them), so none is
+    verified and the back-off records none (before, each dropped proposal counted as a miss when the token decoded
+    in its place differed)."""
+    engine = make_engine(TINY, chunk=1, max_model_len=128, speculative=SpeculativeConfig(
+        num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3, backoff_after=1))
+    engine.add_request("r", "1, 2, 3, 4, 5, 6, 7, 1, 2, 3,", SamplingParams(max_tokens=8, temperature=0))
+    records, proposed = engine.proposer.backoff.records, 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        proposed += bool(engine.scheduler.running and records)
+        assert all(not r.proposals and not r.misses and not r.skip for r in records.values()), records
+    assert proposed and engine.spec_stats.num_drafts == 0

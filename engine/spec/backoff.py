@@ -41,6 +41,9 @@ class Backoff:
         return True
 
     def proposed(self, seq: Sequence) -> None:
+        """seq's proposals go to verification: called by the engine for the entries a verification step scheduled,
+        not by the proposer, so that proposals the scheduler drops (it drops them rather than preempt) count as
+        neither hit nor miss."""
         if self.after and seq.spec_token_ids:
             rec = self.records[seq.request_id]
             rec.num_tokens, rec.proposals = len(seq.token_ids), list(seq.spec_token_ids)

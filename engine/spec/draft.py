@@ -108,8 +108,6 @@ class DraftProposer:
                 shadow.num_computed_tokens = shadow.num_tokens
                 shadow.append_token(token)
                 seq.spec_token_ids.append(token)
-        for seq, _, _ in batch:
-            self.backoff.proposed(seq)
         return any(seq.spec_token_ids for seq, _, _ in batch)
 
     @torch.inference_mode()

@@ -12,7 +12,13 @@ kernel, which reads every per-sequence value on the device (kernels/paged_attent
 in its launch but shapes), so one capture serves every mix of lengths. The head runs inside the graph over all
 rows (fp32 logits); sampling and acceptance stay outside.
 
-The inputs reach the graph as one packed host buffer and one copy (VerifyInputs), laid out like DecodeInputs."""
+The inputs reach the graph as one packed host buffer and one copy (VerifyInputs), laid out like DecodeInputs.
+
+VerifyRowGraphs (KernelOptions.verify_rows) runs the same step as one decode row per token instead: row i of a
+sequence is a decode of position p + i over a context of p + i + 1 tokens, through decode graphs of their own
+(engine/cuda_graph.py, with the K/V store before the decode kernel, since rows of one sequence read each other's
+K/V). The prefill kernel walks each sequence's context in one program per KV head (slow for long contexts at small
+batches); the decode kernel splits it. The head runs outside the graph, over the real rows."""
 import logging
 from dataclasses import dataclass
 
@@ -21,7 +27,7 @@ import torch
 from tqdm import tqdm
 
 from quant_serve.engine.attention import AttentionMetadata
-from quant_serve.engine.cuda_graph import BUCKETS, _capture, _dtype
+from quant_serve.engine.cuda_graph import BUCKETS, DecodeGraphs, _capture, _dtype
 
 logger = logging.getLogger("quant_serve")
 
@@ -29,7 +35,7 @@ logger = logging.getLogger("quant_serve")
 @dataclass
 class VerifyInputs:
     """Byte layout of a verification step's inputs, the same on the host and in the device blob: int64
-    [max_batch * t] each of input ids, positions and slots, then int32 seq_lens [max_batch + 1], query_start_loc
+    [max_batch * t] each of input ids, positions and slots (each padded to 16 bytes), then int32 seq_lens [max_batch + 1], query_start_loc
     [max_batch + 2] and the block tables [max_batch + 1, max_blocks] (a bucket's graph reads the first rows)."""
     max_batch: int
     tokens_per_seq: int          # t = k + 1
@@ -40,8 +46,14 @@ class VerifyInputs:
         return self.max_batch * self.tokens_per_seq
 
     @property
+    def column_bytes(self) -> int:
+        """Bytes of each int64 column: whole 16-byte units, so that every column starts 16-byte aligned (Triton
+        specializes pointer arguments on it)."""
+        return 16 * -(-self.max_rows // 2)
+
+    @property
     def lens_offset(self) -> int:
-        return 24 * self.max_rows
+        return 3 * self.column_bytes
 
     @property
     def starts_offset(self) -> int:
@@ -58,8 +70,8 @@ class VerifyInputs:
     def views(self, blob):
         """blob (uint8, torch or numpy) -> (ids, positions, slots, seq_lens, query_start_loc, tables [rows,
         max_blocks])."""
-        rows, i64, i32 = self.max_rows, _dtype(blob, 8), _dtype(blob, 4)
-        cols = [blob[8 * rows * i: 8 * rows * (i + 1)].view(i64) for i in range(3)]
+        rows, col, i64, i32 = self.max_rows, self.column_bytes, _dtype(blob, 8), _dtype(blob, 4)
+        cols = [blob[col * i: col * i + 8 * rows].view(i64) for i in range(3)]
         lens = blob[self.lens_offset: self.starts_offset].view(i32)
         starts = blob[self.starts_offset: self.table_offset].view(i32)
         tables = blob[self.table_offset: self.nbytes].view(i32).reshape(-1, self.max_blocks)
@@ -108,6 +120,9 @@ class VerifyGraphs:
         self.slot_mapping.fill_(-1)                      # the capture's forwards store nothing
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}                         # batch bucket -> graph
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}         # (hidden, fp32 logits)
+        # [max_batch * t, vocab] fp32, outside the graph pool: every bucket's graph writes its logits into its first
+        # rows (one copy kernel), where an output of each graph's own would hold a buffer per bucket for good
+        self.logits: torch.Tensor | None = None
 
     def _meta(self, bs: int) -> AttentionMetadata:
         rows = bs * self.tokens_per_seq
@@ -118,10 +133,16 @@ class VerifyGraphs:
 
     def step(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         """What a graph records: the forward of bucket bs over the static inputs and the head over every row.
-        -> (hidden [bs * t, hidden], logits [bs * t, vocab] fp32)"""
+        -> (hidden [bs * t, hidden], logits [bs * t, vocab] fp32: the first rows of self.logits). The first call,
+        before any capture (the warm-up runs of the largest bucket), allocates self.logits."""
         rows = bs * self.tokens_per_seq
         hidden = self.model(self.input_ids[:rows], self.positions[:rows], self._meta(bs))
-        return hidden, self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden)
+        if self.logits is None:
+            self.logits = torch.empty((self.inputs.max_rows, logits.shape[1]), dtype=logits.dtype,
+                                      device=logits.device)
+        self.logits[:rows].copy_(logits)
+        return hidden, self.logits[:rows]
 
     @torch.inference_mode()
     def run_eagerly(self) -> None:
@@ -181,3 +202,57 @@ class VerifyGraphs:
         self.blob[:host.shape[0]].copy_(host, non_blocking=True)
         self.graphs[bs].replay()
         return self.outputs[bs]
+
+
+class VerifyRowGraphs:
+    """Verification steps as decode rows (see the module's docstring); the same interface as VerifyGraphs."""
+
+    def __init__(self, model, max_batch: int, tokens_per_seq: int, max_model_len: int, block_size: int,
+                 device: torch.device, num_kv_heads: int, kv_fp8: bool = False):
+        self.model = model
+        self.max_batch, self.tokens_per_seq, self.block_size = max_batch, tokens_per_seq, block_size
+        self.rows = DecodeGraphs(model, max_batch * tokens_per_seq, max_model_len, block_size, device, num_kv_heads,
+                                 kv_fp8, store_first=True, name="verification row")
+
+    @property
+    def graphs(self) -> dict:
+        return self.rows.graphs
+
+    @property
+    def buckets(self) -> list[int]:
+        """Row buckets (sequences x tokens)."""
+        return self.rows.buckets
+
+    def run_eagerly(self) -> None:
+        self.rows.run_eagerly()
+
+    def capture(self, show_progress: bool = False, pool=None) -> None:
+        self.rows.capture(show_progress, pool)
+
+    def can_run(self, num_tokens: list[int]) -> bool:
+        return bool(self.graphs) and 0 < len(num_tokens) <= self.max_batch and max(num_tokens) <= self.tokens_per_seq
+
+    def pack_step(self, scheduled: list) -> tuple[tuple[int, tuple[int, int]], np.ndarray, list[int]]:
+        """As VerifyGraphs.pack_step: -> ((rows, graph shape), packed DecodeInputs, row starts [n + 1])."""
+        ids, positions, slots, seq_lens, tables, starts = [], [], [], [], [], [0]
+        bsz = self.block_size
+        for item in scheduled:
+            seq, n, p = item.seq, item.num_new_tokens, item.seq.num_computed_tokens
+            tokens = seq.token_ids[p:p + n] + (list(seq.spec_token_ids) if item.num_spec_tokens else [])
+            if len(tokens) != n:
+                raise ValueError(f"sequence {seq.request_id}: {n} new tokens scheduled, {len(tokens)} on the host")
+            ids += tokens
+            positions += range(p, p + n)
+            slots += [seq.block_table[q // bsz] * bsz + q % bsz for q in range(p, p + n)]
+            seq_lens += range(p + 1, p + n + 1)
+            tables += [seq.block_table] * n
+            starts.append(starts[-1] + n)
+        shape = self.rows.shape_for(len(ids), max(len(t) for t in tables))
+        packed = self.rows.inputs.pack(*shape, ids, positions, slots, seq_lens, tables, [-1] * len(ids))
+        return (len(ids), shape), packed, starts
+
+    def run(self, key: tuple[int, tuple[int, int]], packed: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (hidden [rows, hidden], logits [rows, vocab] fp32) of the real rows."""
+        rows, shape = key
+        hidden, _ = self.rows.run(rows, shape, packed)
+        return hidden, self.model.compute_logits(hidden)

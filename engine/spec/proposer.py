@@ -20,7 +20,6 @@ class NgramProposer:
             k = num_to_propose(seq, cfg.num_speculative_tokens, self.max_model_len)
             seq.spec_token_ids = propose_ngram(seq.token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max) \
                 if k and self.backoff.allow(seq) else []
-            self.backoff.proposed(seq)
             found |= bool(seq.spec_token_ids)
         return found
 
