@@ -147,10 +147,10 @@ def _loaded_bytes(model) -> int:
         leaf = name.rsplit(".", 1)[-1]
         if leaf in ("qweight", "bias"):
             total += b.numel() * b.element_size()
-        elif leaf in ("scales", "offsets"):
-            total += b.numel() * 2
-        elif leaf == "superscales":                                   # GGUF Q4_K's int32 d | dmin
-            total += b.numel() * 4
+        elif leaf in ("scales", "offsets"):                          # fp32 -> fp16; int16 / int8 codes as they are
+            total += b.numel() * min(b.element_size(), 2)
+        elif leaf == "superscales":                                   # Q4_K's int32 d | dmin, Q6_K's fp16 d
+            total += b.numel() * b.element_size()
     return total
 
 
@@ -184,7 +184,8 @@ def test_dummy_q4_k_m_mix(tmp_path):
     assert w8 == [0, 3, 6, 7]
     assert all(isinstance(layers[i].self_attn.qkv_proj, W8Linear) == (i in w8) for i in range(8))
     assert isinstance(layers[1].mlp.gate_up_proj, QuantLinear) and layers[1].mlp.gate_up_proj.superscales is not None
-    assert engine.quant_config.describe_paths() == "24 INT4 Q4_K (W4A16, two-level scales, 4.625 bits), 8 8-bit (W8A16)"
+    assert engine.quant_config.describe_paths() == ("24 INT4 Q4_K (W4A16, two-level scales, 4.625 bits), "
+                                                    "4 Q6_K (W8A16 kernels, 6-bit planes, 6.5625 bits), 4 8-bit (W8A16)")
     plan = plan_memory(TINY, weights_dtype="float16", quantization="gguf:Q4_K_M")
     assert plan.weights_source == "gguf: Q4_K x 48, Q6_K x 8"
     assert plan.weights_bytes == _loaded_bytes(engine.model)         # the dummy holds what a file's layers hold

@@ -41,15 +41,15 @@ class Q6KWeights:
 def pack_q6k(codes: torch.Tensor, sub_scales: torch.Tensor, d: torch.Tensor) -> Q6KWeights:
     """codes int [K, N] in -32..31, sub_scales int8 [K/16, N], d fp16 [K/256, N] -> Q6KWeights."""
     k, n = codes.shape
-    if k % Q6_SUPER:
-        raise ValueError(f"Q6_K planes need K a multiple of {Q6_SUPER}, got {k}")
+    if k % Q6_CHUNK:                  # a file's Q6_K rows are whole super-blocks; dummy layers only whole chunks
+        raise ValueError(f"Q6_K planes need K a multiple of {Q6_CHUNK}, got {k}")
     if codes.min() < -32 or codes.max() > 31:
         raise ValueError("Q6_K codes must lie in -32..31")
     if sub_scales.dtype != torch.int8 or tuple(sub_scales.shape) != (k // Q6_GROUP, n):
         raise ValueError(f"Q6_K sub-scales must be int8 [{k // Q6_GROUP}, {n}], got {sub_scales.dtype} "
                          f"{tuple(sub_scales.shape)}")
-    if tuple(d.shape) != (k // Q6_SUPER, n):
-        raise ValueError(f"Q6_K d must be [{k // Q6_SUPER}, {n}], got {tuple(d.shape)}")
+    if tuple(d.shape) != (-(-k // Q6_SUPER), n):
+        raise ValueError(f"Q6_K d must be [{-(-k // Q6_SUPER)}, {n}], got {tuple(d.shape)}")
     u = (codes.to(torch.int32) + 32).view(k // Q6_CHUNK, Q6_CHUNK, n)
     lo = (u & 0xF).view(-1, 2, 32, n)
     hi = (u >> 4).view(-1, 4, 16, n)
@@ -71,7 +71,8 @@ def q6k_codes(w: Q6KWeights) -> torch.Tensor:
 
 def q6k_scales(w: Q6KWeights) -> torch.Tensor:
     """-> fp32 [K/16, N]: f32(d) * sc, the exact products gguf forms."""
-    return w.d.float().repeat_interleave(Q6_SUPER // Q6_GROUP, dim=0) * w.sub_scales.float()
+    d = w.d.float().repeat_interleave(Q6_SUPER // Q6_GROUP, dim=0)[: w.sub_scales.shape[0]]
+    return d * w.sub_scales.float()
 
 
 def q6k_dequantize(w: Q6KWeights) -> torch.Tensor:
@@ -81,7 +82,7 @@ def q6k_dequantize(w: Q6KWeights) -> torch.Tensor:
 
 def q6k_bytes(k: int, n: int) -> int:
     """Bytes a Q6_K matrix [K, N] takes in this layout."""
-    return k * n * 3 // 4 + k // Q6_GROUP * n + k // Q6_SUPER * n * 2
+    return k * n * 3 // 4 + k // Q6_GROUP * n + -(-k // Q6_SUPER) * n * 2
 
 
 def concat_q6k(parts: list[Q6KWeights]) -> Q6KWeights:
