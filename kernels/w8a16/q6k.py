@@ -50,12 +50,13 @@ def pack_q6k(codes: torch.Tensor, sub_scales: torch.Tensor, d: torch.Tensor) -> 
                          f"{tuple(sub_scales.shape)}")
     if tuple(d.shape) != (-(-k // Q6_SUPER), n):
         raise ValueError(f"Q6_K d must be [{-(-k // Q6_SUPER)}, {n}], got {tuple(d.shape)}")
-    u = (codes.to(torch.int32) + 32).view(k // Q6_CHUNK, Q6_CHUNK, n)
+    # uint8 throughout: a 152k-row head's temporaries stay at a byte a weight
+    u = (codes.to(torch.int16) + 32).to(torch.uint8).view(k // Q6_CHUNK, Q6_CHUNK, n)
     lo = (u & 0xF).view(-1, 2, 32, n)
     hi = (u >> 4).view(-1, 4, 16, n)
     low_plane = (lo[:, 0] | (lo[:, 1] << 4)).reshape(k // 2, n)
     high_plane = (hi[:, 0] | (hi[:, 1] << 2) | (hi[:, 2] << 4) | (hi[:, 3] << 6)).reshape(k // 4, n)
-    planes = torch.cat([low_plane, high_plane]).to(torch.uint8).contiguous()
+    planes = torch.cat([low_plane, high_plane]).contiguous()
     return Q6KWeights(planes, sub_scales.contiguous(), d.to(torch.float16).contiguous())
 
 
