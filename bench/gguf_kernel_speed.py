@@ -128,7 +128,7 @@ def bench_format(fmt: str, shapes: dict, ms: list[int], graph_us, copies, sms: i
                 row["fp16_us"] = graph_us([lambda w=w: torch.nn.functional.linear(x, w) for w in fp16])
                 row["speedup_vs_fp16"] = row["fp16_us"] / row["ours_us"]
                 row["ours_GBps"] = layer0["nbytes"] / row["ours_us"] / 1e3
-                if FORMATS[fmt][0] == 8 and m <= 16:
+                if FORMATS[fmt][0] in (6, 8) and m <= 16:
                     row["variants_us"] = w8_variants(fmt, layers, x, want, graph_us, sms)
                 if FORMATS[fmt][0] == 4 and kernel == "mma.sync" and m == 1:
                     row["variants_us"] = w4_m1_variants(layers, x, want, graph_us, name == "gate_up")
@@ -150,6 +150,8 @@ def w8_variants(fmt: str, layers: list, x: torch.Tensor, want: torch.Tensor, gra
                                                             (64, 32, 2))]
     if x.shape[0] > 1:                       # the rows one a program (FMA) instead of through tl.dot
         tiles.append((base.block_k, base.block_n, base.num_warps, 1))
+    if FORMATS[fmt][0] == 6:                 # Q6_K planes: steps of whole 64-row chunks
+        tiles = [(bk, bn, nw, bm) for bk, bn, nw, bm in tiles if bk % 64 == 0]
     for bk, bn, nw, bm in tiles:
         for split in sorted({base.split_k, max(1, base.split_k // 2), min(16, base.split_k * 2)}):
             cfg = dataclasses.replace(base, block_k=bk, block_n=bn, num_warps=nw, split_k=split, block_m=bm)
