@@ -4,7 +4,7 @@ copies that exceed the L2).
 
   python bench/kernel_speed.py --weights gguf-q4_k --out bench/results/kernels-gguf-q4_k-h200.json
   python bench/kernel_speed.py --weights q8_0,q6_k --ms 1,4,16,64 --out bench/results/kernels-gguf-w8-h200.json
-  python bench/kernel_speed.py --weights awq-g128,gguf-q4_k,gguf-q4_k-f16,q6_k --ms 1,16,64,256 \
+  python bench/kernel_speed.py --weights awq-g128,gguf-q4_k,gguf-q4_k-f16,gguf-q6_k,q6_k --ms 1,16,64,256 \
       --out bench/results/kernels-gguf-kquant-h200.json      (Q4_K two-level next to AWQ g128 and the old layout)
 
 Formats (how the GGUF loader lays them out, kernels/w4a16/reference.py and kernels/w8a16/reference.py):
@@ -16,7 +16,10 @@ Formats (how the GGUF loader lays them out, kernels/w4a16/reference.py and kerne
               and a Q4_K shard merged with another INT4 type)
   awq-g128    INT4, groups of 128, packed int4 zero points (AWQ's layout: the issue-33 target)
   q8_0        int8 codes, groups of 32, no offsets (W8A16)
-  q6_k        int8 codes (q - 32), groups of 16, no offsets (W8A16)
+  q6_k        int8 codes (q - 32), groups of 16, no offsets (W8A16; 9 bits: Q6_K before the planes, and a Q6_K
+              shard merged with another type)
+  gguf-q6_k   Q6_K's 6-bit planes + int8 sub-scales + fp16 d (kernels/w8a16/q6k.py, 6.5625 bits; the W8A16
+              kernels): what the loader builds for a layer of Q6_K shards
   q5_k        int8 codes, groups of 32, float offsets (W8A16)
 Every timed call is first checked against the dequantized weights through FP16 cuBLAS (rel_err in the row).
 The 8-bit formats' GEMV (M <= 16, constants derived, not measured: kernels/w8a16/plan.py) is also timed in a few
@@ -33,11 +36,12 @@ from quant_serve.kernels.w4a16.kquant import kquant_bytes, kquant_scales_offsets
 from quant_serve.kernels.w4a16.reference import dequantize_w4, pack_int4_cols, pack_int4_rows
 from quant_serve.kernels.w8a16.dispatch import w8a16_forward
 from quant_serve.kernels.w8a16.plan import plan_w8a16
+from quant_serve.kernels.w8a16.q6k import pack_q6k, q6k_bytes, q6k_dequantize
 from quant_serve.kernels.w8a16.reference import dequantize_w8
 
 # format -> (bits, group size, float offsets)
 FORMATS = {"gguf-q4_0": (4, 32, False), "gguf-q4_1": (4, 32, True), "gguf-q4_k": (4, 32, True),
-           "gguf-q4_k-f16": (4, 32, True), "awq-g128": (4, 128, False),
+           "gguf-q4_k-f16": (4, 32, True), "awq-g128": (4, 128, False), "gguf-q6_k": (6, 16, False),
            "q8_0": (8, 32, False), "q6_k": (8, 16, False), "q5_k": (8, 32, True)}
 
 
@@ -70,6 +74,12 @@ def random_layer(fmt: str, k: int, n: int, device: str = "cuda") -> dict:
     nbytes (weights + scales + offsets)}."""
     if fmt in ("gguf-q4_k", "awq-g128"):
         return _int4_special(fmt, k, n, device)
+    if fmt == "gguf-q6_k":
+        codes = torch.randint(-32, 32, (k, n), device=device)
+        sub = torch.randint(-127, 128, (k // 16, n), device=device, dtype=torch.int8)
+        q6 = pack_q6k(codes, sub, (torch.rand(k // 256, n, device=device) * 2e-5 + 1e-5).half())
+        return {"call": lambda x, c=None: w8a16_forward(x, q6, None, None, 16, None, c),
+                "dense": q6k_dequantize(q6).half(), "nbytes": q6k_bytes(k, n), "group_size": 16}
     bits, gs, has_offsets = FORMATS[fmt]
     groups = k // gs
     scales = (torch.rand(groups, n, device=device) * 0.002 + 0.0005).half()
@@ -118,7 +128,7 @@ def bench_format(fmt: str, shapes: dict, ms: list[int], graph_us, copies, sms: i
                 row["fp16_us"] = graph_us([lambda w=w: torch.nn.functional.linear(x, w) for w in fp16])
                 row["speedup_vs_fp16"] = row["fp16_us"] / row["ours_us"]
                 row["ours_GBps"] = layer0["nbytes"] / row["ours_us"] / 1e3
-                if FORMATS[fmt][0] == 8 and m <= 16:
+                if FORMATS[fmt][0] in (6, 8) and m <= 16:
                     row["variants_us"] = w8_variants(fmt, layers, x, want, graph_us, sms)
                 if FORMATS[fmt][0] == 4 and kernel == "mma.sync" and m == 1:
                     row["variants_us"] = w4_m1_variants(layers, x, want, graph_us, name == "gate_up")
@@ -140,6 +150,8 @@ def w8_variants(fmt: str, layers: list, x: torch.Tensor, want: torch.Tensor, gra
                                                             (64, 32, 2))]
     if x.shape[0] > 1:                       # the rows one a program (FMA) instead of through tl.dot
         tiles.append((base.block_k, base.block_n, base.num_warps, 1))
+    if FORMATS[fmt][0] == 6:                 # Q6_K planes: steps of whole 64-row chunks
+        tiles = [(bk, bn, nw, bm) for bk, bn, nw, bm in tiles if bk % 64 == 0]
     for bk, bn, nw, bm in tiles:
         for split in sorted({base.split_k, max(1, base.split_k // 2), min(16, base.split_k * 2)}):
             cfg = dataclasses.replace(base, block_k=bk, block_n=bn, num_warps=nw, split_k=split, block_m=bm)

@@ -181,7 +181,8 @@ def load_gguf_weights(model, ckpt: GGUFCheckpoint, cfg: ModelConfig, show_progre
     from quant_serve.quant.linear import DenseLinear
     name_map = _name_map(ckpt, cfg.num_layers)
     modules = dict(model.named_modules())
-    linears = {n: m for n, m in modules.items() if hasattr(m, "load_shard")}
+    linears = {n: m for n, m in modules.items()
+               if hasattr(m, "load_shard") and not getattr(m, "routed_by_parent", False)}   # parts load via theirs
     used = set()
     for mod_name, module in tqdm(linears.items(), desc="Loading GGUF", unit="layer", disable=not show_progress):
         for shard, n in enumerate(module.output_sizes):

@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from quant_serve.eval.data import Window
 from quant_serve.quant.linear import DenseLinear, QuantLinear
+from quant_serve.quant.linear_parts import PartsLinear
 from quant_serve.quant.linear_w8 import W8Linear
 
 FOLD_TOLERANCE = 1e-3      # norm weights differing by more than this (relative) mean the checkpoint folded scales
@@ -63,7 +64,7 @@ def quantized_pairs(reference_model, candidate_model) -> list[tuple[str, DenseLi
     cand = dict(candidate_model.named_modules())
     pairs = []
     for name, ref_module in reference_model.named_modules():
-        if isinstance(ref_module, DenseLinear) and isinstance(cand.get(name), (QuantLinear, W8Linear)):
+        if isinstance(ref_module, DenseLinear) and isinstance(cand.get(name), (QuantLinear, W8Linear, PartsLinear)):
             q = cand[name]
             if list(q.output_sizes) != list(ref_module.output_sizes) or q.in_features != ref_module.in_features:
                 raise ValueError(f"{name}: candidate shape {q.in_features}x{q.output_sizes} differs from the "

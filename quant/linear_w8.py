@@ -7,6 +7,7 @@ from torch import nn
 
 from quant_serve.kernels.norm_act import silu_and_mul
 from quant_serve.kernels.w8a16.dispatch import w8a16_matmul
+from quant_serve.kernels.w8a16.q6k import Q6_GROUP, Q6KWeights, concat_q6k, pack_q6k, q6k_dequantize
 from quant_serve.kernels.w8a16.reference import dequantize_w8
 from quant_serve.quant.linear import gguf_kernel_scale_dtype, scale_dtype
 
@@ -14,15 +15,19 @@ from quant_serve.quant.linear import gguf_kernel_scale_dtype, scale_dtype
 @dataclass
 class W8Weights:
     """One source module in the W8 layout (kernels/w8a16/reference.py)."""
-    qweight: torch.Tensor                 # int8 [K, N]
-    scales: torch.Tensor                  # [G, N]
+    qweight: torch.Tensor | None          # int8 [K, N]
+    scales: torch.Tensor | None           # [G, N]
     offsets: torch.Tensor | None          # [G, N] or None (= 0)
     bias: torch.Tensor | None = None      # [N]
+    q6k: Q6KWeights | None = None         # GGUF Q6_K at 6 bits (kernels/w8a16/q6k.py) instead of the three above
 
 
 class W8Linear(nn.Module):
     """y = x @ W (+ bias), W[k, n] = q[k, n] * s[g, n] + o[g, n]; N = sum(output_sizes), shards concatenated along
-    N at finalize. quant_config.convert_w8 turns one source module's tensors into W8Weights."""
+    N at finalize. quant_config.convert_w8 turns one source module's tensors into W8Weights.
+    q6k_planes (a layer of GGUF Q6_K shards only, set by GGUFConfig): the layer holds Q6_K's 6-bit planes instead
+    (qweight: uint8 planes [3K/4, N], scales: int8 sub-scales [K/16, N], superscales: fp16 d [K/256, N]; 6.5625
+    bits a weight), converted by quant_config.convert_q6k."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool, dtype: torch.dtype,
                  device: torch.device | str, quant_config, group_size: int, source_prefixes: list[str] = ()):
@@ -38,7 +43,8 @@ class W8Linear(nn.Module):
         self.source_prefixes = list(source_prefixes) or [f"shard {i}" for i in range(len(output_sizes))]
         self._shards: list[W8Weights | None] | None = [None] * len(output_sizes)
         self.dummy_offsets = False            # init_dummy: per-group offsets too (a GGUF Q5_K / INT4 shard's)
-        for name in ("qweight", "scales", "offsets", "bias"):
+        self.q6k_planes = False
+        for name in ("qweight", "scales", "offsets", "superscales", "bias"):
             self.register_buffer(name, None)
 
     def load_shard(self, shard_id: int, tensors: dict, prefix: str) -> None:
@@ -47,6 +53,15 @@ class W8Linear(nn.Module):
         if self._shards[shard_id] is not None:
             raise ValueError(f"{prefix}: shard {shard_id} loaded twice")
         n, k = self.output_sizes[shard_id], self.in_features
+        if self.q6k_planes:
+            w = self.quant_config.convert_q6k(tensors, prefix, k, n)
+            if (w.bias is not None) != self.has_bias:
+                raise ValueError(f"{prefix}.bias {'present' if w.bias is not None else 'missing'}, but the config "
+                                 f"says this layer has {'a' if self.has_bias else 'no'} bias")
+            w.q6k = w.q6k.to(self.device)
+            w.bias = None if w.bias is None else w.bias.to(self.device, self.dtype)
+            self._shards[shard_id] = w
+            return
         w = self.quant_config.convert_w8(tensors, prefix, k, n, self.group_size)
         g = -(-k // self.group_size)
         if tuple(w.qweight.shape) != (k, n) or tuple(w.scales.shape) != (g, n):
@@ -69,6 +84,11 @@ class W8Linear(nn.Module):
         if missing:
             raise ValueError(f"8-bit layer never received tensors for {', '.join(missing)}")
         shards = self._shards
+        if self.q6k_planes:
+            self._set_q6k(concat_q6k([s.q6k for s in shards]))
+            self.bias = torch.cat([s.bias for s in shards]) if self.has_bias else None
+            self._shards = None
+            return
         dtypes = {s.scales.dtype for s in shards}
         sdtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
         self.qweight = torch.cat([s.qweight for s in shards], dim=1)                        # [K, N]
@@ -85,11 +105,24 @@ class W8Linear(nn.Module):
         k, n = self.in_features, self.out_features
         g = -(-k // self.group_size)
         codes = torch.randint(-32, 32, (k, n), generator=gen, dtype=torch.int8, device=gen.device)
+        self._shards = None
+        self.bias = torch.zeros(n, dtype=self.dtype, device=self.device) if self.has_bias else None
+        if self.q6k_planes:             # sc = 40, d = 0.02 / 18.5 / 40: the scale below as Q6_K's two levels
+            d = torch.full((-(-k // 256), n), 0.02 / 18.5 / 40, dtype=torch.float16, device=self.device)
+            sub = torch.full((k // Q6_GROUP, n), 40, dtype=torch.int8, device=self.device)
+            self._set_q6k(pack_q6k(codes.to(self.device), sub, d))
+            return
         self.qweight = codes.to(self.device)
         self.scales = torch.full((g, n), 0.02 / 18.5, dtype=self._param_dtype(torch.float32), device=self.device)
         self.offsets = torch.zeros_like(self.scales) if self.dummy_offsets else None
         self._shards = None
         self.bias = torch.zeros(n, dtype=self.dtype, device=self.device) if self.has_bias else None
+
+    def _set_q6k(self, w: Q6KWeights) -> None:
+        self.qweight, self.scales, self.superscales, self.offsets = w.planes, w.sub_scales, w.d, None
+
+    def _q6k(self) -> Q6KWeights:
+        return Q6KWeights(self.qweight, self.scales, self.superscales)
 
     def _param_dtype(self, checkpoint: torch.dtype) -> torch.dtype:
         """Scales and offsets: exact on the CPU path (fp32 for Q5_K / Q6_K's products of two scales); on CUDA fp16
@@ -100,9 +133,13 @@ class W8Linear(nn.Module):
 
     def dequantized_weight(self) -> torch.Tensor:
         """fp32 W [N, K] (what nn.Linear would hold)."""
+        if self.superscales is not None:
+            return q6k_dequantize(self._q6k()).t()
         return dequantize_w8(self.qweight, self.scales, self.offsets, self.group_size).t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.superscales is not None:
+            return w8a16_matmul(x, self._q6k(), None, None, Q6_GROUP, self.bias)
         return w8a16_matmul(x, self.qweight, self.scales, self.offsets, self.group_size, self.bias)
 
     def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
@@ -110,4 +147,4 @@ class W8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, output_sizes={self.output_sizes}, group_size={self.group_size}, "
-                f"bias={self.has_bias}, offsets={self.offsets is not None}")
+                f"bias={self.has_bias}, offsets={self.offsets is not None}, q6k_planes={self.q6k_planes}")

@@ -13,9 +13,14 @@ DEFAULT_MS = "1,2,8,16,32,64,128,256,1024,4096"
 # --weight-format: what a layer's weights are, and so which plan answers
 WEIGHT_FORMATS = {
     "w4": "INT4 with integer zero points or symmetric (AWQ, GPTQ, compressed-tensors)",
-    "w4-offsets": "INT4 with float per-group offsets (GGUF Q4_0 / Q4_1 / Q4_K)",
-    "w8": "int8 codes with float scales and offsets (GGUF Q8_0 / Q5_0 / Q5_1 / Q5_K / Q6_K)",
+    "w4-offsets": "INT4 with float per-group offsets (GGUF Q4_0 / Q4_1, a Q4_K shard merged with them)",
+    "w4-kquant": "INT4 with GGUF Q4_K's two-level scales as stored (int16 sub-codes per 32, fp16 d and dmin per 256; "
+                 "a layer of Q4_K shards)",
+    "w8": "int8 codes with float scales and offsets (GGUF Q8_0 / Q5_0 / Q5_1 / Q5_K, merged Q6_K)",
+    "q6k": "GGUF Q6_K at 6 bits (a layer of Q6_K shards): code planes, int8 sub-scales per 16, fp16 d per 256, "
+           "read by the W8A16 kernels",
 }
+W8_FORMATS = ("w8", "q6k")
 
 
 def register(sub) -> None:
@@ -56,11 +61,17 @@ def explain(caps, options, cfg, ms: list[int], group_size: int, dtype, context: 
     rules = measured_on(caps.family) or f"derived for {caps.family} (no table measured on this family)"
     out = {"gpu": dataclasses.asdict(caps), "options": dataclasses.asdict(options),
            "weight_format": weight_format, "weight_format_why": WEIGHT_FORMATS[weight_format],
-           "rules": "W8A16: derived, not measured (kernels/w8a16/plan.py)" if weight_format == "w8" else rules,
+           "rules": "W8A16: derived, not measured (kernels/w8a16/plan.py)" if weight_format in W8_FORMATS else rules,
            "layers": [], "attention": []}
     for name, (k, n) in layer_shapes(cfg).items():
         if weight_format == "w8":
             layout, why = "int8", "int8 codes [K, N], scales / offsets [G, N] (kernels/w8a16/reference.py)"
+        elif weight_format == "q6k":
+            layout, why = "q6k-planes", "4-bit + 2-bit code planes, int8 sub-scales, fp16 d (kernels/w8a16/q6k.py)"
+        elif weight_format == "w4-kquant":
+            layout, why = layout_for(k, n, 32, dtype, caps, options, True)
+            why += "; Q4_K's two-level scales (ZP_MODE 3 / OFFSETS 2 in every kernel: s = d * sc, o = -dmin * m " \
+                   "formed per group in fp32; kernels/w4a16/kquant.py)"
         else:
             layout, why = layout_for(k, n, group_size, dtype, caps, options, weight_format == "w4-offsets")
             if weight_format == "w4-offsets":
@@ -68,7 +79,8 @@ def explain(caps, options, cfg, ms: list[int], group_size: int, dtype, context: 
                        "of the fragment kernels fails)"
         rows = []
         for m in ms:
-            p = plan_w8a16(m, k, n, group_size, caps.sms) if weight_format == "w8" else \
+            p = plan_w8a16(m, k, n, 16 if weight_format == "q6k" else group_size, caps.sms) \
+                if weight_format in W8_FORMATS else \
                 plan_w4a16(m, k, n, caps, options, layout, dtype, name == "gate_up_proj")
             rows.append({"m": m, "kernel": p.kernel, "why": p.why,
                          "config": dataclasses.asdict(p.config) if p.config else None})

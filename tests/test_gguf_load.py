@@ -16,6 +16,8 @@ from helpers import make_engine
 from test_server_common import running_server
 
 MIXES = ("Q4_0", "Q4_1", "Q4_K_M", "Q5_K_M")
+Q4_K_M_PATHS = ("20 INT4 Q4_K (W4A16, two-level scales, 4.625 bits), 4 merged Q4_K + Q6_K (each run of shards in its "
+                "own layout, outputs concatenated), 8 8-bit (W8A16)")     # the fixture file's layers, as logged
 NUM_TOKENS = 192
 
 
@@ -73,7 +75,7 @@ def test_perplexity_matches_transformers_on_dequantized_weights(gguf_dir, held_o
     assert abs(math.exp(ours) / math.exp(reference) - 1) < 1e-3, (math.exp(ours), math.exp(reference))
     assert math.exp(ours) < 200                                          # a working model, not noise
     paths = engine.quant_config.describe_paths()
-    assert paths == {"Q4_K_M": "20 INT4 Q4_K (W4A16, two-level scales, 4.625 bits), 12 8-bit (W8A16)",
+    assert paths == {"Q4_K_M": Q4_K_M_PATHS,
                      "Q5_K_M": "32 8-bit (W8A16)"}.get(mix, "32 INT4 (W4A16, float offsets)")
 
 
@@ -129,7 +131,7 @@ def test_served_through_openai_api(gguf_dir, held_out_ids, tmp_path):
             "temperature": 0})
         assert chat.status_code == 200, chat.text
         assert chat.json()["usage"]["prompt_tokens"] > 5          # the template's role markers were rendered
-        assert "20 INT4 Q4_K (W4A16, two-level scales, 4.625 bits), 12 8-bit (W8A16)" in server.log()
+        assert Q4_K_M_PATHS in server.log()
     assert served == pytest.approx(_transformers_nll(path, ids), rel=1e-4)
 
 
@@ -147,10 +149,10 @@ def _loaded_bytes(model) -> int:
         leaf = name.rsplit(".", 1)[-1]
         if leaf in ("qweight", "bias"):
             total += b.numel() * b.element_size()
-        elif leaf in ("scales", "offsets"):
-            total += b.numel() * 2
-        elif leaf == "superscales":                                   # GGUF Q4_K's int32 d | dmin
-            total += b.numel() * 4
+        elif leaf in ("scales", "offsets"):                          # fp32 -> fp16; int16 / int8 codes as they are
+            total += b.numel() * min(b.element_size(), 2)
+        elif leaf == "superscales":                                   # Q4_K's int32 d | dmin, Q6_K's fp16 d
+            total += b.numel() * b.element_size()
     return total
 
 
@@ -176,15 +178,21 @@ def test_dummy_q4_k_m_mix(tmp_path):
     from quant_serve.engine.memory import plan_memory
     from quant_serve.engine.sampling_params import SamplingParams
     from quant_serve.quant.linear import QuantLinear
+    from quant_serve.quant.linear_parts import PartsLinear
     from quant_serve.quant.linear_w8 import W8Linear
     engine = make_engine(TINY, num_blocks=8, max_model_len=128, load_format="dummy", quantization="gguf:Q4_K_M",
                          dtype="float16")
     layers = engine.model.model.layers
     w8 = [i for i, layer in enumerate(layers) if isinstance(layer.mlp.down_proj, W8Linear)]
     assert w8 == [0, 3, 6, 7]
-    assert all(isinstance(layers[i].self_attn.qkv_proj, W8Linear) == (i in w8) for i in range(8))
+    # q / k Q4_K beside a Q6_K v: two parts, each in its file's bits
+    assert all(isinstance(layers[i].self_attn.qkv_proj, PartsLinear) == (i in w8) for i in range(8))
+    q4, q6 = layers[0].self_attn.qkv_proj.parts
+    assert isinstance(q4, QuantLinear) and q4.output_sizes == [512, 128] and isinstance(q6, W8Linear) and q6.q6k_planes
     assert isinstance(layers[1].mlp.gate_up_proj, QuantLinear) and layers[1].mlp.gate_up_proj.superscales is not None
-    assert engine.quant_config.describe_paths() == "24 INT4 Q4_K (W4A16, two-level scales, 4.625 bits), 8 8-bit (W8A16)"
+    assert engine.quant_config.describe_paths() == (
+        "24 INT4 Q4_K (W4A16, two-level scales, 4.625 bits), 4 merged Q4_K + Q6_K (each run of shards in its own "
+        "layout, outputs concatenated), 4 Q6_K (W8A16 kernels, 6-bit planes, 6.5625 bits)")
     plan = plan_memory(TINY, weights_dtype="float16", quantization="gguf:Q4_K_M")
     assert plan.weights_source == "gguf: Q4_K x 48, Q6_K x 8"
     assert plan.weights_bytes == _loaded_bytes(engine.model)         # the dummy holds what a file's layers hold

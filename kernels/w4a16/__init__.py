@@ -3,13 +3,15 @@
 Which kernel runs for a layer and a batch is decided in one place, `plan.py` (`plan_w4a16`), from the GPU's
 capability record (kernels/gpu.py) and the engine's kernel options; `quant-serve kernels --explain` prints it.
 
-Zero points come in three kinds, one constexpr in every kernel (ZP_MODE in the fragment kernels, HAS_ZEROS /
+Zero points come in four kinds, one constexpr in every kernel (ZP_MODE in the fragment kernels, HAS_ZEROS /
 OFFSETS in the row-layout ones): symmetric (z = 8), packed integer zeros (AWQ, GPTQ, compressed-tensors:
-(q - z) * s) and float per-group offsets (GGUF Q4_1 / Q4_K: q * s + o), the last carried by W4A16Weights.offsets /
-FragWeights.offsets in the scales' layout.
+(q - z) * s), float per-group offsets (GGUF Q4_0 / Q4_1: q * s + o), carried by W4A16Weights.offsets /
+FragWeights.offsets in the scales' layout, and GGUF Q4_K's two-level scales as stored (kquant.py: int16 sub-codes
+as the scales, `superscales` per 256 weights).
 
     reference.py   the standard internal INT4 layout every checkpoint format converts into, and the torch twin
     rows.py        the row layout (bf16 and odd shapes): a byte repack of the standard layout
+    kquant.py      GGUF Q4_K's two-level scales (sub-codes, super-scales), their twin and byte count
     frag.py        the fragment layout (fp16, N % 16 == 0): each int32 word holds one tensor-core A fragment
     rules.py       the measured tile rules and tables per GPU family (configs for each kernel family)
     plan.py        plan_w4a16: kernel + config + why, the layout choice, the on-device probes

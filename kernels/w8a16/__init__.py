@@ -4,5 +4,6 @@ re-quantizing).
     reference.py   the internal layout (int8 [K, N], scales / offsets [G, N]) and the torch twin
     plan.py        plan_w8a16: kernel + tile + why (`quant-serve kernels --explain --weight-format w8`)
     kernels.py     the Triton kernels: split-K GEMV (M <= 16) and the dequantize pass before cuBLAS
+    q6k.py         GGUF Q6_K at 6 bits (code planes, int8 sub-scales, fp16 d), read by the same kernels (Q6)
     dispatch.py    w8a16_matmul: the twin on CPU, the planned kernel on CUDA
 """

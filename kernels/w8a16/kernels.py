@@ -5,20 +5,43 @@ A step reads a [BLOCK_K, BLOCK_N] tile of int8 codes (rows of N bytes, coalesced
 offsets, and dequantizes in fp32: w = q * s + o. GROUP (a constexpr: 16, 32, 256 for GGUF; 2^30 for one group) a
 multiple of BLOCK_K (ROW_SCALES): one scale row a step; otherwise each tile row gathers its group's scales (the
 same few rows, from L1), which is right for any group size.
+Q6 (GGUF Q6_K at 6 bits, q6k.py): each tile row gathers its byte of the low and the high code plane (two rows
+share a low byte, four a high byte: the repeats come from L1, DRAM sees 6 bits a weight) and forms its scale
+f32(d) * sc from the int8 sub-scale (s_ptr) and the fp16 super-scale d (o_ptr), as gguf does.
 """
 import torch
 
 from quant_serve.kernels.triton_compat import tl, triton
+from quant_serve.kernels.w8a16.q6k import Q6_CHUNK, Q6_GROUP, Q6KWeights
 from quant_serve.kernels.w4a16.splitk import _store_result, launch_splitk_reduce, split_buffers, split_plan
 
 
 @triton.jit
+def _q6_tile(q_ptr, s_ptr, o_ptr, k, offs_n, mask, stride_qk, stride_sg, K):
+    """Q6 planes: W rows k x columns offs_n -> fp32 [BLOCK_K, BLOCK_N] (kernels/w8a16/q6k.py's layout)."""
+    r = k % 64
+    lo_row = (k // 64) * 32 + r % 32
+    hi_row = K // 2 + (k // 64) * 16 + r % 16
+    lo = tl.load(q_ptr + lo_row[:, None] * stride_qk + offs_n[None, :], mask=mask, other=0).to(tl.int32)
+    hi = tl.load(q_ptr + hi_row[:, None] * stride_qk + offs_n[None, :], mask=mask, other=0).to(tl.int32)
+    lo = (lo >> ((r // 32) * 4)[:, None]) & 0xF
+    hi = (hi >> ((r // 16) * 2)[:, None]) & 0x3
+    q = (lo | (hi << 4)) - 32
+    sc = tl.load(s_ptr + (k // 16)[:, None] * stride_sg + offs_n[None, :], mask=mask, other=0).to(tl.float32)
+    d = tl.load(o_ptr + (k // 256)[:, None] * stride_sg + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    return q.to(tl.float32) * (d * sc)
+
+
+@triton.jit
 def _dequant_tile(q_ptr, s_ptr, o_ptr, k, offs_n, k_mask, n_mask, stride_qk, stride_sg, k_step,
-                  HAS_OFFSETS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+                  HAS_OFFSETS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, K=0,
+                  Q6: tl.constexpr = False):
     """W rows k ([BLOCK_K], starting at k_step) x columns offs_n -> fp32 [BLOCK_K, BLOCK_N]. Rows past K hold the
     group's offset (their activations are 0)."""
     ROW_SCALES: tl.constexpr = GROUP % BLOCK_K == 0
     mask = k_mask[:, None] & n_mask[None, :]
+    if Q6:
+        return _q6_tile(q_ptr, s_ptr, o_ptr, k, offs_n, mask, stride_qk, stride_sg, K)
     q = tl.load(q_ptr + k[:, None] * stride_qk + offs_n[None, :], mask=mask, other=0)
     if ROW_SCALES:
         g = k_step // GROUP
@@ -41,7 +64,7 @@ def _w8a16_gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, bia
                        stride_xm, stride_om, stride_qk, stride_sg, steps_per_split, n_splits,
                        HAS_OFFSETS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                        ONE_LAUNCH: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, Q6: tl.constexpr = False):
     """Grid (row blocks, N tiles, splits). BLOCK_M 1: one x row a program, CUDA-core FMAs into an fp32
     [BLOCK_K, BLOCK_N] accumulator summed over its rows after the loop (rows of a weight tile run together, so all
     but the first read it from L2). BLOCK_M 16: the row block's x [16, BLOCK_K] meets the tile rounded to x's dtype
@@ -61,7 +84,7 @@ def _w8a16_gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, bia
             k = st * BLOCK_K + offs_kk
             k_mask = k < K
             w = _dequant_tile(q_ptr, s_ptr, o_ptr, k, offs_n, k_mask, n_mask, stride_qk, stride_sg, st * BLOCK_K,
-                              HAS_OFFSETS, GROUP, BLOCK_K)
+                              HAS_OFFSETS, GROUP, BLOCK_K, K, Q6)
             xv = tl.load(x_row + k, mask=k_mask, other=0.0).to(tl.float32)
             acc += w * xv[:, None]
         res = tl.sum(acc, axis=0)[None, :]                                      # [1, BLOCK_N]
@@ -74,7 +97,7 @@ def _w8a16_gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, bia
             k = st * BLOCK_K + offs_kk
             k_mask = k < K
             w = _dequant_tile(q_ptr, s_ptr, o_ptr, k, offs_n, k_mask, n_mask, stride_qk, stride_sg, st * BLOCK_K,
-                              HAS_OFFSETS, GROUP, BLOCK_K)
+                              HAS_OFFSETS, GROUP, BLOCK_K, K, Q6)
             xt = tl.load(x_rows + k[None, :], mask=k_mask[None, :], other=0.0)        # [BM, BK]
             acc = tl.dot(xt, w.to(xt.dtype), acc)
         res = acc
@@ -86,7 +109,7 @@ def _w8a16_gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, bia
 @triton.jit
 def _w8a16_dequant_kernel(q_ptr, s_ptr, o_ptr, out_ptr, N, K, stride_qk, stride_sg, stride_ok,
                           HAS_OFFSETS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr):
+                          BLOCK_K: tl.constexpr, Q6: tl.constexpr = False):
     """Grid (K steps, N tiles): W rows [k0, k0 + BLOCK_K) -> out [K, N] in out's dtype (one rounding)."""
     st = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -94,7 +117,7 @@ def _w8a16_dequant_kernel(q_ptr, s_ptr, o_ptr, out_ptr, N, K, stride_qk, stride_
     k = st * BLOCK_K + tl.arange(0, BLOCK_K)
     k_mask = k < K
     w = _dequant_tile(q_ptr, s_ptr, o_ptr, k, offs_n, k_mask, n_mask, stride_qk, stride_sg, st * BLOCK_K,
-                      HAS_OFFSETS, GROUP, BLOCK_K)
+                      HAS_OFFSETS, GROUP, BLOCK_K, K, Q6)
     tl.store(out_ptr + k[:, None] * stride_ok + offs_n[None, :], w.to(out_ptr.dtype.element_ty),
              mask=k_mask[:, None] & n_mask[None, :])
 
@@ -107,11 +130,26 @@ def group_arg(group_size: int, k: int) -> int:
     return group_size if 0 < group_size < k else ONE_GROUP
 
 
-def w8a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
-               group_size: int, bias: torch.Tensor | None, block_m: int = 1, block_n: int = 64, block_k: int = 64,
-               split_k: int = 1, num_warps: int = 4, one_launch: bool = False) -> torch.Tensor:
-    """x [M, K] (unit stride along K) @ W [K, N] (int8 codes, scales / offsets [G, N]) -> [M, N] in x's dtype.
-    block_m 1: one row a program (CUDA-core FMAs); 16: up to 16 rows a program through tl.dot."""
+def _q6_args(qweight, scales, offsets, group_size, block_k):
+    """Q6KWeights -> the kernels' (codes, scales, offsets pointer, group, Q6) arguments; other layouts as given."""
+    if not isinstance(qweight, Q6KWeights):
+        return qweight, scales, offsets, group_size, False
+    if block_k % Q6_CHUNK:
+        raise ValueError(f"Q6_K planes need block_k a multiple of {Q6_CHUNK}, got {block_k}")
+    if qweight.sub_scales.stride(0) != qweight.d.stride(0):
+        raise ValueError("Q6_K sub-scales and d must share their row stride (contiguous [G, N])")
+    return qweight.planes, qweight.sub_scales, qweight.d, Q6_GROUP, True
+
+
+def w8a16_gemv(x: torch.Tensor, qweight: "torch.Tensor | Q6KWeights", scales: torch.Tensor | None,
+               offsets: torch.Tensor | None, group_size: int, bias: torch.Tensor | None, block_m: int = 1,
+               block_n: int = 64, block_k: int = 64, split_k: int = 1, num_warps: int = 4,
+               one_launch: bool = False) -> torch.Tensor:
+    """x [M, K] (unit stride along K) @ W [K, N] (int8 codes, scales / offsets [G, N], or Q6KWeights: scales and
+    offsets ignored) -> [M, N] in x's dtype. block_m 1: one row a program (CUDA-core FMAs); 16: up to 16 rows a
+    program through tl.dot."""
+    qweight, scales, d, group_size, q6 = _q6_args(qweight, scales, offsets, group_size, block_k)
+    offsets = None if q6 else offsets
     M, K = x.shape
     N = qweight.shape[1]
     if block_m not in (1, 16):
@@ -122,25 +160,30 @@ def w8a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, off
     one_launch = one_launch and splits > 1
     out, ws, counters = split_buffers(x, M, N, splits, one_launch, row_blocks * n_tiles)
     _w8a16_gemv_kernel[(row_blocks, n_tiles, splits)](
-        x, qweight, scales, offsets if offsets is not None else scales, out, ws, counters,
-        bias if bias is not None else scales, M, N, K, x.stride(0), out.stride(0), qweight.stride(0),
+        x, qweight, scales, d if q6 else offsets if offsets is not None else scales, out, ws, counters,
+        bias if bias is not None else out, M, N, K, x.stride(0), out.stride(0), qweight.stride(0),
         scales.stride(0), per, splits,
         HAS_OFFSETS=offsets is not None, HAS_BIAS=bias is not None, SPLIT=splits > 1, ONE_LAUNCH=one_launch,
-        GROUP=group_arg(group_size, K), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+        GROUP=group_arg(group_size, K), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, Q6=q6,
+        num_warps=num_warps)
     if splits > 1 and not one_launch:
         launch_splitk_reduce(ws, bias, out, splits)
     return out
 
 
-def w8a16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, group_size: int,
-                     dtype: torch.dtype, block_n: int = 64, block_k: int = 64) -> torch.Tensor:
-    """int8 layout -> dense W [K, N] in dtype, one rounding of q * s + o (fp32 math)."""
-    K, N = qweight.shape
+def w8a16_dequantize(qweight: "torch.Tensor | Q6KWeights", scales: torch.Tensor | None,
+                     offsets: torch.Tensor | None, group_size: int, dtype: torch.dtype, block_n: int = 64,
+                     block_k: int = 64) -> torch.Tensor:
+    """int8 layout (or Q6KWeights) -> dense W [K, N] in dtype, one rounding of q * s + o (fp32 math)."""
+    K = qweight.in_features if isinstance(qweight, Q6KWeights) else qweight.shape[0]
+    qweight, scales, d, group_size, q6 = _q6_args(qweight, scales, offsets, group_size, block_k)
+    offsets = None if q6 else offsets
+    N = qweight.shape[1]
     out = torch.empty((K, N), dtype=dtype, device=qweight.device)
     _w8a16_dequant_kernel[(triton.cdiv(K, block_k), triton.cdiv(N, block_n))](
-        qweight, scales, offsets if offsets is not None else scales, out, N, K, qweight.stride(0), scales.stride(0),
-        out.stride(0), HAS_OFFSETS=offsets is not None, GROUP=group_arg(group_size, K), BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=4)
+        qweight, scales, d if q6 else offsets if offsets is not None else scales, out, N, K, qweight.stride(0),
+        scales.stride(0), out.stride(0), HAS_OFFSETS=offsets is not None, GROUP=group_arg(group_size, K),
+        BLOCK_N=block_n, BLOCK_K=block_k, Q6=q6, num_warps=4)
     return out
 
 

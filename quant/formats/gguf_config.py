@@ -12,14 +12,18 @@ from gguf import GGMLQuantizationType as T
 
 from quant_serve.quant.formats.base import Int4Weights, QuantConfig
 from quant_serve.quant.formats.gguf_types import (GroupedCodes, group_size_of, int4_layout, kquant_layout, path_of,
-                                                  w8_layout)
+                                                  q6k_layout, w8_layout)
 from quant_serve.quant.linear import DenseLinear, QuantLinear
+from quant_serve.quant.linear_parts import PartsLinear
 from quant_serve.quant.linear_w8 import W8Linear, W8Weights
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 OFFSET_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_1, T.Q5_K)      # loaded with per-group float offsets
+NATIVE_TYPES = (T.Q4_K, T.Q6_K)      # kept in the file's own scales; a merged layer mixing them loads in parts
 PATH_NAMES = {"int4": "INT4 (W4A16, float offsets)", "int4k": "INT4 Q4_K (W4A16, two-level scales, 4.625 bits)",
-              "w8": "8-bit (W8A16)", "dense": "float (dense)"}
+              "q6k": "Q6_K (W8A16 kernels, 6-bit planes, 6.5625 bits)", "w8": "8-bit (W8A16)",
+              "parts": "merged Q4_K + Q6_K (each run of shards in its own layout, outputs concatenated)",
+              "dense": "float (dense)"}
 
 
 @dataclass
@@ -44,6 +48,9 @@ class GGUFConfig(QuantConfig):
                     source_prefixes: list[str]):
         types = [self.type_of(p) for p in source_prefixes]
         paths = {path_of(t) for t in types}
+        if len(set(types)) > 1 and set(types) <= set(NATIVE_TYPES):
+            self.layer_paths["parts"] += 1
+            return self._parts_linear(in_features, output_sizes, bias, dtype, device, source_prefixes, types)
         if "dense" in paths:            # a float shard beside quantized ones: the quantized ones are dequantized
             path, layer = "dense", DenseLinear(in_features, output_sizes, bias, dtype, device)
         elif paths == {"int4"}:
@@ -56,6 +63,8 @@ class GGUFConfig(QuantConfig):
             group = min(group_size_of(t) for t in types)
             layer = W8Linear(in_features, output_sizes, bias, dtype, device, self, group, list(source_prefixes))
             layer.dummy_offsets = any(t in OFFSET_TYPES for t in types)
+            if set(types) == {T.Q6_K}:           # Q6_K shards only: the 6-bit planes (kernels/w8a16/q6k.py)
+                path, layer.q6k_planes = "q6k", True
         self.layer_paths[path] += 1
         return layer
 
@@ -68,6 +77,27 @@ class GGUFConfig(QuantConfig):
             return Int4Weights(qweight, sub_codes, None, None, tensors.get("bias"), None, superscales)
         qweight, scales, offsets = int4_layout(g)
         return Int4Weights(qweight, scales, None, None, tensors.get("bias"), offsets)
+
+    def _parts_linear(self, in_features, output_sizes, bias, dtype, device, prefixes, types) -> PartsLinear:
+        """Runs of consecutive shards of one type, each its own native linear (no layer_paths count)."""
+        parts, start = [], 0
+        for i in range(1, len(types) + 1):
+            if i == len(types) or types[i] != types[start]:
+                shards = list(range(start, i))
+                sizes, names = [output_sizes[s] for s in shards], [prefixes[s] for s in shards]
+                if types[start] == T.Q4_K:
+                    linear = QuantLinear(in_features, sizes, bias, dtype, device, self, 32, names)
+                    linear.dummy_two_level = True
+                else:
+                    linear = W8Linear(in_features, sizes, bias, dtype, device, self, 16, names)
+                    linear.q6k_planes = True
+                parts.append((linear, shards))
+                start = i
+        return PartsLinear(in_features, output_sizes, bias, parts, prefixes)
+
+    def convert_q6k(self, tensors, prefix, in_features, out_features) -> W8Weights:
+        g = _codes(tensors, prefix, in_features, out_features)
+        return W8Weights(None, None, None, tensors.get("bias"), q6k_layout(g))
 
     def convert_w8(self, tensors, prefix, in_features, out_features, group_size) -> W8Weights:
         g = _codes(tensors, prefix, in_features, out_features)

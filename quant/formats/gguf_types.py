@@ -23,6 +23,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from quant_serve.kernels.w4a16.kquant import pack_sub_codes, pack_superscales
 from quant_serve.kernels.w4a16.reference import pack_int4_rows
+from quant_serve.kernels.w8a16.q6k import Q6KWeights, pack_q6k
 
 INT4_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K)
 W8_TYPES = (T.Q8_0, T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K)
@@ -55,7 +56,8 @@ class GroupedCodes:
     offsets: torch.Tensor | None         # like scales, or None (= 0)
     group_size: int
     # Q4_K as stored (kernels/w4a16/kquant.py), beside the fp32 products above: int16 sc | m << 8 [N, K / 32] and
-    # int32 fp16 bits d | dmin << 16 [N, K / 256]; None for every other type
+    # int32 fp16 bits d | dmin << 16 [N, K / 256]; Q6_K (kernels/w8a16/q6k.py): int8 sub-scales [N, K / 16] and
+    # fp16 d [N, K / 256]; None for every other type
     sub_codes: torch.Tensor | None = None
     superscales: torch.Tensor | None = None
 
@@ -174,6 +176,8 @@ def read_grouped(data, qtype: T, n: int, k: int, device: torch.device | str = "c
         sc = b[:, 192:208].contiguous().view(torch.int8).to(f32)                      # [B, 16]
         scales = (_f16(b[:, 208:210]).to(f32)[:, None] * sc).reshape(-1)
         offsets = None
+        sub_codes = b[:, 192:208].contiguous().view(torch.int8).reshape(n, k // 16)
+        superscales = _f16(b[:, 208:210]).reshape(n, k // 256)
     else:
         raise ValueError(f"GGUF tensor type {qtype.name} has no grouped-code reader (supported: "
                          f"{', '.join(t.name for t in INT4_TYPES + W8_TYPES)})")
@@ -205,6 +209,13 @@ def kquant_layout(g: GroupedCodes) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     if g.superscales is None:
         raise ValueError("kquant_layout needs Q4_K grouped codes (sub-codes and super-scales)")
     return pack_int4_rows(g.codes.t().contiguous()), g.sub_codes.t().contiguous(), g.superscales.t().contiguous()
+
+
+def q6k_layout(g: GroupedCodes) -> Q6KWeights:
+    """Q6_K codes [N, K] -> the 6-bit plane layout (planes [3K/4, N], sub-scales int8 [K/16, N], d [K/256, N])."""
+    if g.superscales is None or g.sub_codes is None or g.sub_codes.dtype != torch.int8:
+        raise ValueError("q6k_layout needs Q6_K grouped codes (int8 sub-scales and fp16 d)")
+    return pack_q6k(g.codes.t(), g.sub_codes.t(), g.superscales.t())
 
 
 def w8_layout(g: GroupedCodes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
