@@ -13,7 +13,8 @@ from quant_serve.engine.detokenizer import IncrementalDetokenizer
 from quant_serve.engine.kv_scales import resolve_kv_scales
 from quant_serve.engine.loader import (default_device, load_model, load_model_config, load_tokenizer, pick_dtype,
                                        resolve_model_dir)
-from quant_serve.engine.model_runner import Carry, ForwardStep, LaunchedStep, ModelRunner
+from quant_serve.engine.model_runner import ModelRunner
+from quant_serve.engine.steps import Carry, ForwardStep, LaunchedStep
 from quant_serve.engine.outputs import EngineStats, Request, RequestMetrics, RequestOutput
 from quant_serve.engine.sampler import needs_last_token_on_host
 from quant_serve.engine.sampling_params import SamplingParams

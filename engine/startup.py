@@ -5,6 +5,7 @@ import time
 
 from quant_serve.engine.config import EngineConfig
 from quant_serve.kernels.precompile import parallel_compile
+from quant_serve.engine.warmup import warm_up
 
 logger = logging.getLogger("quant_serve")
 
@@ -24,8 +25,8 @@ def start_kernels(engine, config: EngineConfig, show_progress: bool) -> None:
         logger.info("verification steps run eagerly (--enforce-eager)")
 
     def warmup(progress: bool) -> int:
-        return engine.runner.warmup(sched.max_num_batched_tokens, sched.max_num_seqs, engine.max_model_len,
-                                    progress)
+        return warm_up(engine.runner, sched.max_num_batched_tokens, sched.max_num_seqs,
+                       engine.max_model_len, progress)
     with parallel_compile(config.kernels.compile_workers) as compiling, engine.model.model.first_layers(2):
         if compiling:
             logger.info("compiling kernels on %d threads", config.kernels.compile_workers)

@@ -4,6 +4,7 @@ import torch
 
 from quant_serve.engine.demo import DEMO_MODEL_DIR
 from quant_serve.engine.sampling_params import SamplingParams
+from quant_serve.engine.warmup import warm_up
 
 from helpers import assert_all_blocks_free, make_engine
 
@@ -16,7 +17,7 @@ def test_warmup_leaves_cache_calibration_and_outputs_unchanged():
     caches = [c.clone() for c in warm.runner.k_caches + warm.runner.v_caches]
     observer = warm.runner._first_forward_observer
     assert observer is not None                       # fp8 without checkpoint scales: calibrated by the first step
-    forwards = warm.runner.warmup(96, 8, 256)
+    forwards = warm_up(warm.runner, 96, 8, 256)
     assert forwards >= 10
     assert all(torch.equal(a, b) for a, b in zip(caches, warm.runner.k_caches + warm.runner.v_caches))
     assert warm.runner._first_forward_observer is observer

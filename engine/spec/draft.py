@@ -17,6 +17,7 @@ from quant_serve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from quant_serve.engine.sequence import Sequence, SequenceStatus
 from quant_serve.engine.spec.backoff import Backoff
 from quant_serve.engine.spec.step import num_to_propose
+from quant_serve.engine.warmup import warm_up
 
 logger = logging.getLogger("quant_serve")
 
@@ -52,7 +53,7 @@ class DraftProposer:
             sched = engine.config.scheduler
             if not engine.config.enforce_eager:
                 self.runner.plan_decode_graphs(min(sched.max_num_seqs, 512), engine.max_model_len)
-            self.runner.warmup(sched.max_num_batched_tokens, sched.max_num_seqs, engine.max_model_len)
+            warm_up(self.runner, sched.max_num_batched_tokens, sched.max_num_seqs, engine.max_model_len)
             if not engine.config.enforce_eager:
                 self.runner.capture_decode_graphs()
         logger.info("draft model %s: %d KV blocks", self.model_dir, num_blocks)
