@@ -34,14 +34,23 @@ def _q6_tile(q_ptr, s_ptr, o_ptr, k, offs_n, mask, stride_qk, stride_sg, K):
 
 @triton.jit
 def _dequant_tile(q_ptr, s_ptr, o_ptr, k, offs_n, k_mask, n_mask, stride_qk, stride_sg, k_step,
-                  HAS_OFFSETS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, K=0,
-                  Q6: tl.constexpr = False):
+                  HAS_OFFSETS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, K,
+                  Q6: tl.constexpr):
     """W rows k ([BLOCK_K], starting at k_step) x columns offs_n -> fp32 [BLOCK_K, BLOCK_N]. Rows past K hold the
     group's offset (their activations are 0)."""
-    ROW_SCALES: tl.constexpr = GROUP % BLOCK_K == 0
     mask = k_mask[:, None] & n_mask[None, :]
-    if Q6:
-        return _q6_tile(q_ptr, s_ptr, o_ptr, k, offs_n, mask, stride_qk, stride_sg, K)
+    if Q6:                            # no early return: Triton compiles the code after it too
+        w = _q6_tile(q_ptr, s_ptr, o_ptr, k, offs_n, mask, stride_qk, stride_sg, K)
+    else:
+        w = _int8_tile(q_ptr, s_ptr, o_ptr, k, offs_n, mask, n_mask, stride_qk, stride_sg, k_step, HAS_OFFSETS,
+                       GROUP, BLOCK_K)
+    return w
+
+
+@triton.jit
+def _int8_tile(q_ptr, s_ptr, o_ptr, k, offs_n, mask, n_mask, stride_qk, stride_sg, k_step,
+               HAS_OFFSETS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    ROW_SCALES: tl.constexpr = GROUP % BLOCK_K == 0
     q = tl.load(q_ptr + k[:, None] * stride_qk + offs_n[None, :], mask=mask, other=0)
     if ROW_SCALES:
         g = k_step // GROUP
