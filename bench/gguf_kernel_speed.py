@@ -150,8 +150,8 @@ def w8_variants(fmt: str, layers: list, x: torch.Tensor, want: torch.Tensor, gra
                                                             (64, 32, 2))]
     if x.shape[0] > 1:                       # the rows one a program (FMA) instead of through tl.dot
         tiles.append((base.block_k, base.block_n, base.num_warps, 1))
-    if FORMATS[fmt][0] == 6:                 # Q6_K planes: steps of whole 64-row chunks
-        tiles = [(bk, bn, nw, bm) for bk, bn, nw, bm in tiles if bk % 64 == 0]
+    if FORMATS[fmt][0] == 6:                 # Q6_K planes: one 64-row chunk a step
+        tiles = [(bk, bn, nw, bm) for bk, bn, nw, bm in tiles if bk == 64] + [(64, 256, 8, base.block_m)]
     for bk, bn, nw, bm in tiles:
         for split in sorted({base.split_k, max(1, base.split_k // 2), min(16, base.split_k * 2)}):
             cfg = dataclasses.replace(base, block_k=bk, block_n=bn, num_warps=nw, split_k=split, block_m=bm)

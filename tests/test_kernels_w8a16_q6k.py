@@ -47,10 +47,10 @@ def test_planes_round_trip_and_twin_is_gguf():
         pack_q6k(torch.full((256, 8), 40), w.sub_scales[:16, :8].cpu(), w.d[:1, :8].cpu())
 
 
-@pytest.mark.parametrize("k,n,block_k", [(512, 72, 64), (768, 40, 128)])
-def test_dequantize_pass_is_bit_exact_vs_gguf(k, n, block_k):
+@pytest.mark.parametrize("k,n,block_n", [(512, 72, 32), (768, 40, 64)])
+def test_dequantize_pass_is_bit_exact_vs_gguf(k, n, block_n):
     dense, w = q6_k_layer(k, n, seed=k)
-    got = w8a16_dequantize(w, None, None, 16, torch.float32, block_n=32, block_k=block_k).cpu()
+    got = w8a16_dequantize(w, None, None, 16, torch.float32, block_n=block_n).cpu()
     if interpreting():
         assert torch.equal(got, dense)
     else:
@@ -70,3 +70,65 @@ def test_gemv_matches_gguf_matmul(m, dtype, block_m, split_k):
     ref = x.cpu().float() @ dense
     assert rel_err(w8a16_forward(x, w, None, None, 16, None, W8A16Config("dequant")), ref) < tol
     assert rel_err(w8a16_matmul(x.cpu(), w.to("cpu"), None, None, 16), ref) < tol          # the CPU twin
+    with pytest.raises(ValueError, match="block_k must be 64"):
+        w8a16_forward(x, w, None, None, 16, None, W8A16Config("gemv", block_m, 32, 128, split_k))
+
+
+def compile_row_kernels_sm90() -> dict:
+    """The Triton kernels of the new modes compiled for sm90 without a GPU (the interpreter does not lower them):
+    the W8A16 GEMV with Q6_K planes (FMA rows and tl.dot rows) and its dequantize pass, and the row-layout W4A16
+    GEMV / GEMM / dequantize with Q4_K's two-level scales (OFFSETS 2) -> registers and spill bytes."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from quant_serve.kernels.w4a16.rows_gemm import _w4a16_dequant_kernel, _w4a16_gemm_kernel
+    from quant_serve.kernels.w4a16.rows_gemv import _w4a16_gemv_kernel
+    from quant_serve.kernels.w8a16.kernels import _w8a16_dequant_kernel, _w8a16_gemv_kernel
+    from tests.test_kernels_w4a16_mma import cubin_sass
+
+    def build(kernel, sig, constexprs, num_warps=4):
+        full = dict(sig, **{k: "constexpr" for k in constexprs})
+        names = list(full)
+        attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in sig if a.endswith("_ptr") or a == "N"}
+        regs, stack, _ = cubin_sass(triton.compile(ASTSource(fn=kernel, signature=full, constexprs=constexprs,
+                                                             attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                                                   options={"num_warps": num_warps}))
+        return {"regs": regs, "stack": stack}
+
+    i32 = "i32"
+    out = {}
+    w8 = dict(x_ptr="*fp16", q_ptr="*u8", s_ptr="*i8", o_ptr="*fp16", out_ptr="*fp16", ws_ptr="*fp32",
+              cnt_ptr="*i32", bias_ptr="*fp16", M=i32, N=i32, K=i32, stride_xm=i32, stride_om=i32, stride_qk=i32,
+              stride_sg=i32, steps_per_split=i32, n_splits=i32)
+    for bm in (1, 16):
+        out[f"q6-gemv-{bm}"] = build(_w8a16_gemv_kernel, w8, dict(
+            HAS_OFFSETS=False, HAS_BIAS=False, SPLIT=True, ONE_LAUNCH=False, GROUP=16, BLOCK_M=bm, BLOCK_N=64,
+            BLOCK_K=64, Q6=True))
+    out["q6-dequant"] = build(_w8a16_dequant_kernel, dict(q_ptr="*u8", s_ptr="*i8", o_ptr="*fp16", out_ptr="*fp16",
+                                                         N=i32, K=i32, stride_qk=i32, stride_sg=i32, stride_ok=i32),
+                              dict(HAS_OFFSETS=False, GROUP=16, BLOCK_N=64, BLOCK_K=64, Q6=True))
+    rows = dict(x_ptr="*fp16", b_ptr="*u8", s_ptr="*i16", z_ptr="*i32", out_ptr="*fp16", ws_ptr="*fp32",
+                cnt_ptr="*i32", bias_ptr="*fp16", M=i32, N=i32, K=i32, G=i32, group_size=i32, stride_xm=i32,
+                stride_om=i32, stride_sg=i32, stride_zg=i32, chunks_per_split=i32, n_splits=i32, NW=i32)
+    flags = dict(HAS_ZEROS=False, SLICE_GROUPS=True, EVEN_N=True, FAST=False, PERMUTED=True, OFFSETS=2)
+    out["kq-gemv"] = build(_w4a16_gemv_kernel, rows, dict(
+        flags, HAS_BIAS=False, SPLIT=True, ONE_LAUNCH=True, EVEN_K=True, BLOCK_N=32, ROWS=64, STAGES=0,
+        PACK_K=128))
+    out["kq-gemm"] = build(_w4a16_gemm_kernel, rows, dict(
+        flags, HAS_BIAS=False, SPLIT=False, ONE_LAUNCH=False, EVEN_K=True, SWAP=True, BLOCK_M=16, BLOCK_N=64,
+        PACK_K=128, GROUP_M=8))
+    out["kq-dequant"] = build(_w4a16_dequant_kernel, dict(
+        b_ptr="*u8", s_ptr="*i16", z_ptr="*i32", out_ptr="*fp16", N=i32, K=i32, G=i32, group_size=i32,
+        stride_sg=i32, stride_zg=i32, stride_on=i32, NW=i32), dict(flags, BLOCK_N=64, PACK_K=128))
+    return out
+
+
+def test_row_kernels_of_the_new_modes_compile_for_sm90_without_spills():
+    from tests.test_kernels_w4a16_mma import compiled_in_fresh_process
+    res = compiled_in_fresh_process("tests.test_kernels_w8a16_q6k", "compile_row_kernels_sm90")
+    for name, r in res.items():
+        # the row-layout GEMM (bf16 models and fallbacks) spills at this tile with float offsets too (592 bytes
+        # against 656 here, Triton 3.9): compiled is what is checked there
+        assert r["stack"] == 0 or name == "kq-gemm", (name, r)
+    print({name: r["regs"] for name, r in res.items()})

@@ -120,19 +120,18 @@ def _load_group(k0, s_ptr, z_ptr, n_lo, n_hi, k_in, stride_sg, stride_zg, GROUP:
     """The scales (SCALES) and packed zero words of rows g and g + 8 for the step starting at row k0 (ZP_MODE
     ZP_OFFSETS: their float offsets, loaded as the scales are)."""
     grp = (k0 + k_in) // GROUP
-    if ZP_MODE == 3:                     # k-quant: raw int16 sub-codes and int32 d | dmin, converted at use
+    if SCALES or ZP_MODE == 3:           # k-quant: raw int16 sub-codes (and int32 d | dmin below), converted at use
         s_lo = gl.load(s_ptr + grp * stride_sg + n_lo)
         s_hi = gl.load(s_ptr + grp * stride_sg + n_hi)
-        z_lo = gl.load(z_ptr + (grp // 8) * stride_zg + n_lo)
-        z_hi = gl.load(z_ptr + (grp // 8) * stride_zg + n_hi)
-        return s_lo, s_hi, z_lo, z_hi
-    if SCALES:
         s_lo = gl.load(s_ptr + grp * stride_sg + n_lo)
         s_hi = gl.load(s_ptr + grp * stride_sg + n_hi)
     else:
         s_lo = 0
         s_hi = 0
-    if ZP_MODE == 2:
+    if ZP_MODE == 3:
+        z_lo = gl.load(z_ptr + (grp // 8) * stride_zg + n_lo)
+        z_hi = gl.load(z_ptr + (grp // 8) * stride_zg + n_hi)
+    elif ZP_MODE == 2:
         z_lo = gl.load(z_ptr + grp * stride_zg + n_lo)
         z_hi = gl.load(z_ptr + grp * stride_zg + n_hi)
     elif ZP_MODE:

@@ -112,8 +112,17 @@ def _group_params(s_ptr, z_ptr, g, stride_sg, stride_zg, offs_n, n_mask,
     """Scale (its own dtype) and zero point (fp32) of group g (a scalar -> [1, BN], or [R, 1] -> [R, BN]).
     OFFSETS: z_ptr holds float offsets [G, N] (stride_zg) and the second value is the group's offset (fp32); it
     takes the zero point's registers, so an offset layer holds no more than a zero-point one."""
-    if OFFSETS == 2:                                            # k-quant: int16 sub-codes, int32 d | dmin
-        return _kquant_params(s_ptr, z_ptr, g, stride_sg, stride_zg, offs_n, n_mask, EVEN_N)
+    if OFFSETS == 2:                  # k-quant: int16 sub-codes, int32 d | dmin (no early return: one return type)
+        s, z = _kquant_params(s_ptr, z_ptr, g, stride_sg, stride_zg, offs_n, n_mask, EVEN_N)
+    else:
+        s, z = _float_group_params(s_ptr, z_ptr, g, stride_sg, stride_zg, offs_n, n_mask, HAS_ZEROS, EVEN_N,
+                                   OFFSETS)
+    return s, z
+
+
+@triton.jit
+def _float_group_params(s_ptr, z_ptr, g, stride_sg, stride_zg, offs_n, n_mask, HAS_ZEROS: tl.constexpr,
+                        EVEN_N: tl.constexpr, OFFSETS: tl.constexpr):
     if EVEN_N:
         s = tl.load(s_ptr + g * stride_sg + offs_n[None, :])
     else:

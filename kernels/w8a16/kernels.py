@@ -5,9 +5,9 @@ A step reads a [BLOCK_K, BLOCK_N] tile of int8 codes (rows of N bytes, coalesced
 offsets, and dequantizes in fp32: w = q * s + o. GROUP (a constexpr: 16, 32, 256 for GGUF; 2^30 for one group) a
 multiple of BLOCK_K (ROW_SCALES): one scale row a step; otherwise each tile row gathers its group's scales (the
 same few rows, from L1), which is right for any group size.
-Q6 (GGUF Q6_K at 6 bits, q6k.py): each tile row gathers its byte of the low and the high code plane (two rows
-share a low byte, four a high byte: the repeats come from L1, DRAM sees 6 bits a weight) and forms its scale
-f32(d) * sc from the int8 sub-scale (s_ptr) and the fp16 super-scale d (o_ptr), as gguf does.
+Q6 (GGUF Q6_K at 6 bits, q6k.py): a step is one 64-row chunk: its 32 low-plane byte rows give rows j (low
+nibble) and 32 + j (high nibble), each completed by its 2 bits of the high plane, and their scales f32(d) * sc
+from the int8 sub-scales (s_ptr) and the fp16 super-scale d (o_ptr), as gguf forms them.
 """
 import torch
 
@@ -17,31 +17,12 @@ from quant_serve.kernels.w4a16.splitk import _store_result, launch_splitk_reduce
 
 
 @triton.jit
-def _q6_tile(q_ptr, s_ptr, o_ptr, k, offs_n, mask, stride_qk, stride_sg, K):
-    """Q6 planes: W rows k x columns offs_n -> fp32 [BLOCK_K, BLOCK_N] (kernels/w8a16/q6k.py's layout)."""
-    r = k % 64
-    lo_row = (k // 64) * 32 + r % 32
-    hi_row = K // 2 + (k // 64) * 16 + r % 16
-    lo = tl.load(q_ptr + lo_row[:, None] * stride_qk + offs_n[None, :], mask=mask, other=0).to(tl.int32)
-    hi = tl.load(q_ptr + hi_row[:, None] * stride_qk + offs_n[None, :], mask=mask, other=0).to(tl.int32)
-    lo = (lo >> ((r // 32) * 4)[:, None]) & 0xF
-    hi = (hi >> ((r // 16) * 2)[:, None]) & 0x3
-    q = (lo | (hi << 4)) - 32
-    sc = tl.load(s_ptr + (k // 16)[:, None] * stride_sg + offs_n[None, :], mask=mask, other=0).to(tl.float32)
-    d = tl.load(o_ptr + (k // 256)[:, None] * stride_sg + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-    return q.to(tl.float32) * (d * sc)
-
-
-@triton.jit
 def _dequant_tile(q_ptr, s_ptr, o_ptr, k, offs_n, k_mask, n_mask, stride_qk, stride_sg, k_step,
-                  HAS_OFFSETS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, K=0,
-                  Q6: tl.constexpr = False):
+                  HAS_OFFSETS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
     """W rows k ([BLOCK_K], starting at k_step) x columns offs_n -> fp32 [BLOCK_K, BLOCK_N]. Rows past K hold the
     group's offset (their activations are 0)."""
     ROW_SCALES: tl.constexpr = GROUP % BLOCK_K == 0
     mask = k_mask[:, None] & n_mask[None, :]
-    if Q6:
-        return _q6_tile(q_ptr, s_ptr, o_ptr, k, offs_n, mask, stride_qk, stride_sg, K)
     q = tl.load(q_ptr + k[:, None] * stride_qk + offs_n[None, :], mask=mask, other=0)
     if ROW_SCALES:
         g = k_step // GROUP
@@ -57,6 +38,55 @@ def _dequant_tile(q_ptr, s_ptr, o_ptr, k, offs_n, k_mask, n_mask, stride_qk, str
             o = tl.load(o_ptr + g[:, None] * stride_sg + offs_n[None, :], mask=mask, other=0.0)
         w = w + o.to(tl.float32)
     return w
+
+
+@triton.jit
+def _q6_chunk(q_ptr, s_ptr, o_ptr, c, offs_n, n_mask, stride_qk, stride_sg, K):
+    """Q6 planes, 64-row chunk c (q6k.py) -> (W rows 64 c + j, W rows 64 c + 32 + j), each fp32 [32, BLOCK_N]: the
+    low plane's 32 byte rows once, the high plane's 16 rows twice (the repeat from L1), s = d * sc as gguf forms
+    it (the chunk lies in one super-block)."""
+    j = tl.arange(0, 32)
+    mask = n_mask[None, :]
+    lo = tl.load(q_ptr + (c * 32 + j)[:, None] * stride_qk + offs_n[None, :], mask=mask, other=0).to(tl.int32)
+    hb = tl.load(q_ptr + (K // 2 + c * 16 + j % 16)[:, None] * stride_qk + offs_n[None, :], mask=mask,
+                 other=0).to(tl.int32)
+    t = ((j // 16) * 2)[:, None]                                 # rows 16 t + j % 16 of the chunk: bits 2t, 2t + 1
+    q_a = ((lo & 0xF) | (((hb >> t) & 3) << 4)) - 32
+    q_b = ((lo >> 4) | (((hb >> (t + 4)) & 3) << 4)) - 32
+    g = (c * 4 + j // 16)[:, None]                               # sub-scale rows; + 2 for the chunk's upper half
+    s_a = tl.load(s_ptr + g * stride_sg + offs_n[None, :], mask=mask, other=0).to(tl.float32)
+    s_b = tl.load(s_ptr + (g + 2) * stride_sg + offs_n[None, :], mask=mask, other=0).to(tl.float32)
+    d = tl.load(o_ptr + (c // 4) * stride_sg + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    return q_a.to(tl.float32) * (d * s_a), q_b.to(tl.float32) * (d * s_b)
+
+
+@triton.jit
+def _q6_rows(x_ptr, q_ptr, s_ptr, o_ptr, pid_m, M, K, stride_xm, stride_qk, stride_sg, st_begin, st_end, offs_n,
+             n_mask, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The GEMV's K loop over Q6 planes, one 64-row chunk a step -> [BLOCK_M, BLOCK_N] fp32 (BLOCK_M 1: FMA rows;
+    16: two tl.dot of 32 rows a step)."""
+    j = tl.arange(0, 32)
+    if BLOCK_M == 1:
+        acc = tl.zeros([32, BLOCK_N], dtype=tl.float32)
+        x_row = x_ptr + pid_m * stride_xm
+        for c in range(st_begin, st_end):
+            w_a, w_b = _q6_chunk(q_ptr, s_ptr, o_ptr, c, offs_n, n_mask, stride_qk, stride_sg, K)
+            x_a = tl.load(x_row + c * 64 + j).to(tl.float32)
+            x_b = tl.load(x_row + c * 64 + 32 + j).to(tl.float32)
+            acc += w_a * x_a[:, None] + w_b * x_b[:, None]
+        res = tl.sum(acc, axis=0)[None, :]                                      # [1, BLOCK_N]
+    else:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        x_rows = x_ptr + tl.minimum(offs_m, M - 1)[:, None] * stride_xm
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for c in range(st_begin, st_end):
+            w_a, w_b = _q6_chunk(q_ptr, s_ptr, o_ptr, c, offs_n, n_mask, stride_qk, stride_sg, K)
+            x_a = tl.load(x_rows + (c * 64 + j)[None, :])                          # [BM, 32]
+            x_b = tl.load(x_rows + (c * 64 + 32 + j)[None, :])
+            acc = tl.dot(x_a, w_a.to(x_a.dtype), acc)
+            acc = tl.dot(x_b, w_b.to(x_b.dtype), acc)
+        res = acc
+    return res
 
 
 @triton.jit(do_not_specialize=["M", "steps_per_split", "n_splits"])
@@ -77,14 +107,17 @@ def _w8a16_gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, bia
     offs_kk = tl.arange(0, BLOCK_K)
     st_begin = pid_k * steps_per_split
     st_end = tl.minimum(st_begin + steps_per_split, tl.cdiv(K, BLOCK_K))
-    if BLOCK_M == 1:
+    if Q6:                                          # K % 64 == 0 (whole chunks), BLOCK_K == 64
+        res = _q6_rows(x_ptr, q_ptr, s_ptr, o_ptr, pid_m, M, K, stride_xm, stride_qk, stride_sg, st_begin, st_end,
+                       offs_n, n_mask, BLOCK_M, BLOCK_N)
+    elif BLOCK_M == 1:
         acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
         x_row = x_ptr + pid_m * stride_xm
         for st in range(st_begin, st_end):
             k = st * BLOCK_K + offs_kk
             k_mask = k < K
             w = _dequant_tile(q_ptr, s_ptr, o_ptr, k, offs_n, k_mask, n_mask, stride_qk, stride_sg, st * BLOCK_K,
-                              HAS_OFFSETS, GROUP, BLOCK_K, K, Q6)
+                              HAS_OFFSETS, GROUP, BLOCK_K)
             xv = tl.load(x_row + k, mask=k_mask, other=0.0).to(tl.float32)
             acc += w * xv[:, None]
         res = tl.sum(acc, axis=0)[None, :]                                      # [1, BLOCK_N]
@@ -97,7 +130,7 @@ def _w8a16_gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, bia
             k = st * BLOCK_K + offs_kk
             k_mask = k < K
             w = _dequant_tile(q_ptr, s_ptr, o_ptr, k, offs_n, k_mask, n_mask, stride_qk, stride_sg, st * BLOCK_K,
-                              HAS_OFFSETS, GROUP, BLOCK_K, K, Q6)
+                              HAS_OFFSETS, GROUP, BLOCK_K)
             xt = tl.load(x_rows + k[None, :], mask=k_mask[None, :], other=0.0)        # [BM, BK]
             acc = tl.dot(xt, w.to(xt.dtype), acc)
         res = acc
@@ -114,12 +147,19 @@ def _w8a16_dequant_kernel(q_ptr, s_ptr, o_ptr, out_ptr, N, K, stride_qk, stride_
     st = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    k = st * BLOCK_K + tl.arange(0, BLOCK_K)
-    k_mask = k < K
-    w = _dequant_tile(q_ptr, s_ptr, o_ptr, k, offs_n, k_mask, n_mask, stride_qk, stride_sg, st * BLOCK_K,
-                      HAS_OFFSETS, GROUP, BLOCK_K, K, Q6)
-    tl.store(out_ptr + k[:, None] * stride_ok + offs_n[None, :], w.to(out_ptr.dtype.element_ty),
-             mask=k_mask[:, None] & n_mask[None, :])
+    if Q6:                                          # one 64-row chunk a program
+        j = tl.arange(0, 32)
+        w_a, w_b = _q6_chunk(q_ptr, s_ptr, o_ptr, st, offs_n, n_mask, stride_qk, stride_sg, K)
+        rows = out_ptr + (st * 64 + j)[:, None] * stride_ok + offs_n[None, :]
+        tl.store(rows, w_a.to(out_ptr.dtype.element_ty), mask=n_mask[None, :])
+        tl.store(rows + 32 * stride_ok, w_b.to(out_ptr.dtype.element_ty), mask=n_mask[None, :])
+    else:
+        k = st * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_mask = k < K
+        w = _dequant_tile(q_ptr, s_ptr, o_ptr, k, offs_n, k_mask, n_mask, stride_qk, stride_sg, st * BLOCK_K,
+                          HAS_OFFSETS, GROUP, BLOCK_K)
+        tl.store(out_ptr + k[:, None] * stride_ok + offs_n[None, :], w.to(out_ptr.dtype.element_ty),
+                 mask=k_mask[:, None] & n_mask[None, :])
 
 
 ONE_GROUP = 1 << 30       # GROUP for a layer with one scale group (group_size -1 or K): every row's group is 0
@@ -134,8 +174,8 @@ def _q6_args(qweight, scales, offsets, group_size, block_k):
     """Q6KWeights -> the kernels' (codes, scales, offsets pointer, group, Q6) arguments; other layouts as given."""
     if not isinstance(qweight, Q6KWeights):
         return qweight, scales, offsets, group_size, False
-    if block_k % Q6_CHUNK:
-        raise ValueError(f"Q6_K planes need block_k a multiple of {Q6_CHUNK}, got {block_k}")
+    if block_k != Q6_CHUNK:
+        raise ValueError(f"Q6_K planes run one chunk a step: block_k must be {Q6_CHUNK}, got {block_k}")
     if qweight.sub_scales.stride(0) != qweight.d.stride(0):
         raise ValueError("Q6_K sub-scales and d must share their row stride (contiguous [G, N])")
     return qweight.planes, qweight.sub_scales, qweight.d, Q6_GROUP, True
