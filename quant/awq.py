@@ -21,7 +21,7 @@ import torch
 from quant_serve.quant.block import CalibBlock, chunked, gram
 from quant_serve.quant.rtn import QuantResult, fake_quantize, quantize_rtn, search_clip
 
-# their error acts through q.k, not through their outputs (Phi-3's fused qkv_proj is clipped: its v rows act directly)
+# their error acts through q.k, not through their outputs (a fused qkv_proj, Phi-3's, is clipped whole, as AutoAWQ does)
 NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj")
 
 logger = logging.getLogger("quant_serve")

@@ -1,7 +1,7 @@
 """One model definition for serving and calibration: the engine decoder's non-paged forward (what AWQ and GPTQ
 calibrate on, engine/models/dense_calib.py) against transformers for every architecture, AWQ's folds as an FP
 identity on Gemma (1 + w norms, sandwich norms) and Phi-3 (fused qkv / gate_up), and `quant-serve quantize` with
-RTN, AWQ and GPTQ on Qwen3 and Gemma 2 checkpoints that load and generate."""
+RTN, AWQ and GPTQ on Qwen3, Gemma 2 and Phi-3 checkpoints that load and generate."""
 import importlib.util
 
 import pytest
@@ -68,12 +68,12 @@ def test_awq_folds_keep_the_fp_block(name, model_dirs):
     torch.testing.assert_close(block.forward(w, x), block.forward(before, x), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "gemma2"])
+@pytest.mark.parametrize("name", ["qwen3", "gemma2", "phi3"])
 @pytest.mark.parametrize("method", ["rtn", "awq", "gptq"])
 def test_cli_quantize_loads_and_generates(name, method, model_dirs, tmp_path):
-    """`quant-serve quantize` (calibration sampled from the model itself) on a Qwen3 (q/k norms) or Gemma 2 (GeGLU,
-    sandwich norms, soft-caps, window) model; the engine runs the INT4 checkpoint exactly as the non-paged forward
-    runs its dequantized weights, and generates."""
+    """`quant-serve quantize` (calibration sampled from the model itself) on a Qwen3 (q/k norms), Gemma 2 (GeGLU,
+    sandwich norms, soft-caps, window) or Phi-3 (fused qkv / gate_up) model; the engine runs the INT4 checkpoint
+    exactly as the non-paged forward runs its dequantized weights, and generates."""
     out = tmp_path / "int4"
     assert cli(["quantize", str(model_dirs(name)), str(out), "--method", method, "--group-size", "64",
                 "--calib-samples", "4", "--calib-seq-len", "32", "--device", "cpu"]) == 0    # sampled from the model

@@ -9,6 +9,7 @@ concatenated into the layer's merged modules, re-done only for tensors that chan
 from typing import Callable
 
 import torch
+from torch import nn
 
 from quant_serve.engine.config import ModelConfig
 from quant_serve.engine.models.decoder import DecoderForCausalLM, DecoderLayer, dense_norm, make_rotaries
@@ -23,9 +24,10 @@ MERGED_SOURCES = {merged: [src for src, (m, _) in sorted(DecoderForCausalLM.PACK
 class DenseBlock:
     """One decoder block as quant/block.py's CalibBlock: stages on checkpoint-named fp32 weight dicts."""
 
-    def __init__(self, cfg: ModelConfig, index: int, cos_sin: torch.Tensor, device):
+    def __init__(self, cfg: ModelConfig, index: int, cos_sin: torch.Tensor):
         self.index = index
-        self.layer = DecoderLayer(cfg, index, torch.float32, device, None)
+        # built without memory: every parameter is replaced by w's tensors (bind) before it is used
+        self.layer = DecoderLayer(cfg, index, torch.float32, "meta", None)
         self.cos_sin = cos_sin                                           # [L, rotary_dim]
         self.gemma_norm = cfg.gemma_norm
         q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
@@ -58,12 +60,13 @@ class DenseBlock:
             if len(tensors) == len(self.bound.get(name, ())) and all(
                     a is b for a, b in zip(tensors, self.bound[name])):
                 continue
-            param = self.layer.get_parameter(name)
+            module, leaf = name.rsplit(".", 1)
+            module = self.layer.get_submodule(module)
             value = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
-            if value.shape != param.shape:
+            if value.shape != getattr(module, leaf).shape:
                 raise ValueError(f"model.layers.{self.index}: {', '.join(keys)} make shape {tuple(value.shape)}, "
-                                 f"the model expects {tuple(param.shape)}")
-            param.data = value
+                                 f"the model expects {tuple(getattr(module, leaf).shape)}")
+            setattr(module, leaf, nn.Parameter(value, requires_grad=False))
             self.bound[name] = tensors
 
     def attn_input(self, w, x):
@@ -123,7 +126,7 @@ class DenseCalibModel:
         if key not in self.rotaries:
             self.rotaries[key] = make_rotaries(self.config, device)
         rotary = self.rotaries[key][1 if self.config.window(index) else 0]
-        return DenseBlock(self.config, index, rotary.cos_sin_cache[:seq_len], device)
+        return DenseBlock(self.config, index, rotary.cos_sin_cache[:seq_len])
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         norm = make_norm(self.config, self.config.hidden_size, torch.float32, x.device)
