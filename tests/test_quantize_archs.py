@@ -83,3 +83,11 @@ def test_cli_quantize_loads_and_generates(name, method, model_dirs, tmp_path):
     torch.testing.assert_close(engine.score(ids), expected, atol=3e-4, rtol=1e-4)
     (result,) = engine.generate([prompts()[1]], SamplingParams(max_tokens=4, min_tokens=4, temperature=0.0))
     assert len(result.outputs[0].token_ids) == 4
+
+
+def test_calibration_input_errors(model_dirs):
+    model = load_source(model_dirs("qwen3")).model
+    with pytest.raises(ValueError, match="token id 4096 is outside the model's vocabulary of 4096"):
+        model.embed(torch.tensor([[1, 4096]]), "cpu")
+    with pytest.raises(ValueError, match="windows of 1025 tokens exceed the model's 1024 positions"):
+        model.block(0, 1025, "cpu")

@@ -122,6 +122,9 @@ class DenseCalibModel:
         return x
 
     def block(self, index: int, seq_len: int, device) -> DenseBlock:
+        if seq_len > self.config.max_position_embeddings:
+            raise ValueError(f"calibration windows of {seq_len} tokens exceed the model's "
+                             f"{self.config.max_position_embeddings} positions; pass a smaller --calib-seq-len")
         key = str(torch.device(device))
         if key not in self.rotaries:
             self.rotaries[key] = make_rotaries(self.config, device)
