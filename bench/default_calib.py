@@ -23,7 +23,7 @@ from quant_serve.engine.loader import load_model_config  # noqa: E402
 from quant_serve.quant.quantize import QuantizeConfig, quantize_model  # noqa: E402
 from quant_serve.server.cli import main as cli  # noqa: E402
 from quant_serve.server.cli_calib import sample_token_windows  # noqa: E402
-from quant_serve.server.cli_quantize import load_source, model_spec, tokenize_calib  # noqa: E402
+from quant_serve.server.cli_quantize import load_source, tokenize_calib  # noqa: E402
 
 
 _HERE = Path(__file__).resolve().parent
@@ -81,8 +81,8 @@ def main() -> int:
             checkpoints[name] = out
     start = time.time()
     windows = quant_quality.val_windows(TINY, args.tokens)
-    spec = model_spec(load_model_config(TINY)[0])
-    rows = quant_quality.run_rows(spec, quant_quality.dense_weights(TINY), windows, checkpoints)
+    cfg = load_model_config(TINY)[0]
+    rows = quant_quality.run_rows(cfg, quant_quality.dense_weights(TINY), windows, checkpoints)
     seconds["evaluate"] = round(time.time() - start, 1)
     result = {
         "command": "python " + " ".join(sys.argv),

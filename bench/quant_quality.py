@@ -1,6 +1,7 @@
 """INT4 quality on the fixture (targets.md, Accuracy): the first 32,768 tokens of val.txt in windows of 512;
 perplexity, KL divergence and top-1 agreement against the FP16 model on the same windows. Every checkpoint is
-dequantized to FP32 by our format readers and run through the plain-torch forward (quant/calib.py).
+dequantized to FP32 by our format readers and run through the engine decoder's non-paged forward
+(engine/models/dense_calib.dense_logits).
 
     python bench/quant_quality.py [--calib FILE] [--work DIR] [--out bench/results/quant-quality-tiny-qwen2.json]
 
@@ -73,20 +74,20 @@ def _linear_shape(t: dict) -> tuple[int, int]:
 
 
 @torch.no_grad()
-def reference_logprobs(spec, weights, windows: torch.Tensor, batch: int = 4) -> torch.Tensor:
-    from quant_serve.quant.calib import model_logits
-    return torch.cat([torch.log_softmax(model_logits(spec, weights, windows[i:i + batch]), -1)
+def reference_logprobs(cfg, weights, windows: torch.Tensor, batch: int = 4) -> torch.Tensor:
+    from quant_serve.engine.models.dense_calib import dense_logits
+    return torch.cat([torch.log_softmax(dense_logits(cfg, weights, windows[i:i + batch]), -1)
                       for i in range(0, len(windows), batch)])                # [W, L, V]
 
 
 @torch.no_grad()
-def compare(spec, weights, windows: torch.Tensor, ref: torch.Tensor, batch: int = 4) -> dict:
+def compare(cfg, weights, windows: torch.Tensor, ref: torch.Tensor, batch: int = 4) -> dict:
     """Perplexity over tokens 1..L-1 of every window; KLD(fp16 || quant) and top-1 agreement at every position."""
-    from quant_serve.quant.calib import model_logits
+    from quant_serve.engine.models.dense_calib import dense_logits
     nll = kld = agree = 0.0
     for i in range(0, len(windows), batch):
         ids, r = windows[i:i + batch], ref[i:i + batch]
-        lp = torch.log_softmax(model_logits(spec, weights, ids), -1)               # [B, L, V]
+        lp = torch.log_softmax(dense_logits(cfg, weights, ids), -1)               # [B, L, V]
         nll -= float(lp[:, :-1].gather(-1, ids[:, 1:, None]).sum())
         kld += float((r.exp() * (r - lp)).sum())
         agree += float((r.argmax(-1) == lp.argmax(-1)).sum())
@@ -95,12 +96,12 @@ def compare(spec, weights, windows: torch.Tensor, ref: torch.Tensor, batch: int 
             "top1": agree / positions}
 
 
-def run_rows(spec, fp_weights, windows, checkpoints: dict[str, Path]) -> dict[str, dict]:
-    ref = reference_logprobs(spec, fp_weights, windows)
-    base = compare(spec, fp_weights, windows, ref)["perplexity"]
+def run_rows(cfg, fp_weights, windows, checkpoints: dict[str, Path]) -> dict[str, dict]:
+    ref = reference_logprobs(cfg, fp_weights, windows)
+    base = compare(cfg, fp_weights, windows, ref)["perplexity"]
     rows = {"fp16": {"perplexity": base, "change_pct": 0.0, "kld": 0.0, "top1": 1.0}}
     for name, path in checkpoints.items():
-        row = compare(spec, dense_weights(path), windows, ref)
+        row = compare(cfg, dense_weights(path), windows, ref)
         rows[name] = {"perplexity": row["perplexity"], "change_pct": 100 * (row["perplexity"] / base - 1),
                       "kld": row["kld"], "top1": row["top1"]}
         print(f"{name:28s} ppl {row['perplexity']:.3f} ({rows[name]['change_pct']:+.2f}%)  KLD {row['kld']:.4f}  "
@@ -132,7 +133,6 @@ def main() -> int:
     args = parser.parse_args()
     from quant_serve.engine.loader import load_model_config
     from quant_serve.server.cli import main as cli
-    from quant_serve.server.cli_quantize import model_spec
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     calib = args.calib or str(work / "calib.jsonl")
@@ -148,10 +148,10 @@ def main() -> int:
         if cli(argv) != 0:
             raise SystemExit(f"quantize failed: {' '.join(argv)}")
         timings[name], commands[name] = round(time.time() - start, 1), "quant-serve " + " ".join(argv)
-    spec = model_spec(load_model_config(TINY)[0])
+    cfg = load_model_config(TINY)[0]
     windows = val_windows(TINY, args.tokens)
     checkpoints = {n: work / n for n in OURS if (work / n / "config.json").is_file()} | FIXTURES
-    rows = run_rows(spec, dense_weights(TINY), windows, checkpoints)
+    rows = run_rows(cfg, dense_weights(TINY), windows, checkpoints)
     result = {
         "command": "python " + " ".join(sys.argv),
         "git_commit": _git_commit(),

@@ -18,13 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
-from quant_serve.quant.calib import (ModelSpec, attn_core, attn_input, attn_module, block_forward, chunked, gram,
-                                     mlp_act, mlp_input, mlp_module)
+from quant_serve.quant.block import CalibBlock, chunked, gram
 from quant_serve.quant.rtn import QuantResult, fake_quantize, quantize_rtn, search_clip
 
-QKV = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
-GATE_UP = ["mlp.gate_proj", "mlp.up_proj"]
-NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj")   # their error acts through q.k, not through their outputs
+# their error acts through q.k, not through their outputs (a fused qkv_proj, Phi-3's, is clipped whole, as AutoAWQ does)
+NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj")
 
 logger = logging.getLogger("quant_serve")
 
@@ -40,11 +38,12 @@ class AWQSettings:
 
 
 @torch.no_grad()
-def awq_block(w: dict[str, torch.Tensor], x: torch.Tensor, spec: ModelSpec, rope, group_size: int, sym: bool,
+def awq_block(w: dict[str, torch.Tensor], x: torch.Tensor, block: CalibBlock, group_size: int, sym: bool,
               settings: AWQSettings) -> tuple[dict[str, QuantResult], torch.Tensor]:
-    """w: the block's HF-named fp32 weights (norms are folded in place); x [S, L, H] block input.
+    """w: the block's checkpoint-named fp32 weights (norms are folded in place); x [S, L, H] block input.
     -> (QuantResult per linear, next block's input [S, L, H])."""
-    for name in QKV + GATE_UP + ["self_attn.o_proj", "mlp.down_proj"]:
+    qkv, gate_up, o, down = block.qkv, block.gate_up, block.o, block.down
+    for name in qkv + gate_up + [o, down]:
         k = w[f"{name}.weight"].shape[1]
         if group_size > 0 and k % group_size:
             raise ValueError(f"AWQ needs in_features divisible by the group size: {name} has {k}, "
@@ -54,26 +53,30 @@ def awq_block(w: dict[str, torch.Tensor], x: torch.Tensor, spec: ModelSpec, rope
     q_cfg = (group_size, sym)
     # One FP pass: every linear's input. Scaling is an exact identity in FP, so these stay valid until each
     # group's scale is applied, when its input is divided by the same scale.
-    a = chunked(lambda t: attn_input(w, t, spec), x, chunk=c)                       # [S, L, H]
-    o = chunked(lambda t: attn_core(w, t, spec, rope), a, chunk=c)                 # [S, L, Hq*D]
-    m = chunked(lambda t, u: mlp_input(w, t, u, spec)[1], x, o, chunk=c)           # [S, L, H]
-    d = chunked(lambda t: mlp_act(w, t), m, chunk=c)                               # [S, L, I]
-    stats = {"a": _input_stats(a), "o": _input_stats(o), "m": _input_stats(m), "d": _input_stats(d)}
+    a = chunked(lambda t: block.attn_input(w, t), x, chunk=c)                      # [S, L, H]
+    o_in = chunked(lambda t: block.attn_core(w, t), a, chunk=c)                    # [S, L, Hq*D]
+    m = chunked(lambda t, u: block.mlp_input(w, t, u)[1], x, o_in, chunk=c)        # [S, L, H]
+    d = chunked(lambda t: block.mlp_act(w, t), m, chunk=c)                         # [S, L, I]
+    stats = {"a": _input_stats(a), "o": _input_stats(o_in), "m": _input_stats(m), "d": _input_stats(d)}
 
-    s = _search_module(w, QKV, stats["a"], a[:n_sub], lambda ww, t: attn_module(ww, t, spec, rope), q_cfg, c,
-                       settings)
-    _fold(w, "input_layernorm", QKV, s, stats["a"])
-    if spec.num_heads == spec.num_kv_heads:        # with GQA one v row feeds several o columns: AutoAWQ skips it
-        s = _search_linear(w, ["self_attn.o_proj"], stats["o"], q_cfg, settings)
-        _fold(w, "self_attn.v_proj", ["self_attn.o_proj"], s, stats["o"])
-    s = _search_module(w, GATE_UP, stats["m"], m[:n_sub], lambda ww, t: mlp_module(ww, t), q_cfg, c, settings)
-    _fold(w, "post_attention_layernorm", GATE_UP, s, stats["m"])
-    s = _search_linear(w, ["mlp.down_proj"], stats["d"], q_cfg, settings)
-    _fold(w, "mlp.up_proj", ["mlp.down_proj"], s, stats["d"])
-    del a, o, m, d
+    s = _search_module(w, qkv, stats["a"], a[:n_sub], block.attn_output, q_cfg, c, settings)
+    block.fold_norm(w, block.qkv_norm, s)
+    _scale_inputs(w, qkv, s, stats["a"])
+    v_name, v_rows = block.v_rows
+    if v_rows.stop - v_rows.start == w[f"{o}.weight"].shape[1]:   # with GQA one v row feeds several o columns:
+        s = _search_linear(w, [o], stats["o"], q_cfg, settings)  # AutoAWQ skips it
+        _fold_rows(w, v_name, v_rows, s)
+        _scale_inputs(w, [o], s, stats["o"])
+    s = _search_module(w, gate_up, stats["m"], m[:n_sub], block.mlp_output, q_cfg, c, settings)
+    block.fold_norm(w, block.gate_up_norm, s)
+    _scale_inputs(w, gate_up, s, stats["m"])
+    s = _search_linear(w, [down], stats["d"], q_cfg, settings)
+    _fold_rows(w, *block.up_rows, s)
+    _scale_inputs(w, [down], s, stats["d"])
+    del a, o_in, m, d
 
-    inputs = {name: stats["a"] for name in QKV} | {"self_attn.o_proj": stats["o"], "mlp.gate_proj": stats["m"],
-                                                    "mlp.up_proj": stats["m"], "mlp.down_proj": stats["d"]}
+    inputs = {name: stats["a"] for name in qkv} | {o: stats["o"]} | {name: stats["m"] for name in gate_up} | {
+        down: stats["d"]}
     results = {}
     for name, (_, g) in inputs.items():
         weight = w[f"{name}.weight"]
@@ -84,7 +87,7 @@ def awq_block(w: dict[str, torch.Tensor], x: torch.Tensor, spec: ModelSpec, rope
         w = dict(w) | {f"{n}.weight": r.dequantize(group_size) for n, r in results.items()}
     elif settings.propagate != "fp":
         raise ValueError(f"AWQ propagate must be 'quantized' or 'fp', got {settings.propagate!r}")
-    out = chunked(lambda t: block_forward(w, t, spec, rope), x, chunk=c)
+    out = chunked(lambda t: block.forward(w, t), x, chunk=c)
     return results, out
 
 
@@ -154,17 +157,22 @@ def _search_linear(w, names, stats, q_cfg, settings) -> torch.Tensor:
     return best
 
 
-def _fold(w: dict, prev: str, names: list[str], s: torch.Tensor, stats: list[torch.Tensor]) -> None:
-    """Apply scale s [K]: the next linears' input columns *= s, the previous op's output (norm weight, or a
-    linear's rows and bias) /= s; the cached input statistics become those of x / s."""
+def _scale_inputs(w: dict, names: list[str], s: torch.Tensor, stats: list[torch.Tensor]) -> None:
+    """The other half of a fold: the linears' input columns *= s; the cached input statistics become those of
+    x / s."""
     for n in names:
         w[f"{n}.weight"] = w[f"{n}.weight"] * s
-    key = f"{prev}.weight"
-    w[key] = w[key] / s if w[key].dim() == 1 else w[key] / s[:, None]
-    if f"{prev}.bias" in w and not prev.endswith("layernorm"):
-        w[f"{prev}.bias"] = w[f"{prev}.bias"] / s
     stats[0] = stats[0] / s
     stats[1] = stats[1] / (s[:, None] * s[None, :])
+
+
+def _fold_rows(w: dict, name: str, rows: slice, s: torch.Tensor) -> None:
+    """Linear `name`'s output rows `rows` (and their bias) /= s: they produce the scaled linears' input."""
+    for key in (f"{name}.weight", f"{name}.bias"):
+        if key in w:
+            t = w[key].clone()
+            t[rows] = t[rows] / (s[:, None] if t.dim() == 2 else s)
+            w[key] = t
 
 
 def _search_clip(weight: torch.Tensor, g: torch.Tensor, group_size: int, sym: bool, settings: AWQSettings

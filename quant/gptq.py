@@ -9,11 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from quant_serve.quant.calib import ModelSpec, attn_core, attn_input, block_output, chunked, gram, mlp_act, mlp_input
+from quant_serve.quant.block import CalibBlock, chunked, gram
 from quant_serve.quant.rtn import MAXQ, QuantResult, group_params, search_clip
-
-STAGES = [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
-          ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]
 
 CLIP_RATIOS = [1 - i / 20 for i in range(10)]            # AWQ's grid: 1.0, 0.95, ..., 0.55
 
@@ -29,32 +26,33 @@ class GPTQSettings:
 
 
 @torch.no_grad()
-def gptq_block(w: dict[str, torch.Tensor], x: torch.Tensor, spec: ModelSpec, rope, group_size: int, sym: bool,
+def gptq_block(w: dict[str, torch.Tensor], x: torch.Tensor, block: CalibBlock, group_size: int, sym: bool,
                settings: GPTQSettings) -> tuple[dict[str, QuantResult], torch.Tensor]:
-    """w: the block's HF-named fp32 weights (linears replaced in place by their dequantized values);
+    """w: the block's checkpoint-named fp32 weights (linears replaced in place by their dequantized values);
     x [S, L, H]. -> (QuantResult per linear, quantized block's output [S, L, H] for the next block)."""
     c = settings.chunk
     results: dict[str, QuantResult] = {}
+    stages = [block.qkv, [block.o], block.gate_up, [block.down]]
 
     def run(stage: int, inp: torch.Tensor) -> None:
         h = gram(inp) * (2 / (inp.numel() // inp.shape[-1]))                      # [K, K]
-        for name in STAGES[stage]:
+        for name in stages[stage]:
             results[name] = gptq_quantize(w[f"{name}.weight"], h, group_size, sym, settings)
             results[name].bias = w.get(f"{name}.bias")
             w[f"{name}.weight"] = results[name].dequantize(group_size)
         del h
 
-    a = chunked(lambda t: attn_input(w, t, spec), x, chunk=c)                       # [S, L, H]
+    a = chunked(lambda t: block.attn_input(w, t), x, chunk=c)                      # [S, L, H]
     run(0, a)
-    o = chunked(lambda t: attn_core(w, t, spec, rope), a, chunk=c)                 # [S, L, Hq*D]
+    o = chunked(lambda t: block.attn_core(w, t), a, chunk=c)                       # [S, L, Hq*D]
     del a
     run(1, o)
-    hm = [chunked(lambda t, u: mlp_input(w, t, u, spec)[i], x, o, chunk=c) for i in (0, 1)]
+    hm = [chunked(lambda t, u: block.mlp_input(w, t, u)[i], x, o, chunk=c) for i in (0, 1)]
     del o
     run(2, hm[1])
-    d = chunked(lambda t: mlp_act(w, t), hm[1], chunk=c)                           # [S, L, I]
+    d = chunked(lambda t: block.mlp_act(w, t), hm[1], chunk=c)                     # [S, L, I]
     run(3, d)
-    return results, chunked(lambda t, u: block_output(w, t, u), hm[0], d, chunk=c)
+    return results, chunked(lambda t, u: block.block_output(w, t, u), hm[0], d, chunk=c)
 
 
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, sym: bool,

@@ -2,7 +2,8 @@
 checkpoint, standard INT4 checkpoints (AWQ gemm, GPTQ v1/v2, compressed-tensors) written atomically.
 
 The caller (server/cli_quantize.py) reads the source config and safetensors through engine/ helpers and hands
-in a SourceModel of plain tensors and callables: quant does not import engine.
+in a SourceModel of plain tensors and callables, with the engine's decoder as the CalibModel (quant/block.py) that
+AWQ and GPTQ observe: quant does not import engine.
 """
 import json
 import logging
@@ -16,7 +17,7 @@ import torch
 from tqdm import tqdm
 
 from quant_serve.quant.awq import AWQSettings, awq_block
-from quant_serve.quant.calib import ModelSpec, gram, rms_norm, rope_tables
+from quant_serve.quant.block import CalibBlock, CalibModel, gram
 from quant_serve.quant.formats import (awq_quantization_config, ct_quantization_config, gptq_quantization_config,
                                        write_awq_gemm, write_gptq, write_pack_quantized)
 from quant_serve.quant.gptq import GPTQSettings, gptq_block, gptq_quantize
@@ -28,9 +29,6 @@ logger = logging.getLogger("quant_serve")
 LINEARS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj",
            "self_attn.qkv_proj", "mlp.gate_up_proj"]          # Phi-3 checkpoints store these two fused
-# The architectures whose block quant/calib.py's forward reproduces (AWQ and GPTQ calibrate on it); RTN needs no
-# forward and takes every architecture the engine loads.
-CALIBRATED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 METHODS = ("rtn", "awq", "gptq")
 FORMATS = ("awq", "gptq", "gptq_v2", "compressed-tensors")
 DEFAULT_SYM = {"rtn": False, "awq": False, "gptq": True}
@@ -74,12 +72,13 @@ class QuantizeConfig:
 @dataclass
 class SourceModel:
     """The unquantized checkpoint, read lazily."""
-    spec: ModelSpec
+    num_layers: int
     config: dict                          # raw config.json
     tensor_names: list[str]
     read: Callable[[str], torch.Tensor]   # name -> tensor as stored (CPU)
     extra_files: list[Path] = field(default_factory=list)   # tokenizer, chat template, generation config
     source_dir: Path | None = None        # where it lives: the output may never be, hold or lie inside it
+    model: CalibModel | None = None       # its forward, block by block (awq and gptq calibrate on it)
 
 
 def quantize_model(source: SourceModel, calib: torch.Tensor | None, cfg: QuantizeConfig, out_dir: str | Path,
@@ -94,30 +93,29 @@ def quantize_model(source: SourceModel, calib: torch.Tensor | None, cfg: Quantiz
         raise ValueError("the source model is already quantized (config.json has a quantization_config)")
     if cfg.method != "rtn" and calib is None:
         raise ValueError(f"{cfg.method} needs calibration text")
-    archs = source.config.get("architectures") or []
-    if cfg.method != "rtn" and not any(a in CALIBRATED_ARCHITECTURES for a in archs):
-        raise ValueError(f"--method {cfg.method} calibrates on a Llama-style block forward, which {archs} does not "
-                         f"have (supported: {', '.join(CALIBRATED_ARCHITECTURES)}); use --method rtn")
+    if cfg.method != "rtn" and source.model is None:
+        raise ValueError(f"--method {cfg.method} calibrates on the model's forward, which this source does not "
+                         "provide (SourceModel.model); use --method rtn")
     if cfg.lm_head and "lm_head.weight" not in source.tensor_names:
         raise ValueError("--lm-head: this model ties lm_head to the embedding table (no lm_head.weight); "
                          "quantizing it would need an untied copy of the table")
-    spec, device, start = source.spec, torch.device(cfg.device), time.time()
+    device, start = torch.device(cfg.device), time.time()
     model_dtype = source.read("model.embed_tokens.weight").dtype
-    x, rope = None, None
+    x = None
     if cfg.method != "rtn":
-        x = source.read("model.embed_tokens.weight")[calib].to(device, torch.float32)     # [S, L, H]
-        rope = rope_tables(spec, calib.shape[1], device)
+        x = source.model.embed(calib, device)                                           # [S, L, H]
     info = {"source": str(source.source_dir) if source.source_dir else None, "method": cfg.method,
             "group_size": cfg.group_size, "sym": sym, "format": fmt}
     with atomic_output_dir(out_dir, overwrite, source.source_dir, info) as tmp:
         writer = ShardWriter(tmp, cfg.max_shard_bytes)
-        bar = tqdm(range(spec.num_layers), desc=f"Quantizing ({cfg.method}, g{cfg.group_size})", unit="block",
+        bar = tqdm(range(source.num_layers), desc=f"Quantizing ({cfg.method}, g{cfg.group_size})", unit="block",
                    disable=not show_progress)
         for i in bar:
             prefix = f"model.layers.{i}."
             stored = {n[len(prefix):]: source.read(n) for n in source.tensor_names if n.startswith(prefix)}
             w = {k: v.to(device, torch.float32) for k, v in stored.items() if not k.endswith("rotary_emb.inv_freq")}
-            results, x = quantize_block(w, x, spec, rope, cfg, sym)
+            block = source.model.block(i, calib.shape[1], device) if cfg.method != "rtn" else None
+            results, x = quantize_block(w, x, block, cfg, sym)
             for name, res in results.items():
                 res = QuantResult(*(t.cpu() if t is not None else None
                                     for t in (res.q, res.scales, res.zeros, res.g_idx, res.bias)))
@@ -147,7 +145,7 @@ def quantize_model(source: SourceModel, calib: torch.Tensor | None, cfg: Quantiz
             shutil.copyfile(f, tmp / Path(f).name)
         if finish is not None:
             finish(tmp)
-    logger.info("quantized %d blocks (%s, %s, g%d) in %.1f s -> %s", spec.num_layers, cfg.method,
+    logger.info("quantized %d blocks (%s, %s, g%d) in %.1f s -> %s", source.num_layers, cfg.method,
                 "sym" if sym else "asym", cfg.group_size, time.time() - start, out_dir)
     return Path(out_dir)
 
@@ -159,7 +157,7 @@ def quantize_head(source: SourceModel, x: torch.Tensor | None, cfg: QuantizeConf
     scales would have to fold into the final norm, which AutoAWQ's format never does)."""
     weight = source.read("lm_head.weight").to(device, torch.float32)
     if cfg.method == "gptq":
-        h = rms_norm(x, source.read("model.norm.weight").to(device, torch.float32), source.spec.rms_norm_eps)
+        h = source.model.final_norm(x)
         res = gptq_quantize(weight, gram(h) * (2 / (h.numel() // h.shape[-1])), cfg.group_size, sym, cfg.gptq)
     else:
         q, s, z = quantize_rtn(weight, 4, cfg.group_size, sym, scale_dtype=torch.float16)
@@ -167,12 +165,12 @@ def quantize_head(source: SourceModel, x: torch.Tensor | None, cfg: QuantizeConf
     return QuantResult(*(t.cpu() if t is not None else None for t in (res.q, res.scales, res.zeros, res.g_idx)))
 
 
-def quantize_block(w: dict, x: torch.Tensor | None, spec: ModelSpec, rope, cfg: QuantizeConfig, sym: bool
+def quantize_block(w: dict, x: torch.Tensor | None, block: CalibBlock | None, cfg: QuantizeConfig, sym: bool
                    ) -> tuple[dict[str, QuantResult], torch.Tensor | None]:
     if cfg.method == "awq":
-        return awq_block(w, x, spec, rope, cfg.group_size, sym, cfg.awq)
+        return awq_block(w, x, block, cfg.group_size, sym, cfg.awq)
     if cfg.method == "gptq":
-        return gptq_block(w, x, spec, rope, cfg.group_size, sym, cfg.gptq)
+        return gptq_block(w, x, block, cfg.group_size, sym, cfg.gptq)
     results = {}
     for name in LINEARS:
         if f"{name}.weight" in w:

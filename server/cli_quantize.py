@@ -1,17 +1,17 @@
 """`quant-serve quantize MODEL_DIR OUT_DIR --method {rtn,awq,gptq}`: read the FP16 checkpoint through engine/
-helpers, tokenize the calibration text, and hand plain tensors to quant/quantize.py."""
+helpers, tokenize the calibration text, and hand plain tensors and the engine's decoder (as the model to calibrate
+on, engine/models/dense_calib.py) to quant/quantize.py."""
 import logging
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from quant_serve.engine.config import ModelConfig
 from quant_serve.engine.checkpoint import INDEX, check_finite, list_weight_files, read_tensor_names
 from quant_serve.engine.loader import load_model_config
-from quant_serve.engine.models.decoder import rope_inv_freq
+from quant_serve.engine.models.dense_calib import DenseCalibModel
 from quant_serve.quant.awq import AWQSettings
-from quant_serve.quant.calib import EOT, ModelSpec, calib_tokens, read_calib_file
+from quant_serve.quant.calib import EOT, calib_tokens, read_calib_file
 from quant_serve.quant.gptq import GPTQSettings
 from quant_serve.quant.output import check_output_dir
 from quant_serve.quant.quantize import FORMATS, METHODS, QuantizeConfig, SourceModel, quantize_model
@@ -106,17 +106,8 @@ def write_calibrated_kv_scales(out_dir: Path, calib: torch.Tensor, device: str) 
     logger.info("calibrated FP8 KV scales for %d layers (%s)", engine.model_config.num_layers, path.name)
 
 
-def model_spec(cfg: ModelConfig) -> ModelSpec:
-    """The calibration forward's view of the model (quant/calib.py). quantize_model refuses AWQ / GPTQ for the
-    architectures whose block that forward does not reproduce (anything but Llama / Qwen2 / Mistral): RTN needs none."""
-    return ModelSpec(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, num_layers=cfg.num_layers,
-                     num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                     rms_norm_eps=cfg.rms_norm_eps,
-                     inv_freq=rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
-                     tie_word_embeddings=cfg.tie_word_embeddings)
-
-
 def load_source(model_dir: Path) -> SourceModel:
+    """The checkpoint, read lazily, with the engine's decoder as the forward AWQ and GPTQ calibrate on."""
     cfg, raw = load_model_config(model_dir)
     names = read_tensor_names(list_weight_files(model_dir), Path(model_dir) / INDEX)
 
@@ -127,7 +118,7 @@ def load_source(model_dir: Path) -> SourceModel:
         return tensor
 
     extra = sorted({p for pattern in COPY_PATTERNS for p in Path(model_dir).glob(pattern) if p.is_file()})
-    return SourceModel(model_spec(cfg), raw, list(names), read, extra, Path(model_dir))
+    return SourceModel(cfg.num_layers, raw, list(names), read, extra, Path(model_dir), DenseCalibModel(cfg, read))
 
 
 def tokenize_calib(model_dir: Path, path: str, samples: int, seq_len: int) -> torch.Tensor:

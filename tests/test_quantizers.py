@@ -12,7 +12,8 @@ from safetensors.torch import save_file
 from helpers import make_engine
 from quant_serve.kernels.w4a16.reference import unpack_int4_cols, unpack_int4_rows
 from quant_serve.quant import quantize as quantize_mod
-from quant_serve.quant.calib import calib_tokens, model_logits, read_calib_file
+from quant_serve.engine.models.dense_calib import dense_logits
+from quant_serve.quant.calib import calib_tokens, read_calib_file
 from quant_serve.quant.quantize import QuantizeConfig, quantize_model
 from quant_serve.quant.gptq import GPTQSettings
 from quant_serve.quant.rtn import dequantize_codes
@@ -131,7 +132,7 @@ def test_act_order_permuted_path_equals_g_idx_indexing(source, llama_dir, tmp_pa
         q = unpack_int4_rows(raw[p + ".qweight"]).t()                         # [N, K]
         z = unpack_int4_cols(raw[p + ".qzeros"])                              # v2: real zeros
         weights[p + ".weight"] = dequantize_codes(q, raw[p + ".scales"].float(), z, GS, raw[p + ".g_idx"])
-    indexed = model_logits(source.spec, weights, ids[None])[0]
+    indexed = dense_logits(source.model.config, weights, ids[None])[0]
     torch.testing.assert_close(permuted, indexed, rtol=1e-4, atol=1e-4)
 
 
@@ -139,17 +140,15 @@ def test_awq_folding_keeps_the_fp_block_exact(source):
     """AWQ's smoothing scales are an identity in FP: the folded norms / v rows / up rows undo the scaled inputs
     (the random Llama is MHA, so the v -> o fold runs too)."""
     from quant_serve.quant.awq import AWQSettings, awq_block
-    from quant_serve.quant.calib import block_forward, rope_tables
     w = {k.removeprefix("model.layers.0."): source.read(k).float() for k in source.tensor_names
          if k.startswith("model.layers.0.")}
     before = dict(w)
     x = source.read("model.embed_tokens.weight")[tokens(3, 4, 64)].float()
-    rope = rope_tables(source.spec, 64, "cpu")
-    awq_block(w, x, source.spec, rope, GS, False, AWQSettings())
+    block = source.model.block(0, 64, "cpu")
+    awq_block(w, x, block, GS, False, AWQSettings())
     for name in ("input_layernorm", "post_attention_layernorm", "self_attn.v_proj", "mlp.up_proj"):
         assert not torch.equal(w[name + ".weight"], before[name + ".weight"]), name      # something was folded
-    torch.testing.assert_close(block_forward(w, x, source.spec, rope), block_forward(before, x, source.spec, rope),
-                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(block.forward(w, x), block.forward(before, x), rtol=1e-4, atol=1e-4)
 
 
 # ---- atomic output -----------------------------------------------------------------------------------------
@@ -223,21 +222,19 @@ def test_quantized_lm_head_writes_loads_and_scores(fmt, sym, source, tmp_path):
 def test_gptq_head_beats_rtn_head_on_held_out_hidden_states(source, tmp_path):
     """--method gptq --lm-head: GPTQ on the calibration text's last hidden states; its head's output error on
     other text is below round-to-nearest's."""
-    from quant_serve.quant.calib import block_forward, rms_norm, rope_tables
     heads = {}
     for method in ("rtn", "gptq"):
         sink = {}
         quantize(source, tmp_path / method, sink, method=method, sym=True, format="gptq", lm_head=True)
         heads[method] = sink["lm_head"].dequantize(GS)
-    spec, read = source.spec, source.read
+    model, read = source.model, source.read
     ids = tokens(7, n=4)
-    x = read("model.embed_tokens.weight").float()[ids]
-    rope = rope_tables(spec, ids.shape[1], "cpu")
-    for i in range(spec.num_layers):
+    x = model.embed(ids, "cpu")
+    for i in range(model.num_layers):
         p = f"model.layers.{i}."
-        x = block_forward({n[len(p):]: read(n).float() for n in source.tensor_names if n.startswith(p)}, x, spec,
-                          rope)
-    h = rms_norm(x, read("model.norm.weight").float(), spec.rms_norm_eps).reshape(-1, H)
+        x = model.block(i, ids.shape[1], "cpu").forward(
+            {n[len(p):]: read(n).float() for n in source.tensor_names if n.startswith(p)}, x)
+    h = model.final_norm(x).reshape(-1, H)
     w = read("lm_head.weight").float()
     err = {m: float((h @ (q - w).t()).norm() / (h @ w.t()).norm()) for m, q in heads.items()}
     assert err["gptq"] < 0.9 * err["rtn"], err
@@ -245,10 +242,10 @@ def test_gptq_head_beats_rtn_head_on_held_out_hidden_states(source, tmp_path):
 
 def test_awq_and_gptq_beat_rtn_on_random_llama(source, llama_dir, tmp_path):
     ids = tokens(99, 8, 128)
-    ref = torch.log_softmax(model_logits(source.spec, dense_weights(llama_dir), ids), -1)
+    ref = torch.log_softmax(dense_logits(source.model.config, dense_weights(llama_dir), ids), -1)
 
     def kld(out):
-        lp = torch.log_softmax(model_logits(source.spec, dense_weights(out), ids), -1)
+        lp = torch.log_softmax(dense_logits(source.model.config, dense_weights(out), ids), -1)
         return float((ref.exp() * (ref - lp)).sum(-1).mean())
 
     got = {m: kld(quantize(source, tmp_path / m, method=m, sym=False)) for m in ("rtn", "awq", "gptq")}

@@ -13,7 +13,8 @@ import torch
 from quant_serve.engine.demo import DEMO_MODEL_DIR
 from helpers import make_engine
 from quant_serve.quant.awq import AWQSettings
-from quant_serve.quant.calib import calib_tokens, model_logits
+from quant_serve.engine.models.dense_calib import dense_logits
+from quant_serve.quant.calib import calib_tokens
 from quant_serve.quant.gptq import GPTQSettings
 from quant_serve.quant.quantize import QuantizeConfig, quantize_model
 from quant_serve.server.cli_calib import model_samples
@@ -51,13 +52,14 @@ def quality(source, tmp_path_factory):
     calib = calib_tokens(docs, lambda t: tok.encode(t, add_special_tokens=False), 32, 256,
                          [tok.convert_tokens_to_ids("<|endoftext|>")])
     windows = quant_quality.val_windows(TINY, WINDOWS * 512)
-    ref = quant_quality.reference_logprobs(source.spec, quant_quality.dense_weights(TINY), windows)
+    ref = quant_quality.reference_logprobs(source.model.config, quant_quality.dense_weights(TINY), windows)
     out = {}
     for name, cfg in CONFIGS.items():
         path = quantize_model(source, calib, cfg, tmp_path_factory.mktemp("q") / name, show_progress=False)
-        out[name] = quant_quality.compare(source.spec, quant_quality.dense_weights(path), windows, ref)
+        out[name] = quant_quality.compare(source.model.config, quant_quality.dense_weights(path), windows, ref)
     if (DEMO_MODEL_DIR / "config.json").is_file():
-        out["demo"] = quant_quality.compare(source.spec, quant_quality.dense_weights(DEMO_MODEL_DIR), windows, ref)
+        out["demo"] = quant_quality.compare(source.model.config, quant_quality.dense_weights(DEMO_MODEL_DIR), windows,
+                                            ref)
     return out
 
 
@@ -81,6 +83,6 @@ def test_demo_model_is_our_awq_and_beats_rtn(quality):
 
 def test_plain_forward_matches_the_engine(source):
     ids = quant_quality.val_windows(TINY, 512)[0, :160]
-    ours = model_logits(source.spec, quant_quality.dense_weights(TINY), ids[None])[0]
+    ours = dense_logits(source.model.config, quant_quality.dense_weights(TINY), ids[None])[0]
     engine = make_engine(TINY, num_blocks=32, chunk=64, max_model_len=512).score(ids.tolist())
     torch.testing.assert_close(ours, engine, rtol=1e-3, atol=1e-3)

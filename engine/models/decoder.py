@@ -3,7 +3,8 @@
 Differences between the families are data in ModelConfig (q/k/v biases, q/k norms, the norm style and placement,
 SwiGLU or GeGLU, soft-caps, per-layer sliding windows, embedding scale, tied embeddings, rope scaling, fused
 checkpoint projections); the small pieces live in layers.py. Tokens of all sequences in a step are flattened:
-hidden states are [T, hidden].
+hidden states are [T, hidden]. The dense_* methods are the same layers without paging ([B, L, hidden], positions
+0..L-1, plain causal attention, no KV cache) in the stages the quantizers observe (engine/models/dense_calib.py).
 """
 import contextlib
 
@@ -17,6 +18,7 @@ from quant_serve.engine.models.layers import (GELU_ACTS, SILU_ACTS, RMSNorm, Rot
                                               make_norm, rope_inv_freq)
 from quant_serve.kernels.attention_merge import DecodePartials
 from quant_serve.kernels.gemv import gemv, gemv_applies
+from quant_serve.kernels.norm_act import rms_norm_ref, silu_and_mul_ref
 from quant_serve.kernels.gpu import options_for
 from quant_serve.quant.linear import DenseLinear, make_linear
 
@@ -68,6 +70,35 @@ class Attention(nn.Module):
                                       window=self.window, softcap=self.softcap)
         return out if isinstance(out, DecodePartials) else out.reshape(num_tokens, -1)     # [T, Hq D]
 
+    def dense_attend(self, qkv: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        """Non-paged: qkv [B, L, (Hq + 2 Hkv) D] of tokens at positions 0..L-1, cos_sin the rotary table's first L
+        rows -> causal attention output before o_proj [B, L, Hq D]."""
+        b, seq, _ = qkv.shape
+        q, k, v = qkv.split(self.split_sizes, dim=-1)
+        q = q.view(b, seq, self.num_heads, self.head_dim)
+        k = k.view(b, seq, self.num_kv_heads, self.head_dim)
+        v = v.view(b, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = dense_norm(self.q_norm, q), dense_norm(self.k_norm, k)
+        q, k = _rotate(q.transpose(1, 2), cos_sin), _rotate(k.transpose(1, 2), cos_sin)     # [B, H, L, D]
+        rep = self.num_heads // self.num_kv_heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        window = self.window if 0 < self.window < seq else 0
+        if not window and not self.softcap:
+            # torch's own 1/sqrt(D) unless the model sets another scale (Gemma)
+            scale = None if self.softmax_scale == self.head_dim ** -0.5 else self.softmax_scale
+            out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        else:                                   # a tanh soft-cap or a window SDPA cannot express
+            scores = (q @ k.transpose(-1, -2)).float() * self.softmax_scale                # [B, H, L, L]
+            if self.softcap:
+                scores = torch.tanh(scores / self.softcap) * self.softcap
+            pos = torch.arange(seq, device=q.device)
+            visible = pos[None, :] <= pos[:, None]
+            if window:
+                visible &= pos[None, :] > pos[:, None] - window
+            out = scores.masked_fill(~visible, float("-inf")).softmax(-1).to(v.dtype) @ v
+        return out.transpose(1, 2).reshape(b, seq, -1)                                   # [B, L, Hq D]
+
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, prefix: str, dtype, device, quant_config):
@@ -86,6 +117,11 @@ class MLP(nn.Module):
         if self.silu:
             return self.down_proj(self.gate_up_proj.forward_silu_mul(x))              # silu(gate) * up
         return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x)))
+
+    def dense_act(self, m: torch.Tensor) -> torch.Tensor:
+        """Non-paged: m [.., H] -> the gated activation, down_proj's input [.., I] (plain torch on any device)."""
+        gate_up = self.gate_up_proj(m)
+        return silu_and_mul_ref(gate_up) if self.silu else gelu_tanh_and_mul(gate_up)
 
 
 class DecoderLayer(nn.Module):
@@ -116,6 +152,31 @@ class DecoderLayer(nn.Module):
         x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(x), residual)
         return self.post_feedforward_layernorm(self.mlp(x)), residual
 
+    # ---- non-paged, in the quantizers' stages (quant/block.py): x [B, L, H] at positions 0..L-1 ----
+
+    def dense_attn_input(self, x: torch.Tensor) -> torch.Tensor:
+        return dense_norm(self.input_layernorm, x)
+
+    def dense_attn_core(self, a: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        return self.self_attn.dense_attend(self.self_attn.qkv_proj(a), cos_sin)
+
+    def dense_mlp_input(self, x: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (the residual stream after attention, the MLP's input)."""
+        out = self.self_attn.o_proj(o)
+        if not self.sandwich:
+            h = x + out
+            return h, dense_norm(self.post_attention_layernorm, h)
+        h = x + dense_norm(self.post_attention_layernorm, out)
+        return h, dense_norm(self.pre_feedforward_layernorm, h)
+
+    def dense_block_output(self, h: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        out = self.mlp.down_proj(d)
+        return h + (dense_norm(self.post_feedforward_layernorm, out) if self.sandwich else out)
+
+    def dense_forward(self, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        h, m = self.dense_mlp_input(x, self.dense_attn_core(self.dense_attn_input(x), cos_sin))
+        return self.dense_block_output(h, self.mlp.dense_act(m))
+
 
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype, device, quant_config):
@@ -127,12 +188,7 @@ class DecoderModel(nn.Module):
             torch.tensor(cfg.embed_scale, dtype=dtype, device="cpu").item()
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device, quant_config) for i in range(cfg.num_layers))
         self.norm = make_norm(cfg, cfg.hidden_size, dtype, device)
-        rotary_dim = cfg.rotary_dim or cfg.head_dim
-        self.rotary = RotaryEmbedding(rotary_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
-                                      device)
-        # Gemma 3: the sliding-window layers have a rope of their own (base 10k against the global layers' 1M)
-        self.local_rotary = self.rotary if cfg.local_rope_theta is None else RotaryEmbedding(
-            rotary_dim, cfg.max_position_embeddings, cfg.local_rope_theta, cfg.local_rope_scaling, device)
+        self.rotary, self.local_rotary = make_rotaries(cfg, device)
         self.folds_norms = cfg.llama_block
 
     @contextlib.contextmanager
@@ -156,6 +212,29 @@ class DecoderModel(nn.Module):
             rotary = self.local_rotary if layer.self_attn.window else self.rotary
             x, residual = layer(positions, x, residual, meta, rotary)
         return self.norm(x, residual)[0]
+
+
+def make_rotaries(cfg: ModelConfig, device) -> tuple[RotaryEmbedding, RotaryEmbedding]:
+    """-> (the global layers' rotary table, the sliding-window layers')."""
+    rotary_dim = cfg.rotary_dim or cfg.head_dim
+    rotary = RotaryEmbedding(rotary_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, device)
+    # Gemma 3: the sliding-window layers have a rope of their own (base 10k against the global layers' 1M)
+    return rotary, rotary if cfg.local_rope_theta is None else RotaryEmbedding(
+        rotary_dim, cfg.max_position_embeddings, cfg.local_rope_theta, cfg.local_rope_scaling, device)
+
+
+def dense_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A norm over the last dim of x of any shape, in plain torch (the CUDA kernel takes [T, H] only)."""
+    return rms_norm_ref(x, norm.weight, norm.eps) if isinstance(norm, RMSNorm) else norm(x)
+
+
+def _rotate(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, L, D] rotated neox-style (halves) over its first rotary_dim channels by cos_sin [L, rotary_dim]."""
+    rot = cos_sin.shape[-1]
+    cos, sin = cos_sin[:, :rot // 2], cos_sin[:, rot // 2:]
+    x1, x2 = x[..., :rot].chunk(2, dim=-1)
+    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return out if rot == x.shape[-1] else torch.cat([out, x[..., rot:]], dim=-1)
 
 
 class DecoderForCausalLM(nn.Module):
