@@ -49,6 +49,14 @@ def awq_model_dir() -> Path:
     return TINY_AWQ if _has_weights(TINY_AWQ) else DEMO_MODEL_DIR
 
 
+def bench_script(name: str):
+    """bench/NAME.py loaded by path (bench/ is not a package the product imports)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def fp16_model_dir(tmp_root: Path) -> Path:
     """tiny-qwen2 in FP16, or where its 53 MB of weights did not travel, the bundled demo model dequantized by our
     readers and saved as an FP16 checkpoint (a trained model too, so greedy comparisons stay meaningful)."""
@@ -57,10 +65,7 @@ def fp16_model_dir(tmp_root: Path) -> Path:
     out = Path(tmp_root) / "demo-dequantized-fp16"
     if not (out / "model.safetensors").is_file():
         from safetensors.torch import save_file
-        spec = importlib.util.spec_from_file_location("quant_quality", REPO / "bench" / "quant_quality.py")
-        quant_quality = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(quant_quality)
-        weights = quant_quality.dense_weights(DEMO_MODEL_DIR)
+        weights = bench_script("quant_quality").dense_weights(DEMO_MODEL_DIR)
         out.mkdir(parents=True, exist_ok=True)
         save_file({k: v.half().contiguous() for k, v in weights.items()}, str(out / "model.safetensors"))
         config = json.loads((DEMO_MODEL_DIR / "config.json").read_text())

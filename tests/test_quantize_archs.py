@@ -2,35 +2,19 @@
 calibrate on, engine/models/dense_calib.py) against transformers for every architecture, AWQ's folds as an FP
 identity on Gemma (1 + w norms, sandwich norms) and Phi-3 (fused qkv / gate_up), and `quant-serve quantize` with
 RTN, AWQ and GPTQ on Qwen3, Gemma 2 and Phi-3 checkpoints that load and generate."""
-import importlib.util
-
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import make_engine
+from helpers import bench_script, make_engine
 from quant_serve.engine.loader import load_model_config
 from quant_serve.engine.models.dense_calib import dense_logits
 from quant_serve.engine.sampling_params import SamplingParams
 from quant_serve.server.cli import main as cli
 from quant_serve.server.cli_quantize import load_source
-from conftest import REPO
-from test_engine_archs import CONFIGS, VOCAB, hf_model, prompts, random_model_dir
+from test_engine_archs import CONFIGS, VOCAB, hf_model, model_dirs, prompts, random_model_dir  # noqa: F401 - a fixture
 
-_spec = importlib.util.spec_from_file_location("quant_quality", REPO / "bench" / "quant_quality.py")
-quant_quality = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(quant_quality)
-
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory):
-    cache = {}
-
-    def get(name: str):
-        if name not in cache:
-            cache[name] = random_model_dir(name, tmp_path_factory.mktemp(name))
-        return cache[name]
-    return get
-
+quant_quality = bench_script("quant_quality")
 
 def fp32_weights(path) -> dict[str, torch.Tensor]:
     return {k: v.float() for f in sorted(path.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
