@@ -113,7 +113,8 @@ def main() -> int:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--profile", default="this", choices=PROFILE_NAMES, help="GPU profile (kernels/gpu.py)")
-    parser.add_argument("--only", default="", help="run only the runs whose key contains this")
+    parser.add_argument("--only", default="", help="run only the runs whose key contains one of these (comma-separated)")
+    parser.add_argument("--skip", default="", help="skip the runs whose key contains one of these (comma-separated)")
     args = parser.parse_args()
     PROFILE[0] = args.profile
     n_conc = 32 if args.quick else 256
@@ -128,7 +129,8 @@ def main() -> int:
     plan += [(f"{name}/fp8/serve-budget", name, "fp8", SERVE_BATCHED_TOKENS, False, False) for name in CONFIGS]
     # batch-1 with --quantize-lm-head: the FP16 head (1.09 GB a step) as an INT4 g128 copy
     plan.append(("qwen2.5-7b-awq/auto/int4-head", "qwen2.5-7b-awq", "auto", OFFLINE_BATCHED_TOKENS, True, True))
-    plan = [p for p in plan if args.only in p[0]]
+    only, skip = [o for o in args.only.split(",") if o], [o for o in args.skip.split(",") if o]
+    plan = [p for p in plan if (not only or any(o in p[0] for o in only)) and not any(o in p[0] for o in skip)]
     for key, name, kv, budget, batch1, int4_head in plan:
         try:
             result["runs"][key] = measure(name, CONFIGS[name], kv, n_conc, bandwidth, args.enforce_eager, budget,
