@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from quant_serve.quant.linear import FLOAT_DTYPES
+from quant_serve.quant.linear_dense import FLOAT_DTYPES
 
 logger = logging.getLogger("quant_serve")
 

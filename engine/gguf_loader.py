@@ -178,7 +178,7 @@ def _unpermute_rows(n: int, n_head: int) -> torch.Tensor:
 def load_gguf_weights(model, ckpt: GGUFCheckpoint, cfg: ModelConfig, show_progress: bool = True) -> None:
     from quant_serve.engine.checkpoint import check_finite
     from quant_serve.quant.formats.gguf_types import read_dense, read_grouped
-    from quant_serve.quant.linear import DenseLinear
+    from quant_serve.quant.linear_dense import DenseLinear
     name_map = _name_map(ckpt, cfg.num_layers)
     modules = dict(model.named_modules())
     linears = {n: m for n, m in modules.items()

@@ -19,7 +19,8 @@ import torch
 from tqdm import tqdm
 
 from quant_serve.eval.data import Window
-from quant_serve.quant.linear import DenseLinear, QuantLinear
+from quant_serve.quant.linear_dense import DenseLinear
+from quant_serve.quant.linear import QuantLinear
 from quant_serve.quant.linear_parts import PartsLinear
 from quant_serve.quant.linear_w8 import W8Linear
 

@@ -9,7 +9,8 @@ from safetensors.torch import save_file
 from quant_serve.quant.formats import (AWQConfig, CompressedTensorsConfig, GPTQConfig, awq_quantization_config,
                                        ct_quantization_config, gptq_quantization_config, load_quant_config,
                                        write_awq_gemm, write_gptq, write_pack_quantized)
-from quant_serve.quant.linear import DenseLinear, QuantLinear, make_linear
+from quant_serve.quant.linear_dense import DenseLinear
+from quant_serve.quant.linear import QuantLinear, make_linear
 from quant_serve.quant.rtn import quantize_rtn
 
 L0 = "model.layers.0.mlp"

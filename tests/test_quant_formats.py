@@ -213,7 +213,7 @@ def test_config_alone_decides_the_head_of_a_dummy_model(quant, int4_head, tmp_pa
     from quant_serve.engine.memory import plan_memory
     from helpers import make_engine
     from quant_serve.quant.formats import ct_quantization_config
-    from quant_serve.quant.linear import DenseLinear
+    from quant_serve.quant.linear_dense import DenseLinear
     from conftest import TINY
     if isinstance(quant, str):
         quant = ct_quantization_config(32, sym=False, ignore=[] if quant == "ct-no-ignore" else ["lm_head"])

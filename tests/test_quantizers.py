@@ -199,7 +199,8 @@ def test_quantized_lm_head_writes_loads_and_scores(fmt, sym, source, tmp_path):
     """--lm-head: the head is written as INT4 (GPTQ `lm_head: true`; compressed-tensors with nothing ignored),
     loads as a QuantLinear, and the engine's logits are those of the dequantized head: exactly the dense head's
     logits computed with the round-to-nearest weights."""
-    from quant_serve.quant.linear import DenseLinear, QuantLinear
+    from quant_serve.quant.linear_dense import DenseLinear
+    from quant_serve.quant.linear import QuantLinear
     sink = {}
     with_head = quantize(source, tmp_path / "head", sink, method="rtn", sym=sym, format=fmt, lm_head=True)
     without = quantize(source, tmp_path / "dense", method="rtn", sym=sym, format=fmt)

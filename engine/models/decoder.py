@@ -19,8 +19,8 @@ from quant_serve.engine.models.layers import (GELU_ACTS, SILU_ACTS, RMSNorm, Rot
 from quant_serve.kernels.attention_merge import DecodePartials
 from quant_serve.kernels.gemv import gemv, gemv_applies
 from quant_serve.kernels.norm_act import rms_norm_ref, silu_and_mul_ref
-from quant_serve.kernels.gpu import options_for
-from quant_serve.quant.linear import DenseLinear, make_linear
+from quant_serve.quant.linear_dense import DenseLinear
+from quant_serve.quant.linear import make_linear
 
 __all__ = ["DecoderForCausalLM", "DecoderModel", "RMSNorm", "RotaryEmbedding", "rope_inv_freq"]
 

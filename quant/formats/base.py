@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from quant_serve.kernels.w4a16.reference import pack_int4_cols
-from quant_serve.quant.linear import DenseLinear, QuantLinear
+from quant_serve.quant.linear_dense import DenseLinear
+from quant_serve.quant.linear import QuantLinear
 
 # A Linear inside a numbered block (model.layers.3.mlp.up_proj): AutoAWQ and GPTQ quantize only these.
 _IN_BLOCK = re.compile(r"\.\d+\.")

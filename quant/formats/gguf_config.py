@@ -13,7 +13,8 @@ from gguf import GGMLQuantizationType as T
 from quant_serve.quant.formats.base import Int4Weights, QuantConfig
 from quant_serve.quant.formats.gguf_types import (GroupedCodes, group_size_of, int4_layout, kquant_layout, path_of,
                                                   q6k_layout, w8_layout)
-from quant_serve.quant.linear import DenseLinear, QuantLinear
+from quant_serve.quant.linear_dense import DenseLinear
+from quant_serve.quant.linear import QuantLinear
 from quant_serve.quant.linear_parts import PartsLinear
 from quant_serve.quant.linear_w8 import W8Linear, W8Weights
 
