@@ -105,6 +105,28 @@ class VerifyInputs:
         return buf[:self.table_offset + 4 * (bs + 1) * self.max_blocks]
 
 
+def step_entries(scheduled: list, block_size: int) -> list[tuple[list[int], int, list[int], list[int]]]:
+    """scheduled: a verification step's ScheduledSeq entries. -> per entry (input tokens: its last known token, then
+    its proposals; first position; KV slots of those tokens; block table)."""
+    entries = []
+    for item in scheduled:
+        seq, n, p = item.seq, item.num_new_tokens, item.seq.num_computed_tokens
+        tokens = seq.token_ids[p:p + n] + (list(seq.spec_token_ids) if item.num_spec_tokens else [])
+        if len(tokens) != n:
+            raise ValueError(f"sequence {seq.request_id}: {n} new tokens scheduled, {len(tokens)} on the host")
+        slots = [seq.block_table[q // block_size] * block_size + q % block_size for q in range(p, p + n)]
+        entries.append((tokens, p, slots, seq.block_table))
+    return entries
+
+
+def row_starts(entries: list) -> list[int]:
+    """entries: step_entries'. -> [n + 1]: where each entry's rows start in the step, then the end."""
+    starts = [0]
+    for tokens, *_ in entries:
+        starts.append(starts[-1] + len(tokens))
+    return starts
+
+
 class VerifyGraphs:
     def __init__(self, model, max_batch: int, tokens_per_seq: int, max_model_len: int, block_size: int,
                  device: torch.device):
@@ -178,20 +200,10 @@ class VerifyGraphs:
     def pack_step(self, scheduled: list) -> tuple[int, np.ndarray, list[int]]:
         """scheduled: the step's ScheduledSeq entries, every input token on the host (a speculating entry's: its
         last known token, then its proposals). -> (batch bucket, packed inputs for run, row starts [n + 1])."""
-        ids, positions, slots, tables, starts = [], [], [], [], [0]
-        bsz = self.block_size
-        for item in scheduled:
-            seq, n, p = item.seq, item.num_new_tokens, item.seq.num_computed_tokens
-            tokens = seq.token_ids[p:p + n] + (list(seq.spec_token_ids) if item.num_spec_tokens else [])
-            if len(tokens) != n:
-                raise ValueError(f"sequence {seq.request_id}: {n} new tokens scheduled, {len(tokens)} on the host")
-            ids.append(tokens)
-            positions.append(p)
-            slots.append([seq.block_table[q // bsz] * bsz + q % bsz for q in range(p, p + n)])
-            tables.append(seq.block_table)
-            starts.append(starts[-1] + n)
+        entries = step_entries(scheduled, self.block_size)
+        ids, positions, slots, tables = (list(column) for column in zip(*entries)) if entries else ([],) * 4
         bs = self.bucket_for(len(scheduled))
-        return bs, self.inputs.pack(bs, ids, positions, slots, tables), starts
+        return bs, self.inputs.pack(bs, ids, positions, slots, tables), row_starts(entries)
 
     def run(self, bs: int, packed: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Replays bucket bs over packed (pack_step). -> (hidden [bs * t, hidden], logits [bs * t, vocab] fp32):
@@ -234,22 +246,18 @@ class VerifyRowGraphs:
 
     def pack_step(self, scheduled: list) -> tuple[tuple[int, tuple[int, int]], np.ndarray, list[int]]:
         """As VerifyGraphs.pack_step: -> ((rows, graph shape), packed DecodeInputs, row starts [n + 1])."""
-        ids, positions, slots, seq_lens, tables, starts = [], [], [], [], [], [0]
-        bsz = self.block_size
-        for item in scheduled:
-            seq, n, p = item.seq, item.num_new_tokens, item.seq.num_computed_tokens
-            tokens = seq.token_ids[p:p + n] + (list(seq.spec_token_ids) if item.num_spec_tokens else [])
-            if len(tokens) != n:
-                raise ValueError(f"sequence {seq.request_id}: {n} new tokens scheduled, {len(tokens)} on the host")
+        entries = step_entries(scheduled, self.block_size)
+        ids, positions, slots, seq_lens, tables = [], [], [], [], []
+        for tokens, p, entry_slots, table in entries:
+            n = len(tokens)
             ids += tokens
             positions += range(p, p + n)
-            slots += [seq.block_table[q // bsz] * bsz + q % bsz for q in range(p, p + n)]
+            slots += entry_slots
             seq_lens += range(p + 1, p + n + 1)
-            tables += [seq.block_table] * n
-            starts.append(starts[-1] + n)
+            tables += [table] * n
         shape = self.rows.shape_for(len(ids), max(len(t) for t in tables))
         packed = self.rows.inputs.pack(*shape, ids, positions, slots, seq_lens, tables, [-1] * len(ids))
-        return (len(ids), shape), packed, starts
+        return (len(ids), shape), packed, row_starts(entries)
 
     def run(self, key: tuple[int, tuple[int, int]], packed: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (hidden [rows, hidden], logits [rows, vocab] fp32) of the real rows."""
