@@ -133,6 +133,16 @@ def test_gpu_planned_kquant_matches_gguf(k, n):
         torch.allclose(w4a16_dequantize(rows, torch.float32).cpu(), dense, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.gpu
+def test_gpu_kquant_probe_passes_where_the_kernels_are_right():
+    """The load-time probe (kernels/w4a16/plan.py) must accept the fragment kernels with k-quant scales on sm80+:
+    a probe that expects the wrong value sends every Q4_K layer to the row-layout kernels (8x slower on the H200)."""
+    from quant_serve.kernels.w4a16.plan import _frag_offsets_work, frag_offsets_work
+    _frag_offsets_work.cache_clear()
+    assert frag_offsets_work(torch.device(DEV), kquant=True)
+    assert frag_offsets_work(torch.device(DEV), kquant=False)
+
+
 def compile_kquant_cases() -> dict:
     """The fragment kernels with k-quant scales (ZP_MODE 3: int16 sub-codes, int32 super-scales, groups of 32)
     compiled for sm90 without a GPU: mma.sync at M = 1 (qkv, long-K down) and 16, wgmma at 32, the folded residual

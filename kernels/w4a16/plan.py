@@ -141,7 +141,7 @@ def _probe(device_index: int, kernel: str, cols: int, rows: int, call, fallback:
         else:
             fw = prepare_frag(words, ones, None, -1, offsets=-0.5 * ones if offsets else None)
         y = call(torch.ones(rows, 64, dtype=torch.float16, device=dev), fw)
-        if bool((y == (160 if offsets else -512)).all()):
+        if bool((y == (160 if offsets or kquant else -512)).all()):
             return True
         reason = f"wrong result {y.flatten()[:4].tolist()}"
     except Exception as e:  # noqa: BLE001 - any compile or launch failure means: the fallback serves
