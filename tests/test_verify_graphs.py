@@ -76,6 +76,29 @@ def test_pack_step_buckets_and_rows():
     assert graphs.can_run([4, 1]) and not graphs.can_run([5]) and not graphs.can_run([1] * 7)
 
 
+class RecordingModel:
+    """Records what each warm-up forward's attention would be handed: (rows, query_start_loc)."""
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, input_ids, positions, meta):
+        self.calls.append((input_ids.shape[0], meta.query_start_loc.tolist()))
+        return torch.zeros(input_ids.shape[0], 8)
+
+    def compute_logits(self, hidden):
+        return torch.zeros(hidden.shape[0], 16)
+
+
+def test_warmup_and_capture_inputs_stay_inside_each_bucket():
+    """Each bucket's warm-up (and capture) forward has a padding sequence of exactly its own bs * t rows: the largest
+    bucket's padding run past a smaller bucket's rows and the attention kernel wrote past its output."""
+    model = RecordingModel()
+    graphs = VerifyGraphs(model=model, max_batch=6, tokens_per_seq=4, max_model_len=64, block_size=16, device="cpu")
+    graphs.run_eagerly()
+    assert model.calls == [(24, [0, 24, 24, 24, 24, 24, 24, 24]), (16, [0, 16, 16, 16, 16, 16]),
+                           (8, [0, 8, 8, 8]), (4, [0, 4, 4])]
+
+
 class EagerGraph:
     """Stands in for a captured graph on CPU: replay() runs what capture() records into the graph's outputs."""
 

@@ -169,25 +169,26 @@ class VerifyGraphs:
     @torch.inference_mode()
     def run_eagerly(self) -> None:
         """Every graph's step once, outside any capture (parallel_compile compiles their kernels this way)."""
-        self._pack_idle()
         for bs in reversed(self.buckets):
+            self._pack_idle(bs)
             self.step(bs)
 
     @torch.inference_mode()
     def capture(self, show_progress: bool = False, pool=None) -> None:
         """pool: the decode graphs' memory pool (they never run at the same time as these)."""
-        self._pack_idle()
         for bs in tqdm(list(reversed(self.buckets)), desc="Capturing verify graphs", unit="graph",
                        disable=not show_progress):
+            self._pack_idle(bs)
             self.graphs[bs], self.outputs[bs], pool = _capture(lambda: self.step(bs), pool)
         torch.cuda.synchronize()
         logger.info("captured %d CUDA graphs for verification: batch sizes %s x %d tokens", len(self.graphs),
                     self.buckets, self.tokens_per_seq)
 
-    def _pack_idle(self) -> None:
-        """Inputs of the largest bucket with no entries (one padding sequence owns every row), for the warm-up and
-        capture forwards: they store nothing."""
-        packed = self.inputs.pack(self.max_batch, [], [], [], [])
+    def _pack_idle(self, bs: int) -> None:
+        """Inputs of bucket bs with no entries (one padding sequence owns its bs * t rows), for its warm-up and
+        capture forwards: they store nothing. Each bucket packs its own: the largest bucket's padding sequence
+        runs past a smaller bucket's rows, and the attention kernel wrote past its output (illegal address)."""
+        packed = self.inputs.pack(bs, [], [], [], [])
         self.blob[:packed.size].copy_(torch.from_numpy(packed))
 
     def can_run(self, num_tokens: list[int]) -> bool:
