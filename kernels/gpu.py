@@ -91,9 +91,11 @@ class KernelOptions:
     fold_merge: bool = True        # batch 1: o_proj merges the decode attention's split partials
     head_gemv: bool = True         # one-row FP16 lm_head through the Triton GEMV instead of cuBLAS
     compile_workers: int = 16      # threads compiling kernels at start (kernels/precompile.py); < 2: one by one
-    # verification graphs attend as one decode row per token (the decode kernel's context splits: few sequences
-    # stay fast on long contexts) instead of the varlen prefill kernel (engine/spec/graphs.py); not yet measured
-    verify_rows: bool = False
+    # verification graphs attend as one decode row per token (the decode kernel's context splits) instead of the
+    # varlen prefill kernel (engine/spec/graphs.py): at k = 4, context 512, Qwen2.5-7B AWQ the step costs 1.11x /
+    # 1.39x a decode step at batch 1 / 4 against 1.32x / 1.47x (H100; H200 batch 1: 1.04x vs 1.26x); the prefill
+    # kernel wins only at batch 16, where speculation is off (bench/results/spec-verify-cost-h100.json)
+    verify_rows: bool = True
 
     def __post_init__(self):
         if self.profile not in PROFILE_NAMES:

@@ -92,7 +92,7 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
                    help="draft model (same tokenizer) for draft_model speculation; 'ngram' for prompt lookup")
     p.add_argument("--speculative-disable-batch-size", type=int, default=None,
                    help=f"speculation off while more sequences than this are unfinished "
-                        f"(default: {SPEC_DISABLE_BATCH_SIZE}, provisional until measured on the H200)")
+                        f"(default: {SPEC_DISABLE_BATCH_SIZE}, from bench/spec_decode.py verify-cost)")
 
 
 def batched_tokens(args) -> int:
