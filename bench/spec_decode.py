@@ -211,10 +211,18 @@ def run_verify_cost(args) -> dict:
 
 def interpolate(cost: dict, tokens: int) -> float:
     """Verify cost ratio at `tokens` tokens per sequence, linear between the measured ones (1, 2, 4, 5, 8): the
-    graphed step's where measured (t >= 2), else the eager one's."""
+    graphed step's where measured (t >= 2; the graphs the engine runs by default, KernelOptions.verify_rows), else
+    the eager one's."""
+    from quant_serve.kernels.gpu import KernelOptions
     eager = {int(m.group(1)): v for k, v in cost.items() if (m := re.fullmatch(r"verify_(\d+)_over_decode", k))}
-    graphed = {int(m.group(1)): v for k, v in cost.items()
-               if (m := re.fullmatch(r"verify_graph_(\d+)_over_decode", k))}
+    kinds = ["verify_rows_graph", "verify_graph"]
+    if not KernelOptions().verify_rows:
+        kinds.reverse()
+    graphed = {}
+    for kind in kinds:
+        graphed = {int(m.group(1)): v for k, v in cost.items() if (m := re.fullmatch(kind + r"_(\d+)_over_decode", k))}
+        if graphed:
+            break
     points = sorted({**eager, **graphed}.items())
     for (t0, c0), (t1, c1) in zip(points, points[1:]):
         if t0 <= tokens <= t1:

@@ -292,6 +292,8 @@ def test_bench_projection_prefers_the_graphed_verify_cost():
             "verify_graph_4_ms": 1.92}
     assert bench.interpolate(cost, 3) == pytest.approx(1.15) and bench.interpolate(cost, 1) == 1.9
     assert bench.interpolate({k: v for k, v in cost.items() if "graph_" not in k}, 3) == pytest.approx(2.1)
+    rows = {**cost, "verify_rows_graph_2_over_decode": 1.0, "verify_rows_graph_4_over_decode": 1.04}
+    assert bench.interpolate(rows, 3) == pytest.approx(1.02)                 # the default verification graphs
 
 
 def test_memory_plan_counts_the_verify_logits():
