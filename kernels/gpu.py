@@ -94,7 +94,7 @@ class KernelOptions:
     # verification graphs attend as one decode row per token (the decode kernel's context splits) instead of the
     # varlen prefill kernel (engine/spec/graphs.py): at k = 4, context 512, Qwen2.5-7B AWQ the step costs 1.11x /
     # 1.39x a decode step at batch 1 / 4 against 1.32x / 1.47x (H100; H200 batch 1: 1.04x vs 1.26x); the prefill
-    # kernel wins only at batch 16, where speculation is off (bench/results/spec-verify-cost-h100.json)
+    # kernel wins only at batch 16, where speculation is off (bench/results/spec-verify-cost-{h100,batch1-h200}.json)
     verify_rows: bool = True
 
     def __post_init__(self):
