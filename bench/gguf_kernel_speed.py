@@ -150,15 +150,22 @@ def w8_variants(fmt: str, layers: list, x: torch.Tensor, want: torch.Tensor, gra
                                                             (64, 32, 2))]
     if x.shape[0] > 1:                       # the rows one a program (FMA) instead of through tl.dot
         tiles.append((base.block_k, base.block_n, base.num_warps, 1))
-    if FORMATS[fmt][0] == 6:                 # Q6_K planes: one 64-row chunk a step
-        tiles = [(bk, bn, nw, bm) for bk, bn, nw, bm in tiles if bk == 64] + [(64, 256, 8, base.block_m)]
+    splits = sorted({base.split_k, max(1, base.split_k // 2), min(16, base.split_k * 2)})
+    extra = [{}]
+    if FORMATS[fmt][0] == 6:                 # Q6_K planes: one 64-row chunk a step, halves or quarters
+        tiles = [(64, bn, nw, bm) for bn, nw in ((64, 4), (128, 4), (128, 8), (256, 8))
+                 for bm in sorted({base.block_m, 16})]
+        splits = sorted({base.split_k, base.split_k * 2, base.split_k * 4, base.split_k * 8, 32})
+        extra = [dict(q6_quarters=q, one_launch=o) for q in (True, False) for o in (False, True)]
     for bk, bn, nw, bm in tiles:
-        for split in sorted({base.split_k, max(1, base.split_k // 2), min(16, base.split_k * 2)}):
-            cfg = dataclasses.replace(base, block_k=bk, block_n=bn, num_warps=nw, split_k=split, block_m=bm)
-            got = layers[0]["call"](x, cfg).float()
-            err = ((got - want).norm() / want.norm()).item()
-            out[repr(cfg)] = graph_us([lambda layer=layer: layer["call"](x, cfg) for layer in layers]) \
-                if err <= 5e-3 else f"rel_err {err:.2e}"
+        for split in splits:
+            for more in extra:
+                cfg = dataclasses.replace(base, block_k=bk, block_n=bn, num_warps=nw, split_k=split, block_m=bm,
+                                          **more)
+                got = layers[0]["call"](x, cfg).float()
+                err = ((got - want).norm() / want.norm()).item()
+                out[repr(cfg)] = graph_us([lambda layer=layer: layer["call"](x, cfg) for layer in layers]) \
+                    if err <= 5e-3 else f"rel_err {err:.2e}"
     return out
 
 

@@ -54,6 +54,8 @@ from quant_serve.kernels.w4a16.rules import W4A16Config  # noqa: E402
 from quant_serve.kernels.w4a16.sweep import candidate_configs, refinements, table_row  # noqa: E402
 
 SHAPES = {"qkv": (3584, 4608), "o": (3584, 3584), "gate_up": (3584, 37888), "down": (18944, 3584)}
+# --shapes may add: Q4_K_M's Q6_K layers are v (beside Q4_K q / k) and half the downs, and the head
+MORE_SHAPES = {"v": (3584, 512), "head": (3584, 152064)}
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
 TUNE_MS = [1, 4, 16, 32, 64, 128, 256, 1024, 4096]
 DECODE_BATCHES, DECODE_CTXS = (1, 4, 16, 64, 256), (512, 2048, 8192)
@@ -395,17 +397,18 @@ def summarize_decode(decode) -> dict:
     return out
 
 
-def bench_gguf_formats(formats: list[str], result: dict, sms: int, out: str, log) -> None:
+def bench_gguf_formats(formats: list[str], shapes: dict, result: dict, sms: int, out: str, log) -> None:
     """--weights: each GGUF format's planned kernel against FP16 cuBLAS on SHAPES x MS, saved after each format."""
     from quant_serve.bench.gguf_kernel_speed import FORMATS, bench_format, summarize
     unknown = [f for f in formats if f not in FORMATS]
     if unknown:
         raise SystemExit(f"unknown --weights {unknown}: choose from awq, {', '.join(FORMATS)}")
     result["weights"] = formats
+    result["shapes"] = shapes
     result["gguf"] = {}
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     for fmt in formats:
-        result["gguf"][fmt] = bench_format(fmt, SHAPES, MS, graph_us, copies, sms, log)
+        result["gguf"][fmt] = bench_format(fmt, shapes, MS, graph_us, copies, sms, log)
         result["summary"] = summarize(result["gguf"])
         Path(out).write_text(json.dumps(result, indent=1))
     log(json.dumps(result["summary"], indent=1))
@@ -419,6 +422,8 @@ def main():
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new tuning points after this")
     ap.add_argument("--no-decode", action="store_true", help="skip the attention section (tuning runs)")
     ap.add_argument("--ms", default="", help="comma-separated M list (default: all)")
+    ap.add_argument("--shapes", default=",".join(SHAPES),
+                    help=f"comma-separated layers of Qwen2.5-7B for --weights: {', '.join({**SHAPES, **MORE_SHAPES})}")
     ap.add_argument("--decode-only", action="store_true", help="only the attention section")
     ap.add_argument("--tune-decode", action="store_true",
                     help="also time decode configurations around the defaults (the *_tuned_* keys)")
@@ -447,7 +452,12 @@ def main():
     result["copy_TBps"] = copy_bandwidth()
     log(f"{result['gpu']}: copy {result['copy_TBps']:.2f} TB/s")
     if args.weights != "awq":
-        bench_gguf_formats(args.weights.split(","), result, caps.sms, args.out, log)
+        known = {**SHAPES, **MORE_SHAPES}
+        bad = [name for name in args.shapes.split(",") if name not in known]
+        if bad:
+            raise SystemExit(f"unknown --shapes {bad}: choose from {', '.join(known)}")
+        shapes = {name: known[name] for name in args.shapes.split(",")}
+        bench_gguf_formats(args.weights.split(","), shapes, result, caps.sms, args.out, log)
         return
     awq = load_awq(args.awq_sdist)
     deadline = start + args.budget_s

@@ -61,5 +61,5 @@ def w8a16_forward(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
         config = plan_w8a16(m, k, n, group_size, device_sms(x.device)).config
     if config.path == "gemv":
         return w8a16_gemv(x, qweight, scales, offsets, group_size, bias, config.block_m, config.block_n,
-                          config.block_k, config.split_k, config.num_warps)
+                          config.block_k, config.split_k, config.num_warps, config.one_launch, config.q6_quarters)
     return w8a16_dequant_matmul(x, qweight, scales, offsets, group_size, bias)

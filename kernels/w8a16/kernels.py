@@ -7,7 +7,9 @@ multiple of BLOCK_K (ROW_SCALES): one scale row a step; otherwise each tile row 
 same few rows, from L1), which is right for any group size.
 Q6 (GGUF Q6_K at 6 bits, q6k.py): a step is one 64-row chunk: its 32 low-plane byte rows give rows j (low
 nibble) and 32 + j (high nibble), each completed by its 2 bits of the high plane, and their scales f32(d) * sc
-from the int8 sub-scales (s_ptr) and the fp16 super-scale d (o_ptr), as gguf forms them.
+from the int8 sub-scales (s_ptr) and the fp16 super-scale d (o_ptr), as gguf forms them. Q6 2 (quarters) reads the
+same chunk as four 16-row quarters, each plane row and each sub-scale row loaded once, the scale applied per
+quarter as a [1, BLOCK_N] row (Q6 1 reloads the high plane and a sub-scale per weight row, from L1).
 """
 import torch
 
@@ -61,6 +63,75 @@ def _q6_chunk(q_ptr, s_ptr, o_ptr, c, offs_n, n_mask, stride_qk, stride_sg, K):
 
 
 @triton.jit
+def _q6_quarters(q_ptr, s_ptr, o_ptr, c, offs_n, n_mask, stride_qk, stride_sg, K):
+    """Q6 planes, 64-row chunk c -> rows 64 c + 16 t + j (t = 0..3) as fp32 [16, BLOCK_N] each: codes u - 32 times
+    f32(d) * sc (gguf's products), each plane row and each sub-scale row loaded once."""
+    j = tl.arange(0, 16)
+    mask = n_mask[None, :]
+    cols = offs_n[None, :]
+    lo0 = tl.load(q_ptr + (c * 32 + j)[:, None] * stride_qk + cols, mask=mask, other=0).to(tl.int32)
+    lo1 = tl.load(q_ptr + (c * 32 + 16 + j)[:, None] * stride_qk + cols, mask=mask, other=0).to(tl.int32)
+    hb = tl.load(q_ptr + (K // 2 + c * 16 + j)[:, None] * stride_qk + cols, mask=mask, other=0).to(tl.int32)
+    d = tl.load(o_ptr + (c // 4) * stride_sg + cols, mask=mask, other=0.0).to(tl.float32)        # [1, BN]
+    s_row = s_ptr + (c * 4) * stride_sg + cols
+    s0 = d * _i8_to_f32(tl.load(s_row, mask=mask, other=0))
+    s1 = d * _i8_to_f32(tl.load(s_row + stride_sg, mask=mask, other=0))
+    s2 = d * _i8_to_f32(tl.load(s_row + 2 * stride_sg, mask=mask, other=0))
+    s3 = d * _i8_to_f32(tl.load(s_row + 3 * stride_sg, mask=mask, other=0))
+    # quarter t: low nibble of lo0 / lo1 (t 0, 1) or high nibble (t 2, 3), top bits 2t, 2t + 1 of hb moved to 4, 5
+    w0 = _u6_minus_32((lo0 & 15) | ((hb << 4) & 48)) * s0
+    w1 = _u6_minus_32((lo1 & 15) | ((hb << 2) & 48)) * s1
+    w2 = _u6_minus_32((lo0 >> 4) | (hb & 48)) * s2
+    w3 = _u6_minus_32((lo1 >> 4) | ((hb >> 2) & 48)) * s3
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _i8_to_f32(v):
+    """int8 -> fp32, exact, by the same mantissa trick (each thread converts its own copy of a sub-scale row)."""
+    return (v.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+
+
+@triton.jit
+def _u6_minus_32(u):
+    """int32 codes 0..63 -> fp32 u - 32, exact: u in the mantissa of 2^23 (an OR) minus 2^23 + 32 (an FADD), in
+    place of the int-to-float conversion, which issues at a quarter of the FP32 rate."""
+    return (u | 0x4B000000).to(tl.float32, bitcast=True) - 8388640.0
+
+
+@triton.jit
+def _q6_quarter_rows(x_ptr, q_ptr, s_ptr, o_ptr, pid_m, M, K, stride_xm, stride_qk, stride_sg, st_begin, st_end,
+                     offs_n, n_mask, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """_q6_rows over quarters -> [BLOCK_M, BLOCK_N] fp32 (BLOCK_M 1: FMA rows; 16: four tl.dot of 16 rows a step)."""
+    j = tl.arange(0, 16)
+    if BLOCK_M == 1:
+        acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+        x_row = x_ptr + pid_m * stride_xm
+        for c in range(st_begin, st_end):
+            w0, w1, w2, w3 = _q6_quarters(q_ptr, s_ptr, o_ptr, c, offs_n, n_mask, stride_qk, stride_sg, K)
+            xc = x_row + c * 64 + j
+            acc += w0 * tl.load(xc).to(tl.float32)[:, None]
+            acc += w1 * tl.load(xc + 16).to(tl.float32)[:, None]
+            acc += w2 * tl.load(xc + 32).to(tl.float32)[:, None]
+            acc += w3 * tl.load(xc + 48).to(tl.float32)[:, None]
+        res = tl.sum(acc, axis=0)[None, :]                                      # [1, BLOCK_N]
+    else:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        x_rows = x_ptr + tl.minimum(offs_m, M - 1)[:, None] * stride_xm
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for c in range(st_begin, st_end):
+            w0, w1, w2, w3 = _q6_quarters(q_ptr, s_ptr, o_ptr, c, offs_n, n_mask, stride_qk, stride_sg, K)
+            xc = x_rows + (c * 64 + j)[None, :]                                   # [BM, 16]
+            x0 = tl.load(xc)
+            acc = tl.dot(x0, w0.to(x0.dtype), acc)
+            acc = tl.dot(tl.load(xc + 16), w1.to(x0.dtype), acc)
+            acc = tl.dot(tl.load(xc + 32), w2.to(x0.dtype), acc)
+            acc = tl.dot(tl.load(xc + 48), w3.to(x0.dtype), acc)
+        res = acc
+    return res
+
+
+@triton.jit
 def _q6_rows(x_ptr, q_ptr, s_ptr, o_ptr, pid_m, M, K, stride_xm, stride_qk, stride_sg, st_begin, st_end, offs_n,
              n_mask, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The GEMV's K loop over Q6 planes, one 64-row chunk a step -> [BLOCK_M, BLOCK_N] fp32 (BLOCK_M 1: FMA rows;
@@ -94,7 +165,7 @@ def _w8a16_gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, bia
                        stride_xm, stride_om, stride_qk, stride_sg, steps_per_split, n_splits,
                        HAS_OFFSETS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                        ONE_LAUNCH: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, Q6: tl.constexpr = False):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, Q6: tl.constexpr = 0):
     """Grid (row blocks, N tiles, splits). BLOCK_M 1: one x row a program, CUDA-core FMAs into an fp32
     [BLOCK_K, BLOCK_N] accumulator summed over its rows after the loop (rows of a weight tile run together, so all
     but the first read it from L2). BLOCK_M 16: the row block's x [16, BLOCK_K] meets the tile rounded to x's dtype
@@ -107,7 +178,10 @@ def _w8a16_gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, bia
     offs_kk = tl.arange(0, BLOCK_K)
     st_begin = pid_k * steps_per_split
     st_end = tl.minimum(st_begin + steps_per_split, tl.cdiv(K, BLOCK_K))
-    if Q6:                                          # K % 64 == 0 (whole chunks), BLOCK_K == 64
+    if Q6 == 2:                                     # K % 64 == 0 (whole chunks), BLOCK_K == 64
+        res = _q6_quarter_rows(x_ptr, q_ptr, s_ptr, o_ptr, pid_m, M, K, stride_xm, stride_qk, stride_sg, st_begin,
+                               st_end, offs_n, n_mask, BLOCK_M, BLOCK_N)
+    elif Q6 == 1:
         res = _q6_rows(x_ptr, q_ptr, s_ptr, o_ptr, pid_m, M, K, stride_xm, stride_qk, stride_sg, st_begin, st_end,
                        offs_n, n_mask, BLOCK_M, BLOCK_N)
     elif BLOCK_M == 1:
@@ -184,10 +258,10 @@ def _q6_args(qweight, scales, offsets, group_size, block_k):
 def w8a16_gemv(x: torch.Tensor, qweight: "torch.Tensor | Q6KWeights", scales: torch.Tensor | None,
                offsets: torch.Tensor | None, group_size: int, bias: torch.Tensor | None, block_m: int = 1,
                block_n: int = 64, block_k: int = 64, split_k: int = 1, num_warps: int = 4,
-               one_launch: bool = False) -> torch.Tensor:
+               one_launch: bool = False, q6_quarters: bool = False) -> torch.Tensor:
     """x [M, K] (unit stride along K) @ W [K, N] (int8 codes, scales / offsets [G, N], or Q6KWeights: scales and
     offsets ignored) -> [M, N] in x's dtype. block_m 1: one row a program (CUDA-core FMAs); 16: up to 16 rows a
-    program through tl.dot."""
+    program through tl.dot. q6_quarters: Q6KWeights read as 16-row quarters (Q6 2) rather than 32-row halves."""
     qweight, scales, d, group_size, q6 = _q6_args(qweight, scales, offsets, group_size, block_k)
     offsets = None if q6 else offsets
     M, K = x.shape
@@ -204,8 +278,8 @@ def w8a16_gemv(x: torch.Tensor, qweight: "torch.Tensor | Q6KWeights", scales: to
         bias if bias is not None else out, M, N, K, x.stride(0), out.stride(0), qweight.stride(0),
         scales.stride(0), per, splits,
         HAS_OFFSETS=offsets is not None, HAS_BIAS=bias is not None, SPLIT=splits > 1, ONE_LAUNCH=one_launch,
-        GROUP=group_arg(group_size, K), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, Q6=q6,
-        num_warps=num_warps)
+        GROUP=group_arg(group_size, K), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        Q6=(2 if q6_quarters else 1) if q6 else 0, num_warps=num_warps)
     if splits > 1 and not one_launch:
         launch_splitk_reduce(ws, bias, out, splits)
     return out

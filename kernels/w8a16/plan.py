@@ -23,6 +23,8 @@ class W8A16Config:
     block_k: int = 64
     split_k: int = 1          # upper bound: the launcher never leaves a split empty
     num_warps: int = 4
+    one_launch: bool = False  # split-K partials summed by the last split (splitk.py) instead of a second kernel
+    q6_quarters: bool = False  # Q6_K planes: 16-row quarters (kernels.py Q6 2) instead of 32-row halves
 
 
 @dataclass(frozen=True)
