@@ -74,3 +74,44 @@ def test_gemv_matches_gguf_matmul(m, dtype, block_m, split_k):
     assert rel_err(w8a16_matmul(x.cpu(), w.to("cpu"), None, None, 32), ref) < tol          # the CPU twin
     with pytest.raises(ValueError, match="block_k must be 64"):
         w8a16_forward(x, w, None, None, 32, None, W8A16Config("gemv", block_m, 32, 128, split_k))
+
+
+def compile_q5_kernels_sm90() -> dict:
+    """The W8A16 GEMV with Q5_K planes (FMA rows and tl.dot rows) and its dequantize pass compiled for sm90 without a
+    GPU (the interpreter does not lower them) -> registers and spill bytes."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from quant_serve.kernels.w8a16.kernels import _w8a16_dequant_kernel, _w8a16_gemv_kernel
+    from tests.test_kernels_w4a16_mma import cubin_sass
+    from tests.test_kernels_w8a16_q6k import constexpr_defaults
+
+    def build(kernel, sig, constexprs):
+        constexprs = dict(constexpr_defaults(kernel), **constexprs)
+        full = dict(sig, **{k: "constexpr" for k in constexprs})
+        names = list(full)
+        attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in sig if a.endswith("_ptr") or a == "N"}
+        regs, stack, _ = cubin_sass(triton.compile(ASTSource(fn=kernel, signature=full, constexprs=constexprs,
+                                                             attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                                                   options={"num_warps": 4}))
+        return {"regs": regs, "stack": stack}
+
+    i32 = "i32"
+    w8 = dict(x_ptr="*fp16", q_ptr="*u8", s_ptr="*i16", o_ptr="*i32", out_ptr="*fp16", ws_ptr="*fp32",
+              cnt_ptr="*i32", bias_ptr="*fp16", M=i32, N=i32, K=i32, stride_xm=i32, stride_om=i32, stride_qk=i32,
+              stride_sg=i32, steps_per_split=i32, n_splits=i32)
+    out = {f"q5-gemv-{bm}": build(_w8a16_gemv_kernel, w8, dict(
+        HAS_OFFSETS=False, HAS_BIAS=False, SPLIT=True, ONE_LAUNCH=False, GROUP=32, BLOCK_M=bm, BLOCK_N=64,
+        BLOCK_K=64, Q5=True)) for bm in (1, 16)}
+    out["q5-dequant"] = build(_w8a16_dequant_kernel, dict(q_ptr="*u8", s_ptr="*i16", o_ptr="*i32", out_ptr="*fp16",
+                                                         N=i32, K=i32, stride_qk=i32, stride_sg=i32, stride_ok=i32),
+                              dict(HAS_OFFSETS=False, GROUP=32, BLOCK_N=64, BLOCK_K=64, Q5=True))
+    return out
+
+
+def test_q5_kernels_compile_for_sm90_without_spills():
+    from tests.test_kernels_w4a16_mma import compiled_in_fresh_process
+    res = compiled_in_fresh_process("tests.test_kernels_w8a16_q5k", "compile_q5_kernels_sm90")
+    assert all(r["stack"] == 0 for r in res.values()), res
+    print({name: r["regs"] for name, r in res.items()})
