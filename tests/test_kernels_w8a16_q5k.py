@@ -115,3 +115,15 @@ def test_q5_kernels_compile_for_sm90_without_spills():
     res = compiled_in_fresh_process("tests.test_kernels_w8a16_q5k", "compile_q5_kernels_sm90")
     assert all(r["stack"] == 0 for r in res.values()), res
     print({name: r["regs"] for name, r in res.items()})
+
+
+def test_bench_format_gguf_q5_k():
+    """bench/kernel_speed.py --weights gguf-q5_k: the layer it times is the loader's layout, its call the planned
+    kernel (checked here under the interpreter), its bytes 5.625 bits a weight."""
+    from quant_serve.bench.gguf_kernel_speed import FORMATS, random_layer
+    layer = random_layer("gguf-q5_k", 512, 64, device=DEV)
+    x = torch.randn(1, 512, dtype=torch.float16, device=DEV)
+    want = x.float() @ layer["dense"].float()
+    got = layer["call"](x, W8A16Config("gemv", 1, 32, 64, 2)).float()
+    assert FORMATS["gguf-q5_k"][:2] == (5, 32) and layer["nbytes"] * 8 == 512 * 64 * 5.625
+    assert ((got - want).norm() / want.norm()).item() < 2e-3
