@@ -1,4 +1,5 @@
-"""Triton W8A16 kernels over the int8 layout of reference.py (GGUF Q8_0, Q5_*, Q6_K): a split-K GEMV for few rows
+"""Triton W8A16 kernels over the int8 layout of reference.py (GGUF Q8_0, Q5_*, Q6_K), the Q6_K planes (q6k.py) and
+the Q5_K planes (q5k.py, the Q5 constexpr: its decoder and K loop live there): a split-K GEMV for few rows
 and a dequantize pass for the dequantize + cuBLAS path. Which runs is plan.plan_w8a16's choice.
 
 A step reads a [BLOCK_K, BLOCK_N] tile of int8 codes (rows of N bytes, coalesced along N), its groups' scales and
@@ -8,8 +9,6 @@ same few rows, from L1), which is right for any group size.
 Q6 (GGUF Q6_K at 6 bits, q6k.py): a step is one 64-row chunk: its 32 low-plane byte rows give rows j (low
 nibble) and 32 + j (high nibble), each completed by its 2 bits of the high plane, and their scales f32(d) * sc
 from the int8 sub-scales (s_ptr) and the fp16 super-scale d (o_ptr), as gguf forms them.
-Q5 (GGUF Q5_K at 5 bits, q5k.py): the same chunk steps over a 4-bit + 1-bit plane pair, with Q4_K's int16 sub-codes
-(s_ptr) and int32 d | dmin (o_ptr); its decoder and K loop live in q5k.py.
 """
 import torch
 
