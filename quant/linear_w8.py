@@ -1,5 +1,6 @@
 """8-bit weight-only linear (kernels/w8a16): the layers of GGUF files whose type has no INT4 form (Q8_0, Q5_0,
-Q5_1, Q5_K, Q6_K), loaded without re-quantizing (a layer of Q5_K or Q6_K shards in its 5- / 6-bit planes). Beside quant/linear.py's QuantLinear; the same shard protocol."""
+Q5_1, Q5_K, Q6_K), loaded without re-quantizing (a layer of Q5_K or Q6_K shards in its 5- / 6-bit planes).
+Beside quant/linear.py's QuantLinear; the same shard protocol."""
 from dataclasses import dataclass
 
 import torch
