@@ -6,6 +6,7 @@ copies that exceed the L2).
   python bench/kernel_speed.py --weights q8_0,q6_k --ms 1,4,16,64 --out bench/results/kernels-gguf-w8-h200.json
   python bench/kernel_speed.py --weights awq-g128,gguf-q4_k,gguf-q4_k-f16,gguf-q6_k,q6_k --ms 1,16,64,256 \
       --out bench/results/kernels-gguf-kquant-h200.json      (Q4_K two-level next to AWQ g128 and the old layout)
+  python bench/kernel_speed.py --weights gguf-q5_k,q5_k --ms 1,4,16,64 --out bench/results/kernels-gguf-q5_k-h100.json
 
 Formats (how the GGUF loader lays them out, kernels/w4a16/reference.py and kernels/w8a16/reference.py):
   gguf-q4_0   INT4, groups of 32, w = (q - 8) d: symmetric, no offsets (the zero-point path)
@@ -20,7 +21,10 @@ Formats (how the GGUF loader lays them out, kernels/w4a16/reference.py and kerne
               shard merged with another type)
   gguf-q6_k   Q6_K's 6-bit planes + int8 sub-scales + fp16 d (kernels/w8a16/q6k.py, 6.5625 bits; the W8A16
               kernels): what the loader builds for a layer of Q6_K shards
-  q5_k        int8 codes, groups of 32, float offsets (W8A16)
+  q5_k        int8 codes, groups of 32, float offsets (W8A16; 9 bits: Q5_K before the planes, and a Q5_K shard
+              merged with a non-K type)
+  gguf-q5_k   Q5_K's 5-bit planes + Q4_K's two-level scales (kernels/w8a16/q5k.py, 5.625 bits; the W8A16 kernels):
+              what the loader builds for a layer of Q5_K shards
 Every timed call is first checked against the dequantized weights through FP16 cuBLAS (rel_err in the row).
 The 8-bit formats' GEMV (M <= 16, constants derived, not measured: kernels/w8a16/plan.py) is also timed in a few
 other tiles (row["variants_us"]: one scale row a step with block_k = the group, wider columns, longer steps); the
@@ -36,13 +40,15 @@ from quant_serve.kernels.w4a16.kquant import kquant_bytes, kquant_scales_offsets
 from quant_serve.kernels.w4a16.reference import dequantize_w4, pack_int4_cols, pack_int4_rows
 from quant_serve.kernels.w8a16.dispatch import w8a16_forward
 from quant_serve.kernels.w8a16.plan import plan_w8a16
+from quant_serve.kernels.w8a16.q5k import pack_q5k, q5k_bytes, q5k_dequantize
 from quant_serve.kernels.w8a16.q6k import pack_q6k, q6k_bytes, q6k_dequantize
 from quant_serve.kernels.w8a16.reference import dequantize_w8
 
 # format -> (bits, group size, float offsets)
 FORMATS = {"gguf-q4_0": (4, 32, False), "gguf-q4_1": (4, 32, True), "gguf-q4_k": (4, 32, True),
            "gguf-q4_k-f16": (4, 32, True), "awq-g128": (4, 128, False), "gguf-q6_k": (6, 16, False),
-           "q8_0": (8, 32, False), "q6_k": (8, 16, False), "q5_k": (8, 32, True)}
+           "gguf-q5_k": (5, 32, True), "q8_0": (8, 32, False), "q6_k": (8, 16, False), "q5_k": (8, 32, True)}
+PLANES = (5, 6)        # bits of the plane layouts (Q5_K, Q6_K): one 64-row chunk a GEMV step
 
 
 def _int4_special(fmt: str, k: int, n: int, device: str) -> dict:
@@ -80,6 +86,13 @@ def random_layer(fmt: str, k: int, n: int, device: str = "cuda") -> dict:
         q6 = pack_q6k(codes, sub, (torch.rand(k // 256, n, device=device) * 2e-5 + 1e-5).half())
         return {"call": lambda x, c=None: w8a16_forward(x, q6, None, None, 16, None, c),
                 "dense": q6k_dequantize(q6).half(), "nbytes": q6k_bytes(k, n), "group_size": 16}
+    if fmt == "gguf-q5_k":
+        sub = pack_sub_codes(torch.randint(1, 64, (k // 32, n), device=device),
+                             torch.randint(0, 64, (k // 32, n), device=device))
+        d = (torch.rand(k // 256, n, device=device) * 4e-5 + 1e-5).half()
+        q5 = pack_q5k(torch.randint(0, 32, (k, n), device=device), sub, pack_superscales(d, (d.float() * 16).half()))
+        return {"call": lambda x, c=None: w8a16_forward(x, q5, None, None, 32, None, c),
+                "dense": q5k_dequantize(q5).half(), "nbytes": q5k_bytes(k, n), "group_size": 32}
     bits, gs, has_offsets = FORMATS[fmt]
     groups = k // gs
     scales = (torch.rand(groups, n, device=device) * 0.002 + 0.0005).half()
@@ -128,7 +141,7 @@ def bench_format(fmt: str, shapes: dict, ms: list[int], graph_us, copies, sms: i
                 row["fp16_us"] = graph_us([lambda w=w: torch.nn.functional.linear(x, w) for w in fp16])
                 row["speedup_vs_fp16"] = row["fp16_us"] / row["ours_us"]
                 row["ours_GBps"] = layer0["nbytes"] / row["ours_us"] / 1e3
-                if FORMATS[fmt][0] in (6, 8) and m <= 16:
+                if FORMATS[fmt][0] in PLANES + (8,) and m <= 16:
                     row["variants_us"] = w8_variants(fmt, layers, x, want, graph_us, sms)
                 if FORMATS[fmt][0] == 4 and kernel == "mma.sync" and m == 1:
                     row["variants_us"] = w4_m1_variants(layers, x, want, graph_us, name == "gate_up")
@@ -152,11 +165,14 @@ def w8_variants(fmt: str, layers: list, x: torch.Tensor, want: torch.Tensor, gra
         tiles.append((base.block_k, base.block_n, base.num_warps, 1))
     splits = sorted({base.split_k, max(1, base.split_k // 2), min(16, base.split_k * 2)})
     extra = [{}]
-    if FORMATS[fmt][0] == 6:                 # Q6_K planes: one 64-row chunk a step, halves or quarters
+    if FORMATS[fmt][0] in PLANES:            # Q5_K / Q6_K planes: one 64-row chunk a step
         tiles = [(64, bn, nw, bm) for bn, nw in ((64, 4), (128, 4), (128, 8), (256, 8))
                  for bm in sorted({base.block_m, 16})]
         splits = sorted({base.split_k, base.split_k * 2, base.split_k * 4, base.split_k * 8, 32})
-        extra = [dict(q6_quarters=q, one_launch=o) for q in (True, False) for o in (False, True)]
+        if fmt == "gguf-q6_k":               # and halves or quarters
+            extra = [dict(q6_quarters=q, one_launch=o) for q in (True, False) for o in (False, True)]
+        else:
+            extra = [dict(one_launch=o) for o in (False, True)]
     for bk, bn, nw, bm in tiles:
         for split in splits:
             for more in extra:

@@ -4,10 +4,12 @@ tensor table, or from a config and a type mix (--load-format dummy --quantizatio
 As the GPU holds them (quant/formats/gguf_types.py, the kernels' layouts): a layer of Q4_K shards only K*N/2 codes
 + Q4_K's two-level scales as stored (kernels/w4a16/kquant.py: 2 bytes per 32, 4 per 256: 4.625 bits a weight); other
 INT4 types (Q4_0, Q4_1, Q4_K beside them) K*N/2 codes + a scale and an offset per 32; a layer of Q6_K shards only
-its 6-bit planes + int8 sub-scales per 16 + fp16 d per 256 (kernels/w8a16/q6k.py: 6.5625 bits); Q8_0 / Q5_0 K*N int8 + a scale per 32; Q5_1 / Q5_K + an offset; Q6_K a
-scale per 16; scales and offsets in the model dtype. A merged layer (qkv, gate_up) whose shards take different
-paths is one W8 layer at the finest group (an INT4 shard widened to int8), except Q4_K beside Q6_K: each shard in
-its own layout (quant/linear_parts.py). Embeddings and norms are dequantized to
+its 6-bit planes + int8 sub-scales per 16 + fp16 d per 256 (kernels/w8a16/q6k.py: 6.5625 bits); a layer of Q5_K
+shards only its 5-bit planes + Q4_K's two-level scales (kernels/w8a16/q5k.py: 5.625 bits); Q8_0 / Q5_0 K*N int8 +
+a scale per 32; Q5_1 (and Q5_K merged with another type) + an offset; Q6_K merged a scale per 16; scales and
+offsets in the model dtype. A merged layer (qkv, gate_up) whose shards take different paths is one W8 layer at the
+finest group (an INT4 shard widened to int8), except Q4_K / Q5_K beside Q6_K (Q4_K_M / Q5_K_M's qkv): each shard
+in its own layout (quant/linear_parts.py). Embeddings and norms are dequantized to
 the model dtype. (The CPU path keeps Q4_K / Q5_K / Q6_K's fp32 scales: exact, and more bytes than counted; so does
 a bf16 model on CUDA, Gemma's: its scales stay fp32 rather than narrow to bf16.)"""
 import re
@@ -16,10 +18,12 @@ from collections import Counter
 from gguf import GGMLQuantizationType as T
 
 from quant_serve.kernels.w4a16.kquant import kquant_bytes
+from quant_serve.kernels.w8a16.q5k import q5k_bytes
 from quant_serve.kernels.w8a16.q6k import q6k_bytes
 from quant_serve.quant.formats.gguf_types import group_size_of, path_of
 
 _OFFSETS = (T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_1, T.Q5_K)       # loaded with a float offset per group
+_NATIVE = {T.Q4_K: kquant_bytes, T.Q5_K: q5k_bytes, T.Q6_K: q6k_bytes}     # kept in the file's own scales
 _MERGED = re.compile(r"^(blk\.\d+\.)(attn_q|attn_k|attn_v|ffn_gate|ffn_up)\.weight$")
 
 
@@ -28,8 +32,8 @@ def _layer_bytes(shards: list[tuple[T, int, int]], float_b: int) -> int:
     paths = {path_of(t) for t, _, _ in shards}
     if "dense" in paths:
         return sum(k * n * float_b for _, k, n in shards)
-    if all(t in (T.Q4_K, T.Q6_K) for t, _, _ in shards):    # native layouts, a mixed layer in parts
-        return sum(kquant_bytes(k, n) if t == T.Q4_K else q6k_bytes(k, n) for t, k, n in shards)
+    if all(t in _NATIVE for t, _, _ in shards):             # native layouts, a mixed layer in parts
+        return sum(_NATIVE[t](k, n) for t, k, n in shards)
     if paths == {"int4"}:
         return sum(k * n // 2 + k // 32 * n * float_b * 2 for _, k, n in shards)       # Q4_0: o = -8 d
     group = min(group_size_of(t) for t, _, _ in shards)

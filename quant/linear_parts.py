@@ -1,6 +1,7 @@
 """A merged layer (qkv, gate_up) whose source modules load into different linear implementations: GGUF Q4_K_M
-gives attn_q / attn_k Q4_K and attn_v Q6_K in some layers. Each run of consecutive shards of one kind is its own
-linear (QuantLinear with Q4_K's two-level scales, W8Linear with Q6_K's planes) and the outputs are concatenated,
+gives attn_q / attn_k Q4_K and attn_v Q6_K in some layers (Q5_K_M: Q5_K and Q6_K). Each run of consecutive shards
+of one kind is its own linear (QuantLinear with Q4_K's two-level scales, W8Linear with Q5_K's or Q6_K's planes)
+and the outputs are concatenated,
 so every shard keeps its file's bits instead of the whole layer widening to int8 codes with a scale and an offset
 per 16 (10 bits a weight)."""
 import torch

@@ -1,5 +1,6 @@
 """8-bit weight-only linear (kernels/w8a16): the layers of GGUF files whose type has no INT4 form (Q8_0, Q5_0,
-Q5_1, Q5_K, Q6_K), loaded without re-quantizing. Beside quant/linear.py's QuantLinear; the same shard protocol."""
+Q5_1, Q5_K, Q6_K), loaded without re-quantizing (a layer of Q5_K or Q6_K shards in its 5- / 6-bit planes).
+Beside quant/linear.py's QuantLinear; the same shard protocol."""
 from dataclasses import dataclass
 
 import torch
@@ -7,6 +8,7 @@ from torch import nn
 
 from quant_serve.kernels.norm_act import silu_and_mul
 from quant_serve.kernels.w8a16.dispatch import w8a16_matmul
+from quant_serve.kernels.w8a16.q5k import Q5_GROUP, Q5KWeights, concat_q5k, pack_q5k, q5k_dequantize
 from quant_serve.kernels.w8a16.q6k import Q6_GROUP, Q6KWeights, concat_q6k, pack_q6k, q6k_dequantize
 from quant_serve.kernels.w8a16.reference import dequantize_w8
 from quant_serve.quant.linear import gguf_kernel_scale_dtype, scale_dtype
@@ -20,6 +22,7 @@ class W8Weights:
     offsets: torch.Tensor | None          # [G, N] or None (= 0)
     bias: torch.Tensor | None = None      # [N]
     q6k: Q6KWeights | None = None         # GGUF Q6_K at 6 bits (kernels/w8a16/q6k.py) instead of the three above
+    q5k: Q5KWeights | None = None         # GGUF Q5_K at 5 bits (kernels/w8a16/q5k.py) instead of the three above
 
 
 class W8Linear(nn.Module):
@@ -27,7 +30,9 @@ class W8Linear(nn.Module):
     N at finalize. quant_config.convert_w8 turns one source module's tensors into W8Weights.
     q6k_planes (a layer of GGUF Q6_K shards only, set by GGUFConfig): the layer holds Q6_K's 6-bit planes instead
     (qweight: uint8 planes [3K/4, N], scales: int8 sub-scales [K/16, N], superscales: fp16 d [K/256, N]; 6.5625
-    bits a weight), converted by quant_config.convert_q6k."""
+    bits a weight), converted by quant_config.convert_q6k. q5k_planes (a layer of GGUF Q5_K shards only): Q5_K's
+    5-bit planes (qweight: uint8 [5K/8, N], scales: int16 sub-codes sc | m << 8 [K/32, N], superscales: int32
+    d | dmin [K/256, N]; 5.625 bits a weight), converted by quant_config.convert_q5k."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool, dtype: torch.dtype,
                  device: torch.device | str, quant_config, group_size: int, source_prefixes: list[str] = ()):
@@ -44,6 +49,7 @@ class W8Linear(nn.Module):
         self._shards: list[W8Weights | None] | None = [None] * len(output_sizes)
         self.dummy_offsets = False            # init_dummy: per-group offsets too (a GGUF Q5_K / INT4 shard's)
         self.q6k_planes = False
+        self.q5k_planes = False
         for name in ("qweight", "scales", "offsets", "superscales", "bias"):
             self.register_buffer(name, None)
 
@@ -53,12 +59,14 @@ class W8Linear(nn.Module):
         if self._shards[shard_id] is not None:
             raise ValueError(f"{prefix}: shard {shard_id} loaded twice")
         n, k = self.output_sizes[shard_id], self.in_features
-        if self.q6k_planes:
-            w = self.quant_config.convert_q6k(tensors, prefix, k, n)
+        if self.q6k_planes or self.q5k_planes:
+            convert = self.quant_config.convert_q6k if self.q6k_planes else self.quant_config.convert_q5k
+            w = convert(tensors, prefix, k, n)
             if (w.bias is not None) != self.has_bias:
                 raise ValueError(f"{prefix}.bias {'present' if w.bias is not None else 'missing'}, but the config "
                                  f"says this layer has {'a' if self.has_bias else 'no'} bias")
-            w.q6k = w.q6k.to(self.device)
+            w.q6k = None if w.q6k is None else w.q6k.to(self.device)
+            w.q5k = None if w.q5k is None else w.q5k.to(self.device)
             w.bias = None if w.bias is None else w.bias.to(self.device, self.dtype)
             self._shards[shard_id] = w
             return
@@ -84,8 +92,11 @@ class W8Linear(nn.Module):
         if missing:
             raise ValueError(f"8-bit layer never received tensors for {', '.join(missing)}")
         shards = self._shards
-        if self.q6k_planes:
-            self._set_q6k(concat_q6k([s.q6k for s in shards]))
+        if self.q6k_planes or self.q5k_planes:
+            if self.q6k_planes:
+                self._set_q6k(concat_q6k([s.q6k for s in shards]))
+            else:
+                self._set_q5k(concat_q5k([s.q5k for s in shards]))
             self.bias = torch.cat([s.bias for s in shards]) if self.has_bias else None
             self._shards = None
             return
@@ -101,7 +112,8 @@ class W8Linear(nn.Module):
 
     def init_dummy(self, gen: torch.Generator) -> None:
         """Random 6-bit codes and fp32 scales (weights about N(0, 0.02)), as a loaded Q6_K layer holds them (and
-        fp32 offsets where dummy_offsets), for --load-format dummy."""
+        fp32 offsets where dummy_offsets; Q6_K / Q5_K planes with their two-level scales), for --load-format
+        dummy."""
         k, n = self.in_features, self.out_features
         g = -(-k // self.group_size)
         codes = torch.randint(-32, 32, (k, n), generator=gen, dtype=torch.int8, device=gen.device)
@@ -111,6 +123,13 @@ class W8Linear(nn.Module):
             d = torch.full((-(-k // 256), n), 0.02 / 18.5 / 40, dtype=torch.float16, device=self.device)
             sub = torch.full((k // Q6_GROUP, n), 40, dtype=torch.int8, device=self.device)
             self._set_q6k(pack_q6k(codes.to(self.device), sub, d))
+            return
+        if self.q5k_planes:             # q = (codes + 32) / 2, s = d * sc = 2 x the scale below, o = -16 s
+            sub = torch.full((k // Q5_GROUP, n), 40 | (40 << 8), dtype=torch.int16, device=self.device)
+            d = torch.tensor([0.04 / 18.5 / 40, 16 * 0.04 / 18.5 / 40], dtype=torch.float16)
+            bits = d.view(torch.int16).to(torch.int32) & 0xFFFF
+            dd = torch.full((-(-k // 256), n), int(bits[0] | (bits[1] << 16)), dtype=torch.int32, device=self.device)
+            self._set_q5k(pack_q5k(((codes.to(torch.int16) + 32) >> 1).to(self.device), sub, dd))
             return
         self.qweight = codes.to(self.device)
         self.scales = torch.full((g, n), 0.02 / 18.5, dtype=self._param_dtype(torch.float32), device=self.device)
@@ -124,6 +143,13 @@ class W8Linear(nn.Module):
     def _q6k(self) -> Q6KWeights:
         return Q6KWeights(self.qweight, self.scales, self.superscales)
 
+    def _set_q5k(self, w: Q5KWeights) -> None:
+        self.qweight, self.scales, self.superscales, self.offsets = w.planes, w.sub_codes, w.superscales, None
+
+    def _native(self) -> "Q6KWeights | Q5KWeights":
+        cls = Q5KWeights if self.q5k_planes else Q6KWeights
+        return cls(self.qweight, self.scales, self.superscales)
+
     def _param_dtype(self, checkpoint: torch.dtype) -> torch.dtype:
         """Scales and offsets: exact on the CPU path (fp32 for Q5_K / Q6_K's products of two scales); on CUDA fp16
         on an fp16 model (Q6_K: 9 bits a weight instead of 10, its products rounded), never bf16."""
@@ -134,12 +160,12 @@ class W8Linear(nn.Module):
     def dequantized_weight(self) -> torch.Tensor:
         """fp32 W [N, K] (what nn.Linear would hold)."""
         if self.superscales is not None:
-            return q6k_dequantize(self._q6k()).t()
+            return (q5k_dequantize(self._native()) if self.q5k_planes else q6k_dequantize(self._native())).t()
         return dequantize_w8(self.qweight, self.scales, self.offsets, self.group_size).t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.superscales is not None:
-            return w8a16_matmul(x, self._q6k(), None, None, Q6_GROUP, self.bias)
+            return w8a16_matmul(x, self._native(), None, None, Q5_GROUP if self.q5k_planes else Q6_GROUP, self.bias)
         return w8a16_matmul(x, self.qweight, self.scales, self.offsets, self.group_size, self.bias)
 
     def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
@@ -147,4 +173,5 @@ class W8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, output_sizes={self.output_sizes}, group_size={self.group_size}, "
-                f"bias={self.has_bias}, offsets={self.offsets is not None}, q6k_planes={self.q6k_planes}")
+                f"bias={self.has_bias}, offsets={self.offsets is not None}, q6k_planes={self.q6k_planes}, "
+                f"q5k_planes={self.q5k_planes}")

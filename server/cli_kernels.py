@@ -16,11 +16,13 @@ WEIGHT_FORMATS = {
     "w4-offsets": "INT4 with float per-group offsets (GGUF Q4_0 / Q4_1, a Q4_K shard merged with them)",
     "w4-kquant": "INT4 with GGUF Q4_K's two-level scales as stored (int16 sub-codes per 32, fp16 d and dmin per 256; "
                  "a layer of Q4_K shards)",
-    "w8": "int8 codes with float scales and offsets (GGUF Q8_0 / Q5_0 / Q5_1 / Q5_K, merged Q6_K)",
+    "w8": "int8 codes with float scales and offsets (GGUF Q8_0 / Q5_0 / Q5_1, Q5_K / Q6_K merged with those)",
     "q6k": "GGUF Q6_K at 6 bits (a layer of Q6_K shards): code planes, int8 sub-scales per 16, fp16 d per 256, "
            "read by the W8A16 kernels",
+    "q5k": "GGUF Q5_K at 5 bits (a layer of Q5_K shards): 4-bit + 1-bit code planes, Q4_K's two-level scales "
+           "(int16 sub-codes per 32, int32 d | dmin per 256), read by the W8A16 kernels",
 }
-W8_FORMATS = ("w8", "q6k")
+W8_FORMATS = ("w8", "q6k", "q5k")
 
 
 def register(sub) -> None:
@@ -68,6 +70,9 @@ def explain(caps, options, cfg, ms: list[int], group_size: int, dtype, context: 
             layout, why = "int8", "int8 codes [K, N], scales / offsets [G, N] (kernels/w8a16/reference.py)"
         elif weight_format == "q6k":
             layout, why = "q6k-planes", "4-bit + 2-bit code planes, int8 sub-scales, fp16 d (kernels/w8a16/q6k.py)"
+        elif weight_format == "q5k":
+            layout, why = "q5k-planes", "4-bit + 1-bit code planes, int16 sub-codes, int32 d | dmin " \
+                                        "(kernels/w8a16/q5k.py)"
         elif weight_format == "w4-kquant":
             layout, why = layout_for(k, n, 32, dtype, caps, options, True)
             why += "; Q4_K's two-level scales (ZP_MODE 3 / OFFSETS 2 in every kernel: s = d * sc, o = -dmin * m " \
@@ -79,7 +84,7 @@ def explain(caps, options, cfg, ms: list[int], group_size: int, dtype, context: 
                        "of the fragment kernels fails)"
         rows = []
         for m in ms:
-            p = plan_w8a16(m, k, n, 16 if weight_format == "q6k" else group_size, caps.sms) \
+            p = plan_w8a16(m, k, n, {"q6k": 16, "q5k": 32}.get(weight_format, group_size), caps.sms) \
                 if weight_format in W8_FORMATS else \
                 plan_w4a16(m, k, n, caps, options, layout, dtype, name == "gate_up_proj")
             rows.append({"m": m, "kernel": p.kernel, "why": p.why,

@@ -36,15 +36,20 @@ def test_cuda_gguf_matches_cpu(tmp_path, mix):
     assert_all_blocks_free(gpu)
 
 
-def test_cuda_dummy_q4_k_m_7b_shape():
+MERGED = "merged Q4_K / Q5_K + Q6_K (each run of shards in its own layout, outputs concatenated)"
+Q6K = "Q6_K (W8A16 kernels, 6-bit planes, 6.5625 bits)"
+
+
+@pytest.mark.parametrize("mix,paths", [
+    ("Q4_K_M", f"84 INT4 Q4_K (W4A16, two-level scales, 4.625 bits), 14 {MERGED}, 15 {Q6K}"),
+    ("Q5_K_M", f"14 {MERGED}, 84 Q5_K (W8A16 kernels, 5-bit planes, two-level scales, 5.625 bits), 15 {Q6K}")])
+def test_cuda_dummy_q4_k_m_7b_shape(mix, paths):
     config = SHARED / "configs" / "qwen2.5-7b-instruct"
     engine = make_engine(config, dtype="float16", device="cuda", num_blocks=64, max_model_len=512,
-                         load_format="dummy", quantization="gguf:Q4_K_M", tokenizer=str(TINY))
-    # 28 layers: v and down Q6_K in 14 of them (qkv in parts: q / k INT4 two-level, v 6-bit planes; down 6-bit
-    # planes) and the head (6-bit planes), the rest Q4_K (INT4, two-level)
-    assert engine.quant_config.describe_paths() == (
-        "84 INT4 Q4_K (W4A16, two-level scales, 4.625 bits), 14 merged Q4_K + Q6_K (each run of shards in its own "
-        "layout, outputs concatenated), 15 Q6_K (W8A16 kernels, 6-bit planes, 6.5625 bits)")
+                         load_format="dummy", quantization=f"gguf:{mix}", tokenizer=str(TINY))
+    # 28 layers: v and down Q6_K in 14 of them (qkv in parts: q / k in the base type's layout, v 6-bit planes;
+    # down 6-bit planes) and the head (6-bit planes), the rest the base type (Q4_K INT4 / Q5_K planes, two-level)
+    assert engine.quant_config.describe_paths() == paths
     from quant_serve.engine.sampling_params import SamplingParams
     out = engine.generate([list(range(100, 132))], SamplingParams(max_tokens=16, temperature=0))
     assert len(out[0].outputs[0].token_ids) == 16

@@ -16,8 +16,10 @@ from helpers import make_engine
 from test_server_common import running_server
 
 MIXES = ("Q4_0", "Q4_1", "Q4_K_M", "Q5_K_M")
-Q4_K_M_PATHS = ("20 INT4 Q4_K (W4A16, two-level scales, 4.625 bits), 4 merged Q4_K + Q6_K (each run of shards in its "
-                "own layout, outputs concatenated), 8 8-bit (W8A16)")     # the fixture file's layers, as logged
+MERGED = "merged Q4_K / Q5_K + Q6_K (each run of shards in its own layout, outputs concatenated)"
+Q5K = "Q5_K (W8A16 kernels, 5-bit planes, two-level scales, 5.625 bits)"
+Q4_K_M_PATHS = f"20 INT4 Q4_K (W4A16, two-level scales, 4.625 bits), 4 {MERGED}, 8 8-bit (W8A16)"   # as logged
+Q5_K_M_PATHS = f"4 {MERGED}, 20 {Q5K}, 8 8-bit (W8A16)"     # down_proj (K = 1408) falls back to Q5_1 / Q8_0
 NUM_TOKENS = 192
 
 
@@ -76,7 +78,7 @@ def test_perplexity_matches_transformers_on_dequantized_weights(gguf_dir, held_o
     assert math.exp(ours) < 200                                          # a working model, not noise
     paths = engine.quant_config.describe_paths()
     assert paths == {"Q4_K_M": Q4_K_M_PATHS,
-                     "Q5_K_M": "32 8-bit (W8A16)"}.get(mix, "32 INT4 (W4A16, float offsets)")
+                     "Q5_K_M": Q5_K_M_PATHS}.get(mix, "32 INT4 (W4A16, float offsets)")
 
 
 def test_split_files_and_directory(gguf_dir, tmp_path):
@@ -151,22 +153,24 @@ def _loaded_bytes(model) -> int:
             total += b.numel() * b.element_size()
         elif leaf in ("scales", "offsets"):                          # fp32 -> fp16; int16 / int8 codes as they are
             total += b.numel() * min(b.element_size(), 2)
-        elif leaf == "superscales":                                   # Q4_K's int32 d | dmin, Q6_K's fp16 d
+        elif leaf == "superscales":                             # Q4_K / Q5_K's int32 d | dmin, Q6_K's fp16 d
             total += b.numel() * b.element_size()
     return total
 
 
-def test_plan_counts_gguf_bytes_by_type(gguf_dir, capsys):
+@pytest.mark.parametrize("mix,source", [("Q4_K_M", "gguf: Q4_K x 45, Q8_0 x 4, Q6_K x 4, Q5_0 x 4"),
+                                        ("Q5_K_M", "gguf: Q5_K x 45, Q8_0 x 4, Q6_K x 4, Q5_1 x 4")])
+def test_plan_counts_gguf_bytes_by_type(gguf_dir, capsys, mix, source):
     """`quant-serve plan X.gguf` reads the tensor table only; its weight bytes are those the fp16 model holds on
     CUDA."""
     import json
 
     from quant_serve.engine.loader import load_model, load_model_config
     from quant_serve.server.cli import main
-    path = gguf_dir / "tiny-Q4_K_M.gguf"
+    path = gguf_dir / f"tiny-{mix}.gguf"
     assert main(["plan", str(path), "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    assert plan["weights_source"] == "gguf: Q4_K x 45, Q8_0 x 4, Q6_K x 4, Q5_0 x 4"
+    assert plan["weights_source"] == source
     cfg, _ = load_model_config(path)
     model, _ = load_model(path, cfg, torch.float16, "cpu", show_progress=False)
     assert plan["weights_bytes"] == _loaded_bytes(model)
@@ -191,11 +195,38 @@ def test_dummy_q4_k_m_mix(tmp_path):
     assert isinstance(q4, QuantLinear) and q4.output_sizes == [512, 128] and isinstance(q6, W8Linear) and q6.q6k_planes
     assert isinstance(layers[1].mlp.gate_up_proj, QuantLinear) and layers[1].mlp.gate_up_proj.superscales is not None
     assert engine.quant_config.describe_paths() == (
-        "24 INT4 Q4_K (W4A16, two-level scales, 4.625 bits), 4 merged Q4_K + Q6_K (each run of shards in its own "
-        "layout, outputs concatenated), 4 Q6_K (W8A16 kernels, 6-bit planes, 6.5625 bits)")
+        f"24 INT4 Q4_K (W4A16, two-level scales, 4.625 bits), 4 {MERGED}, 4 Q6_K (W8A16 kernels, 6-bit planes, "
+        "6.5625 bits)")
     plan = plan_memory(TINY, weights_dtype="float16", quantization="gguf:Q4_K_M")
     assert plan.weights_source == "gguf: Q4_K x 48, Q6_K x 8"
     assert plan.weights_bytes == _loaded_bytes(engine.model)         # the dummy holds what a file's layers hold
+    out = engine.generate(["The"], SamplingParams(max_tokens=4, temperature=0))
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_dummy_q5_k_m_mix():
+    """--load-format dummy --quantization gguf:Q5_K_M: Q5_K layers in their 5-bit planes, qkv with a Q6_K v in two
+    parts (Q5_K q / k planes beside Q6_K v planes), planned to the byte, weights about N(0, 0.02), and it
+    generates."""
+    from quant_serve.engine.memory import plan_memory
+    from quant_serve.engine.sampling_params import SamplingParams
+    from quant_serve.quant.linear_parts import PartsLinear
+    from quant_serve.quant.linear_w8 import W8Linear
+    engine = make_engine(TINY, num_blocks=8, max_model_len=128, load_format="dummy", quantization="gguf:Q5_K_M",
+                         dtype="float16")
+    layers = engine.model.model.layers
+    q5, q6 = layers[0].self_attn.qkv_proj.parts
+    assert isinstance(layers[0].self_attn.qkv_proj, PartsLinear) and q5.q5k_planes and q6.q6k_planes
+    assert q5.output_sizes == [512, 128] and q5.qweight.shape == (320, 640) and q5.superscales.dtype == torch.int32
+    gate_up = layers[1].mlp.gate_up_proj
+    assert isinstance(gate_up, W8Linear) and gate_up.q5k_planes and gate_up.offsets is None
+    w = gate_up.dequantized_weight()
+    assert abs(float(w.mean())) < 2e-3 and 0.01 < float(w.std()) < 0.04
+    assert engine.quant_config.describe_paths() == (
+        f"4 {MERGED}, 24 {Q5K}, 4 Q6_K (W8A16 kernels, 6-bit planes, 6.5625 bits)")
+    plan = plan_memory(TINY, weights_dtype="float16", quantization="gguf:Q5_K_M")
+    assert plan.weights_source == "gguf: Q5_K x 48, Q6_K x 8"
+    assert plan.weights_bytes == _loaded_bytes(engine.model)
     out = engine.generate(["The"], SamplingParams(max_tokens=4, temperature=0))
     assert len(out[0].outputs[0].token_ids) == 4
 

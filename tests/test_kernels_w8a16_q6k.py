@@ -78,6 +78,13 @@ def test_gemv_matches_gguf_matmul(m, dtype, block_m, split_k, one_launch, quarte
         w8a16_forward(x, w, None, None, 16, None, W8A16Config("gemv", block_m, 32, 128, split_k))
 
 
+def constexpr_defaults(kernel) -> dict:
+    """A Triton kernel's constexpr parameters that have defaults -> {name: default}."""
+    import inspect
+    return {name: p.default for name, p in inspect.signature(kernel.fn).parameters.items()
+            if p.default is not inspect.Parameter.empty}
+
+
 def compile_row_kernels_sm90() -> dict:
     """The Triton kernels of the new modes compiled for sm90 without a GPU (the interpreter does not lower them):
     the W8A16 GEMV with Q6_K planes (FMA rows and tl.dot rows) and its dequantize pass, and the row-layout W4A16
@@ -92,6 +99,7 @@ def compile_row_kernels_sm90() -> dict:
     from tests.test_kernels_w4a16_mma import cubin_sass
 
     def build(kernel, sig, constexprs, num_warps=4):
+        constexprs = dict(constexpr_defaults(kernel), **constexprs)       # modes added later (Q5) left off
         full = dict(sig, **{k: "constexpr" for k in constexprs})
         names = list(full)
         attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in sig if a.endswith("_ptr") or a == "N"}

@@ -3,6 +3,7 @@ plan.plan_w8a16 names (kernels.py): the split-K GEMV up to M = 16, dequantize + 
 import torch
 
 from quant_serve.kernels.w8a16.plan import W8A16Config, plan_w8a16
+from quant_serve.kernels.w8a16.q5k import Q5_GROUP, Q5KWeights, q5k_dequantize
 from quant_serve.kernels.w8a16.q6k import Q6_GROUP, Q6KWeights, q6k_dequantize
 from quant_serve.kernels.w8a16.reference import w8a16_matmul_ref
 
@@ -27,17 +28,20 @@ def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, o
                  config: W8A16Config | None = None) -> torch.Tensor:
     """x: [..., K] fp16/bf16 -> [..., N] in x's dtype; weights in the layout of reference.py (scales and offsets in
     any float dtype: the kernels dequantize in fp32; fp16 halves their traffic next to fp32). config overrides the
-    plan (benchmarks, tests). qweight may be Q6KWeights (GGUF Q6_K at 6 bits, q6k.py; scales, offsets ignored)."""
+    plan (benchmarks, tests). qweight may be Q6KWeights (GGUF Q6_K at 6 bits, q6k.py) or Q5KWeights (GGUF Q5_K at
+    5 bits, q5k.py); scales, offsets ignored."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])                                                  # [M, K]
-    if isinstance(qweight, Q6KWeights):
+    if isinstance(qweight, (Q6KWeights, Q5KWeights)):
+        q6 = isinstance(qweight, Q6KWeights)
         if x2.shape[1] != qweight.in_features:
-            raise ValueError(f"x has K = {x2.shape[1]} features but the Q6_K weights have {qweight.in_features}")
+            raise ValueError(f"x has K = {x2.shape[1]} features but the {'Q6_K' if q6 else 'Q5_K'} weights have "
+                             f"{qweight.in_features}")
         if not x.is_cuda:
-            y = x2.float() @ q6k_dequantize(qweight)
+            y = x2.float() @ (q6k_dequantize(qweight) if q6 else q5k_dequantize(qweight))
             y = (y + bias.float() if bias is not None else y).to(x.dtype)
             return y.reshape(*lead, y.shape[-1])
-        y = w8a16_forward(x2, qweight, None, None, Q6_GROUP, bias, config)
+        y = w8a16_forward(x2, qweight, None, None, Q6_GROUP if q6 else Q5_GROUP, bias, config)
         return y.reshape(*lead, y.shape[-1])
     if not x.is_cuda:
         y = w8a16_matmul_ref(x2, qweight, scales, offsets, group_size, bias)
@@ -56,7 +60,7 @@ def w8a16_forward(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
-    n = qweight.out_features if isinstance(qweight, Q6KWeights) else qweight.shape[1]
+    n = qweight.out_features if isinstance(qweight, (Q6KWeights, Q5KWeights)) else qweight.shape[1]
     if config is None:
         config = plan_w8a16(m, k, n, group_size, device_sms(x.device)).config
     if config.path == "gemv":

@@ -1,4 +1,5 @@
-"""Triton W8A16 kernels over the int8 layout of reference.py (GGUF Q8_0, Q5_*, Q6_K): a split-K GEMV for few rows
+"""Triton W8A16 kernels over the int8 layout of reference.py (GGUF Q8_0, Q5_*, Q6_K), the Q6_K planes (q6k.py) and
+the Q5_K planes (q5k.py, the Q5 constexpr: its decoder and K loop live there): a split-K GEMV for few rows
 and a dequantize pass for the dequantize + cuBLAS path. Which runs is plan.plan_w8a16's choice.
 
 A step reads a [BLOCK_K, BLOCK_N] tile of int8 codes (rows of N bytes, coalesced along N), its groups' scales and
@@ -14,6 +15,7 @@ quarter as a [1, BLOCK_N] row (Q6 1 reloads the high plane and a sub-scale per w
 import torch
 
 from quant_serve.kernels.triton_compat import tl, triton
+from quant_serve.kernels.w8a16.q5k import Q5KWeights, _q5_chunk, _q5_rows, q5_args
 from quant_serve.kernels.w8a16.q6k import Q6_CHUNK, Q6_GROUP, Q6KWeights
 from quant_serve.kernels.w4a16.splitk import _store_result, launch_splitk_reduce, split_buffers, split_plan
 
@@ -165,7 +167,8 @@ def _w8a16_gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, bia
                        stride_xm, stride_om, stride_qk, stride_sg, steps_per_split, n_splits,
                        HAS_OFFSETS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                        ONE_LAUNCH: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, Q6: tl.constexpr = 0):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, Q6: tl.constexpr = 0,
+                       Q5: tl.constexpr = False):
     """Grid (row blocks, N tiles, splits). BLOCK_M 1: one x row a program, CUDA-core FMAs into an fp32
     [BLOCK_K, BLOCK_N] accumulator summed over its rows after the loop (rows of a weight tile run together, so all
     but the first read it from L2). BLOCK_M 16: the row block's x [16, BLOCK_K] meets the tile rounded to x's dtype
@@ -183,6 +186,9 @@ def _w8a16_gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, bia
                                st_end, offs_n, n_mask, BLOCK_M, BLOCK_N)
     elif Q6 == 1:
         res = _q6_rows(x_ptr, q_ptr, s_ptr, o_ptr, pid_m, M, K, stride_xm, stride_qk, stride_sg, st_begin, st_end,
+                       offs_n, n_mask, BLOCK_M, BLOCK_N)
+    elif Q5:                                        # K % 64 == 0 (whole chunks), BLOCK_K == 64
+        res = _q5_rows(x_ptr, q_ptr, s_ptr, o_ptr, pid_m, M, K, stride_xm, stride_qk, stride_sg, st_begin, st_end,
                        offs_n, n_mask, BLOCK_M, BLOCK_N)
     elif BLOCK_M == 1:
         acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
@@ -216,7 +222,7 @@ def _w8a16_gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, bia
 @triton.jit
 def _w8a16_dequant_kernel(q_ptr, s_ptr, o_ptr, out_ptr, N, K, stride_qk, stride_sg, stride_ok,
                           HAS_OFFSETS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, Q6: tl.constexpr = False):
+                          BLOCK_K: tl.constexpr, Q6: tl.constexpr = False, Q5: tl.constexpr = False):
     """Grid (K steps, N tiles): W rows [k0, k0 + BLOCK_K) -> out [K, N] in out's dtype (one rounding)."""
     st = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -224,6 +230,12 @@ def _w8a16_dequant_kernel(q_ptr, s_ptr, o_ptr, out_ptr, N, K, stride_qk, stride_
     if Q6:                                          # one 64-row chunk a program
         j = tl.arange(0, 32)
         w_a, w_b = _q6_chunk(q_ptr, s_ptr, o_ptr, st, offs_n, n_mask, stride_qk, stride_sg, K)
+        rows = out_ptr + (st * 64 + j)[:, None] * stride_ok + offs_n[None, :]
+        tl.store(rows, w_a.to(out_ptr.dtype.element_ty), mask=n_mask[None, :])
+        tl.store(rows + 32 * stride_ok, w_b.to(out_ptr.dtype.element_ty), mask=n_mask[None, :])
+    elif Q5:                                        # one 64-row chunk a program
+        j = tl.arange(0, 32)
+        w_a, w_b = _q5_chunk(q_ptr, s_ptr, o_ptr, st, offs_n, n_mask, stride_qk, stride_sg, K)
         rows = out_ptr + (st * 64 + j)[:, None] * stride_ok + offs_n[None, :]
         tl.store(rows, w_a.to(out_ptr.dtype.element_ty), mask=n_mask[None, :])
         tl.store(rows + 32 * stride_ok, w_b.to(out_ptr.dtype.element_ty), mask=n_mask[None, :])
@@ -255,7 +267,7 @@ def _q6_args(qweight, scales, offsets, group_size, block_k):
     return qweight.planes, qweight.sub_scales, qweight.d, Q6_GROUP, True
 
 
-def w8a16_gemv(x: torch.Tensor, qweight: "torch.Tensor | Q6KWeights", scales: torch.Tensor | None,
+def w8a16_gemv(x: torch.Tensor, qweight: "torch.Tensor | Q6KWeights | Q5KWeights", scales: torch.Tensor | None,
                offsets: torch.Tensor | None, group_size: int, bias: torch.Tensor | None, block_m: int = 1,
                block_n: int = 64, block_k: int = 64, split_k: int = 1, num_warps: int = 4,
                one_launch: bool = False, q6_quarters: bool = False) -> torch.Tensor:
@@ -263,7 +275,8 @@ def w8a16_gemv(x: torch.Tensor, qweight: "torch.Tensor | Q6KWeights", scales: to
     offsets ignored) -> [M, N] in x's dtype. block_m 1: one row a program (CUDA-core FMAs); 16: up to 16 rows a
     program through tl.dot. q6_quarters: Q6KWeights read as 16-row quarters (Q6 2) rather than 32-row halves."""
     qweight, scales, d, group_size, q6 = _q6_args(qweight, scales, offsets, group_size, block_k)
-    offsets = None if q6 else offsets
+    qweight, scales, d, group_size, q5 = q5_args(qweight, scales, d, group_size, block_k)
+    offsets = None if q6 or q5 else offsets
     M, K = x.shape
     N = qweight.shape[1]
     if block_m not in (1, 16):
@@ -274,30 +287,31 @@ def w8a16_gemv(x: torch.Tensor, qweight: "torch.Tensor | Q6KWeights", scales: to
     one_launch = one_launch and splits > 1
     out, ws, counters = split_buffers(x, M, N, splits, one_launch, row_blocks * n_tiles)
     _w8a16_gemv_kernel[(row_blocks, n_tiles, splits)](
-        x, qweight, scales, d if q6 else offsets if offsets is not None else scales, out, ws, counters,
+        x, qweight, scales, d if q6 or q5 else offsets if offsets is not None else scales, out, ws, counters,
         bias if bias is not None else out, M, N, K, x.stride(0), out.stride(0), qweight.stride(0),
         scales.stride(0), per, splits,
         HAS_OFFSETS=offsets is not None, HAS_BIAS=bias is not None, SPLIT=splits > 1, ONE_LAUNCH=one_launch,
         GROUP=group_arg(group_size, K), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        Q6=(2 if q6_quarters else 1) if q6 else 0, num_warps=num_warps)
+        Q6=(2 if q6_quarters else 1) if q6 else 0, Q5=q5, num_warps=num_warps)
     if splits > 1 and not one_launch:
         launch_splitk_reduce(ws, bias, out, splits)
     return out
 
 
-def w8a16_dequantize(qweight: "torch.Tensor | Q6KWeights", scales: torch.Tensor | None,
+def w8a16_dequantize(qweight: "torch.Tensor | Q6KWeights | Q5KWeights", scales: torch.Tensor | None,
                      offsets: torch.Tensor | None, group_size: int, dtype: torch.dtype, block_n: int = 64,
                      block_k: int = 64) -> torch.Tensor:
     """int8 layout (or Q6KWeights) -> dense W [K, N] in dtype, one rounding of q * s + o (fp32 math)."""
-    K = qweight.in_features if isinstance(qweight, Q6KWeights) else qweight.shape[0]
+    K = qweight.in_features if isinstance(qweight, (Q6KWeights, Q5KWeights)) else qweight.shape[0]
     qweight, scales, d, group_size, q6 = _q6_args(qweight, scales, offsets, group_size, block_k)
-    offsets = None if q6 else offsets
+    qweight, scales, d, group_size, q5 = q5_args(qweight, scales, d, group_size, block_k)
+    offsets = None if q6 or q5 else offsets
     N = qweight.shape[1]
     out = torch.empty((K, N), dtype=dtype, device=qweight.device)
     _w8a16_dequant_kernel[(triton.cdiv(K, block_k), triton.cdiv(N, block_n))](
-        qweight, scales, d if q6 else offsets if offsets is not None else scales, out, N, K, qweight.stride(0),
+        qweight, scales, d if q6 or q5 else offsets if offsets is not None else scales, out, N, K, qweight.stride(0),
         scales.stride(0), out.stride(0), HAS_OFFSETS=offsets is not None, GROUP=group_arg(group_size, K),
-        BLOCK_N=block_n, BLOCK_K=block_k, Q6=q6, num_warps=4)
+        BLOCK_N=block_n, BLOCK_K=block_k, Q6=q6, Q5=q5, num_warps=4)
     return out
 
 

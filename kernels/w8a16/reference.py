@@ -1,4 +1,5 @@
-"""Torch twin of the 8-bit weight kernels (GGUF Q8_0, Q5_0, Q5_1, Q5_K, Q6_K load here without re-quantizing).
+"""Torch twin of the 8-bit weight kernels (GGUF Q8_0, Q5_0, Q5_1 load here without re-quantizing, and Q5_K / Q6_K
+merged with them; a layer of Q5_K or Q6_K shards only has its own planes, q5k.py / q6k.py).
 
 Internal layout (K = in_features, N = out_features):
   qweight  int8 [K, N]                signed codes, one byte per weight

@@ -1,7 +1,8 @@
 """GGUF checkpoints as a QuantConfig: each linear layer's implementation follows its tensors' GGUF types (a Q4_K_M
 file mixes Q4_K and Q6_K): all INT4 types -> QuantLinear with float offsets, all float -> DenseLinear, anything
 else -> W8Linear (8-bit codes; an INT4 shard merged with an 8-bit one is widened losslessly, and groups of 32 are
-split into the finer group of the other shard)."""
+split into the finer group of the other shard). Q4_K, Q5_K and Q6_K keep their own bits: a layer of one of them in
+its native layout, a merged layer mixing them (Q4_K_M / Q5_K_M's qkv) in parts (quant/linear_parts.py)."""
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -12,7 +13,7 @@ from gguf import GGMLQuantizationType as T
 
 from quant_serve.quant.formats.base import Int4Weights, QuantConfig
 from quant_serve.quant.formats.gguf_types import (GroupedCodes, group_size_of, int4_layout, kquant_layout, path_of,
-                                                  q6k_layout, w8_layout)
+                                                  q5k_layout, q6k_layout, w8_layout)
 from quant_serve.quant.linear_dense import DenseLinear
 from quant_serve.quant.linear import QuantLinear
 from quant_serve.quant.linear_parts import PartsLinear
@@ -20,10 +21,11 @@ from quant_serve.quant.linear_w8 import W8Linear, W8Weights
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 OFFSET_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_1, T.Q5_K)      # loaded with per-group float offsets
-NATIVE_TYPES = (T.Q4_K, T.Q6_K)      # kept in the file's own scales; a merged layer mixing them loads in parts
+NATIVE_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K)   # kept in the file's own scales; a merged layer mixing them loads in parts
 PATH_NAMES = {"int4": "INT4 (W4A16, float offsets)", "int4k": "INT4 Q4_K (W4A16, two-level scales, 4.625 bits)",
+              "q5k": "Q5_K (W8A16 kernels, 5-bit planes, two-level scales, 5.625 bits)",
               "q6k": "Q6_K (W8A16 kernels, 6-bit planes, 6.5625 bits)", "w8": "8-bit (W8A16)",
-              "parts": "merged Q4_K + Q6_K (each run of shards in its own layout, outputs concatenated)",
+              "parts": "merged Q4_K / Q5_K + Q6_K (each run of shards in its own layout, outputs concatenated)",
               "dense": "float (dense)"}
 
 
@@ -66,6 +68,8 @@ class GGUFConfig(QuantConfig):
             layer.dummy_offsets = any(t in OFFSET_TYPES for t in types)
             if set(types) == {T.Q6_K}:           # Q6_K shards only: the 6-bit planes (kernels/w8a16/q6k.py)
                 path, layer.q6k_planes = "q6k", True
+            elif set(types) == {T.Q5_K}:         # Q5_K shards only: the 5-bit planes (kernels/w8a16/q5k.py)
+                path, layer.q5k_planes = "q5k", True
         self.layer_paths[path] += 1
         return layer
 
@@ -89,6 +93,9 @@ class GGUFConfig(QuantConfig):
                 if types[start] == T.Q4_K:
                     linear = QuantLinear(in_features, sizes, bias, dtype, device, self, 32, names)
                     linear.dummy_two_level = True
+                elif types[start] == T.Q5_K:
+                    linear = W8Linear(in_features, sizes, bias, dtype, device, self, 32, names)
+                    linear.q5k_planes = True
                 else:
                     linear = W8Linear(in_features, sizes, bias, dtype, device, self, 16, names)
                     linear.q6k_planes = True
@@ -99,6 +106,10 @@ class GGUFConfig(QuantConfig):
     def convert_q6k(self, tensors, prefix, in_features, out_features) -> W8Weights:
         g = _codes(tensors, prefix, in_features, out_features)
         return W8Weights(None, None, None, tensors.get("bias"), q6k_layout(g))
+
+    def convert_q5k(self, tensors, prefix, in_features, out_features) -> W8Weights:
+        g = _codes(tensors, prefix, in_features, out_features)
+        return W8Weights(None, None, None, tensors.get("bias"), q5k=q5k_layout(g))
 
     def convert_w8(self, tensors, prefix, in_features, out_features, group_size) -> W8Weights:
         g = _codes(tensors, prefix, in_features, out_features)

@@ -9,7 +9,8 @@ group of the internal layouts (groups along K, one per output column n):
   Q8_0  (32: fp16 d, 32 int8)                   W = d q              -> W8, scale d
   Q5_0  (32: fp16 d, 4 B high bits, 16 B)       W = d (q - 16)       -> W8, codes q - 16, scale d
   Q5_1  (32: fp16 d, m, 4 B high bits, 16 B)    W = d q + m          -> W8, scale d, offset m
-  Q5_K  (256: as Q4_K plus 32 B high bits)      W = (d sc) q - (dmin m) per 32 -> W8
+  Q5_K  (256: as Q4_K plus 32 B high bits)      W = (d sc) q - (dmin m) per 32 -> W8 (a layer of Q5_K only:
+                                                 5-bit planes + Q4_K's two-level scales, kernels/w8a16/q5k.py)
   Q6_K  (256: 128 B low, 64 B high, 16 int8 scales, fp16 d)  W = (d sc) (q - 32) per 16 -> W8, group 16
   F32 / F16 / BF16                               dense
 Each product d * sc and each q * scale is exact in fp32 (at most 21 significant bits), so W = q * s + o rounds once,
@@ -23,6 +24,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from quant_serve.kernels.w4a16.kquant import pack_sub_codes, pack_superscales
 from quant_serve.kernels.w4a16.reference import pack_int4_rows
+from quant_serve.kernels.w8a16.q5k import Q5KWeights, pack_q5k
 from quant_serve.kernels.w8a16.q6k import Q6KWeights, pack_q6k
 
 INT4_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K)
@@ -55,7 +57,7 @@ class GroupedCodes:
     scales: torch.Tensor                 # fp16 / fp32 [N, K / group]
     offsets: torch.Tensor | None         # like scales, or None (= 0)
     group_size: int
-    # Q4_K as stored (kernels/w4a16/kquant.py), beside the fp32 products above: int16 sc | m << 8 [N, K / 32] and
+    # Q4_K / Q5_K as stored (kernels/w4a16/kquant.py), beside the fp32 products above: int16 sc | m << 8 [N, K / 32] and
     # int32 fp16 bits d | dmin << 16 [N, K / 256]; Q6_K (kernels/w8a16/q6k.py): int8 sub-scales [N, K / 16] and
     # fp16 d [N, K / 256]; None for every other type
     sub_codes: torch.Tensor | None = None
@@ -165,9 +167,8 @@ def read_grouped(data, qtype: T, n: int, k: int, device: torch.device | str = "c
         codes = q.to(i32)
         scales = (d[:, None] * sc.to(f32)).reshape(-1)
         offsets = -(dmin[:, None] * mn.to(f32)).reshape(-1)
-        if qtype == T.Q4_K:
-            sub_codes = pack_sub_codes(sc, mn).reshape(n, k // 32)
-            superscales = pack_superscales(_f16(b[:, 0:2]), _f16(b[:, 2:4])).reshape(n, k // 256)
+        sub_codes = pack_sub_codes(sc, mn).reshape(n, k // 32)                      # the two levels as stored
+        superscales = pack_superscales(_f16(b[:, 0:2]), _f16(b[:, 2:4])).reshape(n, k // 256)
     elif qtype == T.Q6_K:
         ql, qh = b[:, 0:128].reshape(-1, 2, 1, 64), b[:, 128:192].reshape(-1, 2, 1, 32)
         low = torch.cat([ql & 0x0F, ql >> 4], dim=2).reshape(-1, 256)
@@ -216,6 +217,14 @@ def q6k_layout(g: GroupedCodes) -> Q6KWeights:
     if g.superscales is None or g.sub_codes is None or g.sub_codes.dtype != torch.int8:
         raise ValueError("q6k_layout needs Q6_K grouped codes (int8 sub-scales and fp16 d)")
     return pack_q6k(g.codes.t(), g.sub_codes.t(), g.superscales.t())
+
+
+def q5k_layout(g: GroupedCodes) -> Q5KWeights:
+    """Q5_K codes [N, K] -> the 5-bit plane layout (planes [5K/8, N], sub-codes int16 [K/32, N], d | dmin int32
+    [K/256, N])."""
+    if g.superscales is None or g.sub_codes is None or g.sub_codes.dtype != torch.int16:
+        raise ValueError("q5k_layout needs Q5_K grouped codes (int16 sub-codes and int32 d | dmin)")
+    return pack_q5k(g.codes.t(), g.sub_codes.t(), g.superscales.t())
 
 
 def w8_layout(g: GroupedCodes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
