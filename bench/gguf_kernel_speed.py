@@ -110,12 +110,17 @@ def random_layer(fmt: str, k: int, n: int, device: str = "cuda") -> dict:
             "nbytes": k * n + extra, "group_size": gs}
 
 
+def _layout(fmt: str) -> str:
+    """The W8A16 plan's layout argument for a format."""
+    return {"gguf-q6_k": "q6k", "gguf-q5_k": "q5k"}.get(fmt, "int8")
+
+
 def planned(fmt: str, layer: dict, x: torch.Tensor, sms: int) -> tuple[str, str]:
     """(kernel, config) the plan runs for x on this layer."""
     if FORMATS[fmt][0] == 4:
         p = call_plan(x, layer["weights"])
     else:
-        p = plan_w8a16(x.shape[0], x.shape[1], layer["dense"].shape[1], layer["group_size"], sms)
+        p = plan_w8a16(x.shape[0], x.shape[1], layer["dense"].shape[1], layer["group_size"], sms, _layout(fmt))
     return p.kernel, repr(p.config)
 
 
@@ -157,7 +162,7 @@ def w8_variants(fmt: str, layers: list, x: torch.Tensor, want: torch.Tensor, gra
     """{config: us} for GEMV tiles around the plan's, each checked first (rel_err > 5e-3: the error instead)."""
     gs = FORMATS[fmt][1]
     k, n = layers[0]["dense"].shape
-    base = plan_w8a16(x.shape[0], k, n, gs, sms).config
+    base = plan_w8a16(x.shape[0], k, n, gs, sms, _layout(fmt)).config
     out = {}
     tiles = [(bk, bn, nw, base.block_m) for bk, bn, nw in ((gs, 64, 4), (gs, 128, 4), (128, 64, 4), (64, 128, 8),
                                                             (64, 32, 2))]
@@ -167,8 +172,9 @@ def w8_variants(fmt: str, layers: list, x: torch.Tensor, want: torch.Tensor, gra
     extra = [{}]
     if FORMATS[fmt][0] in PLANES:            # Q5_K / Q6_K planes: one 64-row chunk a step
         tiles = [(64, bn, nw, bm) for bn, nw in ((64, 4), (128, 4), (128, 8), (256, 8))
-                 for bm in sorted({base.block_m, 16})]
-        splits = sorted({base.split_k, base.split_k * 2, base.split_k * 4, base.split_k * 8, 32})
+                 for bm in ((1, 16) if x.shape[0] == 1 else (16,))]
+        splits = sorted({max(1, base.split_k // 4), max(1, base.split_k // 2), base.split_k, base.split_k * 2,
+                         base.split_k * 4})
         if fmt == "gguf-q6_k":               # and halves or quarters
             extra = [dict(q6_quarters=q, one_launch=o) for q in (True, False) for o in (False, True)]
         else:

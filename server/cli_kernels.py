@@ -84,7 +84,8 @@ def explain(caps, options, cfg, ms: list[int], group_size: int, dtype, context: 
                        "of the fragment kernels fails)"
         rows = []
         for m in ms:
-            p = plan_w8a16(m, k, n, {"q6k": 16, "q5k": 32}.get(weight_format, group_size), caps.sms) \
+            p = plan_w8a16(m, k, n, {"q6k": 16, "q5k": 32}.get(weight_format, group_size), caps.sms,
+                           weight_format if weight_format in ("q6k", "q5k") else "int8") \
                 if weight_format in W8_FORMATS else \
                 plan_w4a16(m, k, n, caps, options, layout, dtype, name == "gate_up_proj")
             rows.append({"m": m, "kernel": p.kernel, "why": p.why,

@@ -145,3 +145,31 @@ def test_row_kernels_of_the_new_modes_compile_for_sm90_without_spills():
         # against 656 here, Triton 3.9): compiled is what is checked there
         assert r["stack"] == 0 or name == "kq-gemm", (name, r)
     print({name: r["regs"] for name, r in res.items()})
+
+
+@pytest.mark.parametrize("m,k,n,sms", [(1, 18944, 3584, 132), (1, 3584, 512, 132), (1, 3584, 152064, 132),
+                                       (4, 3584, 512, 72), (16, 18944, 3584, 58)])
+def test_planes_plan_fills_the_gpu_and_its_kernel_is_right(m, k, n, sms):
+    """The code-plane plan (measured rule): Q6_K through tl.dot quarters, Q5_K one row a program at M = 1; K split
+    while the grid stays under ~10 programs an SM and every split keeps at least two 64-row chunks; more splits
+    never for a wider layer; one launch whenever it splits."""
+    from quant_serve.kernels.w8a16.plan import plan_w8a16
+    for layout in ("q6k", "q5k"):
+        p = plan_w8a16(m, k, n, 16, sms, layout)
+        c = p.config
+        assert c.block_k == 64 and c.q6_quarters == (layout == "q6k") and c.one_launch == (c.split_k > 1)
+        assert c.block_m == (16 if layout == "q6k" or m > 1 else 1)
+        programs = -(-m // c.block_m) * -(-n // c.block_n) * c.split_k
+        assert programs <= 10 * sms or c.split_k == 1
+        assert k // 64 >= 2 * c.split_k or c.split_k == 1
+        assert plan_w8a16(m, k, n * 4, 16, sms, layout).config.split_k <= c.split_k
+    with pytest.raises(ValueError, match="unknown W8A16 layout"):
+        plan_w8a16(1, 256, 64, 16, 132, "q4k")
+
+
+def test_planned_q6k_gemv_matches_gguf():
+    """The forward with no config runs the plan's tile (quarters, tl.dot rows, split in one launch) correctly."""
+    k, n = 1024, 96
+    dense, w = q6_k_layer(k, n, seed=7)
+    x = torch.randn(1, k, dtype=torch.float16, device=DEV)
+    assert rel_err(w8a16_forward(x, w, None, None, 16, None), x.cpu().float() @ dense) < 2e-3

@@ -62,7 +62,8 @@ def w8a16_forward(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     m, k = x.shape
     n = qweight.out_features if isinstance(qweight, (Q6KWeights, Q5KWeights)) else qweight.shape[1]
     if config is None:
-        config = plan_w8a16(m, k, n, group_size, device_sms(x.device)).config
+        layout = "q6k" if isinstance(qweight, Q6KWeights) else "q5k" if isinstance(qweight, Q5KWeights) else "int8"
+        config = plan_w8a16(m, k, n, group_size, device_sms(x.device), layout).config
     if config.path == "gemv":
         return w8a16_gemv(x, qweight, scales, offsets, group_size, bias, config.block_m, config.block_n,
                           config.block_k, config.split_k, config.num_warps, config.one_launch, config.q6_quarters)

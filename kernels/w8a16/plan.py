@@ -1,10 +1,13 @@
-"""Which W8A16 kernel runs, with which tile, and why (`plan_w8a16`): one pure function of the shape, the group size
-and the GPU's SM count. The forward pass (dispatch.py), `quant-serve kernels --explain --weight-format w8` and the
-benchmarks ask here, so what they report is what runs.
+"""Which W8A16 kernel runs, with which tile, and why (`plan_w8a16`): one pure function of the shape, the group size,
+the weight layout and the GPU's SM count. The forward pass (dispatch.py), `quant-serve kernels --explain
+--weight-format w8|q6k|q5k` and the benchmarks ask here, so what they report is what runs.
 
-Not yet measured on a GPU: the constants below are derived from the W4A16 GEMV's (rules.py: ~4 programs an SM for
-a memory-bound GEMV, power-of-two K splits up to 16) and from the W8A16 byte budget (a 64 x 64 int8 tile is 4 KB a
-step, the FMA accumulator 32 fp32 registers a thread at 4 warps). bench/kernel_speed.py --weights q8_0 times them.
+int8 codes (Q8_0, Q5_0 / Q5_1, mixed shards): not yet measured on a GPU; the constants are derived from the W4A16
+GEMV's (rules.py: ~4 programs an SM, power-of-two K splits up to 16) and the W8A16 byte budget.
+Code planes (Q6_K, Q5_K): measured at M = 1 on an H100 over 64-160 tiles a layer (bench/results/
+kernels-gguf-planes-h100.json, Qwen2.5-7B's v, down, head, gate_up): K split until about 10 programs an SM, the
+split-K sum in one launch; Q6_K's quarters through tl.dot rows even at M = 1 (down 73.3 -> 45.9 us, head 417 -> 285,
+v 11.0 -> 6.4 against the int8 rule), Q5_K one row a program over 128 columns (gate_up 136 -> 93 us, down 74 -> 57).
 """
 from dataclasses import dataclass
 from functools import lru_cache
@@ -13,6 +16,8 @@ GEMV_MAX_M = 16        # split-K GEMV up to here (decode, memory-bound); dequant
 FMA_MAX_M = 1          # one row a program with CUDA-core FMAs; 2..16 rows share each weight tile through tl.dot
 _PROGRAMS_PER_SM = 4   # split K until tiles x splits reach about this many programs an SM
 MAX_SPLIT = 16
+_PLANES_PROGRAMS_PER_SM = 10   # the code-plane layouts: more loads in flight (measured, see above)
+_PLANES_MAX_SPLIT = 32
 
 
 @dataclass(frozen=True)
@@ -36,12 +41,17 @@ class W8A16Plan:
 
 
 @lru_cache(maxsize=4096)
-def plan_w8a16(m: int, k: int, n: int, group_size: int, sms: int = 132) -> W8A16Plan:
-    """The kernel for x [M, K] @ W [K, N] (int8 codes in groups of group_size) on a GPU with `sms` SMs."""
+def plan_w8a16(m: int, k: int, n: int, group_size: int, sms: int = 132, layout: str = "int8") -> W8A16Plan:
+    """The kernel for x [M, K] @ W [K, N] on a GPU with `sms` SMs; layout "int8" (codes in groups of group_size),
+    "q6k" or "q5k" (the code planes of q6k.py / q5k.py)."""
+    if layout not in ("int8", "q6k", "q5k"):
+        raise ValueError(f"unknown W8A16 layout {layout!r}: int8, q6k or q5k")
     if m > GEMV_MAX_M:
         return W8A16Plan("dequant+cublas", W8A16Config("dequant"),
                          f"M = {m} > {GEMV_MAX_M}: compute-bound, dequantize to the activation dtype once, then "
                          "cuBLAS")
+    if layout != "int8":
+        return _plan_planes(m, k, n, sms, layout)
     block_m = 1 if m <= FMA_MAX_M else 16
     block_n, block_k = 64, 64
     tiles = -(-m // block_m) * -(-n // block_n)
@@ -56,3 +66,21 @@ def plan_w8a16(m: int, k: int, n: int, group_size: int, sms: int = 132) -> W8A16
     return W8A16Plan("gemv-dot", cfg, f"M = {m} <= {GEMV_MAX_M}: split-K GEMV, the rows share each weight tile "
                                       f"through tl.dot (16-row block), {split} K split(s) for {sms} SMs "
                                       f"(group {group_size}; derived, not measured)")
+
+
+def _plan_planes(m: int, k: int, n: int, sms: int, layout: str) -> W8A16Plan:
+    """Q6_K: 16-row quarters through tl.dot rows at every M <= 16, 64 columns; Q5_K: one row a program over 128
+    columns at M = 1 (tl.dot rows above). K split until about _PLANES_PROGRAMS_PER_SM programs an SM (while each
+    split keeps two 64-row chunks), summed in one launch."""
+    dot = layout == "q6k" or m > FMA_MAX_M
+    block_m, block_n = (16, 64) if dot else (1, 128)
+    tiles = -(-m // block_m) * -(-n // block_n)
+    steps = -(-k // 64)
+    split = 1
+    while split < _PLANES_MAX_SPLIT and tiles * split * 2 <= _PLANES_PROGRAMS_PER_SM * sms and steps >= split * 4:
+        split *= 2
+    cfg = W8A16Config("gemv", block_m, block_n, 64, split, 4, one_launch=split > 1, q6_quarters=layout == "q6k")
+    rows = "the rows share each weight tile through tl.dot (16-row block)" if dot else "one row a program, CUDA-core FMAs"
+    return W8A16Plan("gemv-dot" if dot else "gemv", cfg,
+                     f"M = {m}: {layout} planes, split-K GEMV, {rows}, {block_n} columns, {split} K split(s) for "
+                     f"{sms} SMs in one launch (measured on an H100, kernels-gguf-planes-h100.json)")
