@@ -175,10 +175,7 @@ def w8_variants(fmt: str, layers: list, x: torch.Tensor, want: torch.Tensor, gra
                  for bm in ((1, 16) if x.shape[0] == 1 else (16,))]
         splits = sorted({max(1, base.split_k // 4), max(1, base.split_k // 2), base.split_k, base.split_k * 2,
                          base.split_k * 4})
-        if fmt == "gguf-q6_k":               # and halves or quarters
-            extra = [dict(q6_quarters=q, one_launch=o) for q in (True, False) for o in (False, True)]
-        else:
-            extra = [dict(one_launch=o) for o in (False, True)]
+        extra = [dict(one_launch=o) for o in (False, True)]
     for bk, bn, nw, bm in tiles:
         for split in splits:
             for more in extra:

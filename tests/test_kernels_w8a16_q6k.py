@@ -57,17 +57,16 @@ def test_dequantize_pass_is_bit_exact_vs_gguf(k, n, block_n):
         assert torch.allclose(got, dense, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("quarters", [True, False])
 @pytest.mark.parametrize("m,dtype,block_m,split_k,one_launch", [(1, torch.float16, 1, 1, False),
                                                                 (1, torch.bfloat16, 1, 4, True),
                                                                 (5, torch.float16, 16, 2, False),
                                                                 (1, torch.float16, 16, 3, True)])
-def test_gemv_matches_gguf_matmul(m, dtype, block_m, split_k, one_launch, quarters):
+def test_gemv_matches_gguf_matmul(m, dtype, block_m, split_k, one_launch):
     k, n = 768, 100
     dense, w = q6_k_layer(k, n, seed=m)
     x = torch.randn(m, k, dtype=dtype, device=DEV)
     bias = torch.randn(n, dtype=dtype, device=DEV)
-    cfg = W8A16Config("gemv", block_m, 32, 64, split_k, one_launch=one_launch, q6_quarters=quarters)
+    cfg = W8A16Config("gemv", block_m, 32, 64, split_k, one_launch=one_launch)
     y = w8a16_forward(x, w, None, None, 16, bias, cfg)
     tol = 2e-3 if dtype == torch.float16 else 1e-2
     assert y.shape == (m, n) and rel_err(y, x.cpu().float() @ dense + bias.cpu().float()) < tol
@@ -114,10 +113,9 @@ def compile_row_kernels_sm90() -> dict:
               cnt_ptr="*i32", bias_ptr="*fp16", M=i32, N=i32, K=i32, stride_xm=i32, stride_om=i32, stride_qk=i32,
               stride_sg=i32, steps_per_split=i32, n_splits=i32)
     for bm in (1, 16):
-        for q6 in (1, 2):                 # 32-row halves, 16-row quarters
-            out[f"q6-{q6}-gemv-{bm}"] = build(_w8a16_gemv_kernel, w8, dict(
-                HAS_OFFSETS=False, HAS_BIAS=False, SPLIT=True, ONE_LAUNCH=False, GROUP=16, BLOCK_M=bm, BLOCK_N=64,
-                BLOCK_K=64, Q6=q6))
+        out[f"q6-gemv-{bm}"] = build(_w8a16_gemv_kernel, w8, dict(
+            HAS_OFFSETS=False, HAS_BIAS=False, SPLIT=True, ONE_LAUNCH=False, GROUP=16, BLOCK_M=bm, BLOCK_N=64,
+            BLOCK_K=64, Q6=True))
     out["q6-dequant"] = build(_w8a16_dequant_kernel, dict(q_ptr="*u8", s_ptr="*i8", o_ptr="*fp16", out_ptr="*fp16",
                                                          N=i32, K=i32, stride_qk=i32, stride_sg=i32, stride_ok=i32),
                               dict(HAS_OFFSETS=False, GROUP=16, BLOCK_N=64, BLOCK_K=64, Q6=True))
@@ -157,7 +155,7 @@ def test_planes_plan_fills_the_gpu_and_its_kernel_is_right(m, k, n, sms):
     for layout in ("q6k", "q5k"):
         p = plan_w8a16(m, k, n, 16, sms, layout)
         c = p.config
-        assert c.block_k == 64 and c.q6_quarters == (layout == "q6k") and c.one_launch == (c.split_k > 1)
+        assert c.block_k == 64 and c.one_launch == (c.split_k > 1)
         assert c.block_m == (16 if layout == "q6k" or m > 1 else 1)
         programs = -(-m // c.block_m) * -(-n // c.block_n) * c.split_k
         assert programs <= 10 * sms or c.split_k == 1

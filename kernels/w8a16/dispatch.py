@@ -66,5 +66,5 @@ def w8a16_forward(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
         config = plan_w8a16(m, k, n, group_size, device_sms(x.device), layout).config
     if config.path == "gemv":
         return w8a16_gemv(x, qweight, scales, offsets, group_size, bias, config.block_m, config.block_n,
-                          config.block_k, config.split_k, config.num_warps, config.one_launch, config.q6_quarters)
+                          config.block_k, config.split_k, config.num_warps, config.one_launch)
     return w8a16_dequant_matmul(x, qweight, scales, offsets, group_size, bias)

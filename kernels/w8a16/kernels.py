@@ -8,9 +8,9 @@ multiple of BLOCK_K (ROW_SCALES): one scale row a step; otherwise each tile row 
 same few rows, from L1), which is right for any group size.
 Q6 (GGUF Q6_K at 6 bits, q6k.py): a step is one 64-row chunk: its 32 low-plane byte rows give rows j (low
 nibble) and 32 + j (high nibble), each completed by its 2 bits of the high plane, and their scales f32(d) * sc
-from the int8 sub-scales (s_ptr) and the fp16 super-scale d (o_ptr), as gguf forms them. Q6 2 (quarters) reads the
-same chunk as four 16-row quarters, each plane row and each sub-scale row loaded once, the scale applied per
-quarter as a [1, BLOCK_N] row (Q6 1 reloads the high plane and a sub-scale per weight row, from L1).
+from the int8 sub-scales (s_ptr) and the fp16 super-scale d (o_ptr), as gguf forms them. The GEMV reads a chunk
+as four 16-row quarters (each plane row and each sub-scale row loaded once, the scale a [1, BLOCK_N] row); the
+dequantize pass as two 32-row halves.
 """
 import torch
 
@@ -104,7 +104,8 @@ def _u6_minus_32(u):
 @triton.jit
 def _q6_quarter_rows(x_ptr, q_ptr, s_ptr, o_ptr, pid_m, M, K, stride_xm, stride_qk, stride_sg, st_begin, st_end,
                      offs_n, n_mask, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """_q6_rows over quarters -> [BLOCK_M, BLOCK_N] fp32 (BLOCK_M 1: FMA rows; 16: four tl.dot of 16 rows a step)."""
+    """The GEMV's K loop over Q6 planes, one 64-row chunk a step in quarters -> [BLOCK_M, BLOCK_N] fp32 (BLOCK_M
+    1: FMA rows; 16: four tl.dot of 16 rows a step)."""
     j = tl.arange(0, 16)
     if BLOCK_M == 1:
         acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
@@ -133,41 +134,12 @@ def _q6_quarter_rows(x_ptr, q_ptr, s_ptr, o_ptr, pid_m, M, K, stride_xm, stride_
     return res
 
 
-@triton.jit
-def _q6_rows(x_ptr, q_ptr, s_ptr, o_ptr, pid_m, M, K, stride_xm, stride_qk, stride_sg, st_begin, st_end, offs_n,
-             n_mask, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The GEMV's K loop over Q6 planes, one 64-row chunk a step -> [BLOCK_M, BLOCK_N] fp32 (BLOCK_M 1: FMA rows;
-    16: two tl.dot of 32 rows a step)."""
-    j = tl.arange(0, 32)
-    if BLOCK_M == 1:
-        acc = tl.zeros([32, BLOCK_N], dtype=tl.float32)
-        x_row = x_ptr + pid_m * stride_xm
-        for c in range(st_begin, st_end):
-            w_a, w_b = _q6_chunk(q_ptr, s_ptr, o_ptr, c, offs_n, n_mask, stride_qk, stride_sg, K)
-            x_a = tl.load(x_row + c * 64 + j).to(tl.float32)
-            x_b = tl.load(x_row + c * 64 + 32 + j).to(tl.float32)
-            acc += w_a * x_a[:, None] + w_b * x_b[:, None]
-        res = tl.sum(acc, axis=0)[None, :]                                      # [1, BLOCK_N]
-    else:
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        x_rows = x_ptr + tl.minimum(offs_m, M - 1)[:, None] * stride_xm
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for c in range(st_begin, st_end):
-            w_a, w_b = _q6_chunk(q_ptr, s_ptr, o_ptr, c, offs_n, n_mask, stride_qk, stride_sg, K)
-            x_a = tl.load(x_rows + (c * 64 + j)[None, :])                          # [BM, 32]
-            x_b = tl.load(x_rows + (c * 64 + 32 + j)[None, :])
-            acc = tl.dot(x_a, w_a.to(x_a.dtype), acc)
-            acc = tl.dot(x_b, w_b.to(x_b.dtype), acc)
-        res = acc
-    return res
-
-
 @triton.jit(do_not_specialize=["M", "steps_per_split", "n_splits"])
 def _w8a16_gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, bias_ptr, M, N, K,
                        stride_xm, stride_om, stride_qk, stride_sg, steps_per_split, n_splits,
                        HAS_OFFSETS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                        ONE_LAUNCH: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, Q6: tl.constexpr = 0,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, Q6: tl.constexpr = False,
                        Q5: tl.constexpr = False):
     """Grid (row blocks, N tiles, splits). BLOCK_M 1: one x row a program, CUDA-core FMAs into an fp32
     [BLOCK_K, BLOCK_N] accumulator summed over its rows after the loop (rows of a weight tile run together, so all
@@ -181,12 +153,9 @@ def _w8a16_gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, bia
     offs_kk = tl.arange(0, BLOCK_K)
     st_begin = pid_k * steps_per_split
     st_end = tl.minimum(st_begin + steps_per_split, tl.cdiv(K, BLOCK_K))
-    if Q6 == 2:                                     # K % 64 == 0 (whole chunks), BLOCK_K == 64
+    if Q6:                                          # K % 64 == 0 (whole chunks), BLOCK_K == 64
         res = _q6_quarter_rows(x_ptr, q_ptr, s_ptr, o_ptr, pid_m, M, K, stride_xm, stride_qk, stride_sg, st_begin,
                                st_end, offs_n, n_mask, BLOCK_M, BLOCK_N)
-    elif Q6 == 1:
-        res = _q6_rows(x_ptr, q_ptr, s_ptr, o_ptr, pid_m, M, K, stride_xm, stride_qk, stride_sg, st_begin, st_end,
-                       offs_n, n_mask, BLOCK_M, BLOCK_N)
     elif Q5:                                        # K % 64 == 0 (whole chunks), BLOCK_K == 64
         res = _q5_rows(x_ptr, q_ptr, s_ptr, o_ptr, pid_m, M, K, stride_xm, stride_qk, stride_sg, st_begin, st_end,
                        offs_n, n_mask, BLOCK_M, BLOCK_N)
@@ -270,10 +239,10 @@ def _q6_args(qweight, scales, offsets, group_size, block_k):
 def w8a16_gemv(x: torch.Tensor, qweight: "torch.Tensor | Q6KWeights | Q5KWeights", scales: torch.Tensor | None,
                offsets: torch.Tensor | None, group_size: int, bias: torch.Tensor | None, block_m: int = 1,
                block_n: int = 64, block_k: int = 64, split_k: int = 1, num_warps: int = 4,
-               one_launch: bool = False, q6_quarters: bool = False) -> torch.Tensor:
+               one_launch: bool = False) -> torch.Tensor:
     """x [M, K] (unit stride along K) @ W [K, N] (int8 codes, scales / offsets [G, N], or Q6KWeights: scales and
     offsets ignored) -> [M, N] in x's dtype. block_m 1: one row a program (CUDA-core FMAs); 16: up to 16 rows a
-    program through tl.dot. q6_quarters: Q6KWeights read as 16-row quarters (Q6 2) rather than 32-row halves."""
+    program through tl.dot."""
     qweight, scales, d, group_size, q6 = _q6_args(qweight, scales, offsets, group_size, block_k)
     qweight, scales, d, group_size, q5 = q5_args(qweight, scales, d, group_size, block_k)
     offsets = None if q6 or q5 else offsets
@@ -292,7 +261,7 @@ def w8a16_gemv(x: torch.Tensor, qweight: "torch.Tensor | Q6KWeights | Q5KWeights
         scales.stride(0), per, splits,
         HAS_OFFSETS=offsets is not None, HAS_BIAS=bias is not None, SPLIT=splits > 1, ONE_LAUNCH=one_launch,
         GROUP=group_arg(group_size, K), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        Q6=(2 if q6_quarters else 1) if q6 else 0, Q5=q5, num_warps=num_warps)
+        Q6=q6, Q5=q5, num_warps=num_warps)
     if splits > 1 and not one_launch:
         launch_splitk_reduce(ws, bias, out, splits)
     return out

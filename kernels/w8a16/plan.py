@@ -6,7 +6,7 @@ int8 codes (Q8_0, Q5_0 / Q5_1, mixed shards): not yet measured on a GPU; the con
 GEMV's (rules.py: ~4 programs an SM, power-of-two K splits up to 16) and the W8A16 byte budget.
 Code planes (Q6_K, Q5_K): measured at M = 1 on an H100 over 64-160 tiles a layer (bench/results/
 kernels-gguf-planes-h100.json, Qwen2.5-7B's v, down, head, gate_up): K split until about 10 programs an SM, the
-split-K sum in one launch; Q6_K's quarters through tl.dot rows even at M = 1 (down 73.3 -> 45.9 us, head 417 -> 285,
+split-K sum in one launch; Q6_K through tl.dot rows even at M = 1 (down 73.3 -> 45.9 us, head 417 -> 285,
 v 11.0 -> 6.4 against the int8 rule), Q5_K one row a program over 128 columns (gate_up 136 -> 93 us, down 74 -> 57).
 """
 from dataclasses import dataclass
@@ -29,7 +29,6 @@ class W8A16Config:
     split_k: int = 1          # upper bound: the launcher never leaves a split empty
     num_warps: int = 4
     one_launch: bool = False  # split-K partials summed by the last split (splitk.py) instead of a second kernel
-    q6_quarters: bool = False  # Q6_K planes: 16-row quarters (kernels.py Q6 2) instead of 32-row halves
 
 
 @dataclass(frozen=True)
@@ -79,7 +78,7 @@ def _plan_planes(m: int, k: int, n: int, sms: int, layout: str) -> W8A16Plan:
     split = 1
     while split < _PLANES_MAX_SPLIT and tiles * split * 2 <= _PLANES_PROGRAMS_PER_SM * sms and steps >= split * 4:
         split *= 2
-    cfg = W8A16Config("gemv", block_m, block_n, 64, split, 4, one_launch=split > 1, q6_quarters=layout == "q6k")
+    cfg = W8A16Config("gemv", block_m, block_n, 64, split, 4, one_launch=split > 1)
     rows = "the rows share each weight tile through tl.dot (16-row block)" if dot else "one row a program, CUDA-core FMAs"
     return W8A16Plan("gemv-dot" if dot else "gemv", cfg,
                      f"M = {m}: {layout} planes, split-K GEMV, {rows}, {block_n} columns, {split} K split(s) for "
