@@ -127,3 +127,13 @@ def test_bench_format_gguf_q5_k():
     got = layer["call"](x, W8A16Config("gemv", 1, 32, 64, 2)).float()
     assert FORMATS["gguf-q5_k"][:2] == (5, 32) and layer["nbytes"] * 8 == 512 * 64 * 5.625
     assert ((got - want).norm() / want.norm()).item() < 2e-3
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_planned_q5k_gemv_matches_gguf(m):
+    """The forward with no config runs the plan's tile (kernels/w8a16/plan.py: one row a program over 128 columns at
+    M = 1, tl.dot rows above, K split in one launch) correctly."""
+    k, n = 1024, 160
+    dense, w = q5_k_layer(k, n, seed=11)
+    x = torch.randn(m, k, dtype=torch.float16, device=DEV)
+    assert rel_err(w8a16_forward(x, w, None, None, 32, None), x.cpu().float() @ dense) < 2e-3

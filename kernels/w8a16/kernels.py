@@ -15,7 +15,7 @@ dequantize pass as two 32-row halves.
 import torch
 
 from quant_serve.kernels.triton_compat import tl, triton
-from quant_serve.kernels.w8a16.q5k import Q5KWeights, _q5_chunk, _q5_rows, q5_args
+from quant_serve.kernels.w8a16.q5k import Q5_CHUNK, Q5_GROUP, Q5KWeights, _q5_chunk, _q5_rows
 from quant_serve.kernels.w8a16.q6k import Q6_CHUNK, Q6_GROUP, Q6KWeights
 from quant_serve.kernels.w4a16.splitk import _store_result, launch_splitk_reduce, split_buffers, split_plan
 
@@ -196,15 +196,12 @@ def _w8a16_dequant_kernel(q_ptr, s_ptr, o_ptr, out_ptr, N, K, stride_qk, stride_
     st = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    if Q6:                                          # one 64-row chunk a program
+    if Q6 or Q5:                                    # one 64-row chunk a program, as two 32-row halves
         j = tl.arange(0, 32)
-        w_a, w_b = _q6_chunk(q_ptr, s_ptr, o_ptr, st, offs_n, n_mask, stride_qk, stride_sg, K)
-        rows = out_ptr + (st * 64 + j)[:, None] * stride_ok + offs_n[None, :]
-        tl.store(rows, w_a.to(out_ptr.dtype.element_ty), mask=n_mask[None, :])
-        tl.store(rows + 32 * stride_ok, w_b.to(out_ptr.dtype.element_ty), mask=n_mask[None, :])
-    elif Q5:                                        # one 64-row chunk a program
-        j = tl.arange(0, 32)
-        w_a, w_b = _q5_chunk(q_ptr, s_ptr, o_ptr, st, offs_n, n_mask, stride_qk, stride_sg, K)
+        if Q6:
+            w_a, w_b = _q6_chunk(q_ptr, s_ptr, o_ptr, st, offs_n, n_mask, stride_qk, stride_sg, K)
+        else:
+            w_a, w_b = _q5_chunk(q_ptr, s_ptr, o_ptr, st, offs_n, n_mask, stride_qk, stride_sg, K)
         rows = out_ptr + (st * 64 + j)[:, None] * stride_ok + offs_n[None, :]
         tl.store(rows, w_a.to(out_ptr.dtype.element_ty), mask=n_mask[None, :])
         tl.store(rows + 32 * stride_ok, w_b.to(out_ptr.dtype.element_ty), mask=n_mask[None, :])
@@ -225,15 +222,20 @@ def group_arg(group_size: int, k: int) -> int:
     return group_size if 0 < group_size < k else ONE_GROUP
 
 
-def _q6_args(qweight, scales, offsets, group_size, block_k):
-    """Q6KWeights -> the kernels' (codes, scales, offsets pointer, group, Q6) arguments; other layouts as given."""
-    if not isinstance(qweight, Q6KWeights):
-        return qweight, scales, offsets, group_size, False
-    if block_k != Q6_CHUNK:
-        raise ValueError(f"Q6_K planes run one chunk a step: block_k must be {Q6_CHUNK}, got {block_k}")
-    if qweight.sub_scales.stride(0) != qweight.d.stride(0):
-        raise ValueError("Q6_K sub-scales and d must share their row stride (contiguous [G, N])")
-    return qweight.planes, qweight.sub_scales, qweight.d, Q6_GROUP, True
+def _layout_args(qweight, scales, offsets, group_size, block_k):
+    """The kernels' (codes, scales, third pointer, offsets, group, Q6, Q5) for int8 codes as given, or for the
+    code planes of Q6KWeights (int8 sub-scales, fp16 d) and Q5KWeights (int16 sub-codes, int32 d | dmin), whose
+    scales travel inside the weights and which run one 64-row chunk a step."""
+    if not isinstance(qweight, (Q6KWeights, Q5KWeights)):
+        return qweight, scales, offsets if offsets is not None else scales, offsets, group_size, False, False
+    q6 = isinstance(qweight, Q6KWeights)
+    name, chunk = ("Q6_K", Q6_CHUNK) if q6 else ("Q5_K", Q5_CHUNK)
+    sub, sup = (qweight.sub_scales, qweight.d) if q6 else (qweight.sub_codes, qweight.superscales)
+    if block_k != chunk:
+        raise ValueError(f"{name} planes run one chunk a step: block_k must be {chunk}, got {block_k}")
+    if sub.stride(0) != sup.stride(0):
+        raise ValueError(f"{name} sub-scales and super-scales must share their row stride (contiguous [G, N])")
+    return qweight.planes, sub, sup, None, Q6_GROUP if q6 else Q5_GROUP, q6, not q6
 
 
 def w8a16_gemv(x: torch.Tensor, qweight: "torch.Tensor | Q6KWeights | Q5KWeights", scales: torch.Tensor | None,
@@ -243,9 +245,7 @@ def w8a16_gemv(x: torch.Tensor, qweight: "torch.Tensor | Q6KWeights | Q5KWeights
     """x [M, K] (unit stride along K) @ W [K, N] (int8 codes, scales / offsets [G, N], or Q6KWeights: scales and
     offsets ignored) -> [M, N] in x's dtype. block_m 1: one row a program (CUDA-core FMAs); 16: up to 16 rows a
     program through tl.dot."""
-    qweight, scales, d, group_size, q6 = _q6_args(qweight, scales, offsets, group_size, block_k)
-    qweight, scales, d, group_size, q5 = q5_args(qweight, scales, d, group_size, block_k)
-    offsets = None if q6 or q5 else offsets
+    qweight, scales, third, offsets, group_size, q6, q5 = _layout_args(qweight, scales, offsets, group_size, block_k)
     M, K = x.shape
     N = qweight.shape[1]
     if block_m not in (1, 16):
@@ -256,7 +256,7 @@ def w8a16_gemv(x: torch.Tensor, qweight: "torch.Tensor | Q6KWeights | Q5KWeights
     one_launch = one_launch and splits > 1
     out, ws, counters = split_buffers(x, M, N, splits, one_launch, row_blocks * n_tiles)
     _w8a16_gemv_kernel[(row_blocks, n_tiles, splits)](
-        x, qweight, scales, d if q6 or q5 else offsets if offsets is not None else scales, out, ws, counters,
+        x, qweight, scales, third, out, ws, counters,
         bias if bias is not None else out, M, N, K, x.stride(0), out.stride(0), qweight.stride(0),
         scales.stride(0), per, splits,
         HAS_OFFSETS=offsets is not None, HAS_BIAS=bias is not None, SPLIT=splits > 1, ONE_LAUNCH=one_launch,
@@ -272,13 +272,11 @@ def w8a16_dequantize(qweight: "torch.Tensor | Q6KWeights | Q5KWeights", scales: 
                      block_k: int = 64) -> torch.Tensor:
     """int8 layout (or Q6KWeights) -> dense W [K, N] in dtype, one rounding of q * s + o (fp32 math)."""
     K = qweight.in_features if isinstance(qweight, (Q6KWeights, Q5KWeights)) else qweight.shape[0]
-    qweight, scales, d, group_size, q6 = _q6_args(qweight, scales, offsets, group_size, block_k)
-    qweight, scales, d, group_size, q5 = q5_args(qweight, scales, d, group_size, block_k)
-    offsets = None if q6 or q5 else offsets
+    qweight, scales, third, offsets, group_size, q6, q5 = _layout_args(qweight, scales, offsets, group_size, block_k)
     N = qweight.shape[1]
     out = torch.empty((K, N), dtype=dtype, device=qweight.device)
     _w8a16_dequant_kernel[(triton.cdiv(K, block_k), triton.cdiv(N, block_n))](
-        qweight, scales, d if q6 or q5 else offsets if offsets is not None else scales, out, N, K, qweight.stride(0),
+        qweight, scales, third, out, N, K, qweight.stride(0),
         scales.stride(0), out.stride(0), HAS_OFFSETS=offsets is not None, GROUP=group_arg(group_size, K),
         BLOCK_N=block_n, BLOCK_K=block_k, Q6=q6, Q5=q5, num_warps=4)
     return out

@@ -145,14 +145,3 @@ def _q5_rows(x_ptr, q_ptr, s_ptr, o_ptr, pid_m, M, K, stride_xm, stride_qk, stri
             acc = tl.dot(x_b, w_b.to(x_b.dtype), acc)
         res = acc
     return res
-
-
-def q5_args(qweight, scales, offsets, group_size, block_k):
-    """Q5KWeights -> the kernels' (codes, sub-codes, superscales pointer, group, Q5) arguments; others as given."""
-    if not isinstance(qweight, Q5KWeights):
-        return qweight, scales, offsets, group_size, False
-    if block_k != Q5_CHUNK:
-        raise ValueError(f"Q5_K planes run one chunk a step: block_k must be {Q5_CHUNK}, got {block_k}")
-    if qweight.sub_codes.stride(0) != qweight.superscales.stride(0):
-        raise ValueError("Q5_K sub-codes and superscales must share their row stride (contiguous [G, N])")
-    return qweight.planes, qweight.sub_codes, qweight.superscales, Q5_GROUP, True
