@@ -118,29 +118,52 @@ def _load_step(k0, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, stride_s
 def _load_group(k0, s_ptr, z_ptr, n_lo, n_hi, k_in, stride_sg, stride_zg, GROUP: gl.constexpr,
                 ZP_MODE: gl.constexpr, SCALES: gl.constexpr = True):
     """The scales (SCALES) and packed zero words of rows g and g + 8 for the step starting at row k0 (ZP_MODE
-    ZP_OFFSETS: their float offsets, loaded as the scales are)."""
-    grp = (k0 + k_in) // GROUP
+    ZP_OFFSETS: their float offsets, loaded as the scales are). Groups of 32 span two 16-row words: each constant
+    is loaded (and converted, _dequant_step) once for the pair, [NG, RK, 1, 2], and widened to the words after."""
+    # k0 is a multiple of the group wherever k_in is not 0 (steps line up with the groups): the per-thread part of
+    # each offset is loop-invariant and a step adds one scalar
+    g0 = k0 // GROUP
+    g_in = k_in // GROUP
     if SCALES or ZP_MODE == 3:           # k-quant: raw int16 sub-codes (and int32 d | dmin below), converted at use
-        s_lo = gl.load(s_ptr + grp * stride_sg + n_lo)
-        s_hi = gl.load(s_ptr + grp * stride_sg + n_hi)
-        s_lo = gl.load(s_ptr + grp * stride_sg + n_lo)
-        s_hi = gl.load(s_ptr + grp * stride_sg + n_hi)
+        s_lo = gl.load(s_ptr + g0 * stride_sg + _group_offsets(g_in * stride_sg + n_lo, GROUP))
+        s_hi = gl.load(s_ptr + g0 * stride_sg + _group_offsets(g_in * stride_sg + n_hi, GROUP))
     else:
         s_lo = 0
         s_hi = 0
     if ZP_MODE == 3:
-        z_lo = gl.load(z_ptr + (grp // 8) * stride_zg + n_lo)
-        z_hi = gl.load(z_ptr + (grp // 8) * stride_zg + n_hi)
+        # super-blocks of 256 rows: one a step for steps of at most 256 rows (k_in [1, BLOCK_K / 64, 1, 4])
+        sup = k0 // (8 * GROUP) if k_in.shape[1] <= 4 else (k0 + k_in) // (8 * GROUP)
+        z_lo = gl.load(z_ptr + sup * stride_zg + _group_offsets(k_in * 0 + n_lo, GROUP))
+        z_hi = gl.load(z_ptr + sup * stride_zg + _group_offsets(k_in * 0 + n_hi, GROUP))
     elif ZP_MODE == 2:
-        z_lo = gl.load(z_ptr + grp * stride_zg + n_lo)
-        z_hi = gl.load(z_ptr + grp * stride_zg + n_hi)
+        z_lo = gl.load(z_ptr + g0 * stride_zg + _group_offsets(g_in * stride_zg + n_lo, GROUP))
+        z_hi = gl.load(z_ptr + g0 * stride_zg + _group_offsets(g_in * stride_zg + n_hi, GROUP))
     elif ZP_MODE:
-        z_lo = gl.load(z_ptr + grp * stride_zg + n_lo // 8)
-        z_hi = gl.load(z_ptr + grp * stride_zg + n_hi // 8)
+        z_lo = gl.load(z_ptr + g0 * stride_zg + _group_offsets(g_in * stride_zg + n_lo // 8, GROUP))
+        z_hi = gl.load(z_ptr + g0 * stride_zg + _group_offsets(g_in * stride_zg + n_hi // 8, GROUP))
     else:
         z_lo = 0
         z_hi = 0
     return s_lo, s_hi, z_lo, z_hi
+
+
+@gluon.jit
+def _group_offsets(offs, GROUP: gl.constexpr):
+    """Offsets of a step's group constants by 16-row word [NG, RK, 1, 4] -> groups of 32 (two words a group): the
+    even words' [NG, RK, 1, 2] (kt = 0, 2), so each constant is loaded and converted once (_by_word widens it)."""
+    if GROUP == 32:
+        offs, odd = gl.split(gl.reshape(offs, [offs.shape[0], offs.shape[1], offs.shape[2], 2, 2]))
+    return offs
+
+
+@gluon.jit
+def _by_word(v, words):
+    """A group constant of _group_offsets' pair shape [NG, RK, 1, 2] -> one a word, in the words' layout
+    ([NG, RK, 1, 4]: kt = 2 j + i holds pair j's); a constant already by word, by step or scalar passes through."""
+    if v.shape[3] == 2:
+        v = gl.reshape(gl.join(v, v), [v.shape[0], v.shape[1], v.shape[2], 4])
+        v = gl.convert_layout(v, words.type.layout, assert_trivial=True)
+    return v
 
 
 @gluon.jit
@@ -150,22 +173,20 @@ def _scale_pair(s):
 
 
 # Q4_K's group constants without a conversion instruction (those run at 1/4 rate or less on sm80 / sm90, and a
-# word's 8 weights would need 12 of them): the codes become the fp16 pair (sc, m) by the 1024 + x trick, one
-# mul.rn.f16x2 with the super-scale pair (d, dmin) rounds each exact product d * sc, dmin * m once to fp16 (as the
-# fp32 product rounded to fp16 would be), and byte permutes spread (s, s) and (-o, -o).
+# word's 8 weights would need 12 of them): one byte permute makes the codes the fp16 pair (1024 + sc, 1024 + m),
+# one sub leaves (sc, m) exact, one mul.rn.f16x2 with the super-scale pair (d, dmin) rounds each exact product
+# d * sc, dmin * m once to fp16 (as the fp32 product rounded to fp16 would be), and byte permutes spread (s, s) and
+# (-o, -o): 6 instructions a pair of constants.
 _KQ_PAIRS_ASM = gl.constexpr("""
 {
 .reg .b32 t, p, c;
+mov.b32 c, 0x64646464;
+prmt.b32 t, $2, c, 0x4140;
 mov.b32 c, 0x64006400;
-and.b32 t, $2, 0xFF;
-and.b32 p, $2, 0xFF00;
-shl.b32 p, p, 8;
-or.b32 t, t, p;
-or.b32 t, t, c;
 sub.rn.f16x2 t, t, c;
 mul.rn.f16x2 t, t, $3;
 prmt.b32 $0, t, t, 0x1010;
-xor.b32 p, t, 0x80008000;
+xor.b32 p, t, 0x80000000;
 prmt.b32 $1, p, p, 0x3232;
 }
 """)
@@ -175,8 +196,9 @@ prmt.b32 $1, p, p, 0x3232;
 def _kquant_pair(sm, dd):
     """Q4_K's int16 sub-codes (sc | m << 8) and int32 d | dmin << 16 bits -> the int32 bits of the fp16 pairs
     (s, s) and (o, o): s = d * sc, o = -dmin * m, each rounded once to fp16."""
-    s_pair, o_pair = gl.inline_asm_elementwise(_KQ_PAIRS_ASM, "=r,=r,r,r", [sm.to(gl.int32), dd],
-                                               dtype=[gl.int32, gl.int32], is_pure=True, pack=1)
+    codes = sm.to(gl.uint16, bitcast=True).to(gl.int32)        # zero-extended: the permute reads two bytes
+    s_pair, o_pair = gl.inline_asm_elementwise(_KQ_PAIRS_ASM, "=r,=r,r,r", [codes, dd], dtype=[gl.int32, gl.int32],
+                                               is_pure=True, pack=1)
     return s_pair, o_pair
 
 
@@ -239,17 +261,22 @@ def _dequant_step(words, s_lo, s_hi, z_lo, z_hi, n_lo, n_hi, ZP_MODE: gl.constex
         gl.static_assert(SCALED, "k-quant scales need the scales applied to each weight (no SCALE_AFTER)")
         s_lo, z_lo = _kquant_pair(s_lo, z_lo)
         s_hi, z_hi = _kquant_pair(s_hi, z_hi)
-        a = _frag_dequant(words, s_lo, s_hi, z_lo, z_hi, BLOCK_N, BLOCK_K, A_LAYOUT, True, True)
+        a = _frag_dequant(words, _by_word(s_lo, words), _by_word(s_hi, words), _by_word(z_lo, words),
+                          _by_word(z_hi, words), BLOCK_N, BLOCK_K, A_LAYOUT, True, True)
     elif ZP_MODE == 2:
         gl.static_assert(SCALED, "float offsets need the scales applied to each weight (no SCALE_AFTER)")
-        a = _frag_dequant(words, _scale_pair(s_lo), _scale_pair(s_hi), _scale_pair(z_lo), _scale_pair(z_hi),
-                          BLOCK_N, BLOCK_K, A_LAYOUT, True, True)
+        a = _frag_dequant(words, _by_word(_scale_pair(s_lo), words), _by_word(_scale_pair(s_hi), words),
+                          _by_word(_scale_pair(z_lo), words), _by_word(_scale_pair(z_hi), words), BLOCK_N,
+                          BLOCK_K, A_LAYOUT, True, True)
     else:
+        if ZP_MODE:                                   # packed words: widened first (the shift is by column)
+            z_lo = _by_word(z_lo, words)
+            z_hi = _by_word(z_hi, words)
         z_lo_pair = 0x64006400 + _zero(z_lo, n_lo, ZP_MODE) * 0x10001                # (1024 + z) pairs
         z_hi_pair = (0xD400D400 - (1 << 32)) + _zero(z_hi, n_hi, ZP_MODE) * 0x100010  # -(64 + z) pairs
         if SCALED:
-            a = _frag_dequant(words, _scale_pair(s_lo), _scale_pair(s_hi), z_lo_pair, z_hi_pair, BLOCK_N, BLOCK_K,
-                              A_LAYOUT)
+            a = _frag_dequant(words, _by_word(_scale_pair(s_lo), words), _by_word(_scale_pair(s_hi), words),
+                              z_lo_pair, z_hi_pair, BLOCK_N, BLOCK_K, A_LAYOUT)
         else:
             a = _frag_dequant(words, 0, 0, z_lo_pair, z_hi_pair, BLOCK_N, BLOCK_K, A_LAYOUT, False)
     return a
