@@ -230,7 +230,8 @@ def test_dummy_q5_k_m_mix():
     w = gate_up.dequantized_weight()
     assert abs(float(w.mean())) < 2e-3 and 0.01 < float(w.std()) < 0.04
     assert engine.quant_config.describe_paths() == (
-        f"4 {MERGED}, 24 {Q5K}, 4 Q6_K (W8A16 kernels, 6-bit planes, 6.5625 bits)")
+        f"4 {MERGED}, 24 {Q5K}, 4 Q6_K (6-bit: W4A16 fragment layout, 7 bits, on CUDA fp16; else W8A16 kernels, "
+        "planes, 6.5625 bits)")
     plan = plan_memory(TINY, weights_dtype="float16", quantization="gguf:Q5_K_M")
     assert plan.weights_source == "gguf: Q5_K x 48, Q6_K x 8"
     assert plan.weights_bytes == _loaded_bytes(engine.model)
