@@ -20,7 +20,9 @@ Formats (how the GGUF loader lays them out, kernels/w4a16/reference.py and kerne
   q6_k        int8 codes (q - 32), groups of 16, no offsets (W8A16; 9 bits: Q6_K before the planes, and a Q6_K
               shard merged with another type)
   gguf-q6_k   Q6_K's 6-bit planes + int8 sub-scales + fp16 d (kernels/w8a16/q6k.py, 6.5625 bits; the W8A16
-              kernels): what the loader builds for a layer of Q6_K shards
+              kernels): what a layer of Q6_K shards keeps on the CPU and in bf16 models
+  gguf-q6_k-frag  Q6_K in the W4A16 fragment layout (kernels/w4a16/frag6.py, 7 bits; the W4A16 tensor-core
+              kernels): what a CUDA fp16 model makes of a layer of Q6_K shards at load
   q5_k        int8 codes, groups of 32, float offsets (W8A16; 9 bits: Q5_K before the planes, and a Q5_K shard
               merged with a non-K type)
   gguf-q5_k   Q5_K's 5-bit planes + Q4_K's two-level scales (kernels/w8a16/q5k.py, 5.625 bits; the W8A16 kernels):
@@ -36,9 +38,10 @@ import dataclasses
 import torch
 
 from quant_serve.kernels.w4a16.dispatch import call_plan, prepare_kernel_weights, w4a16_forward
+from quant_serve.kernels.w4a16.frag6 import frag6_bytes
 from quant_serve.kernels.w4a16.kquant import kquant_bytes, kquant_scales_offsets, pack_sub_codes, pack_superscales
 from quant_serve.kernels.w4a16.reference import dequantize_w4, pack_int4_cols, pack_int4_rows
-from quant_serve.kernels.w8a16.dispatch import w8a16_forward
+from quant_serve.kernels.w8a16.dispatch import prepare_q6k, w8a16_forward
 from quant_serve.kernels.w8a16.plan import plan_w8a16
 from quant_serve.kernels.w8a16.q5k import pack_q5k, q5k_bytes, q5k_dequantize
 from quant_serve.kernels.w8a16.q6k import pack_q6k, q6k_bytes, q6k_dequantize
@@ -47,8 +50,14 @@ from quant_serve.kernels.w8a16.reference import dequantize_w8
 # format -> (bits, group size, float offsets)
 FORMATS = {"gguf-q4_0": (4, 32, False), "gguf-q4_1": (4, 32, True), "gguf-q4_k": (4, 32, True),
            "gguf-q4_k-f16": (4, 32, True), "awq-g128": (4, 128, False), "gguf-q6_k": (6, 16, False),
+           "gguf-q6_k-frag": (6, 16, False),
            "gguf-q5_k": (5, 32, True), "q8_0": (8, 32, False), "q6_k": (8, 16, False), "q5_k": (8, 32, True)}
 PLANES = (5, 6)        # bits of the plane layouts (Q5_K, Q6_K): one 64-row chunk a GEMV step
+
+
+def _w4(fmt: str) -> bool:
+    """Whether the format runs the W4A16 kernels (the INT4 formats, Q6_K in the fragment layout)."""
+    return FORMATS[fmt][0] == 4 or fmt == "gguf-q6_k-frag"
 
 
 def _int4_special(fmt: str, k: int, n: int, device: str) -> dict:
@@ -80,10 +89,14 @@ def random_layer(fmt: str, k: int, n: int, device: str = "cuda") -> dict:
     nbytes (weights + scales + offsets)}."""
     if fmt in ("gguf-q4_k", "awq-g128"):
         return _int4_special(fmt, k, n, device)
-    if fmt == "gguf-q6_k":
+    if fmt in ("gguf-q6_k", "gguf-q6_k-frag"):
         codes = torch.randint(-32, 32, (k, n), device=device)
         sub = torch.randint(-127, 128, (k // 16, n), device=device, dtype=torch.int8)
         q6 = pack_q6k(codes, sub, (torch.rand(k // 256, n, device=device) * 2e-5 + 1e-5).half())
+        if fmt == "gguf-q6_k-frag":
+            fw = prepare_q6k(q6, torch.float16)
+            return {"call": lambda x, c=None: w4a16_forward(x, fw, None, c), "weights": fw,
+                    "dense": q6k_dequantize(q6).half(), "nbytes": frag6_bytes(k, n)}
         return {"call": lambda x, c=None: w8a16_forward(x, q6, None, None, 16, None, c),
                 "dense": q6k_dequantize(q6).half(), "nbytes": q6k_bytes(k, n), "group_size": 16}
     if fmt == "gguf-q5_k":
@@ -117,7 +130,7 @@ def _layout(fmt: str) -> str:
 
 def planned(fmt: str, layer: dict, x: torch.Tensor, sms: int) -> tuple[str, str]:
     """(kernel, config) the plan runs for x on this layer."""
-    if FORMATS[fmt][0] == 4:
+    if _w4(fmt):
         p = call_plan(x, layer["weights"])
     else:
         p = plan_w8a16(x.shape[0], x.shape[1], layer["dense"].shape[1], layer["group_size"], sms, _layout(fmt))
@@ -146,9 +159,9 @@ def bench_format(fmt: str, shapes: dict, ms: list[int], graph_us, copies, sms: i
                 row["fp16_us"] = graph_us([lambda w=w: torch.nn.functional.linear(x, w) for w in fp16])
                 row["speedup_vs_fp16"] = row["fp16_us"] / row["ours_us"]
                 row["ours_GBps"] = layer0["nbytes"] / row["ours_us"] / 1e3
-                if FORMATS[fmt][0] in PLANES + (8,) and m <= 16:
+                if not _w4(fmt) and FORMATS[fmt][0] in PLANES + (8,) and m <= 16:
                     row["variants_us"] = w8_variants(fmt, layers, x, want, graph_us, sms)
-                if FORMATS[fmt][0] == 4 and kernel == "mma.sync" and m == 1:
+                if _w4(fmt) and kernel == "mma.sync" and m == 1:
                     row["variants_us"] = w4_m1_variants(layers, x, want, graph_us, name == "gate_up")
             log(f"{fmt} {name} M={m}: {row}")
             rows.append(row)

@@ -4,7 +4,8 @@ tensor table, or from a config and a type mix (--load-format dummy --quantizatio
 As the GPU holds them (quant/formats/gguf_types.py, the kernels' layouts): a layer of Q4_K shards only K*N/2 codes
 + Q4_K's two-level scales as stored (kernels/w4a16/kquant.py: 2 bytes per 32, 4 per 256: 4.625 bits a weight); other
 INT4 types (Q4_0, Q4_1, Q4_K beside them) K*N/2 codes + a scale and an offset per 32; a layer of Q6_K shards only
-its 6-bit planes + int8 sub-scales per 16 + fp16 d per 256 (kernels/w8a16/q6k.py: 6.5625 bits); a layer of Q5_K
+its 6-bit codes in the W4A16 fragment layout + fp16 d * sc per 16 (kernels/w4a16/frag6.py: 7 bits; its planes,
+6.5625 bits, stay where the fragment kernels do not run: the CPU, bf16 models); a layer of Q5_K
 shards only its 5-bit planes + Q4_K's two-level scales (kernels/w8a16/q5k.py: 5.625 bits); Q8_0 / Q5_0 K*N int8 +
 a scale per 32; Q5_1 (and Q5_K merged with another type) + an offset; Q6_K merged a scale per 16; scales and
 offsets in the model dtype. A merged layer (qkv, gate_up) whose shards take different paths is one W8 layer at the
@@ -19,11 +20,12 @@ from gguf import GGMLQuantizationType as T
 
 from quant_serve.kernels.w4a16.kquant import kquant_bytes
 from quant_serve.kernels.w8a16.q5k import q5k_bytes
-from quant_serve.kernels.w8a16.q6k import q6k_bytes
+from quant_serve.kernels.w4a16.frag6 import frag6_bytes
 from quant_serve.quant.formats.gguf_types import group_size_of, path_of
 
 _OFFSETS = (T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_1, T.Q5_K)       # loaded with a float offset per group
-_NATIVE = {T.Q4_K: kquant_bytes, T.Q5_K: q5k_bytes, T.Q6_K: q6k_bytes}     # kept in the file's own scales
+# kept in the file's own scales; Q6_K as a CUDA fp16 model holds it (the W4A16 fragment layout, fp16 d * sc: 7 bits)
+_NATIVE = {T.Q4_K: kquant_bytes, T.Q5_K: q5k_bytes, T.Q6_K: frag6_bytes}
 _MERGED = re.compile(r"^(blk\.\d+\.)(attn_q|attn_k|attn_v|ffn_gate|ffn_up)\.weight$")
 
 

@@ -5,7 +5,8 @@ by one that names the profile's target (sm80 / sm86 / sm89 / sm90), every launch
 the kernels' device queries answer from the profile's capability record (kernels/gpu.py). The W4A16 plan is walked
 over the Qwen2.5-7B and Llama-3.1-8B layer shapes for M = 1..8192 (one compile per distinct kernel and
 configuration, at the smallest M that picks it), then the attention, KV-store and the other decode-step kernels
-are launched on fp16 / fp8 e4m3 / fp8 e5m2 caches, and the W8A16 kernels (GGUF int8-code layers). Each compiled kernel is reported with its shared memory,
+are launched on fp16 / fp8 e4m3 / fp8 e5m2 caches, the W8A16 kernels (GGUF int8-code layers) and GGUF's
+fragment-layout kernels (Q4_K, Q6_K). Each compiled kernel is reported with its shared memory,
 registers, spill stack and the Hopper / fp8 instructions its SASS holds (the wheel's cuobjdump).
 """
 import importlib
@@ -207,6 +208,27 @@ def _launch_w8a16() -> None:
         w8a16_forward(torch.empty(m, k, dtype=torch.float16), codes, scales, scales, 32)
 
 
+def _launch_gguf_frag() -> None:
+    """GGUF's fragment-layout kernels (Q4_K's two-level scales, Q6_K's 6-bit codes) at the down shape: M = 1 and
+    M = 16 through the planned mma kernel, and the dequantize pass."""
+    import torch
+
+    from quant_serve.kernels.w4a16.dispatch import call_plan, _frag_forward
+    from quant_serve.kernels.w4a16.frag import FragWeights
+    from quant_serve.kernels.w4a16.frag_tiles import frag_dequantize
+    k, n = SHAPES["qwen2.5-7b"]["down"]
+    q4k = FragWeights(torch.zeros(n // 16, k // 64 * 128, dtype=torch.int32),
+                      torch.zeros(k // 32, n, dtype=torch.int16), None, 32, k, n,
+                      superscales=torch.zeros(k // 256, n, dtype=torch.int32))
+    q6 = FragWeights(torch.zeros(n // 16, k // 64 * 128, dtype=torch.int32), torch.ones(k // 16, n, dtype=torch.float16),
+                     None, 16, k, n, hi=torch.zeros(n // 16, k // 64 * 64, dtype=torch.int32))
+    for fw in (q4k, q6):
+        for m in (1, 16):
+            x = torch.empty(m, k, dtype=torch.float16)
+            _frag_forward(x, fw, None, call_plan(x, fw).config, False)
+        frag_dequantize(fw)
+
+
 def _launch_step_kernels(model) -> None:
     import torch
 
@@ -246,6 +268,7 @@ def fit_report(profile: str) -> dict:
                 _launch_attention(model, kv, batch, context)
         _launch_step_kernels(model)
     _launch_w8a16()
+    _launch_gguf_frag()
     kernels, seen = [], set()
     for name, warps, compiled in records:
         if compiled is None or id(compiled) in seen:

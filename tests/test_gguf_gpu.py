@@ -37,7 +37,7 @@ def test_cuda_gguf_matches_cpu(tmp_path, mix):
 
 
 MERGED = "merged Q4_K / Q5_K + Q6_K (each run of shards in its own layout, outputs concatenated)"
-Q6K = "Q6_K (W8A16 kernels, 6-bit planes, 6.5625 bits)"
+Q6K = "Q6_K (6-bit: W4A16 fragment layout, 7 bits, on CUDA fp16; else W8A16 kernels, planes, 6.5625 bits)"
 
 
 @pytest.mark.parametrize("mix,paths", [

@@ -145,15 +145,22 @@ def test_copy_of_gguf_without_config_is_detected(gguf_dir, tmp_path):
 
 
 def _loaded_bytes(model) -> int:
-    """What the model holds on CUDA: its CPU buffers, with scales and offsets in the model dtype (fp16 here)."""
+    """What the model holds on CUDA: its CPU buffers, with scales and offsets in the model dtype (fp16 here), and
+    each Q6_K layer in the fragment layout the CUDA fp16 model converts its planes to (frag6_bytes)."""
+    from quant_serve.kernels.w4a16.frag6 import frag6_bytes
+    from quant_serve.quant.linear_w8 import W8Linear
     total = sum(p.numel() * p.element_size() for p in model.parameters())
+    q6 = {name for name, m in model.named_modules() if isinstance(m, W8Linear) and m.q6k_planes}
+    total += sum(frag6_bytes(m.in_features, m.out_features) for name, m in model.named_modules() if name in q6)
     for name, b in model.named_buffers():
-        leaf = name.rsplit(".", 1)[-1]
+        owner, leaf = name.rsplit(".", 1)
+        if owner in q6 and leaf != "bias":
+            continue
         if leaf in ("qweight", "bias"):
             total += b.numel() * b.element_size()
         elif leaf in ("scales", "offsets"):                          # fp32 -> fp16; int16 / int8 codes as they are
             total += b.numel() * min(b.element_size(), 2)
-        elif leaf == "superscales":                             # Q4_K / Q5_K's int32 d | dmin, Q6_K's fp16 d
+        elif leaf == "superscales":                                  # Q4_K / Q5_K's int32 d | dmin
             total += b.numel() * b.element_size()
     return total
 
@@ -223,7 +230,8 @@ def test_dummy_q5_k_m_mix():
     w = gate_up.dequantized_weight()
     assert abs(float(w.mean())) < 2e-3 and 0.01 < float(w.std()) < 0.04
     assert engine.quant_config.describe_paths() == (
-        f"4 {MERGED}, 24 {Q5K}, 4 Q6_K (W8A16 kernels, 6-bit planes, 6.5625 bits)")
+        f"4 {MERGED}, 24 {Q5K}, 4 Q6_K (6-bit: W4A16 fragment layout, 7 bits, on CUDA fp16; else W8A16 kernels, "
+        "planes, 6.5625 bits)")
     plan = plan_memory(TINY, weights_dtype="float16", quantization="gguf:Q5_K_M")
     assert plan.weights_source == "gguf: Q5_K x 48, Q6_K x 8"
     assert plan.weights_bytes == _loaded_bytes(engine.model)

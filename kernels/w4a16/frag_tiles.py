@@ -10,6 +10,7 @@ import torch
 
 from quant_serve.kernels.triton_compat import gl, gluon, triton
 from quant_serve.kernels.w4a16.frag import FragWeights, pick_block_k
+from quant_serve.kernels.w4a16.frag6 import _even_words, _q6_by_word, _q6_dequant, _q6_hi_load
 
 def _frag_dq_asm(scaled: bool, offsets: bool = False) -> str:
     """Marlin's LOP3 dequant of one fragment word. Inputs: word $8, then (scaled) the scale pairs of rows g ($9) and
@@ -90,6 +91,14 @@ def _frag_dequant(words, s_lo, s_hi, z_lo, z_hi, BLOCK_N: gl.constexpr, BLOCK_K:
         v0, v1, v2, v3, v4, v5, v6, v7 = gl.inline_asm_elementwise(
             _FRAG_DQ_UNSCALED_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [words, z_lo, z_hi],
             dtype=[gl.float16] * 8, is_pure=True, pack=1)
+    return _frag_tile(v0, v1, v2, v3, v4, v5, v6, v7, BLOCK_N, BLOCK_K, A_LAYOUT)
+
+
+@gluon.jit
+def _frag_tile(v0, v1, v2, v3, v4, v5, v6, v7, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+               A_LAYOUT: gl.constexpr):
+    """A word's 8 dequantized values by index b0 + 2 b1 + 4 b2 ([NG, RK, 4, 4] each) -> the A tile fp16
+    [BLOCK_N, BLOCK_K] in the mma A layout (a trivial conversion: the values are already where the MMA reads them)."""
     # join appends its new dim last: values (b0, b1, b2) -> dims [..., b0, b1, b2]
     t = gl.join(gl.join(gl.join(v0, v1), gl.join(v2, v3)), gl.join(gl.join(v4, v5), gl.join(v6, v7)))
     NG: gl.constexpr = BLOCK_N // 2
@@ -111,6 +120,8 @@ def _load_step(k0, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, stride_s
         words = gl.load(w_ptr + offs + k0 * 2, mask=w_mask, other=0)
     s_lo, s_hi, z_lo, z_hi = _load_group(k0, s_ptr, z_ptr, n_lo, n_hi, k_in, stride_sg, stride_zg, GROUP, ZP_MODE,
                                          SCALES)
+    if ZP_MODE == 4:
+        z_lo = _q6_hi_load(z_ptr, offs, w_mask, k0, EVEN_N)
     return words, s_lo, s_hi, z_lo, z_hi
 
 
@@ -135,6 +146,9 @@ def _load_group(k0, s_ptr, z_ptr, n_lo, n_hi, k_in, stride_sg, stride_zg, GROUP:
         sup = k0 // (8 * GROUP) if k_in.shape[1] <= 4 else (k0 + k_in) // (8 * GROUP)
         z_lo = gl.load(z_ptr + sup * stride_zg + _group_offsets(k_in * 0 + n_lo, GROUP))
         z_hi = gl.load(z_ptr + sup * stride_zg + _group_offsets(k_in * 0 + n_hi, GROUP))
+    elif ZP_MODE == 4:                    # Q6_K: its high-bit words come with the words (_load_step)
+        z_lo = 0
+        z_hi = 0
     elif ZP_MODE == 2:
         z_lo = gl.load(z_ptr + g0 * stride_zg + _group_offsets(g_in * stride_zg + n_lo, GROUP))
         z_hi = gl.load(z_ptr + g0 * stride_zg + _group_offsets(g_in * stride_zg + n_hi, GROUP))
@@ -152,7 +166,7 @@ def _group_offsets(offs, GROUP: gl.constexpr):
     """Offsets of a step's group constants by 16-row word [NG, RK, 1, 4] -> groups of 32 (two words a group): the
     even words' [NG, RK, 1, 2] (kt = 0, 2), so each constant is loaded and converted once (_by_word widens it)."""
     if GROUP == 32:
-        offs, odd = gl.split(gl.reshape(offs, [offs.shape[0], offs.shape[1], offs.shape[2], 2, 2]))
+        offs = _even_words(offs)
     return offs
 
 
@@ -168,8 +182,8 @@ def _by_word(v, words):
 
 @gluon.jit
 def _scale_pair(s):
-    """fp16 scale -> the int32 bits of the fp16 pair (s, s)."""
-    return (s.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF) * 0x10001
+    """fp16 scale -> the int32 bits of the fp16 pair (s, s) (one byte permute)."""
+    return gl.inline_asm_elementwise("mov.b32 $0, {$1, $1};", "=r,h", [s], dtype=gl.int32, is_pure=True, pack=1)
 
 
 # Q4_K's group constants without a conversion instruction (those run at 1/4 rate or less on sm80 / sm90, and a
@@ -256,8 +270,14 @@ def _dequant_step(words, s_lo, s_hi, z_lo, z_hi, n_lo, n_hi, ZP_MODE: gl.constex
                   BLOCK_K: gl.constexpr, A_LAYOUT: gl.constexpr, SCALED: gl.constexpr = True):
     """A step's raw loads (_load_step) -> its dequantized A tile fp16 [BLOCK_N, BLOCK_K] (SCALED False: q - z).
     ZP_MODE: 0 symmetric (z = 8), 1 packed int4 zero points, 2 float offsets (scaled only: q * s + o), 3 k-quant
-    two-level scales (scaled only; s and o formed in fp32, then fp16 for the f16x2 fma)."""
-    if ZP_MODE == 3:
+    two-level scales (scaled only; s and o formed in fp32, then fp16 for the f16x2 fma), 4 Q6_K's 6-bit codes
+    (frag6.py; scaled only)."""
+    if ZP_MODE == 4:
+        gl.static_assert(SCALED, "Q6_K's scales are applied to each weight (groups of 16)")
+        v0, v1, v2, v3, v4, v5, v6, v7 = _q6_dequant(words, _q6_by_word(z_lo, words), _scale_pair(s_lo),
+                                                     _scale_pair(s_hi))
+        a = _frag_tile(v0, v1, v2, v3, v4, v5, v6, v7, BLOCK_N, BLOCK_K, A_LAYOUT)
+    elif ZP_MODE == 3:
         gl.static_assert(SCALED, "k-quant scales need the scales applied to each weight (no SCALE_AFTER)")
         s_lo, z_lo = _kquant_pair(s_lo, z_lo)
         s_hi, z_hi = _kquant_pair(s_hi, z_hi)

@@ -175,6 +175,38 @@ def _frag_offsets_work(device_index: int, kquant: bool = False) -> bool:
     return ok
 
 
+def frag6_works(device: torch.device) -> bool:
+    """The tensor-core kernels take GGUF Q6_K in the fragment layout (frag6.py) on this device (probed once: codes
+    35 = 3 + 32 with both high bits' planes in use, scale 1, x = ones [rows, 64] must give 192)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _frag6_works(index)
+
+
+@lru_cache(maxsize=None)
+def _frag6_works(device_index: int) -> bool:
+    from quant_serve.kernels.w4a16.frag6 import pack_frag6
+    from quant_serve.kernels.w4a16.mma import w4a16_mma
+    runtime = probed_runtime(torch.device("cuda", device_index))
+    calls = [("tensor-core kernel", 1, w4a16_mma)]
+    if runtime.caps.wgmma:
+        calls.append(("wgmma kernel", 17, lambda x, fw: w4a16_mma(x, fw, block_n=64, wgmma=True)))
+    for kernel, rows, call in calls:
+        try:
+            dev = torch.device("cuda", device_index)
+            fw = pack_frag6(torch.full((64, 64), 3, dtype=torch.int32, device=dev),
+                            torch.ones(4, 64, dtype=torch.float16, device=dev))
+            y = call(torch.ones(rows, 64, dtype=torch.float16, device=dev), fw)
+            if bool((y == 192).all()):
+                continue
+            reason = f"wrong result {y.flatten()[:4].tolist()}"
+        except Exception as e:  # noqa: BLE001 - any compile or launch failure means: the planes serve
+            reason = repr(e)[:300]
+        _logger.warning("W4A16 %s with Q6_K codes unavailable on cuda:%d (%s); Q6_K layers use the W8A16 plane "
+                        "kernels", kernel, device_index, reason)
+        return False
+    return True
+
+
 @lru_cache(maxsize=None)
 def _mma_kernels_work(device_index: int) -> bool:
     from quant_serve.kernels.w4a16.mma import w4a16_mma

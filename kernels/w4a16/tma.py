@@ -285,8 +285,9 @@ def register_budget(consumers: int) -> tuple[int, int, int | None]:
 
 
 def tma_works_for(x: torch.Tensor, fw: FragWeights) -> bool:
-    """Whether w4a16_tma takes this call: fp16 x with 16-byte aligned rows (TMA), N a multiple of 16."""
-    return (x.dtype == torch.float16 and (fw.scales.dtype == torch.float16 or fw.zp_mode == 3)
+    """Whether w4a16_tma takes this call: fp16 x with 16-byte aligned rows (TMA), N a multiple of 16, not Q6_K
+    (its high-bit words come with the words, which the TMA kernel copies to shared memory)."""
+    return (x.dtype == torch.float16 and (fw.scales.dtype == torch.float16 or fw.zp_mode == 3) and fw.hi is None
             and x.stride(1) == 1
             and (x.stride(0) * 2) % 16 == 0 and x.data_ptr() % 16 == 0 and fw.out_features % 16 == 0)
 

@@ -1,0 +1,146 @@
+"""GGUF Q6_K in the W4A16 fragment layout (kernels/w4a16/frag6.py): the packing round-trips on the CPU, the Gluon
+kernels (GPU only) match the layout's fp16 reference and the bit-exact planes within fp16 rounding, and a CUDA fp16
+W8Linear of Q6_K shards takes the layout."""
+import pytest
+import torch
+
+from quant_serve.kernels.w4a16.frag import ZP_Q6
+from quant_serve.kernels.w4a16.frag6 import frag6_bytes, frag6_codes, frag6_dequantize_ref, pack_frag6
+from quant_serve.kernels.w8a16.q6k import pack_q6k, q6k_codes, q6k_dequantize, q6k_scales
+
+DEV = "cuda"
+
+
+def q6k_layer(k: int, n: int, device: str = "cpu", seed: int = 0):
+    """Random Q6_K weights as a file holds them (codes -32..31, int8 sub-scales, fp16 d) -> Q6KWeights."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-32, 32, (k, n), generator=gen)
+    sub = torch.randint(-60, 61, (k // 16, n), generator=gen).to(torch.int8)
+    d = (torch.rand(-(-k // 256), n, generator=gen) * 1e-3 + 1e-4).half()
+    return pack_q6k(codes, sub, d).to(device) if device != "cpu" else pack_q6k(codes, sub, d)
+
+
+@pytest.mark.parametrize("k,n", [(64, 16), (256, 48), (320, 32), (1024, 80)])
+def test_pack_frag6_round_trips_codes_and_scales(k, n):
+    w = q6k_layer(k, n)
+    fw = pack_frag6(q6k_codes(w), q6k_scales(w))
+    assert fw.zp_mode == ZP_Q6 and fw.group_size == 16
+    assert torch.equal(frag6_codes(fw), q6k_codes(w))
+    kp = -(-k // 64) * 64
+    assert fw.words.shape == (n // 16, kp // 64 * 128) and fw.hi.shape == (n // 16, kp // 64 * 64)
+    assert torch.equal(fw.scales[: k // 16], q6k_scales(w).half())
+    assert frag6_bytes(k, n) == fw.words.numel() * 4 + fw.hi.numel() * 4 + fw.scales.numel() * 2
+    # one fp16 rounding of d * sc and one of the product: within fp16 of the exact weights
+    ref = q6k_dequantize(w)
+    assert (frag6_dequantize_ref(fw).float() - ref).abs().max() <= ref.abs().max() * 2 ** -10
+
+
+def test_pack_frag6_puts_each_high_bit_pair_where_the_kernel_reads_it():
+    """One weight at a time: its 2 high bits land in the one hi bit pair the kernel's masks take for its nibble."""
+    from quant_serve.kernels.w4a16.frag import frag_words
+    from quant_serve.kernels.w4a16.frag6 import _HI_MASK, _HI_POS, _rotr8
+    for k in (0, 1, 8, 9, 16, 17, 24, 25, 33, 63):
+        codes = torch.full((64, 16), -32)
+        codes[k, 3] = 48 - 32                                                  # u = 48: lo 0, hi 3
+        fw = pack_frag6(codes, torch.ones(4, 16))
+        one = torch.zeros(64, 16, dtype=torch.int32)
+        one[k, 3] = 1
+        marked = frag_words(one)
+        (tile, word), = torch.nonzero(marked).tolist()
+        j = (int(marked[tile, word]).bit_length() - 1) // 4                  # the weight's nibble in its word
+        h = fw.hi[tile, word // 2]
+        bits = int(h) & _HI_MASK if word % 2 == 0 else int(_rotr8(h)) & _HI_MASK
+        assert bits == 3 << _HI_POS[j], (k, j, hex(bits))
+
+
+def test_pack_frag6_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="multiples of 16"):
+        pack_frag6(torch.zeros(64, 24, dtype=torch.int32), torch.ones(4, 24))
+    with pytest.raises(ValueError, match="scales must be"):
+        pack_frag6(torch.zeros(64, 16, dtype=torch.int32), torch.ones(3, 16))
+
+
+def test_cpu_q6k_layer_keeps_its_planes():
+    from quant_serve.kernels.w8a16.dispatch import prepare_q6k
+    w = q6k_layer(256, 32)
+    assert prepare_q6k(w, torch.float16) is w
+
+
+# GPU: the Gluon kernels do not run in the interpreter
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the GPU machine)")
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,n", [(256, 64), (320, 96), (3584, 512), (1024, 4608)])
+@pytest.mark.parametrize("m", [1, 3, 16, 40, 64, 300])
+def test_gpu_frag6_matmul_matches_reference(k, n, m):
+    from quant_serve.kernels.w4a16.dispatch import w4a16_matmul
+    w = q6k_layer(k, n, DEV)
+    fw = pack_frag6(q6k_codes(w), q6k_scales(w))
+    x = torch.randn(m, k, dtype=torch.float16, device=DEV)
+    ref = x.float() @ frag6_dequantize_ref(fw).float()
+    y = w4a16_matmul(x, fw).float()
+    assert (y - ref).norm() / ref.norm() < 2e-3, (k, n, m)
+    exact = x.float() @ q6k_dequantize(w)
+    assert (y - exact).norm() / exact.norm() < 3e-3
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_frag6_kernels_every_config():
+    from quant_serve.kernels.w4a16.frag_tiles import frag_dequantize
+    from quant_serve.kernels.w4a16.mma import w4a16_mma
+    w = q6k_layer(1024, 256, DEV, seed=3)
+    fw = pack_frag6(q6k_codes(w), q6k_scales(w))
+    assert torch.equal(frag_dequantize(fw).t(), frag6_dequantize_ref(fw))
+    for m in (1, 8, 17):
+        x = torch.randn(m, 1024, dtype=torch.float16, device=DEV)
+        ref = x.float() @ frag6_dequantize_ref(fw).float()
+        for cfg in (dict(), dict(block_n=64, block_k=128, split_k=4), dict(block_n=128, num_warps=8, split_k=2),
+                    dict(split_k=2, one_launch=False), dict(block_n=64, block_k=128, split_k=2, wgmma=True)):
+            y = w4a16_mma(x, fw, **cfg).float()
+            assert (y - ref).norm() / ref.norm() < 2e-3, (m, cfg)
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_w8linear_of_q6k_takes_the_fragment_layout():
+    from quant_serve.kernels.w4a16.plan import frag6_works
+    from quant_serve.quant.linear_w8 import W8Linear
+    assert frag6_works(torch.device(DEV))
+    w = q6k_layer(512, 96, DEV, seed=5)
+    lin = W8Linear(512, [96], False, torch.float16, DEV, None, 16)
+    lin.q6k_planes = True
+    lin._set_q6k(w)
+    assert lin.frag6 is not None and lin.superscales is lin.frag6.hi
+    x = torch.randn(2, 512, dtype=torch.float16, device=DEV)
+    exact = x.float() @ q6k_dequantize(w)
+    assert (lin(x).float() - exact).norm() / exact.norm() < 3e-3
+    assert torch.allclose(lin.dequantized_weight(), frag6_dequantize_ref(lin.frag6).float().t())
+
+
+def compile_q6_cases() -> dict:
+    """The Q6_K fragment kernels compiled for sm90 without a GPU: M = 1 (down and the head's shape), M = 16."""
+    from quant_serve.kernels.w4a16.mma import _w4a16_mma_kernel
+    from tests.test_kernels_w4a16_mma import _compile_sm90
+    ptrs = dict(x_ptr="*fp16", w_ptr="*i32", s_ptr="*fp16", z_ptr="*i32", out_ptr="*fp16", ws_ptr="*fp32",
+                cnt_ptr="*i32", bias_ptr="*fp16", r_ptr="*fp16", ss_ptr="*fp32", g_ptr="*fp16", eps="fp32",
+                ss_count="i32", ml_ptr="*fp32", sl_ptr="*i32", vs_ptr="*fp32", vs_val="fp32")
+    ints = {a: "i32" for a in ("M", "N", "K", "KP", "stride_xm", "stride_om", "stride_sg", "stride_zg",
+                               "iters_per_split", "n_splits")}
+    out = {}
+    for name, m, x_steps, wg in (("m1", 1, 16, False), ("m16", 16, 0, False), ("wgmma", 32, 0, True)):
+        out[name] = _compile_sm90(_w4a16_mma_kernel, dict(ptrs, **ints), dict(
+            HAS_BIAS=False, SPLIT=True, ONE_LAUNCH=True, GROUP=16, ZP_MODE=ZP_Q6, EVEN_N=True, EVEN_K=True,
+            X_SMEM=m > 1, WGMMA=wg, PDL=True, SCALE_AFTER=False, X_STEPS=x_steps, SWIGLU=False, A_SMEM=False,
+            BLOCK_M=8 if m == 1 else m, BLOCK_N=64, BLOCK_K=128, num_warps=4), 4)
+    return out
+
+
+def test_gluon_q6_kernels_compile_for_sm90_without_spills():
+    from tests.test_kernels_w4a16_mma import compiled_in_fresh_process
+    res = compiled_in_fresh_process("tests.test_kernels_w4a16_frag6", "compile_q6_cases")
+    for name, r in res.items():
+        assert r["stack"] == 0, (name, r)
+        assert r["hgmma"] if name == "wgmma" else r["hmma"], (name, r)
