@@ -123,15 +123,11 @@ def test_gpu_w8linear_of_q6k_takes_the_fragment_layout():
 def compile_q6_cases() -> dict:
     """The Q6_K fragment kernels compiled for sm90 without a GPU: M = 1 (down and the head's shape), M = 16."""
     from quant_serve.kernels.w4a16.mma import _w4a16_mma_kernel
-    from tests.test_kernels_w4a16_mma import _compile_sm90
-    ptrs = dict(x_ptr="*fp16", w_ptr="*i32", s_ptr="*fp16", z_ptr="*i32", out_ptr="*fp16", ws_ptr="*fp32",
-                cnt_ptr="*i32", bias_ptr="*fp16", r_ptr="*fp16", ss_ptr="*fp32", g_ptr="*fp16", eps="fp32",
-                ss_count="i32", ml_ptr="*fp32", sl_ptr="*i32", vs_ptr="*fp32", vs_val="fp32")
-    ints = {a: "i32" for a in ("M", "N", "K", "KP", "stride_xm", "stride_om", "stride_sg", "stride_zg",
-                               "iters_per_split", "n_splits")}
+    from tests.test_kernels_w4a16_mma import _compile_sm90, mma_signature
+    sig = mma_signature("*fp16", "*i32")
     out = {}
     for name, m, x_steps, wg in (("m1", 1, 16, False), ("m16", 16, 0, False), ("wgmma", 32, 0, True)):
-        out[name] = _compile_sm90(_w4a16_mma_kernel, dict(ptrs, **ints), dict(
+        out[name] = _compile_sm90(_w4a16_mma_kernel, sig, dict(
             HAS_BIAS=False, SPLIT=True, ONE_LAUNCH=True, GROUP=16, ZP_MODE=ZP_Q6, EVEN_N=True, EVEN_K=True,
             X_SMEM=m > 1, WGMMA=wg, PDL=True, SCALE_AFTER=False, X_STEPS=x_steps, SWIGLU=False, A_SMEM=False,
             BLOCK_M=8 if m == 1 else m, BLOCK_N=64, BLOCK_K=128, num_warps=4), 4)

@@ -415,38 +415,44 @@ COMPILE_CASES = [(1, 3584, 37888), (1, 18944, 3584), (16, 3584, 4608), (64, 3584
 WGMMA_CASES = [(32, 64, 128, 4), (64, 128, 128, 8), (128, 128, 128, 8)]
 
 
+def mma_signature(s_ptr: str = "*fp16", z_ptr: str = "*i32") -> dict:
+    """_w4a16_mma_kernel's runtime arguments and their types, for _compile_sm90 (scales and zero points by mode:
+    fp16 / int32 packed zeros, int16 / int32 k-quant codes, fp16 / fp16 offsets, fp16 / int32 Q6_K high bits)."""
+    ptrs = dict(x_ptr="*fp16", w_ptr="*i32", s_ptr=s_ptr, z_ptr=z_ptr, out_ptr="*fp16", ws_ptr="*fp32",
+                cnt_ptr="*i32", bias_ptr="*fp16", r_ptr="*fp16", ss_ptr="*fp32", g_ptr="*fp16", eps="fp32",
+                ss_count="i32", ml_ptr="*fp32", sl_ptr="*i32", vs_ptr="*fp32", vs_val="fp32")
+    return dict(ptrs, **{a: "i32" for a in ("M", "N", "K", "KP", "stride_xm", "stride_om", "stride_sg", "stride_zg",
+                                            "iters_per_split", "n_splits")})
+
+
 def compile_cases() -> dict:
     """The dispatcher's mma configurations for the Qwen2.5-7B shapes and the dequantize kernel, compiled for sm90."""
     from quant_serve.kernels.w4a16.mma import _w4a16_mma_kernel, mma_variant
     from quant_serve.kernels.w4a16.frag_tiles import _frag_dequant_kernel
     from quant_serve.kernels.w4a16.rules import select_mma_config
-    ptrs = dict(x_ptr="*fp16", w_ptr="*i32", s_ptr="*fp16", z_ptr="*i32", out_ptr="*fp16", ws_ptr="*fp32",
-                cnt_ptr="*i32", bias_ptr="*fp16", r_ptr="*fp16", ss_ptr="*fp32", g_ptr="*fp16", eps="fp32",
-                ss_count="i32", ml_ptr="*fp32", sl_ptr="*i32", vs_ptr="*fp32", vs_val="fp32")
-    ints = {a: "i32" for a in ("M", "N", "K", "KP", "stride_xm", "stride_om", "stride_sg", "stride_zg",
-                               "iters_per_split", "n_splits")}
+    sig = mma_signature()
     out = {}
     for m, k, n in COMPILE_CASES:
         cfg = select_mma_config(m, k, n)
         v = mma_variant(m, k, 128, cfg.block_n, cfg.block_k, cfg.split_k, False)
-        out[f"{m}-{k}-{n}"] = _compile_sm90(_w4a16_mma_kernel, dict(ptrs, **ints), dict(
+        out[f"{m}-{k}-{n}"] = _compile_sm90(_w4a16_mma_kernel, sig, dict(
             HAS_BIAS=False, SPLIT=cfg.split_k > 1, ONE_LAUNCH=cfg.one_launch, GROUP=128, ZP_MODE=1,
             EVEN_N=True, EVEN_K=True, X_SMEM=m > 1, WGMMA=False, PDL=True, SCALE_AFTER=v.scale_after,
             X_STEPS=v.x_steps, SWIGLU=False, A_SMEM=False, X_ONCE=v.x_once,
             BLOCK_M=8 if m <= 8 else 16 if m <= 16 else 64,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps), cfg.num_warps)
     for m, bn, bk, nw in WGMMA_CASES:                 # sm90, M = 17..128
-        out[f"wgmma-{m}-{bn}-{bk}-{nw}"] = _compile_sm90(_w4a16_mma_kernel, dict(ptrs, **ints), dict(
+        out[f"wgmma-{m}-{bn}-{bk}-{nw}"] = _compile_sm90(_w4a16_mma_kernel, sig, dict(
             HAS_BIAS=True, SPLIT=True, ONE_LAUNCH=False, GROUP=128, ZP_MODE=1, EVEN_N=True, EVEN_K=True,
             X_SMEM=True, WGMMA=True, PDL=True, SCALE_AFTER=False, X_STEPS=0, SWIGLU=False, A_SMEM=m > 64, BLOCK_M=m,
             BLOCK_N=bn, BLOCK_K=bk, num_warps=nw), nw)
     # gate_up at M = 1 with the SwiGLU in the epilogue: 64 columns, one split, x staged
-    out["swiglu"] = _compile_sm90(_w4a16_mma_kernel, dict(ptrs, **ints), dict(
+    out["swiglu"] = _compile_sm90(_w4a16_mma_kernel, sig, dict(
         HAS_BIAS=False, SPLIT=False, ONE_LAUNCH=False, GROUP=128, ZP_MODE=1, EVEN_N=True, EVEN_K=True,
         X_SMEM=False, WGMMA=False, PDL=True, SCALE_AFTER=True, X_STEPS=32, SWIGLU=True, A_SMEM=False, BLOCK_M=8,
         BLOCK_N=64, BLOCK_K=128, num_warps=4), 4)
     # the decode step's gate_up at M = 1: 64 columns, two splits, the split with the last ticket applies it
-    out["swiglu_split"] = _compile_sm90(_w4a16_mma_kernel, dict(ptrs, **ints), dict(
+    out["swiglu_split"] = _compile_sm90(_w4a16_mma_kernel, sig, dict(
         HAS_BIAS=False, SPLIT=True, ONE_LAUNCH=True, GROUP=128, ZP_MODE=1, EVEN_N=True, EVEN_K=True,
         X_SMEM=False, WGMMA=False, PDL=True, SCALE_AFTER=True, X_STEPS=16, SWIGLU=True, A_SMEM=False, BLOCK_M=8,
         BLOCK_N=64, BLOCK_K=128, num_warps=4), 4)
@@ -456,7 +462,7 @@ def compile_cases() -> dict:
                                    ("norm_qkv", 3584, 4608, False, "NORM"), ("norm_gate_up", 3584, 37888, True, "NORM")):
         cfg = select_mma_config(1, k, n, silu_mul=silu)
         v = mma_variant(1, k, 128, cfg.block_n, cfg.block_k, cfg.split_k, False)
-        out[name] = _compile_sm90(_w4a16_mma_kernel, dict(ptrs, **ints), dict(
+        out[name] = _compile_sm90(_w4a16_mma_kernel, sig, dict(
             HAS_BIAS=name == "norm_qkv", SPLIT=v.splits > 1, ONE_LAUNCH=True, GROUP=128, ZP_MODE=1,
             EVEN_N=True, EVEN_K=True, X_SMEM=False, WGMMA=False, PDL=True, SCALE_AFTER=v.scale_after,
             X_STEPS=v.x_steps, SWIGLU=silu, A_SMEM=False, BLOCK_M=8, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
@@ -464,7 +470,7 @@ def compile_cases() -> dict:
             num_warps=cfg.num_warps), cfg.num_warps, cfg.max_regs or None)
     # o at M = 1 merging the batch-1 decode's 16 split partials as it stages x (fp8 KV: the scale by pointer)
     cfg = select_mma_config(1, 3584, 3584)
-    out["merge_o"] = _compile_sm90(_w4a16_mma_kernel, dict(ptrs, **ints, x_ptr="*fp32"), dict(
+    out["merge_o"] = _compile_sm90(_w4a16_mma_kernel, dict(sig, x_ptr="*fp32"), dict(
         HAS_BIAS=False, SPLIT=True, ONE_LAUNCH=True, GROUP=128, ZP_MODE=1, EVEN_N=True, EVEN_K=True,
         X_SMEM=False, WGMMA=False, PDL=True, SCALE_AFTER=True, X_STEPS=4, SWIGLU=False, A_SMEM=False, BLOCK_M=8,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, RESIDUAL=True, SS_P2=64, PRELOAD=True, MERGE_SPLITS=16,

@@ -241,12 +241,8 @@ def compile_offset_cases() -> dict:
     from quant_serve.kernels.w4a16.frag_tiles import _frag_dequant_kernel
     from quant_serve.kernels.w4a16.mma import _w4a16_mma_kernel, mma_variant
     from quant_serve.kernels.w4a16.rules import select_mma_config
-    from tests.test_kernels_w4a16_mma import _compile_sm90
-    ptrs = dict(x_ptr="*fp16", w_ptr="*i32", s_ptr="*fp16", z_ptr="*fp16", out_ptr="*fp16", ws_ptr="*fp32",
-                cnt_ptr="*i32", bias_ptr="*fp16", r_ptr="*fp16", ss_ptr="*fp32", g_ptr="*fp16", eps="fp32",
-                ss_count="i32", ml_ptr="*fp32", sl_ptr="*i32", vs_ptr="*fp32", vs_val="fp32")
-    ints = {a: "i32" for a in ("M", "N", "K", "KP", "stride_xm", "stride_om", "stride_sg", "stride_zg",
-                               "iters_per_split", "n_splits")}
+    from tests.test_kernels_w4a16_mma import _compile_sm90, mma_signature
+    sig = mma_signature("*fp16", "*fp16")
     out = {}
     for name, m, k, n, wgmma, residual in (("qkv-1", 1, 3584, 4608, False, False),
                                            ("down-1", 1, 18944, 3584, False, False),
@@ -255,7 +251,7 @@ def compile_offset_cases() -> dict:
                                            ("residual-o-1", 1, 3584, 3584, False, True)):
         cfg = select_mma_config(m, k, n, wgmma)
         v = mma_variant(m, k, 32, cfg.block_n, cfg.block_k, cfg.split_k, wgmma, scale_after=False)
-        out[name] = _compile_sm90(_w4a16_mma_kernel, dict(ptrs, **ints), dict(
+        out[name] = _compile_sm90(_w4a16_mma_kernel, sig, dict(
             HAS_BIAS=False, SPLIT=v.splits > 1, ONE_LAUNCH=cfg.one_launch, GROUP=32, ZP_MODE=2, EVEN_N=True,
             EVEN_K=True, X_SMEM=m > 1 or wgmma, WGMMA=wgmma, PDL=True, SCALE_AFTER=False, X_STEPS=v.x_steps,
             SWIGLU=False, A_SMEM=False, X_ONCE=v.x_once, PRELOAD=False,       # w4a16_mma: none below a step's group
