@@ -202,8 +202,8 @@ def test_dummy_q4_k_m_mix(tmp_path):
     assert isinstance(q4, QuantLinear) and q4.output_sizes == [512, 128] and isinstance(q6, W8Linear) and q6.q6k_planes
     assert isinstance(layers[1].mlp.gate_up_proj, QuantLinear) and layers[1].mlp.gate_up_proj.superscales is not None
     assert engine.quant_config.describe_paths() == (
-        f"24 INT4 Q4_K (W4A16, two-level scales, 4.625 bits), 4 {MERGED}, 4 Q6_K (W8A16 kernels, 6-bit planes, "
-        "6.5625 bits)")
+        f"24 INT4 Q4_K (W4A16, two-level scales, 4.625 bits), 4 {MERGED}, 4 Q6_K (6-bit: W4A16 fragment layout, 7 "
+        "bits, on CUDA fp16; else W8A16 kernels, planes, 6.5625 bits)")
     plan = plan_memory(TINY, weights_dtype="float16", quantization="gguf:Q4_K_M")
     assert plan.weights_source == "gguf: Q4_K x 48, Q6_K x 8"
     assert plan.weights_bytes == _loaded_bytes(engine.model)         # the dummy holds what a file's layers hold
