@@ -17,8 +17,10 @@ WEIGHT_FORMATS = {
     "w4-kquant": "INT4 with GGUF Q4_K's two-level scales as stored (int16 sub-codes per 32, fp16 d and dmin per 256; "
                  "a layer of Q4_K shards)",
     "w8": "int8 codes with float scales and offsets (GGUF Q8_0 / Q5_0 / Q5_1, Q5_K / Q6_K merged with those)",
-    "q6k": "GGUF Q6_K at 6 bits (a layer of Q6_K shards): code planes, int8 sub-scales per 16, fp16 d per 256, "
-           "read by the W8A16 kernels",
+    "q6k": "GGUF Q6_K at 6 bits (a layer of Q6_K shards): with fp16 activations in the W4A16 fragment layout "
+           "(low nibbles as INT4 words, the top 2 bits beside them, fp16 d * sc per 16; 7 bits), read by the W4A16 "
+           "tensor-core kernels; with bf16 code planes, int8 sub-scales per 16, fp16 d per 256, read by the W8A16 "
+           "kernels",
     "q5k": "GGUF Q5_K at 5 bits (a layer of Q5_K shards): 4-bit + 1-bit code planes, Q4_K's two-level scales "
            "(int16 sub-codes per 32, int32 d | dmin per 256), read by the W8A16 kernels",
 }
@@ -56,18 +58,27 @@ def explain(caps, options, cfg, ms: list[int], group_size: int, dtype, context: 
             weight_format: str = "w4") -> dict:
     """The whole plan as a dict: the GPU, the weight format, the quantized layers (layout, then kernel per M),
     decode attention."""
+    import torch
+
     from quant_serve.kernels.paged_attention import decode_config, split_count
+    from quant_serve.kernels.w4a16.frag import ZP_INT4, ZP_KQUANT, ZP_OFFSETS, ZP_Q6
     from quant_serve.kernels.w4a16.plan import layout_for, plan_w4a16
     from quant_serve.kernels.w4a16.rules import measured_on
     from quant_serve.kernels.w8a16.plan import plan_w8a16
     rules = measured_on(caps.family) or f"derived for {caps.family} (no table measured on this family)"
+    q6_frag = weight_format == "q6k" and dtype == torch.float16          # as W8Linear holds Q6_K on CUDA fp16
+    w8 = weight_format in W8_FORMATS and not q6_frag
+    zp_mode = {"w4-offsets": ZP_OFFSETS, "w4-kquant": ZP_KQUANT, "q6k": ZP_Q6}.get(weight_format, ZP_INT4)
     out = {"gpu": dataclasses.asdict(caps), "options": dataclasses.asdict(options),
            "weight_format": weight_format, "weight_format_why": WEIGHT_FORMATS[weight_format],
-           "rules": "W8A16: derived, not measured (kernels/w8a16/plan.py)" if weight_format in W8_FORMATS else rules,
+           "rules": "W8A16: derived, not measured (kernels/w8a16/plan.py)" if w8 else rules,
            "layers": [], "attention": []}
     for name, (k, n) in layer_shapes(cfg).items():
         if weight_format == "w8":
             layout, why = "int8", "int8 codes [K, N], scales / offsets [G, N] (kernels/w8a16/reference.py)"
+        elif q6_frag:
+            layout, why = "frag", "Q6_K in the fragment layout (kernels/w4a16/frag6.py: 7 bits; the planes convert " \
+                                  "at load where the device's Q6_K probe passes)"
         elif weight_format == "q6k":
             layout, why = "q6k-planes", "4-bit + 2-bit code planes, int8 sub-scales, fp16 d (kernels/w8a16/q6k.py)"
         elif weight_format == "q5k":
@@ -86,8 +97,7 @@ def explain(caps, options, cfg, ms: list[int], group_size: int, dtype, context: 
         for m in ms:
             p = plan_w8a16(m, k, n, {"q6k": 16, "q5k": 32}.get(weight_format, group_size), caps.sms,
                            weight_format if weight_format in ("q6k", "q5k") else "int8") \
-                if weight_format in W8_FORMATS else \
-                plan_w4a16(m, k, n, caps, options, layout, dtype, name == "gate_up_proj")
+                if w8 else plan_w4a16(m, k, n, caps, options, layout, dtype, name == "gate_up_proj", zp_mode=zp_mode)
             rows.append({"m": m, "kernel": p.kernel, "why": p.why,
                          "config": dataclasses.asdict(p.config) if p.config else None})
         out["layers"].append({"name": name, "k": k, "n": n, "layout": layout, "layout_why": why, "plans": rows})

@@ -57,3 +57,14 @@ def test_explain_gguf_weight_formats(capsys):
     assert "group 32" in next(e for e in w8["layers"] if e["name"] == "o_proj")["plans"][0]["why"]
     assert main(["kernels", "--explain", "--gpu", "a10", "--model", QWEN, "--m", "1", "--weight-format", "w8"]) == 0
     assert "int8 codes" in capsys.readouterr().out
+
+
+def test_explain_q6k_names_the_layout_its_dtype_runs(capsys):
+    """Q6_K with fp16 activations: the W4A16 fragment layout and its tensor-core kernels (gate_up at M = 1 without
+    the register cap); with bf16 the code planes and the W8A16 GEMV."""
+    fp16 = explain(capsys, "h200", "--weight-format", "q6k")
+    assert {e["layout"] for e in fp16["layers"]} == {"frag"} and "frag6" in fp16["layers"][0]["layout_why"]
+    gate_up = next(e for e in fp16["layers"] if e["name"] == "gate_up_proj")["plans"][0]
+    assert gate_up["kernel"] == "mma.sync" and gate_up["config"]["max_regs"] == 0
+    bf16 = explain(capsys, "h200", "--weight-format", "q6k", "--dtype", "bfloat16")
+    assert {e["layout"] for e in bf16["layers"]} == {"q6k-planes"} and bf16["rules"].startswith("W8A16")

@@ -140,3 +140,17 @@ def test_gluon_q6_kernels_compile_for_sm90_without_spills():
     for name, r in res.items():
         assert r["stack"] == 0, (name, r)
         assert r["hgmma"] if name == "wgmma" else r["hmma"], (name, r)
+
+
+def test_plan_caps_registers_only_where_the_dequant_fits_the_cap():
+    """gate_up at M = 1 (two splits, SwiGLU): the one-wave register cap for INT4 codes and Q4_K, none for float
+    offsets and Q6_K (their loops need 72 and 102 registers; capped at 56 they spill, offsets 47.4 against 35.6 us)."""
+    from quant_serve.kernels.gpu import PROFILES
+    from quant_serve.kernels.w4a16.frag import ZP_INT4, ZP_KQUANT, ZP_OFFSETS
+    from quant_serve.kernels.w4a16.plan import plan_w4a16
+    caps = PROFILES["h200"]
+    regs = {zp: plan_w4a16(1, 3584, 37888, caps, silu_mul=True, zp_mode=zp).config.max_regs
+            for zp in (ZP_INT4, ZP_KQUANT, ZP_OFFSETS, ZP_Q6)}
+    assert regs[ZP_INT4] == regs[ZP_KQUANT] == 56 and regs[ZP_OFFSETS] == regs[ZP_Q6] == 0, regs
+    plan = plan_w4a16(1, 3584, 37888, caps, silu_mul=True, zp_mode=ZP_Q6)
+    assert plan.config.split_k == 2 and "no register cap" in plan.why

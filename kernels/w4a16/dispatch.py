@@ -112,7 +112,7 @@ def call_plan(x: torch.Tensor, w: "W4A16Weights | FragWeights", silu_mul: bool =
     m, k = x.shape
     if isinstance(w, FragWeights):
         return plan_w4a16(m, k, w.out_features, runtime.caps, runtime.options, "frag", x.dtype, silu_mul,
-                          tma_works_for(x, w))
+                          tma_works_for(x, w), w.zp_mode)
     return plan_w4a16(m, k, w.out_features, runtime.caps, runtime.options, "rows", x.dtype, silu_mul)
 
 

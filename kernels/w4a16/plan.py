@@ -14,6 +14,7 @@ from functools import lru_cache
 import torch
 
 from quant_serve.kernels.gpu import GPUCaps, KernelOptions, KernelRuntime, runtime_for
+from quant_serve.kernels.w4a16.frag import ZP_OFFSETS, ZP_Q6
 from quant_serve.kernels.w4a16.rules import (MMA_MAX_M, TMA_MAX_M, TMA_MIN_M, WGMMA_MAX_M, MMAConfig, TMAConfig,
                                              W4A16Config, measured_on, select_config, select_mma_config,
                                              select_tma_config)
@@ -55,9 +56,12 @@ def layout_for(k: int, n: int, group_size: int, scales_dtype: torch.dtype, caps:
 @lru_cache(maxsize=4096)
 def plan_w4a16(m: int, k: int, n: int, caps: GPUCaps, options: KernelOptions = KernelOptions(),
                layout: str = "frag", dtype: torch.dtype = torch.float16, silu_mul: bool = False,
-               tma_fits: bool = True) -> KernelPlan:
+               tma_fits: bool = True, zp_mode: int = 1) -> KernelPlan:
     """The kernel for x [M, K] @ W [K, N] (INT4) on a GPU with `caps`, the weights in `layout`. silu_mul: the call
-    also applies SwiGLU to the output (gate | up). tma_fits: the call's x suits TMA (16-byte aligned rows)."""
+    also applies SwiGLU to the output (gate | up). tma_fits: the call's x suits TMA (16-byte aligned rows). zp_mode:
+    the fragment weights' (frag.py; float offsets and Q6_K take no register cap: their M = 1 loop needs 72 and 102
+    registers, and capped at 56 spills 88 and 176 bytes, offline sm90; gate_up with offsets 35.6 us uncapped
+    against 47.4 capped, bench/results/kernels-gguf-q4k-h100.json)."""
     if layout == "rows":
         return _plan_rows(m, k, n, caps)
     if dtype != torch.float16:
@@ -77,10 +81,13 @@ def plan_w4a16(m: int, k: int, n: int, caps: GPUCaps, options: KernelOptions = K
         top = WGMMA_MAX_M if caps.wgmma else MMA_MAX_M
         return KernelPlan("dequant+cublas", None, f"M = {m} > {top}{why_not_tma}: dequantize the fragment layout "
                                                   "once, then cuBLAS")
+    uncapped = ""
+    if cfg.max_regs and zp_mode in (ZP_OFFSETS, ZP_Q6):
+        cfg, uncapped = replace(cfg, max_regs=0), ", no register cap (its dequant needs more than the cap)"
     kind = "wgmma" if cfg.wgmma else "mma.sync"
     band = "M = 17.." + str(WGMMA_MAX_M) if cfg.wgmma else f"M <= {MMA_MAX_M}"
     return KernelPlan(kind, cfg, f"{band}{why_not_tma}: {kind} over the fragment layout, {cfg.split_k} K "
-                                 f"split(s) for {caps.sms} SMs (rules.select_mma_config, {_where(caps)})")
+                                 f"split(s) for {caps.sms} SMs{uncapped} (rules.select_mma_config, {_where(caps)})")
 
 
 def _plan_rows(m: int, k: int, n: int, caps: GPUCaps) -> KernelPlan:

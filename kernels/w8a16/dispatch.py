@@ -2,6 +2,7 @@
 plan.plan_w8a16 names (kernels.py): the split-K GEMV up to M = 16, dequantize + cuBLAS above."""
 import torch
 
+from quant_serve.kernels.w4a16.frag import FragWeights
 from quant_serve.kernels.w8a16.plan import W8A16Config, plan_w8a16
 from quant_serve.kernels.w8a16.q5k import Q5_GROUP, Q5KWeights, q5k_dequantize
 from quant_serve.kernels.w8a16.q6k import Q6_GROUP, Q6KWeights, q6k_codes, q6k_dequantize, q6k_scales
@@ -13,7 +14,6 @@ def prepare_q6k(w: Q6KWeights, act_dtype: torch.dtype) -> "Q6KWeights | FragWeig
     the W4A16 tensor-core kernels probed right for Q6_K, the fragment layout (kernels/w4a16/frag6.py: 7 bits a
     weight, ~4 SASS instructions a weight against 11-13 in the plane GEMV); otherwise the planes. Converted in
     column chunks, so a 152k-row head's int32 temporaries stay near 256 MB."""
-    from quant_serve.kernels.w4a16.frag import FragWeights
     from quant_serve.kernels.w4a16.frag6 import pack_frag6
     from quant_serve.kernels.w4a16.plan import frag6_works
     k, n = w.in_features, w.out_features
