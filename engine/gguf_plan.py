@@ -18,9 +18,9 @@ from collections import Counter
 
 from gguf import GGMLQuantizationType as T
 
+from quant_serve.kernels.w4a16.frag6 import frag6_bytes
 from quant_serve.kernels.w4a16.kquant import kquant_bytes
 from quant_serve.kernels.w8a16.q5k import q5k_bytes
-from quant_serve.kernels.w4a16.frag6 import frag6_bytes
 from quant_serve.quant.formats.gguf_types import group_size_of, path_of
 
 _OFFSETS = (T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_1, T.Q5_K)       # loaded with a float offset per group

@@ -66,6 +66,18 @@ def test_cpu_q6k_layer_keeps_its_planes():
     assert prepare_q6k(w, torch.float16) is w
 
 
+def test_q6k_to_frag6_in_column_chunks_equals_one_pack():
+    """The load-time conversion (column chunks, as a 152k-row head takes) joins its chunks into the layout one pack
+    of the whole matrix gives: every code and scale where the kernels read it."""
+    from quant_serve.kernels.w8a16.dispatch import q6k_to_frag6
+    w = q6k_layer(320, 80, seed=7)
+    whole = pack_frag6(q6k_codes(w), q6k_scales(w))
+    chunked = q6k_to_frag6(w, max_elems=320 * 32)                          # 32 columns a chunk: 3 chunks
+    for name in ("words", "hi", "scales"):
+        assert torch.equal(getattr(chunked, name), getattr(whole, name)), name
+    assert torch.equal(frag6_codes(chunked), q6k_codes(w)) and chunked.zp_mode == ZP_Q6
+
+
 # GPU: the Gluon kernels do not run in the interpreter
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the GPU machine)")
 

@@ -14,7 +14,7 @@ from functools import lru_cache
 import torch
 
 from quant_serve.kernels.gpu import GPUCaps, KernelOptions, KernelRuntime, runtime_for
-from quant_serve.kernels.w4a16.frag import ZP_OFFSETS, ZP_Q6
+from quant_serve.kernels.w4a16.frag import ZP_INT4, ZP_OFFSETS, ZP_Q6
 from quant_serve.kernels.w4a16.rules import (MMA_MAX_M, TMA_MAX_M, TMA_MIN_M, WGMMA_MAX_M, MMAConfig, TMAConfig,
                                              W4A16Config, measured_on, select_config, select_mma_config,
                                              select_tma_config)
@@ -56,7 +56,7 @@ def layout_for(k: int, n: int, group_size: int, scales_dtype: torch.dtype, caps:
 @lru_cache(maxsize=4096)
 def plan_w4a16(m: int, k: int, n: int, caps: GPUCaps, options: KernelOptions = KernelOptions(),
                layout: str = "frag", dtype: torch.dtype = torch.float16, silu_mul: bool = False,
-               tma_fits: bool = True, zp_mode: int = 1) -> KernelPlan:
+               tma_fits: bool = True, zp_mode: int = ZP_INT4) -> KernelPlan:
     """The kernel for x [M, K] @ W [K, N] (INT4) on a GPU with `caps`, the weights in `layout`. silu_mul: the call
     also applies SwiGLU to the output (gate | up). tma_fits: the call's x suits TMA (16-byte aligned rows). zp_mode:
     the fragment weights' (frag.py; float offsets and Q6_K take no register cap: their M = 1 loop needs 72 and 102
@@ -197,11 +197,11 @@ def _frag6_works(device_index: int) -> bool:
     calls = [("tensor-core kernel", 1, w4a16_mma)]
     if runtime.caps.wgmma:
         calls.append(("wgmma kernel", 17, lambda x, fw: w4a16_mma(x, fw, block_n=64, wgmma=True)))
+    dev = torch.device("cuda", device_index)
+    fw = pack_frag6(torch.full((64, 64), 3, dtype=torch.int32, device=dev),
+                    torch.ones(4, 64, dtype=torch.float16, device=dev))
     for kernel, rows, call in calls:
         try:
-            dev = torch.device("cuda", device_index)
-            fw = pack_frag6(torch.full((64, 64), 3, dtype=torch.int32, device=dev),
-                            torch.ones(4, 64, dtype=torch.float16, device=dev))
             y = call(torch.ones(rows, 64, dtype=torch.float16, device=dev), fw)
             if bool((y == 192).all()):
                 continue

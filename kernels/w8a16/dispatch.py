@@ -12,21 +12,23 @@ from quant_serve.kernels.w8a16.reference import w8a16_matmul_ref
 def prepare_q6k(w: Q6KWeights, act_dtype: torch.dtype) -> "Q6KWeights | FragWeights":
     """Q6_K planes -> the layout its GPU kernels read, once at load: on CUDA with fp16 activations, N % 16 == 0 and
     the W4A16 tensor-core kernels probed right for Q6_K, the fragment layout (kernels/w4a16/frag6.py: 7 bits a
-    weight, ~4 SASS instructions a weight against 11-13 in the plane GEMV); otherwise the planes. Converted in
-    column chunks, so a 152k-row head's int32 temporaries stay near 256 MB."""
-    from quant_serve.kernels.w4a16.frag6 import pack_frag6
+    weight, ~4 SASS instructions a weight against 11-13 in the plane GEMV); otherwise the planes."""
     from quant_serve.kernels.w4a16.plan import frag6_works
-    k, n = w.in_features, w.out_features
-    if not w.planes.is_cuda or act_dtype != torch.float16 or n % 16 or k % 16 or not frag6_works(w.planes.device):
+    if not w.planes.is_cuda or act_dtype != torch.float16 or w.out_features % 16 or w.in_features % 16 \
+            or not frag6_works(w.planes.device):
         return w
-    step = max(16, (1 << 26) // k // 16 * 16)
-    parts = []
-    for c0 in range(0, n, step):
-        c1 = min(n, c0 + step)
-        part = Q6KWeights(w.planes[:, c0:c1], w.sub_scales[:, c0:c1], w.d[:, c0:c1])
-        parts.append(pack_frag6(q6k_codes(part), q6k_scales(part)))
-    if len(parts) == 1:
-        return parts[0]
+    return q6k_to_frag6(w)
+
+
+def q6k_to_frag6(w: Q6KWeights, max_elems: int = 1 << 26) -> FragWeights:
+    """Q6_K planes -> the fragment layout, converted in column chunks of at most max_elems weights (a multiple of
+    16 columns), so a 152k-row head's int32 temporaries stay near 256 MB."""
+    from quant_serve.kernels.w4a16.frag6 import pack_frag6
+    k, n = w.in_features, w.out_features
+    step = max(16, max_elems // k // 16 * 16)
+    parts = [pack_frag6(q6k_codes(part), q6k_scales(part))
+             for part in (Q6KWeights(w.planes[:, c:c + step], w.sub_scales[:, c:c + step], w.d[:, c:c + step])
+                          for c in range(0, n, step))]
     return FragWeights(torch.cat([p.words for p in parts]), torch.cat([p.scales for p in parts], dim=1), None, 16,
                        k, n, hi=torch.cat([p.hi for p in parts]))
 
