@@ -24,7 +24,7 @@ from quant_serve.kernels.gpu import PROFILE_NAMES, KernelOptions
 from quant_serve.server.bench_offline import decode_bytes_per_step, measure_copy_bandwidth, run_offline
 from quant_serve.server.cli_bench import _metadata
 
-PROFILE = ["this"]    # --profile: the GPU profile every engine of this run assumes
+KERNELS = [KernelOptions()]    # --profile / --no-fold-norms: the kernel options every engine of this run takes
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 CONFIGS = {"qwen2.5-7b-awq": SHARED / "configs" / "qwen2.5-7b-instruct",
@@ -43,7 +43,7 @@ def engine_for(config_dir: Path, kv: str, max_num_seqs: int, max_model_len: int,
         enforce_eager=enforce_eager, quantize_lm_head=int4_head,
         cache=CacheConfig(kv_cache_dtype=kv, gpu_memory_gb=24.0, gpu_memory_utilization=0.90),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=batched_tokens),
-        kernels=KernelOptions(profile=PROFILE[0])), show_progress=False)
+        kernels=KERNELS[0]), show_progress=False)
 
 
 def hf_generate(config_dir: Path, batch: int, prompt_len: int = 128, new_tokens: int = 128) -> float:
@@ -113,10 +113,12 @@ def main() -> int:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--profile", default="this", choices=PROFILE_NAMES, help="GPU profile (kernels/gpu.py)")
+    parser.add_argument("--fold-norms", default=True, action=argparse.BooleanOptionalAction,
+                        help="batch 1: RMSNorms folded into the matmuls (KernelOptions.fold_norms)")
     parser.add_argument("--only", default="", help="run only the runs whose key contains one of these (comma-separated)")
     parser.add_argument("--skip", default="", help="skip the runs whose key contains one of these (comma-separated)")
     args = parser.parse_args()
-    PROFILE[0] = args.profile
+    KERNELS[0] = KernelOptions(profile=args.profile, fold_norms=args.fold_norms)
     n_conc = 32 if args.quick else 256
     result = {"metadata": _metadata(args), "runs": {}}
     bandwidth = measure_copy_bandwidth()

@@ -54,3 +54,38 @@ def test_folded_decoder_path_matches_the_plain_one(monkeypatch):
             assert abs(la.logprob - lb.logprob) < 1e-3
             assert [t for t, _ in la.top] == [t for t, _ in lb.top]
             assert max(abs(x - y) for (_, x), (_, y) in zip(la.top, lb.top)) < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["q4k", "q6k"])
+def test_gpu_fold_kernels_with_gguf_layouts_match_unfused(mode):
+    """The residual epilogue and the normed prologue (plain and SwiGLU) over Q4_K's two-level scales and Q6_K's
+    fragment layout, against the dense matmul of the same weights around the twins."""
+    from quant_serve.kernels.w4a16.fold import folded_norm_applies, w4a16_normed, w4a16_residual
+    k = n = 512
+    if mode == "q4k":
+        from quant_serve.kernels.w4a16.dispatch import prepare_kernel_weights
+        from tests.test_kernels_w4a16_kquant import q4_k_layer
+        _, dense, qweight, sub, sup = q4_k_layer(k, n)
+        fw = prepare_kernel_weights(qweight, sub, None, 32, superscales=sup, scale_dtype=torch.float16)
+    else:
+        from quant_serve.kernels.w4a16.frag6 import frag6_dequantize_ref, pack_frag6
+        from quant_serve.kernels.w8a16.q6k import q6k_codes, q6k_scales
+        from tests.test_kernels_w4a16_frag6 import q6k_layer
+        w = q6k_layer(k, n, "cuda")
+        fw = pack_frag6(q6k_codes(w), q6k_scales(w))
+        dense = frag6_dequantize_ref(fw).float().cpu()
+    assert folded_norm_applies(fw) and folded_norm_applies(fw, silu_mul=True)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x, residual = (torch.randn(1, k, generator=gen, device="cuda").half() for _ in range(2))
+
+    def rel(y, ref):
+        return ((y.float().cpu() - ref).norm() / ref.norm()).item()
+    h, ss = w4a16_residual(x, fw, residual)
+    assert rel(h, x.float().cpu() @ dense + residual.float().cpu()) < 2e-3
+    torch.testing.assert_close(ss.sum(), h.float().pow(2).sum(), rtol=1e-5, atol=0)
+    norm = FoldedNorm(ss, (torch.rand(k, generator=gen, device="cuda") + 0.5).half(), 1e-6)
+    r = folded_norm_ref(h, norm).float().cpu() @ dense
+    assert rel(w4a16_normed(h, fw, norm), r) < 2e-3
+    swiglu = torch.nn.functional.silu(r[:, : n // 2]) * r[:, n // 2:]
+    assert rel(w4a16_normed(h, fw, norm, silu_mul=True), swiglu) < 5e-3

@@ -14,7 +14,7 @@ from quant_serve.kernels.gpu import device_sms
 from quant_serve.kernels.w4a16.fold_tiles import FOLD_TILE, FoldedNorm  # noqa: F401 - FoldedNorm: callers' type
 from quant_serve.kernels.w4a16.frag import FragWeights
 from quant_serve.kernels.w4a16.mma import mma_variant, w4a16_mma
-from quant_serve.kernels.w4a16.rules import select_mma_config
+from quant_serve.kernels.w4a16.plan import mma_config
 
 
 def folded_norm_applies(w, silu_mul: bool = False) -> bool:
@@ -25,7 +25,7 @@ def folded_norm_applies(w, silu_mul: bool = False) -> bool:
     if not isinstance(w, FragWeights) or w.perm is not None:
         return False
     k, kp, n = w.in_features, w.words.shape[1] // 2, w.out_features
-    cfg = select_mma_config(1, k, n, False, silu_mul)
+    cfg = mma_config(1, k, n, w.zp_mode, False, silu_mul)
     if cfg is None or cfg.block_n != FOLD_TILE or cfg.wgmma or not cfg.one_launch:
         return False
     group = w.group_size if w.scales.shape[0] > 1 else 0
@@ -53,7 +53,7 @@ def w4a16_residual(x: torch.Tensor | DecodePartials, w: FragWeights, residual: t
     folded_norm_applies. x may be a batch-1 decode's split partials (kernels/attention_merge.DecodePartials),
     merged while the kernel stages them."""
     k, device = (x.features, x.o.device) if isinstance(x, DecodePartials) else (x.shape[1], x.device)
-    cfg = select_mma_config(1, k, w.out_features, False, False, device_sms(device))
+    cfg = mma_config(1, k, w.out_features, w.zp_mode, sms=device_sms(device))
     return w4a16_mma(x, w, bias, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps, cfg.one_launch,
                      residual=residual.contiguous(), max_regs=cfg.max_regs)
 
@@ -62,6 +62,6 @@ def w4a16_normed(h: torch.Tensor, w: FragWeights, norm, bias: torch.Tensor | Non
                  silu_mul: bool = False) -> torch.Tensor:
     """h [1, K] (a w4a16_residual output), norm a FoldedNorm of its sums -> RMSNorm(h) * weight
     @ W (+ bias), or its SwiGLU with silu_mul. Where folded_norm_applies."""
-    cfg = select_mma_config(1, h.shape[1], w.out_features, False, silu_mul, device_sms(h.device))
+    cfg = mma_config(1, h.shape[1], w.out_features, w.zp_mode, False, silu_mul, device_sms(h.device))
     return w4a16_mma(h, w, bias, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps, cfg.one_launch, silu_mul,
                      norm=norm, max_regs=cfg.max_regs)

@@ -76,18 +76,29 @@ def plan_w4a16(m: int, k: int, n: int, caps: GPUCaps, options: KernelOptions = K
                                              f"stream-K over {caps.sms} SMs (rules.select_tma_config, {_where(caps)})")
         why_not_tma = " (no TMA)" if not caps.tma else " (TMA off)" if not options.tma else \
             " (x rows not 16-byte aligned for TMA)" if not tma_fits else ""
-    cfg = select_mma_config(m, k, n, caps.wgmma, silu_mul, caps.sms)
+    cfg = mma_config(m, k, n, zp_mode, caps.wgmma, silu_mul, caps.sms)
     if cfg is None:
         top = WGMMA_MAX_M if caps.wgmma else MMA_MAX_M
         return KernelPlan("dequant+cublas", None, f"M = {m} > {top}{why_not_tma}: dequantize the fragment layout "
                                                   "once, then cuBLAS")
     uncapped = ""
-    if cfg.max_regs and zp_mode in (ZP_OFFSETS, ZP_Q6):
-        cfg, uncapped = replace(cfg, max_regs=0), ", no register cap (its dequant needs more than the cap)"
+    if zp_mode in _UNCAPPED and select_mma_config(m, k, n, caps.wgmma, silu_mul, caps.sms).max_regs:
+        uncapped = ", no register cap (its dequant needs more than the cap)"
     kind = "wgmma" if cfg.wgmma else "mma.sync"
     band = "M = 17.." + str(WGMMA_MAX_M) if cfg.wgmma else f"M <= {MMA_MAX_M}"
     return KernelPlan(kind, cfg, f"{band}{why_not_tma}: {kind} over the fragment layout, {cfg.split_k} K "
                                  f"split(s) for {caps.sms} SMs{uncapped} (rules.select_mma_config, {_where(caps)})")
+
+
+_UNCAPPED = (ZP_OFFSETS, ZP_Q6)
+
+
+def mma_config(m: int, k: int, n: int, zp_mode: int = ZP_INT4, wgmma: bool = False, silu_mul: bool = False,
+               sms: int = 132) -> MMAConfig | None:
+    """rules.select_mma_config's tile for weights of `zp_mode`, without its register cap for float offsets and
+    Q6_K (their M = 1 loop needs 72 and 102 registers; capped at 56 it spills 88 and 176 bytes, offline sm90)."""
+    cfg = select_mma_config(m, k, n, wgmma, silu_mul, sms)
+    return replace(cfg, max_regs=0) if cfg is not None and cfg.max_regs and zp_mode in _UNCAPPED else cfg
 
 
 def _plan_rows(m: int, k: int, n: int, caps: GPUCaps) -> KernelPlan:
