@@ -24,48 +24,35 @@ from quant_serve.kernels.attention_merge import DecodePartials, merge_partials
 from quant_serve.kernels.gpu import options_for
 from quant_serve.kernels.w4a16.fold import (FoldedNorm, folded_norm_applies, folded_norm_ref, residual_ref,
                                             w4a16_normed, w4a16_residual)
-from quant_serve.kernels.w4a16.frag import FragWeights
 from quant_serve.quant.linear import QuantLinear
-from quant_serve.quant.linear_parts import PartsLinear
-from quant_serve.quant.linear_w8 import W8Linear
 
-_KERNEL_FOLDS: "weakref.WeakKeyDictionary[nn.Module, dict[tuple[bool, bool], bool]]" = weakref.WeakKeyDictionary()
+_KERNEL_FOLDS: "weakref.WeakKeyDictionary[QuantLinear, dict[bool, bool]]" = weakref.WeakKeyDictionary()
 
 
 def applies(model, x: torch.Tensor) -> bool:
     """Does this step take the fused path: one token on CUDA, KernelOptions.fold_norms on, a Llama-style block, and
-    every matmul of every layer in a layout that folds (kernel_folds) with nothing observing it."""
+    every matmul of every layer an INT4 layer whose layout folds (kernel_folds) with nothing observing it (eval's
+    per-layer error hooks must see each layer called on its own)."""
     if x.shape[0] != 1 or not x.is_cuda or not model.folds_norms or not options_for(x.device).fold_norms:
         return False
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        for linear, silu_mul, writes_stream in ((attn.qkv_proj, False, False), (attn.o_proj, False, True),
-                                                (mlp.gate_up_proj, True, False), (mlp.down_proj, False, True)):
-            if _observed(linear) or not kernel_folds(linear, silu_mul, writes_stream):
+        for linear, silu_mul in ((attn.qkv_proj, False), (attn.o_proj, False), (mlp.gate_up_proj, True),
+                                 (mlp.down_proj, False)):
+            if not isinstance(linear, QuantLinear) or _observed(linear) or not kernel_folds(linear, silu_mul):
                 return False
     return True
 
 
-def fold_weights(linear: nn.Module) -> list[tuple[FragWeights, torch.Tensor | None]] | None:
-    """One (fragment weights, bias) a launch: INT4 packed, GGUF Q6_K frag6, each part of a PartsLinear."""
-    if isinstance(linear, PartsLinear):
-        parts = [fold_weights(part) for part in linear.parts]
-        return None if any(p is None for p in parts) else [w for p in parts for w in p]
-    if isinstance(linear, QuantLinear) and linear.parts is None and isinstance(linear.packed, FragWeights):
-        return [(linear.packed, linear.bias)]
-    if isinstance(linear, W8Linear) and linear.frag6 is not None:
-        return [(linear.frag6, linear.bias)]
-    return None
-
-
-def kernel_folds(linear: nn.Module, silu_mul: bool = False, writes_stream: bool = False) -> bool:
+def kernel_folds(linear: QuantLinear, silu_mul: bool = False) -> bool:
+    """The layer's kernel layout can fold a norm (kernels/w4a16/fold.py:folded_norm_applies): the fragment layout,
+    no act-order parts. Asked once per layer and answer (the layout is fixed after load)."""
+    if linear.parts is not None or linear.packed is None:
+        return False
     answers = _KERNEL_FOLDS.setdefault(linear, {})
-    key = (silu_mul, writes_stream)
-    if key not in answers:
-        weights = fold_weights(linear)
-        answers[key] = weights is not None and (len(weights) == 1 or not (silu_mul or writes_stream)) and all(
-            folded_norm_applies(w, silu_mul) for w, _ in weights)
-    return answers[key]
+    if silu_mul not in answers:
+        answers[silu_mul] = folded_norm_applies(linear.packed, silu_mul)
+    return answers[silu_mul]
 
 
 def forward(model, x: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
@@ -87,28 +74,25 @@ def forward(model, x: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tens
     return model.norm(stream)
 
 
-def residual(linear: nn.Module, x: torch.Tensor | DecodePartials, stream: torch.Tensor
+def residual(linear: QuantLinear, x: torch.Tensor | DecodePartials, stream: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [1, K] (or a batch-1 decode's split partials), stream [1, N] -> (x @ W (+ bias) + stream, its sums of
     squares by 64 columns [1, N / 64] fp32): one kernel where the layer folds, else the twin."""
-    folds = kernel_folds(linear, writes_stream=True)
-    if folds:
-        (w, bias), = fold_weights(linear)
+    folds = linear.packed is not None and kernel_folds(linear)
     if isinstance(x, DecodePartials):
         if folds and x.out.dtype == torch.float16 and x.o.shape[0] == 1 and x.features == linear.in_features:
-            return w4a16_residual(x, w, stream, bias)
+            return w4a16_residual(x, linear.packed, stream, linear.bias)
         x = merge_partials(x).reshape(x.out.shape[0], -1)                  # [1, Hq D]
     if folds and x.is_cuda:
-        return w4a16_residual(x, w, stream, bias)
+        return w4a16_residual(x, linear.packed, stream, linear.bias)
     return residual_ref(linear(x), stream)
 
 
-def normed(linear: nn.Module, stream: torch.Tensor, norm: FoldedNorm, silu_mul: bool = False) -> torch.Tensor:
+def normed(linear: QuantLinear, stream: torch.Tensor, norm: FoldedNorm, silu_mul: bool = False) -> torch.Tensor:
     """RMSNorm(stream) * norm.weight @ W (+ bias), optionally its SwiGLU; norm holds the stream's sums of squares
     (residual's). One kernel where the layer folds, else the twin."""
-    if stream.is_cuda and kernel_folds(linear, silu_mul):
-        outs = [w4a16_normed(stream, w, norm, bias, silu_mul) for w, bias in fold_weights(linear)]
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)             # [1, N]
+    if linear.packed is not None and stream.is_cuda and kernel_folds(linear, silu_mul):
+        return w4a16_normed(stream, linear.packed, norm, linear.bias, silu_mul)
     x = folded_norm_ref(stream, norm)
     return linear.forward_silu_mul(x) if silu_mul else linear(x)
 
