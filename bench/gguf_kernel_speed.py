@@ -23,6 +23,8 @@ Formats (how the GGUF loader lays them out, kernels/w4a16/reference.py and kerne
               kernels): what a layer of Q6_K shards keeps on the CPU and in bf16 models
   gguf-q6_k-frag  Q6_K in the W4A16 fragment layout (kernels/w4a16/frag6.py, 7 bits; the W4A16 tensor-core
               kernels): what a CUDA fp16 model makes of a layer of Q6_K shards at load
+  gguf-q5_k-frag  Q5_K in the W4A16 fragment layout (kernels/w4a16/frag5.py, 6 bits: fp16 (s, o) per 32; the W4A16
+              tensor-core kernels): what a CUDA fp16 model makes of a layer of Q5_K shards at load
   q5_k        int8 codes, groups of 32, float offsets (W8A16; 9 bits: Q5_K before the planes, and a Q5_K shard
               merged with a non-K type)
   gguf-q5_k   Q5_K's 5-bit planes + Q4_K's two-level scales (kernels/w8a16/q5k.py, 5.625 bits; the W8A16 kernels):
@@ -38,10 +40,11 @@ import dataclasses
 import torch
 
 from quant_serve.kernels.w4a16.dispatch import call_plan, prepare_kernel_weights, w4a16_forward
+from quant_serve.kernels.w4a16.frag5 import frag5_bytes
 from quant_serve.kernels.w4a16.frag6 import frag6_bytes
 from quant_serve.kernels.w4a16.kquant import kquant_bytes, kquant_scales_offsets, pack_sub_codes, pack_superscales
 from quant_serve.kernels.w4a16.reference import dequantize_w4, pack_int4_cols, pack_int4_rows
-from quant_serve.kernels.w8a16.dispatch import prepare_q6k, w8a16_forward
+from quant_serve.kernels.w8a16.dispatch import prepare_q5k, prepare_q6k, w8a16_forward
 from quant_serve.kernels.w8a16.plan import plan_w8a16
 from quant_serve.kernels.w8a16.q5k import pack_q5k, q5k_bytes, q5k_dequantize
 from quant_serve.kernels.w8a16.q6k import pack_q6k, q6k_bytes, q6k_dequantize
@@ -50,14 +53,14 @@ from quant_serve.kernels.w8a16.reference import dequantize_w8
 # format -> (bits, group size, float offsets)
 FORMATS = {"gguf-q4_0": (4, 32, False), "gguf-q4_1": (4, 32, True), "gguf-q4_k": (4, 32, True),
            "gguf-q4_k-f16": (4, 32, True), "awq-g128": (4, 128, False), "gguf-q6_k": (6, 16, False),
-           "gguf-q6_k-frag": (6, 16, False),
+           "gguf-q6_k-frag": (6, 16, False), "gguf-q5_k-frag": (5, 32, True),
            "gguf-q5_k": (5, 32, True), "q8_0": (8, 32, False), "q6_k": (8, 16, False), "q5_k": (8, 32, True)}
 PLANES = (5, 6)        # bits of the plane layouts (Q5_K, Q6_K): one 64-row chunk a GEMV step
 
 
 def _w4(fmt: str) -> bool:
     """Whether the format runs the W4A16 kernels (the INT4 formats, Q6_K in the fragment layout)."""
-    return FORMATS[fmt][0] == 4 or fmt == "gguf-q6_k-frag"
+    return FORMATS[fmt][0] == 4 or fmt.endswith("-frag")
 
 
 def _int4_special(fmt: str, k: int, n: int, device: str) -> dict:
@@ -99,11 +102,15 @@ def random_layer(fmt: str, k: int, n: int, device: str = "cuda") -> dict:
                     "dense": q6k_dequantize(q6).half(), "nbytes": frag6_bytes(k, n)}
         return {"call": lambda x, c=None: w8a16_forward(x, q6, None, None, 16, None, c),
                 "dense": q6k_dequantize(q6).half(), "nbytes": q6k_bytes(k, n), "group_size": 16}
-    if fmt == "gguf-q5_k":
+    if fmt in ("gguf-q5_k", "gguf-q5_k-frag"):
         sub = pack_sub_codes(torch.randint(1, 64, (k // 32, n), device=device),
                              torch.randint(0, 64, (k // 32, n), device=device))
         d = (torch.rand(k // 256, n, device=device) * 4e-5 + 1e-5).half()
         q5 = pack_q5k(torch.randint(0, 32, (k, n), device=device), sub, pack_superscales(d, (d.float() * 16).half()))
+        if fmt == "gguf-q5_k-frag":
+            fw = prepare_q5k(q5, torch.float16)
+            return {"call": lambda x, c=None: w4a16_forward(x, fw, None, c), "weights": fw,
+                    "dense": q5k_dequantize(q5).half(), "nbytes": frag5_bytes(k, n)}
         return {"call": lambda x, c=None: w8a16_forward(x, q5, None, None, 32, None, c),
                 "dense": q5k_dequantize(q5).half(), "nbytes": q5k_bytes(k, n), "group_size": 32}
     bits, gs, has_offsets = FORMATS[fmt]

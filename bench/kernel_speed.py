@@ -431,7 +431,7 @@ def main():
                     help="GPU profile the kernel plans assume (kernels/gpu.py); default: the device itself")
     ap.add_argument("--weights", default="awq",
                     help="awq (the W4A16 g128 zero-point run above) or a comma-separated list of GGUF formats: "
-                         "gguf-q4_0, gguf-q4_1, gguf-q4_k, gguf-q4_k-f16, awq-g128, gguf-q6_k, gguf-q6_k-frag, gguf-q5_k, q8_0, "
+                         "gguf-q4_0, gguf-q4_1, gguf-q4_k, gguf-q4_k-f16, awq-g128, gguf-q6_k, gguf-q6_k-frag, gguf-q5_k, gguf-q5_k-frag, q8_0, "
                          "q6_k, q5_k (bench/gguf_kernel_speed.py)")
     args = ap.parse_args()
     caps = configure(0, KernelOptions(profile=args.profile)).caps

@@ -6,7 +6,8 @@ As the GPU holds them (quant/formats/gguf_types.py, the kernels' layouts): a lay
 INT4 types (Q4_0, Q4_1, Q4_K beside them) K*N/2 codes + a scale and an offset per 32; a layer of Q6_K shards only
 its 6-bit codes in the W4A16 fragment layout + fp16 d * sc per 16 (kernels/w4a16/frag6.py: 7 bits; its planes,
 6.5625 bits, stay where the fragment kernels do not run: the CPU, bf16 models); a layer of Q5_K
-shards only its 5-bit planes + Q4_K's two-level scales (kernels/w8a16/q5k.py: 5.625 bits); Q8_0 / Q5_0 K*N int8 +
+shards only its 5-bit codes in the fragment layout + fp16 (s, o) per 32 (kernels/w4a16/frag5.py: 6 bits; its planes
+with Q4_K's two-level scales, 5.625 bits, where the fragment kernels do not run); Q8_0 / Q5_0 K*N int8 +
 a scale per 32; Q5_1 (and Q5_K merged with another type) + an offset; Q6_K merged a scale per 16; scales and
 offsets in the model dtype. A merged layer (qkv, gate_up) whose shards take different paths is one W8 layer at the
 finest group (an INT4 shard widened to int8), except Q4_K / Q5_K beside Q6_K (Q4_K_M / Q5_K_M's qkv): each shard
@@ -18,14 +19,15 @@ from collections import Counter
 
 from gguf import GGMLQuantizationType as T
 
+from quant_serve.kernels.w4a16.frag5 import frag5_bytes
 from quant_serve.kernels.w4a16.frag6 import frag6_bytes
 from quant_serve.kernels.w4a16.kquant import kquant_bytes
-from quant_serve.kernels.w8a16.q5k import q5k_bytes
 from quant_serve.quant.formats.gguf_types import group_size_of, path_of
 
 _OFFSETS = (T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_1, T.Q5_K)       # loaded with a float offset per group
-# kept in the file's own scales; Q6_K as a CUDA fp16 model holds it (the W4A16 fragment layout, fp16 d * sc: 7 bits)
-_NATIVE = {T.Q4_K: kquant_bytes, T.Q5_K: q5k_bytes, T.Q6_K: frag6_bytes}
+# kept in the file's own codes; Q5_K and Q6_K as a CUDA fp16 model holds them (the W4A16 fragment layout: fp16
+# (s, o) per 32, 6 bits; fp16 d * sc per 16, 7 bits)
+_NATIVE = {T.Q4_K: kquant_bytes, T.Q5_K: frag5_bytes, T.Q6_K: frag6_bytes}
 _MERGED = re.compile(r"^(blk\.\d+\.)(attn_q|attn_k|attn_v|ffn_gate|ffn_up)\.weight$")
 
 

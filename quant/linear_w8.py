@@ -8,9 +8,10 @@ from torch import nn
 
 from quant_serve.kernels.norm_act import silu_and_mul
 from quant_serve.kernels.w4a16.dispatch import w4a16_matmul
-from quant_serve.kernels.w4a16.frag import FragWeights
+from quant_serve.kernels.w4a16.frag import ZP_Q5, FragWeights
+from quant_serve.kernels.w4a16.frag5 import frag5_dequantize_ref
 from quant_serve.kernels.w4a16.frag6 import frag6_dequantize_ref
-from quant_serve.kernels.w8a16.dispatch import prepare_q6k, w8a16_matmul
+from quant_serve.kernels.w8a16.dispatch import prepare_q5k, prepare_q6k, w8a16_matmul
 from quant_serve.kernels.w8a16.q5k import Q5_GROUP, Q5KWeights, concat_q5k, pack_q5k, q5k_dequantize
 from quant_serve.kernels.w8a16.q6k import Q6_GROUP, Q6KWeights, concat_q6k, pack_q6k, q6k_dequantize
 from quant_serve.kernels.w8a16.reference import dequantize_w8
@@ -38,7 +39,8 @@ class W8Linear(nn.Module):
     d | dmin [K/256, N]; 5.625 bits a weight), converted by quant_config.convert_q5k. On CUDA with fp16
     activations a Q6_K layer is then held in the W4A16 fragment layout instead (frag6: qweight the low-nibble
     words, scales fp16 d * sc [K/16, N], superscales the high-bit words; kernels/w4a16/frag6.py, 7 bits a weight)
-    and runs the tensor-core kernels."""
+    and runs the tensor-core kernels; a Q5_K layer likewise (frag5: qweight the low-nibble words, scales the int32
+    fp16 (s, o) pairs [K/32, N], superscales the high-bit words; kernels/w4a16/frag5.py, 6 bits a weight)."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool, dtype: torch.dtype,
                  device: torch.device | str, quant_config, group_size: int, source_prefixes: list[str] = ()):
@@ -56,7 +58,7 @@ class W8Linear(nn.Module):
         self.dummy_offsets = False            # init_dummy: per-group offsets too (a GGUF Q5_K / INT4 shard's)
         self.q6k_planes = False
         self.q5k_planes = False
-        self.frag6: FragWeights | None = None
+        self.frag: FragWeights | None = None
         for name in ("qweight", "scales", "offsets", "superscales", "bias"):
             self.register_buffer(name, None)
 
@@ -147,7 +149,7 @@ class W8Linear(nn.Module):
     def _set_q6k(self, w: Q6KWeights) -> None:
         w = prepare_q6k(w, self.dtype)
         if isinstance(w, FragWeights):
-            self.frag6 = w
+            self.frag = w
             self.qweight, self.scales, self.superscales, self.offsets = w.words, w.scales, w.hi, None
             return
         self.qweight, self.scales, self.superscales, self.offsets = w.planes, w.sub_scales, w.d, None
@@ -156,6 +158,11 @@ class W8Linear(nn.Module):
         return Q6KWeights(self.qweight, self.scales, self.superscales)
 
     def _set_q5k(self, w: Q5KWeights) -> None:
+        w = prepare_q5k(w, self.dtype)
+        if isinstance(w, FragWeights):
+            self.frag = w
+            self.qweight, self.scales, self.superscales, self.offsets = w.words, w.scales, w.hi, None
+            return
         self.qweight, self.scales, self.superscales, self.offsets = w.planes, w.sub_codes, w.superscales, None
 
     def _native(self) -> "Q6KWeights | Q5KWeights":
@@ -171,15 +178,16 @@ class W8Linear(nn.Module):
 
     def dequantized_weight(self) -> torch.Tensor:
         """fp32 W [N, K] (what nn.Linear would hold)."""
-        if self.frag6 is not None:
-            return frag6_dequantize_ref(self.frag6).float().t()
+        if self.frag is not None:
+            ref = frag5_dequantize_ref if self.frag.zp_mode == ZP_Q5 else frag6_dequantize_ref
+            return ref(self.frag).float().t()
         if self.superscales is not None:
             return (q5k_dequantize(self._native()) if self.q5k_planes else q6k_dequantize(self._native())).t()
         return dequantize_w8(self.qweight, self.scales, self.offsets, self.group_size).t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.frag6 is not None:
-            return w4a16_matmul(x, self.frag6, bias=self.bias)
+        if self.frag is not None:
+            return w4a16_matmul(x, self.frag, bias=self.bias)
         if self.superscales is not None:
             return w8a16_matmul(x, self._native(), None, None, Q5_GROUP if self.q5k_planes else Q6_GROUP, self.bias)
         return w8a16_matmul(x, self.qweight, self.scales, self.offsets, self.group_size, self.bias)
@@ -190,4 +198,4 @@ class W8Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, output_sizes={self.output_sizes}, group_size={self.group_size}, "
                 f"bias={self.has_bias}, offsets={self.offsets is not None}, q6k_planes={self.q6k_planes}, "
-                f"q5k_planes={self.q5k_planes}, frag6={self.frag6 is not None}")
+                f"q5k_planes={self.q5k_planes}, frag={self.frag is not None}")

@@ -21,8 +21,10 @@ WEIGHT_FORMATS = {
            "(low nibbles as INT4 words, the top 2 bits beside them, fp16 d * sc per 16; 7 bits), read by the W4A16 "
            "tensor-core kernels; with bf16 code planes, int8 sub-scales per 16, fp16 d per 256, read by the W8A16 "
            "kernels",
-    "q5k": "GGUF Q5_K at 5 bits (a layer of Q5_K shards): 4-bit + 1-bit code planes, Q4_K's two-level scales "
-           "(int16 sub-codes per 32, int32 d | dmin per 256), read by the W8A16 kernels",
+    "q5k": "GGUF Q5_K at 5 bits (a layer of Q5_K shards): with fp16 activations in the W4A16 fragment layout "
+           "(low nibbles as INT4 words, the top bit beside them, fp16 (s, o) per 32; 6 bits), read by the W4A16 "
+           "tensor-core kernels; with bf16 4-bit + 1-bit code planes, Q4_K's two-level scales (int16 sub-codes per "
+           "32, int32 d | dmin per 256), read by the W8A16 kernels",
 }
 W8_FORMATS = ("w8", "q6k", "q5k")
 
@@ -61,14 +63,16 @@ def explain(caps, options, cfg, ms: list[int], group_size: int, dtype, context: 
     import torch
 
     from quant_serve.kernels.paged_attention import decode_config, split_count
-    from quant_serve.kernels.w4a16.frag import ZP_INT4, ZP_KQUANT, ZP_OFFSETS, ZP_Q6
+    from quant_serve.kernels.w4a16.frag import ZP_INT4, ZP_KQUANT, ZP_OFFSETS, ZP_Q5, ZP_Q6
     from quant_serve.kernels.w4a16.plan import layout_for, plan_w4a16
     from quant_serve.kernels.w4a16.rules import measured_on
     from quant_serve.kernels.w8a16.plan import plan_w8a16
     rules = measured_on(caps.family) or f"derived for {caps.family} (no table measured on this family)"
-    q6_frag = weight_format == "q6k" and dtype == torch.float16          # as W8Linear holds Q6_K on CUDA fp16
-    w8 = weight_format in W8_FORMATS and not q6_frag
-    zp_mode = {"w4-offsets": ZP_OFFSETS, "w4-kquant": ZP_KQUANT, "q6k": ZP_Q6}.get(weight_format, ZP_INT4)
+    # as W8Linear holds Q6_K / Q5_K on CUDA fp16: the fragment layout
+    frag_hi = weight_format in ("q6k", "q5k") and dtype == torch.float16
+    w8 = weight_format in W8_FORMATS and not frag_hi
+    zp_mode = {"w4-offsets": ZP_OFFSETS, "w4-kquant": ZP_KQUANT, "q6k": ZP_Q6, "q5k": ZP_Q5}.get(weight_format,
+                                                                                               ZP_INT4)
     out = {"gpu": dataclasses.asdict(caps), "options": dataclasses.asdict(options),
            "weight_format": weight_format, "weight_format_why": WEIGHT_FORMATS[weight_format],
            "rules": "W8A16: derived, not measured (kernels/w8a16/plan.py)" if w8 else rules,
@@ -76,9 +80,12 @@ def explain(caps, options, cfg, ms: list[int], group_size: int, dtype, context: 
     for name, (k, n) in layer_shapes(cfg).items():
         if weight_format == "w8":
             layout, why = "int8", "int8 codes [K, N], scales / offsets [G, N] (kernels/w8a16/reference.py)"
-        elif q6_frag:
+        elif frag_hi and weight_format == "q6k":
             layout, why = "frag", "Q6_K in the fragment layout (kernels/w4a16/frag6.py: 7 bits; the planes convert " \
                                   "at load where the device's Q6_K probe passes)"
+        elif frag_hi:
+            layout, why = "frag", "Q5_K in the fragment layout (kernels/w4a16/frag5.py: 6 bits; the planes convert " \
+                                  "at load where the device's Q5_K probe passes)"
         elif weight_format == "q6k":
             layout, why = "q6k-planes", "4-bit + 2-bit code planes, int8 sub-scales, fp16 d (kernels/w8a16/q6k.py)"
         elif weight_format == "q5k":

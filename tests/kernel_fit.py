@@ -209,8 +209,8 @@ def _launch_w8a16() -> None:
 
 
 def _launch_gguf_frag() -> None:
-    """GGUF's fragment-layout kernels (Q4_K's two-level scales, Q6_K's 6-bit codes) at the down shape: M = 1 and
-    M = 16 through the planned mma kernel, and the dequantize pass."""
+    """GGUF's fragment-layout kernels (Q4_K's two-level scales, Q6_K's 6-bit codes, Q5_K's 5-bit codes) at the down
+    shape: M = 1 and M = 16 through the planned mma kernel, and the dequantize pass."""
     import torch
 
     from quant_serve.kernels.w4a16.dispatch import call_plan, _frag_forward
@@ -222,7 +222,9 @@ def _launch_gguf_frag() -> None:
                       superscales=torch.zeros(k // 256, n, dtype=torch.int32))
     q6 = FragWeights(torch.zeros(n // 16, k // 64 * 128, dtype=torch.int32), torch.ones(k // 16, n, dtype=torch.float16),
                      None, 16, k, n, hi=torch.zeros(n // 16, k // 64 * 64, dtype=torch.int32))
-    for fw in (q4k, q6):
+    q5 = FragWeights(torch.zeros(n // 16, k // 64 * 128, dtype=torch.int32), torch.zeros(k // 32, n, dtype=torch.int32),
+                     None, 32, k, n, hi=torch.zeros(n // 16, k // 64 * 32, dtype=torch.int32))
+    for fw in (q4k, q6, q5):
         for m in (1, 16):
             x = torch.empty(m, k, dtype=torch.float16)
             _frag_forward(x, fw, None, call_plan(x, fw).config, False)

@@ -42,7 +42,7 @@ Q6K = "Q6_K (6-bit: W4A16 fragment layout, 7 bits, on CUDA fp16; else W8A16 kern
 
 @pytest.mark.parametrize("mix,paths", [
     ("Q4_K_M", f"84 INT4 Q4_K (W4A16, two-level scales, 4.625 bits), 14 {MERGED}, 15 {Q6K}"),
-    ("Q5_K_M", f"14 {MERGED}, 84 Q5_K (W8A16 kernels, 5-bit planes, two-level scales, 5.625 bits), 15 {Q6K}")])
+    ("Q5_K_M", f"14 {MERGED}, 84 Q5_K (5-bit: W4A16 fragment layout, 6 bits, on CUDA fp16; else W8A16 kernels, planes, 5.625 bits), 15 {Q6K}")])
 def test_cuda_dummy_q4_k_m_7b_shape(mix, paths):
     config = SHARED / "configs" / "qwen2.5-7b-instruct"
     engine = make_engine(config, dtype="float16", device="cuda", num_blocks=64, max_model_len=512,

@@ -17,7 +17,7 @@ from test_server_common import running_server
 
 MIXES = ("Q4_0", "Q4_1", "Q4_K_M", "Q5_K_M")
 MERGED = "merged Q4_K / Q5_K + Q6_K (each run of shards in its own layout, outputs concatenated)"
-Q5K = "Q5_K (W8A16 kernels, 5-bit planes, two-level scales, 5.625 bits)"
+Q5K = "Q5_K (5-bit: W4A16 fragment layout, 6 bits, on CUDA fp16; else W8A16 kernels, planes, 5.625 bits)"
 Q4_K_M_PATHS = f"20 INT4 Q4_K (W4A16, two-level scales, 4.625 bits), 4 {MERGED}, 8 8-bit (W8A16)"   # as logged
 Q5_K_M_PATHS = f"4 {MERGED}, 20 {Q5K}, 8 8-bit (W8A16)"     # down_proj (K = 1408) falls back to Q5_1 / Q8_0
 NUM_TOKENS = 192
@@ -146,15 +146,18 @@ def test_copy_of_gguf_without_config_is_detected(gguf_dir, tmp_path):
 
 def _loaded_bytes(model) -> int:
     """What the model holds on CUDA: its CPU buffers, with scales and offsets in the model dtype (fp16 here), and
-    each Q6_K layer in the fragment layout the CUDA fp16 model converts its planes to (frag6_bytes)."""
+    each Q6_K / Q5_K layer in the fragment layout the CUDA fp16 model converts its planes to (frag6_bytes,
+    frag5_bytes)."""
+    from quant_serve.kernels.w4a16.frag5 import frag5_bytes
     from quant_serve.kernels.w4a16.frag6 import frag6_bytes
     from quant_serve.quant.linear_w8 import W8Linear
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    q6 = {name for name, m in model.named_modules() if isinstance(m, W8Linear) and m.q6k_planes}
-    total += sum(frag6_bytes(m.in_features, m.out_features) for name, m in model.named_modules() if name in q6)
+    planes = {name: frag6_bytes if m.q6k_planes else frag5_bytes for name, m in model.named_modules()
+              if isinstance(m, W8Linear) and (m.q6k_planes or m.q5k_planes)}
+    total += sum(planes[name](m.in_features, m.out_features) for name, m in model.named_modules() if name in planes)
     for name, b in model.named_buffers():
         owner, leaf = name.rsplit(".", 1)
-        if owner in q6 and leaf != "bias":
+        if owner in planes and leaf != "bias":
             continue
         if leaf in ("qweight", "bias"):
             total += b.numel() * b.element_size()

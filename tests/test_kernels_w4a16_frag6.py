@@ -125,11 +125,11 @@ def test_gpu_w8linear_of_q6k_takes_the_fragment_layout():
     lin = W8Linear(512, [96], False, torch.float16, DEV, None, 16)
     lin.q6k_planes = True
     lin._set_q6k(w)
-    assert lin.frag6 is not None and lin.superscales is lin.frag6.hi
+    assert lin.frag is not None and lin.superscales is lin.frag.hi
     x = torch.randn(2, 512, dtype=torch.float16, device=DEV)
     exact = x.float() @ q6k_dequantize(w)
     assert (lin(x).float() - exact).norm() / exact.norm() < 3e-3
-    assert torch.allclose(lin.dequantized_weight(), frag6_dequantize_ref(lin.frag6).float().t())
+    assert torch.allclose(lin.dequantized_weight(), frag6_dequantize_ref(lin.frag).float().t())
 
 
 def compile_q6_cases() -> dict:

@@ -14,8 +14,9 @@ from quant_serve.kernels.w4a16.reference import pack_int4_rows, unpack_int4_rows
 from quant_serve.kernels.w4a16.rows import check_offsets
 
 # the kernels' ZP_MODE: symmetric (z = 8), packed int4 zeros, float offsets, k-quant two-level scales (kquant.py),
-# GGUF Q6_K's 6-bit codes (frag6.py: these words hold the low 4 bits, `hi` the top 2)
-ZP_NONE, ZP_INT4, ZP_OFFSETS, ZP_KQUANT, ZP_Q6 = 0, 1, 2, 3, 4
+# GGUF Q6_K's 6-bit codes (frag6.py: these words hold the low 4 bits, `hi` the top 2), GGUF Q5_K's 5-bit codes
+# (frag5.py: `hi` the top bit, scales the fp16 (s, o) pairs as int32)
+ZP_NONE, ZP_INT4, ZP_OFFSETS, ZP_KQUANT, ZP_Q6, ZP_Q5 = 0, 1, 2, 3, 4, 5
 
 
 def frag_words(codes: torch.Tensor) -> torch.Tensor:
@@ -55,20 +56,22 @@ class FragWeights:
     perm: torch.Tensor | None = None
     offsets: torch.Tensor | None = None
     superscales: torch.Tensor | None = None   # int32 [G/8, N] (Q4_K's d | dmin); scales are then int16 sub-codes
-    hi: torch.Tensor | None = None            # int32 [N/16, Kp/64 * 64]: Q6_K's top 2 bits (frag6.py)
+    hi: torch.Tensor | None = None            # int32 [N/16, Kp/64 * 64]: Q6_K's top 2 bits (frag6.py); Q5_K's
+    #                                           top bit [N/16, Kp/64 * 32] with int32 (s, o) scales (frag5.py)
 
     @property
     def zp_mode(self) -> int:
-        """The kernels' ZP_MODE constexpr: ZP_Q6, ZP_KQUANT, ZP_OFFSETS, ZP_INT4 or ZP_NONE."""
+        """The kernels' ZP_MODE constexpr: ZP_Q5, ZP_Q6, ZP_KQUANT, ZP_OFFSETS, ZP_INT4 or ZP_NONE."""
         if self.hi is not None:
-            return ZP_Q6
+            return ZP_Q5 if self.scales.dtype == torch.int32 else ZP_Q6
         if self.superscales is not None:
             return ZP_KQUANT
         return ZP_OFFSETS if self.offsets is not None else ZP_INT4 if self.qzeros is not None else ZP_NONE
 
     def zero_args(self) -> tuple[torch.Tensor, int]:
         """The kernels' zero-point pointer and its group stride: the offsets [G, N], the packed zeros [G, N/8], or
-        the words (never read) and 0; k-quant: the super-scales [G/8, N]; Q6_K: its high-bit words (read by word)."""
+        the words (never read) and 0; k-quant: the super-scales [G/8, N]; Q6_K / Q5_K: their high-bit words (read
+        by word)."""
         if self.hi is not None:
             return self.hi, 0
         if self.superscales is not None:

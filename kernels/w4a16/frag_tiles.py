@@ -10,6 +10,7 @@ import torch
 
 from quant_serve.kernels.triton_compat import gl, gluon, triton
 from quant_serve.kernels.w4a16.frag import FragWeights, pick_block_k
+from quant_serve.kernels.w4a16.frag5 import _q5_by_word, _q5_dequant, _q5_hi_load, _q5_pairs
 from quant_serve.kernels.w4a16.frag6 import _even_words, _q6_by_word, _q6_dequant, _q6_hi_load
 
 def _frag_dq_asm(scaled: bool, offsets: bool = False) -> str:
@@ -122,6 +123,8 @@ def _load_step(k0, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, stride_s
                                          SCALES)
     if ZP_MODE == 4:
         z_lo = _q6_hi_load(z_ptr, offs, w_mask, k0, EVEN_N)
+    elif ZP_MODE == 5:
+        z_lo = _q5_hi_load(z_ptr, offs, w_mask, k0, EVEN_N)
     return words, s_lo, s_hi, z_lo, z_hi
 
 
@@ -146,7 +149,7 @@ def _load_group(k0, s_ptr, z_ptr, n_lo, n_hi, k_in, stride_sg, stride_zg, GROUP:
         sup = k0 // (8 * GROUP) if k_in.shape[1] <= 4 else (k0 + k_in) // (8 * GROUP)
         z_lo = gl.load(z_ptr + sup * stride_zg + _group_offsets(k_in * 0 + n_lo, GROUP))
         z_hi = gl.load(z_ptr + sup * stride_zg + _group_offsets(k_in * 0 + n_hi, GROUP))
-    elif ZP_MODE == 4:                    # Q6_K: its high-bit words come with the words (_load_step)
+    elif ZP_MODE == 4 or ZP_MODE == 5:    # Q6_K / Q5_K: their high-bit words come with the words (_load_step)
         z_lo = 0
         z_hi = 0
     elif ZP_MODE == 2:
@@ -271,8 +274,16 @@ def _dequant_step(words, s_lo, s_hi, z_lo, z_hi, n_lo, n_hi, ZP_MODE: gl.constex
     """A step's raw loads (_load_step) -> its dequantized A tile fp16 [BLOCK_N, BLOCK_K] (SCALED False: q - z).
     ZP_MODE: 0 symmetric (z = 8), 1 packed int4 zero points, 2 float offsets (scaled only: q * s + o), 3 k-quant
     two-level scales (scaled only; s and o formed in fp32, then fp16 for the f16x2 fma), 4 Q6_K's 6-bit codes
-    (frag6.py; scaled only)."""
-    if ZP_MODE == 4:
+    (frag6.py; scaled only), 5 Q5_K's 5-bit codes with fp16 (s, o) pairs (frag5.py; scaled only)."""
+    if ZP_MODE == 5:
+        gl.static_assert(SCALED, "Q5_K's offsets need the scales applied to each weight (groups of 32)")
+        s_lo, o_lo = _q5_pairs(s_lo)
+        s_hi, o_hi = _q5_pairs(s_hi)
+        v0, v1, v2, v3, v4, v5, v6, v7 = _q5_dequant(words, _q5_by_word(z_lo, words), _by_word(s_lo, words),
+                                                     _by_word(s_hi, words), _by_word(o_lo, words),
+                                                     _by_word(o_hi, words))
+        a = _frag_tile(v0, v1, v2, v3, v4, v5, v6, v7, BLOCK_N, BLOCK_K, A_LAYOUT)
+    elif ZP_MODE == 4:
         gl.static_assert(SCALED, "Q6_K's scales are applied to each weight (groups of 16)")
         v0, v1, v2, v3, v4, v5, v6, v7 = _q6_dequant(words, _q6_by_word(z_lo, words), _scale_pair(s_lo),
                                                      _scale_pair(s_hi))

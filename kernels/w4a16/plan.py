@@ -14,7 +14,7 @@ from functools import lru_cache
 import torch
 
 from quant_serve.kernels.gpu import GPUCaps, KernelOptions, KernelRuntime, runtime_for
-from quant_serve.kernels.w4a16.frag import ZP_INT4, ZP_OFFSETS, ZP_Q6
+from quant_serve.kernels.w4a16.frag import ZP_INT4, ZP_OFFSETS, ZP_Q5, ZP_Q6
 from quant_serve.kernels.w4a16.rules import (MMA_MAX_M, TMA_MAX_M, TMA_MIN_M, WGMMA_MAX_M, MMAConfig, TMAConfig,
                                              W4A16Config, measured_on, select_config, select_mma_config,
                                              select_tma_config)
@@ -69,12 +69,13 @@ def plan_w4a16(m: int, k: int, n: int, caps: GPUCaps, options: KernelOptions = K
                                                   "fragment kernels take fp16")
     why_not_tma = ""
     if TMA_MIN_M <= m <= TMA_MAX_M:
-        if caps.tma and options.tma and tma_fits:
+        if caps.tma and options.tma and tma_fits and zp_mode not in _HIGH_BITS:
             tc = select_tma_config(m, k, n, caps.sms)
             if tc is not None:
                 return KernelPlan("tma", tc, f"M = {TMA_MIN_M}..{TMA_MAX_M} on {caps.family}: TMA-fed wgmma, "
                                              f"stream-K over {caps.sms} SMs (rules.select_tma_config, {_where(caps)})")
         why_not_tma = " (no TMA)" if not caps.tma else " (TMA off)" if not options.tma else \
+            " (the TMA kernel does not read Q6_K / Q5_K's high-bit words)" if zp_mode in _HIGH_BITS else \
             " (x rows not 16-byte aligned for TMA)" if not tma_fits else ""
     cfg = mma_config(m, k, n, zp_mode, caps.wgmma, silu_mul, caps.sms)
     if cfg is None:
@@ -90,13 +91,15 @@ def plan_w4a16(m: int, k: int, n: int, caps: GPUCaps, options: KernelOptions = K
                                  f"split(s) for {caps.sms} SMs{uncapped} (rules.select_mma_config, {_where(caps)})")
 
 
-_UNCAPPED = (ZP_OFFSETS, ZP_Q6)
+_UNCAPPED = (ZP_OFFSETS, ZP_Q6, ZP_Q5)
+_HIGH_BITS = (ZP_Q6, ZP_Q5)         # words with a high-bit tensor beside them (frag6.py, frag5.py)
 
 
 def mma_config(m: int, k: int, n: int, zp_mode: int = ZP_INT4, wgmma: bool = False, silu_mul: bool = False,
                sms: int = 132) -> MMAConfig | None:
-    """rules.select_mma_config's tile for weights of `zp_mode`, without its register cap for float offsets and
-    Q6_K (their M = 1 loop needs 72 and 102 registers; capped at 56 it spills 88 and 176 bytes, offline sm90)."""
+    """rules.select_mma_config's tile for weights of `zp_mode`, without its register cap for float offsets, Q6_K
+    and Q5_K (their M = 1 loop needs 72, 102 and 72 registers; capped at 56 gate_up spills 88, 176 and 80 bytes,
+    offline sm90)."""
     cfg = select_mma_config(m, k, n, wgmma, silu_mul, sms)
     return replace(cfg, max_regs=0) if cfg is not None and cfg.max_regs and zp_mode in _UNCAPPED else cfg
 
@@ -197,11 +200,18 @@ def frag6_works(device: torch.device) -> bool:
     """The tensor-core kernels take GGUF Q6_K in the fragment layout (frag6.py) on this device (probed once: codes
     35 = 3 + 32 with both high bits' planes in use, scale 1, x = ones [rows, 64] must give 192)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _frag6_works(index)
+    return _frag_hi_works(index, 6)
+
+
+def frag5_works(device: torch.device) -> bool:
+    """The same for GGUF Q5_K (frag5.py): codes 19 = 3 + 16 (the high bit in use), s = 1, o = -16."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _frag_hi_works(index, 5)
 
 
 @lru_cache(maxsize=None)
-def _frag6_works(device_index: int) -> bool:
+def _frag_hi_works(device_index: int, bits: int) -> bool:
+    from quant_serve.kernels.w4a16.frag5 import pack_frag5
     from quant_serve.kernels.w4a16.frag6 import pack_frag6
     from quant_serve.kernels.w4a16.mma import w4a16_mma
     runtime = probed_runtime(torch.device("cuda", device_index))
@@ -209,8 +219,12 @@ def _frag6_works(device_index: int) -> bool:
     if runtime.caps.wgmma:
         calls.append(("wgmma kernel", 17, lambda x, fw: w4a16_mma(x, fw, block_n=64, wgmma=True)))
     dev = torch.device("cuda", device_index)
-    fw = pack_frag6(torch.full((64, 64), 3, dtype=torch.int32, device=dev),
-                    torch.ones(4, 64, dtype=torch.float16, device=dev))
+    if bits == 6:
+        fw = pack_frag6(torch.full((64, 64), 3, dtype=torch.int32, device=dev),
+                        torch.ones(4, 64, dtype=torch.float16, device=dev))
+    else:                                            # (s, o) = (1.0, -16.0) as fp16 bits
+        fw = pack_frag5(torch.full((64, 64), 19, dtype=torch.int32, device=dev),
+                        torch.full((2, 64), 0x3C00 | (0xCC00 << 16), dtype=torch.int64, device=dev).to(torch.int32))
     for kernel, rows, call in calls:
         try:
             y = call(torch.ones(rows, 64, dtype=torch.float16, device=dev), fw)
@@ -219,8 +233,8 @@ def _frag6_works(device_index: int) -> bool:
             reason = f"wrong result {y.flatten()[:4].tolist()}"
         except Exception as e:  # noqa: BLE001 - any compile or launch failure means: the planes serve
             reason = repr(e)[:300]
-        _logger.warning("W4A16 %s with Q6_K codes unavailable on cuda:%d (%s); Q6_K layers use the W8A16 plane "
-                        "kernels", kernel, device_index, reason)
+        _logger.warning("W4A16 %s with Q%d_K codes unavailable on cuda:%d (%s); Q%d_K layers use the W8A16 plane "
+                        "kernels", kernel, bits, device_index, reason, bits)
         return False
     return True
 

@@ -4,7 +4,7 @@ import torch
 
 from quant_serve.kernels.w4a16.frag import FragWeights
 from quant_serve.kernels.w8a16.plan import W8A16Config, plan_w8a16
-from quant_serve.kernels.w8a16.q5k import Q5_GROUP, Q5KWeights, q5k_dequantize
+from quant_serve.kernels.w8a16.q5k import Q5_GROUP, Q5KWeights, q5k_codes, q5k_dequantize
 from quant_serve.kernels.w8a16.q6k import Q6_GROUP, Q6KWeights, q6k_codes, q6k_dequantize, q6k_scales
 from quant_serve.kernels.w8a16.reference import w8a16_matmul_ref
 
@@ -30,6 +30,29 @@ def q6k_to_frag6(w: Q6KWeights, max_elems: int = 1 << 26) -> FragWeights:
              for part in (Q6KWeights(w.planes[:, c:c + step], w.sub_scales[:, c:c + step], w.d[:, c:c + step])
                           for c in range(0, n, step))]
     return FragWeights(torch.cat([p.words for p in parts]), torch.cat([p.scales for p in parts], dim=1), None, 16,
+                       k, n, hi=torch.cat([p.hi for p in parts]))
+
+
+def prepare_q5k(w: Q5KWeights, act_dtype: torch.dtype) -> "Q5KWeights | FragWeights":
+    """Q5_K planes -> the layout its GPU kernels read, once at load: on CUDA with fp16 activations, N % 16 == 0 and
+    the W4A16 tensor-core kernels probed right for Q5_K, the fragment layout (kernels/w4a16/frag5.py: 6 bits a
+    weight against the planes' 5.625, the tensor-core kernels instead of the plane GEMV); otherwise the planes."""
+    from quant_serve.kernels.w4a16.plan import frag5_works
+    if not w.planes.is_cuda or act_dtype != torch.float16 or w.out_features % 16 or w.in_features % 64 \
+            or not frag5_works(w.planes.device):
+        return w
+    return q5k_to_frag5(w)
+
+
+def q5k_to_frag5(w: Q5KWeights, max_elems: int = 1 << 26) -> FragWeights:
+    """Q5_K planes -> the fragment layout, in column chunks as q6k_to_frag6."""
+    from quant_serve.kernels.w4a16.frag5 import pack_frag5, q5k_pairs
+    k, n = w.in_features, w.out_features
+    step = max(16, max_elems // k // 16 * 16)
+    parts = [pack_frag5(q5k_codes(part), q5k_pairs(part.sub_codes, part.superscales))
+             for part in (Q5KWeights(w.planes[:, c:c + step], w.sub_codes[:, c:c + step],
+                                     w.superscales[:, c:c + step]) for c in range(0, n, step))]
+    return FragWeights(torch.cat([p.words for p in parts]), torch.cat([p.scales for p in parts], dim=1), None, 32,
                        k, n, hi=torch.cat([p.hi for p in parts]))
 
 

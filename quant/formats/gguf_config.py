@@ -23,7 +23,8 @@ _LAYER = re.compile(r"\.layers\.(\d+)\.")
 OFFSET_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_1, T.Q5_K)      # loaded with per-group float offsets
 NATIVE_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K)   # kept in the file's own scales; a merged layer mixing them loads in parts
 PATH_NAMES = {"int4": "INT4 (W4A16, float offsets)", "int4k": "INT4 Q4_K (W4A16, two-level scales, 4.625 bits)",
-              "q5k": "Q5_K (W8A16 kernels, 5-bit planes, two-level scales, 5.625 bits)",
+              "q5k": "Q5_K (5-bit: W4A16 fragment layout, 6 bits, on CUDA fp16; else W8A16 kernels, planes, "
+                     "5.625 bits)",
               "q6k": "Q6_K (6-bit: W4A16 fragment layout, 7 bits, on CUDA fp16; else W8A16 kernels, planes, 6.5625 "
                      "bits)",
               "w8": "8-bit (W8A16)",
