@@ -189,16 +189,28 @@ def test_gpu_frag5_kernels_every_config():
 
 @gpu
 @pytest.mark.gpu
-def test_gpu_w8linear_of_q5k_takes_the_fragment_layout():
-    from quant_serve.kernels.w4a16.plan import frag5_works
+@pytest.mark.parametrize("kind", ["q5k", "q6k"])
+def test_gpu_w8linear_takes_the_fragment_layout(kind):
+    """A CUDA fp16 W8Linear of Q5_K / Q6_K shards converts its planes to the fragment layout at load (the probe
+    passes on a GPU with tensor cores) and matches gguf's exact weights."""
+    from quant_serve.kernels.w4a16.frag import ZP_Q6
+    from quant_serve.kernels.w4a16.frag6 import frag6_dequantize_ref
+    from quant_serve.kernels.w4a16.plan import frag5_works, frag6_works
+    from quant_serve.kernels.w8a16.q6k import q6k_dequantize
     from quant_serve.quant.linear_w8 import W8Linear
-    assert frag5_works(torch.device(DEV))
-    w = q5k_layer(512, 96, DEV, seed=5)
-    lin = W8Linear(512, [96], False, torch.float16, DEV, None, 32)
-    lin.q5k_planes = True
-    lin._set_q5k(w)
-    assert lin.frag is not None and lin.frag.zp_mode == ZP_Q5 and lin.superscales is lin.frag.hi
+    from tests.test_kernels_w4a16_frag6 import q6k_layer
+    assert (frag5_works if kind == "q5k" else frag6_works)(torch.device(DEV))
+    lin = W8Linear(512, [96], False, torch.float16, DEV, None, 32 if kind == "q5k" else 16)
+    if kind == "q5k":
+        w, zp, exact_of, ref = q5k_layer(512, 96, DEV, seed=5), ZP_Q5, q5k_dequantize, frag5_dequantize_ref
+        lin.q5k_planes = True
+        lin._set_q5k(w)
+    else:
+        w, zp, exact_of, ref = q6k_layer(512, 96, DEV, seed=5), ZP_Q6, q6k_dequantize, frag6_dequantize_ref
+        lin.q6k_planes = True
+        lin._set_q6k(w)
+    assert lin.frag is not None and lin.frag.zp_mode == zp and lin.superscales is lin.frag.hi
     x = torch.randn(2, 512, dtype=torch.float16, device=DEV)
-    exact = x.float() @ q5k_dequantize(w)
+    exact = x.float() @ exact_of(w)
     assert (lin(x).float() - exact).norm() / exact.norm() < 3e-3
-    assert torch.allclose(lin.dequantized_weight(), frag5_dequantize_ref(lin.frag).float().t())
+    assert torch.allclose(lin.dequantized_weight(), ref(lin.frag).float().t())

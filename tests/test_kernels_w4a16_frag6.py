@@ -115,23 +115,6 @@ def test_gpu_frag6_kernels_every_config():
             assert (y - ref).norm() / ref.norm() < 2e-3, (m, cfg)
 
 
-@gpu
-@pytest.mark.gpu
-def test_gpu_w8linear_of_q6k_takes_the_fragment_layout():
-    from quant_serve.kernels.w4a16.plan import frag6_works
-    from quant_serve.quant.linear_w8 import W8Linear
-    assert frag6_works(torch.device(DEV))
-    w = q6k_layer(512, 96, DEV, seed=5)
-    lin = W8Linear(512, [96], False, torch.float16, DEV, None, 16)
-    lin.q6k_planes = True
-    lin._set_q6k(w)
-    assert lin.frag is not None and lin.superscales is lin.frag.hi
-    x = torch.randn(2, 512, dtype=torch.float16, device=DEV)
-    exact = x.float() @ q6k_dequantize(w)
-    assert (lin(x).float() - exact).norm() / exact.norm() < 3e-3
-    assert torch.allclose(lin.dequantized_weight(), frag6_dequantize_ref(lin.frag).float().t())
-
-
 def compile_q6_cases() -> dict:
     """The Q6_K fragment kernels compiled for sm90 without a GPU: M = 1 (down and the head's shape), M = 16."""
     from quant_serve.kernels.w4a16.mma import _w4a16_mma_kernel

@@ -19,7 +19,7 @@ import torch
 
 from quant_serve.kernels.triton_compat import gl, gluon
 from quant_serve.kernels.w4a16.frag import FragWeights, frag_codes, frag_words
-from quant_serve.kernels.w4a16.frag6 import _HI_POS, _even_words, _q6_by_word, _rotl8, _rotr8
+from quant_serve.kernels.w4a16.frag6 import _HI_POS, _even_words, _q6_by_word, _rotl8, _rotr8, hi_dq_asm
 from quant_serve.kernels.w4a16.kquant import kquant_scales_offsets
 
 _HI_BIT_MASK = sum(1 << pos for pos in _HI_POS.values())      # word 0's bits (words 2: << 1, 1 and 3: rotated)
@@ -121,38 +121,7 @@ def _q5_pairs(p):
     return gl.inline_asm_elementwise(_Q5_PAIRS_ASM, "=r,=r,r", [p], dtype=[gl.int32, gl.int32], is_pure=True, pack=1)
 
 
-# word $8 (low nibbles), its high bits $9, scale pairs $10 (row g) and $11 (row g + 8), offset pairs $12 and $13;
-# outputs as _frag_dq_asm's
-_Q5_DQ_ASM = gl.constexpr("""
-{
-.reg .b32 w1, h1, t, a0, a1, a2, a3, c, k16, m64;
-mov.b32 c, 0x64006400;
-mov.b32 k16, 0x2C002C00;
-mov.b32 m64, 0xD400D400;
-lop3.b32 t, $9, 0x00100010, c, 0xEA;
-lop3.b32 a0, $8, 0x000F000F, t, 0xEA;
-lop3.b32 t, $9, 0x01000100, c, 0xEA;
-lop3.b32 a1, $8, 0x00F000F0, t, 0xEA;
-shr.u32 w1, $8, 8;
-shr.u32 h1, $9, 2;
-lop3.b32 t, h1, 0x00100010, c, 0xEA;
-lop3.b32 a2, w1, 0x000F000F, t, 0xEA;
-lop3.b32 t, h1, 0x01000100, c, 0xEA;
-lop3.b32 a3, w1, 0x00F000F0, t, 0xEA;
-sub.rn.f16x2 a0, a0, c;
-sub.rn.f16x2 a2, a2, c;
-fma.rn.f16x2 a1, a1, k16, m64;
-fma.rn.f16x2 a3, a3, k16, m64;
-fma.rn.f16x2 a0, a0, $10, $12;
-fma.rn.f16x2 a2, a2, $10, $12;
-fma.rn.f16x2 a1, a1, $11, $13;
-fma.rn.f16x2 a3, a3, $11, $13;
-mov.b32 {$0, $1}, a0;
-mov.b32 {$2, $3}, a1;
-mov.b32 {$4, $5}, a2;
-mov.b32 {$6, $7}, a3;
-}
-""")
+_Q5_DQ_ASM = gl.constexpr(hi_dq_asm(5))
 
 
 @gluon.jit

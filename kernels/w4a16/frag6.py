@@ -107,38 +107,48 @@ def _q6_by_word(h, words):
     return gl.convert_layout(v, words.type.layout, assert_trivial=True)
 
 
-# word $8 (low nibbles), its high bits $9, scale pairs $10 (row g) and $11 (row g + 8); outputs as _frag_dq_asm's
-_Q6_DQ_ASM = gl.constexpr("""
-{
-.reg .b32 w1, h1, t, a0, a1, a2, a3, c, k16, m1056, m96;
+def hi_dq_asm(bits: int) -> str:
+    """The dequant of one word with its high bits (view $9, by word) beside it, outputs as _frag_dq_asm's. bits 6
+    (Q6_K): 2 high bits a nibble, u - 32 times the scale pairs $10 (row g) and $11 (row g + 8); bits 5 (Q5_K,
+    frag5.py): 1 high bit, q * s + o with the offset pairs $12 and $13. The even nibbles come out 1024 + u, the odd
+    ones 16 (1024 + u) (exact), so one sub and one fma (with 1/16) take them to u - z, and one mul or fma scales."""
+    lo, hi = ("0x00300030", "0x03000300") if bits == 6 else ("0x00100010", "0x01000100")
+    z_even, z_odd = ("0x64206420", "0xD600D600") if bits == 6 else ("0x64006400", "0xD400D400")   # 1024 + z, -(64 + z)
+    op, o_lo, o_hi = ("mul", "", "") if bits == 6 else ("fma", ", $12", ", $13")
+    return f"""
+{{
+.reg .b32 w1, h1, t, a0, a1, a2, a3, c, k16, ze, zo;
 mov.b32 c, 0x64006400;
 mov.b32 k16, 0x2C002C00;
-mov.b32 m1056, 0x64206420;
-mov.b32 m96, 0xD600D600;
-lop3.b32 t, $9, 0x00300030, c, 0xEA;
+mov.b32 ze, {z_even};
+mov.b32 zo, {z_odd};
+lop3.b32 t, $9, {lo}, c, 0xEA;
 lop3.b32 a0, $8, 0x000F000F, t, 0xEA;
-lop3.b32 t, $9, 0x03000300, c, 0xEA;
+lop3.b32 t, $9, {hi}, c, 0xEA;
 lop3.b32 a1, $8, 0x00F000F0, t, 0xEA;
 shr.u32 w1, $8, 8;
 shr.u32 h1, $9, 2;
-lop3.b32 t, h1, 0x00300030, c, 0xEA;
+lop3.b32 t, h1, {lo}, c, 0xEA;
 lop3.b32 a2, w1, 0x000F000F, t, 0xEA;
-lop3.b32 t, h1, 0x03000300, c, 0xEA;
+lop3.b32 t, h1, {hi}, c, 0xEA;
 lop3.b32 a3, w1, 0x00F000F0, t, 0xEA;
-sub.rn.f16x2 a0, a0, m1056;
-sub.rn.f16x2 a2, a2, m1056;
-fma.rn.f16x2 a1, a1, k16, m96;
-fma.rn.f16x2 a3, a3, k16, m96;
-mul.rn.f16x2 a0, a0, $10;
-mul.rn.f16x2 a2, a2, $10;
-mul.rn.f16x2 a1, a1, $11;
-mul.rn.f16x2 a3, a3, $11;
-mov.b32 {$0, $1}, a0;
-mov.b32 {$2, $3}, a1;
-mov.b32 {$4, $5}, a2;
-mov.b32 {$6, $7}, a3;
-}
-""")
+sub.rn.f16x2 a0, a0, ze;
+sub.rn.f16x2 a2, a2, ze;
+fma.rn.f16x2 a1, a1, k16, zo;
+fma.rn.f16x2 a3, a3, k16, zo;
+{op}.rn.f16x2 a0, a0, $10{o_lo};
+{op}.rn.f16x2 a2, a2, $10{o_lo};
+{op}.rn.f16x2 a1, a1, $11{o_hi};
+{op}.rn.f16x2 a3, a3, $11{o_hi};
+mov.b32 {{$0, $1}}, a0;
+mov.b32 {{$2, $3}}, a1;
+mov.b32 {{$4, $5}}, a2;
+mov.b32 {{$6, $7}}, a3;
+}}
+"""
+
+
+_Q6_DQ_ASM = gl.constexpr(hi_dq_asm(6))
 
 
 @gluon.jit
