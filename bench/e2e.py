@@ -1,7 +1,8 @@
 """End-to-end speed on the GPU, in one run: batch-1 decode and throughput under a 24 GiB cap, for the dummy
 INT4 Qwen2.5-7B (AWQ g128) and Llama-3.1-8B (GPTQ g128) configs, next to Hugging Face transformers bf16 generate;
 the Qwen2.5-7B config also as a GGUF Q4_K_M (llama.cpp's type mix: Q4_K with Q6_K for the head and half the v /
-down projections; issue 33's target: batch 1 within 10% of AWQ, 24 GiB throughput within 15%) and Q5_K_M.
+down projections; issue 33's target: batch 1 within 10% of AWQ, 24 GiB throughput within 15%), Q5_K_M, Q4_0 (Q6_K
+head) and Q8_0.
 
     python bench/e2e.py --out bench/results/e2e-h200.json [--quick] [--profile a10] [--only qwen]
 
@@ -30,9 +31,12 @@ SHARED = Path(__file__).resolve().parents[2] / "shared"
 CONFIGS = {"qwen2.5-7b-awq": SHARED / "configs" / "qwen2.5-7b-instruct",
            "llama-3.1-8b-gptq": SHARED / "configs" / "llama-3.1-8b-instruct",
            "qwen2.5-7b-gguf-q4_k_m": SHARED / "configs" / "qwen2.5-7b-instruct",
-           "qwen2.5-7b-gguf-q5_k_m": SHARED / "configs" / "qwen2.5-7b-instruct"}
+           "qwen2.5-7b-gguf-q5_k_m": SHARED / "configs" / "qwen2.5-7b-instruct",
+           "qwen2.5-7b-gguf-q4_0": SHARED / "configs" / "qwen2.5-7b-instruct",
+           "qwen2.5-7b-gguf-q8_0": SHARED / "configs" / "qwen2.5-7b-instruct"}
 # --quantization of the dummy load; else the config's
-QUANTIZATION = {"qwen2.5-7b-gguf-q4_k_m": "gguf:Q4_K_M", "qwen2.5-7b-gguf-q5_k_m": "gguf:Q5_K_M"}
+QUANTIZATION = {"qwen2.5-7b-gguf-q4_k_m": "gguf:Q4_K_M", "qwen2.5-7b-gguf-q5_k_m": "gguf:Q5_K_M",
+                "qwen2.5-7b-gguf-q4_0": "gguf:Q4_0", "qwen2.5-7b-gguf-q8_0": "gguf:Q8_0"}
 TOKENIZER = Path(__file__).resolve().parents[1] / "engine" / "demo_model"   # any tokenizer: prompts are random ids
 
 
@@ -179,7 +183,9 @@ def main() -> int:
         "gguf_vs_awq_batch1": (g16["batch1_tok_s"] / q16["batch1_tok_s"]
                                if g16.get("batch1_tok_s") and q16.get("batch1_tok_s") else None),
         "gguf_vs_awq_throughput": (g_thr / thr["output_tok_s"] if g_thr and thr.get("output_tok_s") else None),
-        "gguf_q5_k_m_batch1_tok_s": runs.get("qwen2.5-7b-gguf-q5_k_m/auto", {}).get("batch1_tok_s")}
+        "gguf_q5_k_m_batch1_tok_s": runs.get("qwen2.5-7b-gguf-q5_k_m/auto", {}).get("batch1_tok_s"),
+        "gguf_q4_0_batch1_tok_s": runs.get("qwen2.5-7b-gguf-q4_0/auto", {}).get("batch1_tok_s"),
+        "gguf_q8_0_batch1_tok_s": runs.get("qwen2.5-7b-gguf-q8_0/auto", {}).get("batch1_tok_s")}
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(json.dumps(result["summary"], indent=2))
     return 0

@@ -197,14 +197,16 @@ def _launch_attention(model, kv_dtype, batch, context) -> None:
 
 def _launch_w8a16() -> None:
     """The W8A16 kernels (GGUF Q8_0 / Q5_* / Q6_K layers) at one shape, groups of 32 with offsets: the FMA GEMV
-    (M = 1), the tl.dot GEMV (M = 8) and the dequantize pass (M = 64): tiles do not depend on the layer's shape."""
+    (M = 1), the tl.dot GEMV in 16-, 32- and 64-row blocks (M = 8, 32, 64) and the dequantize pass (past
+    DOT_MAX_M): tiles do not depend on the layer's shape."""
     import torch
 
     from quant_serve.kernels.w8a16.dispatch import w8a16_forward
+    from quant_serve.kernels.w8a16.plan import DOT_MAX_M
     k, n = SHAPES["qwen2.5-7b"]["qkv"]
     codes = torch.empty(k, n, dtype=torch.int8)
     scales = torch.empty(k // 32, n, dtype=torch.float16)
-    for m in (1, 8, 64):
+    for m in (1, 8, 32, 64, DOT_MAX_M + 1):
         w8a16_forward(torch.empty(m, k, dtype=torch.float16), codes, scales, scales, 32)
 
 

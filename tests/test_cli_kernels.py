@@ -43,7 +43,8 @@ def test_explain_text_and_this_gpu_without_one(capsys):
 
 def test_explain_gguf_weight_formats(capsys):
     """GGUF layers: INT4 with float offsets runs the kernels of its layout as zero-point INT4 does (every kernel
-    takes offsets); int8 codes name the W8A16 GEMV up to M = 16, then dequantize + cuBLAS."""
+    takes offsets); int8 codes name the W8A16 GEMV at M = 1, its tl.dot row blocks up to DOT_MAX_M, then dequantize
+    + cuBLAS."""
     offsets = explain(capsys, "h200", "--weight-format", "w4-offsets")
     w4 = explain(capsys, "h200", "--group-size", "32")
     assert offsets["weight_format"] == "w4-offsets"
@@ -53,7 +54,7 @@ def test_explain_gguf_weight_formats(capsys):
     bf16 = explain(capsys, "h200", "--weight-format", "w4-offsets", "--dtype", "bfloat16")
     assert {r["kernel"] for e in bf16["layers"] for r in e["plans"]} <= {"gemv", "gemm", "gemmt", "dequant+cublas"}
     w8 = explain(capsys, "h200", "--weight-format", "w8")
-    assert kernels_at(w8, "down_proj") == {1: "gemv", 16: "gemv-dot", 64: "dequant+cublas", 256: "dequant+cublas"}
+    assert kernels_at(w8, "down_proj") == {1: "gemv", 16: "gemv-dot", 64: "gemv-dot", 256: "gemv-dot"}
     assert "group 32" in next(e for e in w8["layers"] if e["name"] == "o_proj")["plans"][0]["why"]
     assert main(["kernels", "--explain", "--gpu", "a10", "--model", QWEN, "--m", "1", "--weight-format", "w8"]) == 0
     assert "int8 codes" in capsys.readouterr().out

@@ -242,6 +242,27 @@ def test_dummy_q5_k_m_mix():
     assert len(out[0].outputs[0].token_ids) == 4
 
 
+@pytest.mark.parametrize("mix,paths,head", [("Q8_0", "32 8-bit (W8A16)", gguf.GGMLQuantizationType.Q8_0),
+                                             ("Q4_0", "32 INT4 (W4A16, float offsets)", gguf.GGMLQuantizationType.Q6_K)])
+def test_dummy_plain_mixes(mix, paths, head):
+    """--load-format dummy --quantization gguf:Q8_0 / gguf:Q4_0: every linear in the file's type (an untied head in
+    Q6_K for Q4_0, in Q8_0 for Q8_0, as llama.cpp writes them), planned to the byte, and it generates."""
+    from quant_serve.engine.memory import plan_memory
+    from quant_serve.engine.sampling_params import SamplingParams
+    from quant_serve.quant.formats.gguf_config import dummy_gguf_config
+    type_of = dummy_gguf_config(mix.lower(), 8).type_of
+    assert type_of("lm_head") == head and type_of("model.layers.7.mlp.down_proj") == getattr(
+        gguf.GGMLQuantizationType, mix)
+    engine = make_engine(TINY, num_blocks=8, max_model_len=128, load_format="dummy", quantization=f"gguf:{mix}",
+                         dtype="float16")
+    assert engine.quant_config.describe_paths() == paths
+    plan = plan_memory(TINY, weights_dtype="float16", quantization=f"gguf:{mix.lower()}")
+    assert plan.weights_source == f"gguf: {mix} x 56"        # tiny-qwen2 ties its head to the embedding
+    assert plan.weights_bytes == _loaded_bytes(engine.model)
+    out = engine.generate(["The"], SamplingParams(max_tokens=4, temperature=0))
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
 def test_llama_qk_permutation_is_undone(tmp_path):
     """A llama-architecture GGUF holds q / k rows in llama.cpp's order: loaded (F16 dense and Q8_0 codes), the
     model's logits are those of the safetensors model it was written from."""

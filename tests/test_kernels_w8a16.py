@@ -12,7 +12,7 @@ from quant_serve.kernels.interpret import patch_triton_interpreter  # noqa: E402
 from quant_serve.kernels.triton_compat import interpreting  # noqa: E402
 from quant_serve.kernels.w8a16.dispatch import w8a16_forward, w8a16_matmul  # noqa: E402
 from quant_serve.kernels.w8a16.kernels import w8a16_dequantize  # noqa: E402
-from quant_serve.kernels.w8a16.plan import W8A16Config, plan_w8a16  # noqa: E402
+from quant_serve.kernels.w8a16.plan import _PROGRAMS_PER_SM, DOT_MAX_M, W8A16Config, plan_w8a16  # noqa: E402
 from quant_serve.kernels.w8a16.reference import dequantize_w8, w8a16_matmul_ref  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -59,6 +59,8 @@ def test_dequantize_equals_twin(k, n, gs, offsets, block_k):
     (4, torch.float16, 32, True, 2, 16),         # Q5_1
     (4, torch.float16, 256, True, 2, 1),
     (16, torch.bfloat16, 32, False, 4, 16),
+    (40, torch.float16, 32, True, 2, 32),        # two 32-row blocks, the second partly past M
+    (70, torch.bfloat16, 16, False, 1, 64),
 ])
 def test_gemv_matches_twin(m, dtype, gs, offsets, split_k, block_m):
     k, n = 320, 100                              # K not a multiple of the 64-row step, N not of the tile
@@ -70,7 +72,7 @@ def test_gemv_matches_twin(m, dtype, gs, offsets, split_k, block_m):
     assert rel_err(y, reference(x, q, s, o, gs, bias)) < TOL[dtype]
 
 
-@pytest.mark.parametrize("m", [1, 4, 17, 64])
+@pytest.mark.parametrize("m", [1, 4, 17, 64, DOT_MAX_M + 1])
 def test_planned_kernel_matches_twin(m):
     k, n, gs = 256, 64, 32
     q, s, o = w8_weights(k, n, gs, True, scale_dtype=torch.float32, seed=m)    # fp32 scales, as a loader may keep
@@ -79,15 +81,27 @@ def test_planned_kernel_matches_twin(m):
     assert rel_err(y, reference(x, q, s, o, gs)) < TOL[torch.float16]
 
 
-def test_plan_picks_gemv_for_decode_and_cublas_above():
-    assert plan_w8a16(1, 3584, 4608, 32).kernel == "gemv"
-    assert plan_w8a16(8, 3584, 4608, 32).kernel == "gemv-dot"
-    assert plan_w8a16(16, 18944, 3584, 16).kernel == "gemv-dot"
-    big = plan_w8a16(17, 3584, 4608, 32)
+def test_plan_picks_gemv_rows_up_to_dot_max_m_and_cublas_above():
+    """One row a program at M = 1, tl.dot row blocks that cover M (at most 64 rows) up to DOT_MAX_M, dequantize +
+    cuBLAS above; K splits that fill the GPU without passing _PROGRAMS_PER_SM programs an SM, fewer for wider
+    layers."""
+    sms = 132
+    for k, n in ((3584, 4608), (3584, 3584), (3584, 37888), (18944, 3584)):
+        splits = []
+        for m in (1, 2, 8, 16, 17, 32, 33, 64, 200, DOT_MAX_M):
+            p = plan_w8a16(m, k, n, 32, sms)
+            c = p.config
+            assert p.kernel == ("gemv" if m == 1 else "gemv-dot") and c.path == "gemv", (m, p)
+            assert c.block_m == 1 if m == 1 else min(16, m) <= c.block_m <= 64 and (c.block_m >= m or c.block_m == 64)
+            tiles = -(-m // c.block_m) * -(-n // c.block_n)
+            assert tiles * c.split_k <= _PROGRAMS_PER_SM * sms or c.split_k == 1, (m, p)
+            splits.append(c.split_k)
+        assert splits == sorted(splits, reverse=True)          # more rows: no more K splits
+    assert plan_w8a16(1, 3584, 3584, 32, sms).config.split_k > 1                 # a narrow layer is split
+    assert plan_w8a16(1, 3584, 37888, 32, sms).config.split_k <= plan_w8a16(1, 3584, 3584, 32, sms).config.split_k
+    big = plan_w8a16(DOT_MAX_M + 1, 3584, 4608, 32)
     assert big.kernel == "dequant+cublas" and big.config.path == "dequant"
-    cfg = plan_w8a16(1, 3584, 3584, 32, sms=132).config
-    assert cfg.split_k > 1 and -(-3584 // cfg.block_n) * cfg.split_k <= 4 * 132   # fills the GPU, one-ish wave
-    assert plan_w8a16(1, 3584, 37888, 32).config.split_k == 1                         # wide layers fill it alone
+    assert plan_w8a16(17, 256, 64, 16, sms, "q6k").kernel == "dequant+cublas"   # the planes: GEMV to 16 rows
 
 
 def test_cpu_runs_the_twin_and_cuda_checks_the_layout():
@@ -110,6 +124,6 @@ def test_cpu_runs_the_twin_and_cuda_checks_the_layout():
 def test_gpu_planned_kernel_on_qwen_shapes(k, n, gs):
     """The planned kernel at the Qwen2.5-7B shapes (split counts of the real plan) against the twin."""
     q, s, o = w8_weights(k, n, gs, True)
-    for m in (1, 8, 16, 17, 64):
+    for m in (1, 8, 16, 17, 64, 200, DOT_MAX_M + 1):
         x = torch.randn(m, k, dtype=torch.float16, device=DEV)
         assert rel_err(w8a16_matmul(x, q, s, o, gs), reference(x, q, s, o, gs)) < TOL[torch.float16], m

@@ -143,8 +143,8 @@ def _w8a16_gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, out_ptr, ws_ptr, cnt_ptr, bia
                        Q5: tl.constexpr = False):
     """Grid (row blocks, N tiles, splits). BLOCK_M 1: one x row a program, CUDA-core FMAs into an fp32
     [BLOCK_K, BLOCK_N] accumulator summed over its rows after the loop (rows of a weight tile run together, so all
-    but the first read it from L2). BLOCK_M 16: the row block's x [16, BLOCK_K] meets the tile rounded to x's dtype
-    in tl.dot (the weights are read once for up to 16 rows)."""
+    but the first read it from L2). BLOCK_M 16 / 32 / 64: the row block's x [BLOCK_M, BLOCK_K] meets the tile
+    rounded to x's dtype in tl.dot (the weights are read once for up to BLOCK_M rows)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -243,13 +243,13 @@ def w8a16_gemv(x: torch.Tensor, qweight: "torch.Tensor | Q6KWeights | Q5KWeights
                block_n: int = 64, block_k: int = 64, split_k: int = 1, num_warps: int = 4,
                one_launch: bool = False) -> torch.Tensor:
     """x [M, K] (unit stride along K) @ W [K, N] (int8 codes, scales / offsets [G, N], or Q6KWeights: scales and
-    offsets ignored) -> [M, N] in x's dtype. block_m 1: one row a program (CUDA-core FMAs); 16: up to 16 rows a
-    program through tl.dot."""
+    offsets ignored) -> [M, N] in x's dtype. block_m 1: one row a program (CUDA-core FMAs); 16 (32, 64 for int8
+    codes): up to that many rows a program through tl.dot."""
     qweight, scales, third, offsets, group_size, q6, q5 = _layout_args(qweight, scales, offsets, group_size, block_k)
     M, K = x.shape
     N = qweight.shape[1]
-    if block_m not in (1, 16):
-        raise ValueError(f"block_m must be 1 (FMA rows) or 16 (tl.dot rows), got {block_m}")
+    if block_m not in (1, 16, 32, 64) or (block_m > 16 and (q6 or q5)):
+        raise ValueError(f"block_m must be 1 (FMA rows) or 16 (tl.dot rows; 32 or 64 for int8 codes), got {block_m}")
     splits, per = split_plan(K, block_k, split_k)
     row_blocks = triton.cdiv(M, block_m)
     n_tiles = triton.cdiv(N, block_n)

@@ -2,8 +2,12 @@
 the weight layout and the GPU's SM count. The forward pass (dispatch.py), `quant-serve kernels --explain
 --weight-format w8|q6k|q5k` and the benchmarks ask here, so what they report is what runs.
 
-int8 codes (Q8_0, Q5_0 / Q5_1, mixed shards): not yet measured on a GPU; the constants are derived from the W4A16
-GEMV's (rules.py: ~4 programs an SM, power-of-two K splits up to 16) and the W8A16 byte budget.
+int8 codes (Q8_0, Q5_0 / Q5_1, mixed shards): at M = 1 / 16 on an H100 (bench/results/kernels-gguf-q8-h100.json,
+the old rule's tile and its neighbours) 32-row steps and K split until about 10 programs an SM beat the first
+rule's 64-row steps at about 4 (qkv 24.0 -> 17.1 us, o 16.8 -> 15.4, gate_up 85.9 -> 63.2, down 59.6 -> 41.9 at
+M = 1; FP16 13.9, 11.7, 92.8, 51.9). Above 16 rows the old plan dequantized the whole matrix every call (Q8_0
+Qwen2.5-7B at batch 32: 2226 tok/s against 8533 for Q4_0, e2e-gguf-q8-h100.json); 32 / 64-row tl.dot blocks
+read the codes once per block instead. DOT_MAX_M and the 32 / 64-row blocks are not yet measured on a GPU.
 Code planes (Q6_K, Q5_K): measured at M = 1 on an H100 over 64-160 tiles a layer (bench/results/
 kernels-gguf-planes-h100.json, Qwen2.5-7B's v, down, head, gate_up): K split until about 10 programs an SM, the
 split-K sum in one launch; Q6_K through tl.dot rows even at M = 1 (down 73.3 -> 45.9 us, head 417 -> 285,
@@ -12,9 +16,10 @@ v 11.0 -> 6.4 against the int8 rule), Q5_K one row a program over 128 columns (g
 from dataclasses import dataclass
 from functools import lru_cache
 
-GEMV_MAX_M = 16        # split-K GEMV up to here (decode, memory-bound); dequantize + cuBLAS above
-FMA_MAX_M = 1          # one row a program with CUDA-core FMAs; 2..16 rows share each weight tile through tl.dot
-_PROGRAMS_PER_SM = 4   # split K until tiles x splits reach about this many programs an SM
+GEMV_MAX_M = 16        # code planes: split-K GEMV up to here (decode, memory-bound); dequantize + cuBLAS above
+DOT_MAX_M = 256        # int8 codes: the GEMV's tl.dot row blocks up to here; dequantize + cuBLAS above
+FMA_MAX_M = 1          # one row a program with CUDA-core FMAs; more rows share each weight tile through tl.dot
+_PROGRAMS_PER_SM = 10  # int8 codes: split K until tiles x splits reach about this many programs an SM
 MAX_SPLIT = 16
 _PLANES_PROGRAMS_PER_SM = 10   # the code-plane layouts: more loads in flight (measured, see above)
 _PLANES_MAX_SPLIT = 32
@@ -45,14 +50,17 @@ def plan_w8a16(m: int, k: int, n: int, group_size: int, sms: int = 132, layout: 
     "q6k" or "q5k" (the code planes of q6k.py / q5k.py)."""
     if layout not in ("int8", "q6k", "q5k"):
         raise ValueError(f"unknown W8A16 layout {layout!r}: int8, q6k or q5k")
-    if m > GEMV_MAX_M:
-        return W8A16Plan("dequant+cublas", W8A16Config("dequant"),
-                         f"M = {m} > {GEMV_MAX_M}: compute-bound, dequantize to the activation dtype once, then "
-                         "cuBLAS")
     if layout != "int8":
+        if m > GEMV_MAX_M:
+            return W8A16Plan("dequant+cublas", W8A16Config("dequant"),
+                             f"M = {m} > {GEMV_MAX_M}: compute-bound, dequantize to the activation dtype once, then "
+                             "cuBLAS")
         return _plan_planes(m, k, n, sms, layout)
-    block_m = 1 if m <= FMA_MAX_M else 16
-    block_n, block_k = 64, 64
+    if m > DOT_MAX_M:
+        return W8A16Plan("dequant+cublas", W8A16Config("dequant"),
+                         f"M = {m} > {DOT_MAX_M}: compute-bound, dequantize to the activation dtype once, then cuBLAS")
+    block_m = 1 if m <= FMA_MAX_M else 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n, block_k = 64, 32
     tiles = -(-m // block_m) * -(-n // block_n)
     steps = -(-k // block_k)
     split = 1
@@ -61,10 +69,10 @@ def plan_w8a16(m: int, k: int, n: int, group_size: int, sms: int = 132, layout: 
     cfg = W8A16Config("gemv", block_m, block_n, block_k, split, 4)
     if block_m == 1:
         return W8A16Plan("gemv", cfg, f"M = {m}: split-K GEMV, one row a program, CUDA-core FMAs, {split} K "
-                                      f"split(s) for {sms} SMs (group {group_size}; derived, not measured)")
-    return W8A16Plan("gemv-dot", cfg, f"M = {m} <= {GEMV_MAX_M}: split-K GEMV, the rows share each weight tile "
-                                      f"through tl.dot (16-row block), {split} K split(s) for {sms} SMs "
-                                      f"(group {group_size}; derived, not measured)")
+                                      f"split(s) for {sms} SMs (group {group_size})")
+    return W8A16Plan("gemv-dot", cfg, f"M = {m} <= {DOT_MAX_M}: split-K GEMV, {block_m}-row blocks share each "
+                                      f"weight tile through tl.dot, {split} K split(s) for {sms} SMs "
+                                      f"(group {group_size})")
 
 
 def _plan_planes(m: int, k: int, n: int, sms: int, layout: str) -> W8A16Plan:

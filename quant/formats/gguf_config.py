@@ -134,7 +134,7 @@ def _codes(tensors: dict, prefix: str, k: int, n: int) -> GroupedCodes:
     return g
 
 
-# ---- llama.cpp's Q4_K_M / Q5_K_M type choice, for --load-format dummy --quantization gguf:Q4_K_M --------------
+# ---- llama.cpp's type choice per file type, for --load-format dummy --quantization gguf:Q4_K_M -----------------
 
 def _more_bits(layer: int, num_layers: int) -> bool:
     """llama.cpp's use_more_bits: the first and last eighth of the layers and every third between get Q6_K."""
@@ -152,8 +152,16 @@ def q4_k_m_type(prefix: str, num_layers: int, base: T = T.Q4_K) -> T:
     return base
 
 
+def plain_type(prefix: str, base: T) -> T:
+    """The type llama.cpp's Q4_0 / Q8_0 files give a weight: the base type, the head Q6_K unless the base is
+    Q8_0 (llama.cpp keeps an output tensor of Q8_0 files in Q8_0)."""
+    return T.Q6_K if prefix == "lm_head" and base != T.Q8_0 else base
+
+
 DUMMY_MIXES = {"Q4_K_M": q4_k_m_type,
-               "Q5_K_M": lambda prefix, num_layers: q4_k_m_type(prefix, num_layers, T.Q5_K)}
+               "Q5_K_M": lambda prefix, num_layers: q4_k_m_type(prefix, num_layers, T.Q5_K),
+               "Q4_0": lambda prefix, num_layers: plain_type(prefix, T.Q4_0),
+               "Q8_0": lambda prefix, num_layers: plain_type(prefix, T.Q8_0)}
 
 
 def dummy_gguf_config(mix: str, num_layers: int) -> GGUFConfig:
