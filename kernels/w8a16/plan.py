@@ -4,8 +4,8 @@ the weight layout and the GPU's SM count. The forward pass (dispatch.py), `quant
 
 int8 codes (Q8_0, Q5_0 / Q5_1, mixed shards): at M = 1 / 16 on an H100 (bench/results/kernels-gguf-q8-h100.json,
 the old rule's tile and its neighbours) 32-row steps and K split until about 10 programs an SM beat the first
-rule's 64-row steps at about 4 (qkv 24.0 -> 17.1 us, o 16.8 -> 15.4, gate_up 85.9 -> 63.2, down 59.6 -> 41.9 at
-M = 1; FP16 13.9, 11.7, 92.8, 51.9). Above 16 rows the old plan dequantized the whole matrix every call (Q8_0
+rule's 64-row steps at about 4 (M = 1, at the tile and split the plan now picks: o 16.8 -> 15.4 us, gate_up
+85.9 -> 63.2, down 59.6 -> 41.9; FP16 11.7, 92.8, 51.9; qkv's 16 splits were not timed, its 8 gave 17.1 against 24.0). Above 16 rows the old plan dequantized the whole matrix every call (Q8_0
 Qwen2.5-7B at batch 32: 2226 tok/s against 8533 for Q4_0, e2e-gguf-q8-h100.json); 32 / 64-row tl.dot blocks
 read the codes once per block instead. DOT_MAX_M and the 32 / 64-row blocks are not yet measured on a GPU.
 Code planes (Q6_K, Q5_K): measured at M = 1 on an H100 over 64-160 tiles a layer (bench/results/
@@ -51,14 +51,9 @@ def plan_w8a16(m: int, k: int, n: int, group_size: int, sms: int = 132, layout: 
     if layout not in ("int8", "q6k", "q5k"):
         raise ValueError(f"unknown W8A16 layout {layout!r}: int8, q6k or q5k")
     if layout != "int8":
-        if m > GEMV_MAX_M:
-            return W8A16Plan("dequant+cublas", W8A16Config("dequant"),
-                             f"M = {m} > {GEMV_MAX_M}: compute-bound, dequantize to the activation dtype once, then "
-                             "cuBLAS")
-        return _plan_planes(m, k, n, sms, layout)
+        return _dequant_plan(m, GEMV_MAX_M) if m > GEMV_MAX_M else _plan_planes(m, k, n, sms, layout)
     if m > DOT_MAX_M:
-        return W8A16Plan("dequant+cublas", W8A16Config("dequant"),
-                         f"M = {m} > {DOT_MAX_M}: compute-bound, dequantize to the activation dtype once, then cuBLAS")
+        return _dequant_plan(m, DOT_MAX_M)
     block_m = 1 if m <= FMA_MAX_M else 16 if m <= 16 else 32 if m <= 32 else 64
     block_n, block_k = 64, 32
     tiles = -(-m // block_m) * -(-n // block_n)
@@ -73,6 +68,11 @@ def plan_w8a16(m: int, k: int, n: int, group_size: int, sms: int = 132, layout: 
     return W8A16Plan("gemv-dot", cfg, f"M = {m} <= {DOT_MAX_M}: split-K GEMV, {block_m}-row blocks share each "
                                       f"weight tile through tl.dot, {split} K split(s) for {sms} SMs "
                                       f"(group {group_size})")
+
+
+def _dequant_plan(m: int, limit: int) -> W8A16Plan:
+    return W8A16Plan("dequant+cublas", W8A16Config("dequant"),
+                     f"M = {m} > {limit}: compute-bound, dequantize to the activation dtype once, then cuBLAS")
 
 
 def _plan_planes(m: int, k: int, n: int, sms: int, layout: str) -> W8A16Plan:
