@@ -19,26 +19,39 @@ logger = logging.getLogger("quant_serve")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
                            "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM")
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
+CONFIG_PATTERNS = ["config.json", "*.safetensors.index.json", "quantize_config.json", "quant_config.json"]
+# Published configs (no weights) of models our users serve, shipped so that `plan`, `kernels --explain` and dummy-
+# weight benchmarks run with no download: `quant-serve plan qwen2.5-7b-instruct`.
+BUNDLED_CONFIGS = Path(__file__).resolve().parent / "configs"
+
+
+def bundled_config_names() -> list[str]:
+    return sorted(p.parent.name for p in BUNDLED_CONFIGS.glob("*/config.json"))
 _DTYPES = DTYPES
 
 
-def resolve_model_dir(model: str, revision: str | None = None) -> Path:
-    """A local directory as is; otherwise a Hugging Face hub id, downloaded (or found in the local hub cache)."""
+def resolve_model_dir(model: str, revision: str | None = None, config_only: bool = False) -> Path:
+    """A local directory as is; then a bundled config's name; otherwise a Hugging Face hub id, downloaded (or found
+    in the local hub cache). config_only: fetch only the config files of a hub model (plan, kernels --explain)."""
     path = Path(model).expanduser()
     if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
         return path
     if path.exists():
         raise ValueError(f"model path {model} is a file, expected a directory holding config.json and weights "
                          "(or a .gguf file)")
+    if model in bundled_config_names():
+        return BUNDLED_CONFIGS / model
     repo, quant = split_quant_tag(model)
     if model.startswith((".", "/", "~")) or repo.count("/") != 1:
         raise FileNotFoundError(f"model directory {model} does not exist (and it is not a hub id like org/name, "
-                                "or org/name:Q4_K_M for one quantization of a GGUF repository)")
+                                "or org/name:Q4_K_M for one quantization of a GGUF repository, nor a bundled "
+                                f"config: {', '.join(bundled_config_names())})")
     if quant is not None:
         return download_gguf(repo, quant, revision)
     from huggingface_hub import snapshot_download
-    logger.info("downloading %s from the Hugging Face hub", model)
-    path = Path(snapshot_download(model, revision=revision, allow_patterns=HUB_PATTERNS))
+    logger.info("downloading %s%s from the Hugging Face hub", "the config of " if config_only else "", model)
+    path = Path(snapshot_download(model, revision=revision,
+                                  allow_patterns=CONFIG_PATTERNS if config_only else HUB_PATTERNS))
     if not (path / "config.json").is_file():
         gguf_only_repo(model, revision)        # a GGUF repository: ValueError naming its quantizations
     return path

@@ -12,10 +12,20 @@ def _pyplot():
     try:
         import matplotlib
     except ModuleNotFoundError as e:
-        raise ModuleNotFoundError("the HTML report needs matplotlib: pip install 'quant-serve[eval]'") from e
+        raise ModuleNotFoundError("the HTML report needs matplotlib, a dependency of quant-serve that is missing "
+                                  "from this environment: pip install 'matplotlib>=3.8'") from e
     matplotlib.use("Agg")           # headless; must precede the pyplot import
     import matplotlib.pyplot as plt
     return plt
+
+
+def check_plotting() -> None:
+    """Draw and encode one small figure: eval calls this before any model loads, so a broken matplotlib stops the
+    run in a second instead of after the evaluation."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(1, 1))
+    ax.plot([0, 1], [0, 1])
+    to_base64(fig)
 
 
 def to_base64(fig) -> str:

@@ -115,9 +115,26 @@ def markdown(summary: dict, gate_source: str | None = None) -> str:
     return "\n".join(lines)
 
 
-def write_reports(out_dir: str | Path, summary: dict, html: str, gate_source: str | None = None) -> None:
+def check_out_dir(out_dir: str | Path) -> Path:
+    """Create the report folder and prove it is writable (before the evaluation, not after)."""
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".write-check"
+        probe.write_text("", encoding="utf-8")
+        probe.unlink()
+    except OSError as e:
+        raise OSError(f"cannot write the report to --out {out}: {e.strerror or e}") from e
+    return out
+
+
+def write_text_reports(out_dir: str | Path, summary: dict, gate_source: str | None = None) -> None:
+    """report.json and report.md: written first, so that nothing measured is lost if the plots fail."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "report.md").write_text(markdown(summary, gate_source), encoding="utf-8")
-    (out / "report.html").write_text(html, encoding="utf-8")
     (out / "report.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    (out / "report.md").write_text(markdown(summary, gate_source), encoding="utf-8")
+
+
+def write_html_report(out_dir: str | Path, html: str) -> None:
+    (Path(out_dir) / "report.html").write_text(html, encoding="utf-8")

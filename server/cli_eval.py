@@ -99,10 +99,16 @@ def _run(args) -> int:
     from quant_serve.eval.gate import check_gate, load_gate
     from quant_serve.eval.harness import run_eval
     from quant_serve.eval.metadata import run_metadata
-    from quant_serve.eval.report import markdown, summary_json, write_reports
+    from quant_serve.eval.plots import check_plotting
+    from quant_serve.eval.report import (check_out_dir, markdown, summary_json, write_html_report,
+                                         write_text_reports)
     from quant_serve.eval.report_html import html_report
 
-    gate = load_gate(args.gate)        # a bad gate file fails before hours of evaluation, not after
+    # everything the report needs is checked before minutes of evaluation, not after
+    gate = load_gate(args.gate)
+    if args.out:
+        check_out_dir(args.out)
+        check_plotting()
     cfg = config_from_args(args)
     result = run_eval(cfg)
     metadata = run_metadata(result.device, command_args(cfg, args))
@@ -110,9 +116,11 @@ def _run(args) -> int:
     gate_result = check_gate(gate, summary)
     summary["gate"] = gate_result.to_json()
     if args.out:
+        write_text_reports(args.out, summary, gate.source)
+        logger.info("wrote %s/report.json and report.md", args.out)
         abs_dp = {m.name: abs(m.stats.delta_p) for m in result.candidates}
-        write_reports(args.out, summary, html_report(summary, abs_dp, gate.source), gate.source)
-        logger.info("wrote %s/report.{md,html,json}", args.out)
+        write_html_report(args.out, html_report(summary, abs_dp, gate.source))
+        logger.info("wrote %s/report.html", args.out)
     if args.json:
         print(json.dumps(summary, indent=1))
     else:

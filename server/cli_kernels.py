@@ -35,8 +35,9 @@ def register(sub) -> None:
     p.add_argument("--explain", action="store_true", help="print the kernel plan (the only action, for now)")
     p.add_argument("--gpu", default="a10", choices=PROFILE_NAMES,
                    help="the card to plan for (a named profile), or `this` GPU (default: a10)")
-    p.add_argument("--model", default=None, help="model directory with config.json (default: the bundled demo "
-                                                 "model)")
+    p.add_argument("--model", default=None, help="model directory with config.json, hub id (only its config is "
+                                                 "fetched) or a bundled config (qwen2.5-7b-instruct, "
+                                                 "llama-3.1-8b-instruct); default: the bundled demo model")
     p.add_argument("--m", default=DEFAULT_MS, help=f"rows (tokens) per matmul to plan for (default: {DEFAULT_MS})")
     p.add_argument("--group-size", type=int, default=None, help="weight group size (default: the checkpoint's, "
                                                                 "else 128; 32 for the GGUF formats)")
@@ -163,7 +164,7 @@ def run(args) -> int:
         caps = resolve_caps(caps_of_device(torch.cuda.current_device()), "this")
     else:
         caps = PROFILES[args.gpu]
-    model_dir = resolve_model_dir(args.model or demo_model_dir())
+    model_dir = resolve_model_dir(args.model or demo_model_dir(), config_only=True)
     cfg, _ = load_model_config(model_dir)
     q = cfg.quantization_config or {}
     gguf = args.weight_format != "w4"

@@ -7,8 +7,9 @@ import sys
 
 def register(sub) -> None:
     p = sub.add_parser("plan", help="plan GPU memory (weights, activations, KV capacity) without loading the model")
-    p.add_argument("model", help="model directory (config.json is enough), .gguf file or hub id (org/name:Q4_K_M "
-                                 "for a GGUF repo)")
+    p.add_argument("model", help="model directory (config.json is enough), .gguf file, hub id (only its config is "
+                                 "fetched; org/name:Q4_K_M for a GGUF repo) or a bundled config: "
+                                 "qwen2.5-7b-instruct, llama-3.1-8b-instruct")
     from quant_serve.kernels.gpu import PROFILES
     p.add_argument("--gpu", default=None, choices=sorted(PROFILES),
                    help="the card: its memory (unless --gpu-memory-gb) and a projected decode speed (tok/s at batch "
@@ -43,13 +44,13 @@ def run(args) -> int:
     from quant_serve.kernels.gpu import PROFILES
     caps = PROFILES[args.gpu] if args.gpu else None
     memory_gb = args.gpu_memory_gb or (caps.memory_gib if caps else 24.0)
-    model_dir = resolve_model_dir(args.model)
+    model_dir = resolve_model_dir(args.model, config_only=True)
     plan = plan_memory(model_dir, gpu_mem_gb=memory_gb, gpu_memory_utilization=args.gpu_memory_utilization,
                        kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
                        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                        enforce_eager=args.enforce_eager, weights_dtype=args.dtype, int4_head=args.quantize_lm_head,
                        quantization=args.quantization,
-                       draft_model=resolve_model_dir(args.speculative_model) if args.speculative_model else None)
+                       draft_model=resolve_model_dir(args.speculative_model, config_only=True) if args.speculative_model else None)
     projection = project_decode(plan, caps) if caps else None
     if args.json:
         json.dump({**plan.to_dict(), **({"projection": projection} if projection else {})}, sys.stdout, indent=2)

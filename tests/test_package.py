@@ -139,3 +139,29 @@ def test_no_environment_reads_below_the_cli(room):
     for path in (REPO / room).rglob("*.py"):
         text = path.read_text()
         assert "os.environ" not in text and "getenv(" not in text, path.relative_to(REPO)
+
+
+def test_every_package_folder_is_in_the_wheel(tmp_path):
+    """A regular install (`pip install .`, a wheel) carries every module and data file of the rooms: the editable
+    install CI and developers use reads the checkout and would hide a folder the wheel misses."""
+    import shutil
+    import zipfile
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True, text=True)
+    if listed.returncode != 0:
+        pytest.skip("not a git checkout: the files of the source tree are not known")
+    source = tmp_path / "src"                         # the tree a clean clone has (no stale build/ folder)
+    for name in listed.stdout.splitlines():
+        if (REPO / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, source / name)
+    # no build isolation: setuptools comes with the test extra, so this needs no network
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                            str(source), "-w", str(tmp_path)], capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-3000:]
+    wheel, = tmp_path.glob("quant_serve-*.whl")
+    shipped = set(zipfile.ZipFile(wheel).namelist())
+    wanted = [name for name in listed.stdout.splitlines() if name.split("/")[0] in OURS and "__pycache__" not in name
+              and (name.endswith(".py") or "/demo_model/" in name or "/tasks/" in name or "/configs/" in name or name.endswith(".toml"))]
+    missing = [name for name in wanted if f"quant_serve/{name}" not in shipped]
+    assert not missing, f"the wheel misses {len(missing)} files, e.g. {missing[:5]}"
+    assert len(wanted) > 150

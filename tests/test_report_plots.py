@@ -10,7 +10,7 @@ from quant_serve.eval import plots  # noqa: E402
 
 
 def test_bar_labels_do_not_overlap_error_bars(monkeypatch):
-    summary = json.loads((REPO / "eval" / "results" / "tiny-qwen2" / "report.json").read_text())
+    summary = json.loads((REPO / "bench" / "results" / "eval" / "tiny-qwen2" / "report.json").read_text())
     summary["candidates"][1]["ppl_change_pct"] = -0.8     # a candidate better than the reference: label on the left
     figures = []
     monkeypatch.setattr(plots, "to_base64", lambda fig: figures.append(fig) or "")
