@@ -62,6 +62,7 @@ PROFILES: dict[str, GPUCaps] = {
     "h200": _caps("NVIDIA H200", (9, 0), 132, 227, 60, 4800, 141, "h200"),
 }
 PROFILE_NAMES = ("this", *PROFILES)
+ACTIVATION_DTYPES = ("auto", "fp16", "int8")
 
 
 def caps_of_device(index: int) -> GPUCaps:
@@ -96,10 +97,20 @@ class KernelOptions:
     # 1.39x a decode step at batch 1 / 4 against 1.32x / 1.47x (H100; H200 batch 1: 1.04x vs 1.26x); the prefill
     # kernel wins only at batch 16, where speculation is off (bench/results/spec-verify-cost-{h100,batch1-h200}.json)
     verify_rows: bool = True
+    # activations of the quantized layers: "fp16" (W4A16 kernels), "int8" (quantized on the fly and multiplied on
+    # integer tensor cores wherever the plan has such a kernel), "auto" (int8 where the plan says it pays and the
+    # weight format passed the accuracy gate)
+    activation_dtype: str = "auto"
+    act_scale: str = "group"       # int8 activations: one scale per token ("token") or per token and weight group
 
     def __post_init__(self):
         if self.profile not in PROFILE_NAMES:
             raise ValueError(f"unknown GPU profile {self.profile!r}; choose one of {', '.join(PROFILE_NAMES)}")
+        if self.activation_dtype not in ACTIVATION_DTYPES:
+            raise ValueError(f"unknown activation dtype {self.activation_dtype!r}; choose one of "
+                             f"{', '.join(ACTIVATION_DTYPES)}")
+        if self.act_scale not in ("token", "group"):
+            raise ValueError(f"unknown activation scale granularity {self.act_scale!r}; choose token or group")
 
 
 @dataclass(frozen=True)
