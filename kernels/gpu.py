@@ -177,14 +177,6 @@ def options_for(device: torch.device) -> KernelOptions:
     return runtime_for(device).options if device.type == "cuda" else KernelOptions()
 
 
-def reset_runtime(device: torch.device | int | None = None) -> None:
-    """Forget the configured runtime(s) (tests, benchmarks that switch profiles in one process)."""
-    if device is None:
-        _RUNTIMES.clear()
-    else:
-        _RUNTIMES.pop(_index(device), None)
-
-
 def _index(device: torch.device | int) -> int:
     if isinstance(device, int):
         return device
