@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from quant_serve.engine.checkpoint import check_size
 from quant_serve.engine.config import ModelConfig
 
 logger = logging.getLogger("quant_serve")
@@ -115,6 +116,8 @@ def gguf_hf_config(ckpt: GGUFCheckpoint):
         hf = AutoConfig.from_pretrained(str(ckpt.first.parent), gguf_file=ckpt.first.name)
     except Exception as e:
         raise ValueError(f"cannot read the config of {ckpt.first} with transformers: {type(e).__name__}: {e}") from e
+    for field, key in (("hidden_size", "embedding_length"), ("num_attention_heads", "attention.head_count")):
+        check_size(f"{ckpt.arch}.{key}", getattr(hf, field, None), ckpt.first)   # apply_gguf_hparams divides
     apply_gguf_hparams(hf, ckpt.arch, ckpt.metadata, ckpt.tensors)
     return hf
 

@@ -1,0 +1,83 @@
+"""What a new user met in the first hour (issue 51, items 6 and 7): a model whose full context does not fit the CPU
+KV pool, a GGUF tokenizer rebuilt on every start, a config with zero heads, a truncated GGUF, a port already in use,
+a large /tokenize body and a log that said GPU on the CPU. Self-contained: random-weight models from a config
+written here, GGUF files written here with the gguf package, the bundled demo model's tokenizer."""
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from quant_serve.engine.demo import DEMO_MODEL_DIR
+from quant_serve.server.cli import main
+
+
+TINY_CONFIG = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64,
+               "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "vocab_size": 8192, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+               "tie_word_embeddings": True, "eos_token_id": 2, "torch_dtype": "float32"}
+
+
+def tiny_model(path, **changes):
+    """A config (random weights: --load-format dummy) with the demo model's tokenizer."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({**TINY_CONFIG, **changes}))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEMO_MODEL_DIR / name, path / name)
+    return path
+
+
+def write_gguf(path, heads: int = 4, vocab: bool = True):
+    """A qwen2 GGUF: hyper-parameters, the demo tokenizer as llama.cpp writes a BPE one, three small tensors."""
+    import gguf
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    writer.add_context_length(256)
+    writer.add_embedding_length(64)
+    writer.add_block_count(1)
+    writer.add_feed_forward_length(128)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(2)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_vocab_size(8192)
+    if vocab:
+        tok = json.loads((DEMO_MODEL_DIR / "tokenizer.json").read_text())
+        added = {a["id"]: a["content"] for a in tok["added_tokens"]}
+        tokens = {**{i: t for t, i in tok["model"]["vocab"].items()}, **added}
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("qwen2")
+        writer.add_token_list([tokens[i] for i in range(len(tokens))])
+        writer.add_token_types([3 if i in added else 1 for i in range(len(tokens))])
+        writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+        writer.add_eos_token_id(2)
+    rng = np.random.default_rng(0)
+    writer.add_tensor("token_embd.weight", rng.standard_normal((64, 64)).astype(np.float32))
+    q = rng.standard_normal((64, 64)).astype(np.float32)
+    writer.add_tensor("blk.0.attn_q.weight", gguf.quants.quantize(q, gguf.GGMLQuantizationType.Q8_0),
+                      raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("output_norm.weight", np.ones(64, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def run_cli(capsys, *argv) -> tuple[int, str]:
+    code = main([*map(str, argv)])
+    return code, capsys.readouterr().err
+
+
+# ---- 7: one-line errors ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("field,value", [("num_attention_heads", 0), ("num_key_value_heads", 0), ("head_dim", 0),
+                                         ("hidden_size", 0), ("num_hidden_layers", None), ("vocab_size", "8192")])
+def test_config_sizes_are_checked_by_name(tmp_path, capsys, field, value):
+    code, err = run_cli(capsys, "generate", "--model", tiny_model(tmp_path / "m", **{field: value}),
+                        "--load-format", "dummy", "--prompt", "hi")
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"config.json: {field} must be a positive integer, got {json.dumps(value)}" in err
+
+
+def test_gguf_with_zero_heads_names_the_key(tmp_path, capsys):
+    path = write_gguf(tmp_path / "m.gguf", heads=0, vocab=False)
+    code, err = run_cli(capsys, "generate", "--model", path, "--prompt", "hi")
+    assert code == 2 and err == f"error: {path}: qwen2.attention.head_count must be a positive integer, got 0\n"
