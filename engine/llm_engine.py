@@ -23,7 +23,7 @@ from quant_serve.engine.scheduler import Scheduler, SchedulerOutput
 from quant_serve.engine.sequence import Sequence
 from quant_serve.engine.spec.proposer import DraftTarget, make_proposer
 from quant_serve.engine.spec.runtime import Speculation
-from quant_serve.engine.startup import start_kernels
+from quant_serve.engine.startup import device_name, start_kernels
 from quant_serve.engine.structured import GrammarCompiler
 from quant_serve.engine.structured_mask import GrammarMasks
 from quant_serve.kernels.gpu import configure
@@ -48,13 +48,14 @@ class LLMEngine:
         if self.device != "cpu":            # before any weight is prepared: the layouts follow the runtime's caps
             configure(torch.device(self.device), config.kernels)
         start = time.perf_counter()
-        logger.info("config, tokenizer and GPU ready in %.1f s", start - begin)
+        logger.info("config, tokenizer and device (%s) ready in %.1f s", device_name(self.device), start - begin)
         self.model, self.quant_config = load_model(self.model_dir, self.model_config, self.dtype, self.device,
                                                    config.load_format, config.quantization, show_progress,
                                                    config.seed, config.quantize_lm_head)
         logger.info("weights loaded and prepared in %.1f s", time.perf_counter() - start)
-        num_blocks, self.memory_plan = kv_pool.num_gpu_blocks(config, self.model_config, self.model_dir,
-                                                              self.device, self.dtype, self.max_model_len)
+        num_blocks, self.memory_plan, self.max_model_len = kv_pool.num_gpu_blocks(
+            config, self.model_config, self.model_dir, self.device, self.dtype, self.max_model_len)
+        config.scheduler.max_model_len = self.max_model_len
         num_cpu_blocks = kv_pool.num_cpu_blocks(config, self.model_config, self.dtype)
         self.runner = ModelRunner(self.model, self.model_config, config.cache, num_blocks, self.device, self.dtype,
                                   config.seed, num_cpu_blocks)

@@ -40,3 +40,11 @@ def start_kernels(runner, model, config: EngineConfig, max_model_len: int, show_
     logger.info("kernels ready in %.1f s: %d decode graphs, %d verify graphs, %d warm-up forwards",
                 time.perf_counter() - start, 0 if graphs is None else len(graphs.graphs),
                 0 if verify is None else len(verify.graphs), forwards)
+
+
+def device_name(device) -> str:
+    """'cpu', or the CUDA device with its card's name, for the start-up log."""
+    if not str(device).startswith("cuda"):
+        return str(device)
+    import torch
+    return f"{device}, {torch.cuda.get_device_name(torch.device(device))}"

@@ -3,6 +3,7 @@ KV pool, a GGUF tokenizer rebuilt on every start, a config with zero heads, a tr
 a large /tokenize body and a log that said GPU on the CPU. Self-contained: random-weight models from a config
 written here, GGUF files written here with the gguf package, the bundled demo model's tokenizer."""
 import json
+import logging
 import shutil
 
 import numpy as np
@@ -65,6 +66,26 @@ def write_gguf(path, heads: int = 4, vocab: bool = True):
 def run_cli(capsys, *argv) -> tuple[int, str]:
     code = main([*map(str, argv)])
     return code, capsys.readouterr().err
+
+
+# ---- 6: the model's full context on the CPU path --------------------------------------------------------------
+def test_cpu_lowers_a_default_context_that_does_not_fit_with_one_warning(tmp_path, capsys, caplog):
+    model = tiny_model(tmp_path / "m")        # 1 MiB of KV: 128 blocks of 8 KiB = 2048 tokens, not 32768
+    caplog.set_level(logging.INFO, "quant_serve")
+    code, err = run_cli(capsys, "generate", "--model", model, "--load-format", "dummy", "--device", "cpu",
+                        "--kv-cache-memory-gb", 2**-10, "--prompt", "hi", "--max-tokens", 2)
+    assert code == 0, err
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and
+                r.name.startswith("quant_serve")]
+    assert len(warnings) == 1 and "max_model_len lowered from the model's 32768 to 2048" in warnings[0], warnings
+    ready = [r.getMessage() for r in caplog.records if "ready in" in r.getMessage()]
+    assert ready and "device (cpu)" in ready[0] and "GPU" not in ready[0]       # item 7: name the device
+
+
+def test_an_explicit_max_model_len_that_does_not_fit_stays_an_error(tmp_path, capsys):
+    code, err = run_cli(capsys, "generate", "--model", tiny_model(tmp_path / "m"), "--load-format", "dummy",
+                        "--device", "cpu", "--kv-cache-memory-gb", 2**-10, "--max-model-len", 4096, "--prompt", "hi")
+    assert code == 2 and err.startswith("error: KV cache holds 2048 tokens") and err.count("\n") == 1, err
 
 
 # ---- 7: one-line errors ------------------------------------------------------------------------------------------
