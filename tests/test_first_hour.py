@@ -5,6 +5,7 @@ written here, GGUF files written here with the gguf package, the bundled demo mo
 import json
 import logging
 import shutil
+import socket
 
 import numpy as np
 import pytest
@@ -102,3 +103,13 @@ def test_gguf_with_zero_heads_names_the_key(tmp_path, capsys):
     path = write_gguf(tmp_path / "m.gguf", heads=0, vocab=False)
     code, err = run_cli(capsys, "generate", "--model", path, "--prompt", "hi")
     assert code == 2 and err == f"error: {path}: qwen2.attention.head_count must be a positive integer, got 0\n"
+
+
+@pytest.mark.parametrize("replicas", [0, 2])
+def test_port_in_use_is_found_before_the_model_loads(tmp_path, capsys, replicas):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]      # the model does not exist: its error would come first if it loaded first
+        code, err = run_cli(capsys, "serve", tmp_path / "no-model", "--port", port, "--replicas", replicas)
+    assert code == 2 and err.startswith(f"error: cannot listen on 127.0.0.1:{port}: ") and "--port" in err, err
