@@ -1,7 +1,7 @@
 """GGUF checkpoints (llama.cpp, Ollama, LM Studio): a .gguf file, a directory holding one, or split files
-`NAME-00001-of-0000N.gguf`. Tensors are read with the `gguf` package's GGUFReader (memory-mapped) and converted
-to the internal layouts without re-quantizing (quant/formats/gguf_types.py); config, tokenizer and chat template
-come from the GGUF metadata through transformers' GGUF support."""
+`NAME-00001-of-0000N.gguf`. The file is read with engine/gguf_file.py (tensors memory-mapped) and its tensors
+converted to the internal layouts without re-quantizing (quant/formats/gguf_types.py); config, tokenizer and chat
+template come from the GGUF metadata through transformers' GGUF support."""
 import functools
 import logging
 import re
@@ -26,7 +26,7 @@ _SPLIT = re.compile(r"^(?P<stem>.+)-(?P<part>\d{5})-of-(?P<total>\d{5})\.gguf$")
 class GGUFCheckpoint:
     files: list[Path]
     arch: str                                   # GGUF general.architecture
-    tensors: dict                               # GGUF tensor name -> gguf.ReaderTensor
+    tensors: dict                               # GGUF tensor name -> gguf.ReaderTensor (engine/gguf_file.py)
     metadata: dict                              # GGUF key -> value (engine/gguf_hparams.py; no vocabulary)
     end_of_generation: list[int] = field(default_factory=list)   # stop ids beside eos (end_of_generation_ids)
 
@@ -75,23 +75,20 @@ def _split_set(folder: Path, stem: str, total: int) -> list[Path]:
 
 
 def open_gguf(files: list[Path]) -> GGUFCheckpoint:
-    """The checkpoint of `files`; read once per file version (GGUFReader parses every metadata field, the
-    vocabulary included: ~1 s for a 150k-token one) although config, tokenizer and weights each ask for it."""
+    """The checkpoint of `files`; read once per file version although config, tokenizer and weights each ask for
+    it."""
     key = tuple((str(Path(f).resolve()), Path(f).stat().st_mtime_ns, Path(f).stat().st_size) for f in files)
     return _open_gguf(key)
 
 
 @functools.lru_cache(maxsize=2)
 def _open_gguf(key: tuple) -> GGUFCheckpoint:
-    from gguf import GGUFReader
-    files = [Path(path) for path, _, _ in key]
+    from quant_serve.engine.gguf_file import read_gguf
     from quant_serve.engine.gguf_hparams import end_of_generation_ids, metadata
+    files = [Path(path) for path, _, _ in key]
     tensors, arch, meta, stops = {}, None, {}, None
     for file in files:
-        try:
-            reader = GGUFReader(str(file))
-        except Exception as e:             # the reader raises ValueError / struct errors for a damaged file
-            raise ValueError(f"cannot read {file} as GGUF: {type(e).__name__}: {e}") from e
+        reader = read_gguf(file)                          # ValueError naming what is damaged
         meta = meta or metadata(reader)                   # split parts after the first hold no hyper-parameters
         stops = end_of_generation_ids(reader) if stops is None else stops
         arch = arch or meta.get("general.architecture")

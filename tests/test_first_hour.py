@@ -105,6 +105,31 @@ def test_gguf_with_zero_heads_names_the_key(tmp_path, capsys):
     assert code == 2 and err == f"error: {path}: qwen2.attention.head_count must be a positive integer, got 0\n"
 
 
+@pytest.mark.parametrize("keep,says", [(0, "is empty"), (10, "ends inside the GGUF header"),
+                                       (200, "metadata runs past the end of the file (key"),
+                                       (-9000, "tensor 'token_embd.weight'"), (-300, "tensor 'blk.0.attn_q.weight'"),
+                                       (-1, "tensor 'output_norm.weight'")])
+def test_truncated_gguf_is_named_not_a_numpy_error(tmp_path, capsys, keep, says):
+    data = write_gguf(tmp_path / "whole.gguf", vocab=False).read_bytes()
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(data[:keep] if keep >= 0 else data[:len(data) + keep])
+    code, err = run_cli(capsys, "generate", "--model", path, "--prompt", "hi")
+    assert code == 2 and err.startswith(f"error: {path} is ") and says in err and err.count("\n") == 1, err
+    assert "truncated" in err or "empty" in err
+    assert not any(w in err for w in ("dtype", "reshape", "out of bounds")), err
+
+
+def test_corrupt_gguf_names_the_problem(tmp_path, capsys):
+    data = bytearray(write_gguf(tmp_path / "whole.gguf", vocab=False).read_bytes())
+    (tmp_path / "zip.gguf").write_bytes(b"PK\x03\x04" + data[4:])
+    code, err = run_cli(capsys, "generate", "--model", tmp_path / "zip.gguf", "--prompt", "hi")
+    assert code == 2 and "is not a GGUF file" in err, err
+    data[24 + 8 + len("general.architecture")] = 99        # the first key's value type
+    (tmp_path / "bad.gguf").write_bytes(bytes(data))
+    code, err = run_cli(capsys, "generate", "--model", tmp_path / "bad.gguf", "--prompt", "hi")
+    assert code == 2 and "'general.architecture' has unknown value type 99" in err, err
+
+
 @pytest.mark.parametrize("replicas", [0, 2])
 def test_port_in_use_is_found_before_the_model_loads(tmp_path, capsys, replicas):
     with socket.socket() as busy:
