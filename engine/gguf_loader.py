@@ -1,7 +1,7 @@
 """GGUF checkpoints (llama.cpp, Ollama, LM Studio): a .gguf file, a directory holding one, or split files
 `NAME-00001-of-0000N.gguf`. The file is read with engine/gguf_file.py (tensors memory-mapped) and its tensors
 converted to the internal layouts without re-quantizing (quant/formats/gguf_types.py); config, tokenizer and chat
-template come from the GGUF metadata through transformers' GGUF support."""
+template come from the GGUF metadata through transformers' GGUF support (engine/gguf_cache.py keeps them)."""
 import functools
 import logging
 import re
@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from quant_serve.engine.checkpoint import check_size
 from quant_serve.engine.config import ModelConfig
+from quant_serve.engine.gguf_cache import DEFAULT_ROOT, cached
 
 logger = logging.getLogger("quant_serve")
 
@@ -104,15 +105,21 @@ def _open_gguf(key: tuple) -> GGUFCheckpoint:
     return GGUFCheckpoint(list(files), arch, tensors, meta, stops)
 
 
-def gguf_hf_config(ckpt: GGUFCheckpoint):
-    """transformers' config of the GGUF, completed from the metadata it does not map (engine/gguf_hparams.py)."""
+def gguf_hf_config(ckpt: GGUFCheckpoint, cache_root: Path = DEFAULT_ROOT):
+    """transformers' config of the GGUF (cached: engine/gguf_cache.py), completed from the metadata it does not
+    map (engine/gguf_hparams.py)."""
     from transformers import AutoConfig
 
     from quant_serve.engine.gguf_hparams import apply_gguf_hparams
-    try:
-        hf = AutoConfig.from_pretrained(str(ckpt.first.parent), gguf_file=ckpt.first.name)
-    except Exception as e:
-        raise ValueError(f"cannot read the config of {ckpt.first} with transformers: {type(e).__name__}: {e}") from e
+
+    def build():
+        try:
+            return AutoConfig.from_pretrained(str(ckpt.first.parent), gguf_file=ckpt.first.name)
+        except Exception as e:
+            raise ValueError(f"cannot read the config of {ckpt.first} with transformers: {type(e).__name__}: "
+                             f"{e}") from e
+    hf = cached(ckpt.first, "config", build, lambda hf, d: hf.save_pretrained(d),
+                lambda d: AutoConfig.from_pretrained(str(d)), cache_root)
     for field, key in (("hidden_size", "embedding_length"), ("num_attention_heads", "attention.head_count")):
         check_size(f"{ckpt.arch}.{key}", getattr(hf, field, None), ckpt.first)   # apply_gguf_hparams divides
     apply_gguf_hparams(hf, ckpt.arch, ckpt.metadata, ckpt.tensors)
@@ -130,13 +137,18 @@ def gguf_model_config(ckpt: GGUFCheckpoint) -> ModelConfig:
                    quantization_config={"quant_method": "gguf", "types": ckpt.type_mix()})
 
 
-def gguf_tokenizer(ckpt: GGUFCheckpoint):
+def gguf_tokenizer(ckpt: GGUFCheckpoint, cache_root: Path = DEFAULT_ROOT):
+    """The tokenizer of the GGUF's vocabulary (cached: engine/gguf_cache.py)."""
     from transformers import AutoTokenizer
-    try:
-        return AutoTokenizer.from_pretrained(str(ckpt.first.parent), gguf_file=ckpt.first.name)
-    except Exception as e:
-        raise ValueError(f"cannot build a tokenizer from {ckpt.first}: {type(e).__name__}: {e} (pass --tokenizer "
-                         "DIR with the original model's tokenizer files)") from e
+
+    def build():
+        try:
+            return AutoTokenizer.from_pretrained(str(ckpt.first.parent), gguf_file=ckpt.first.name)
+        except Exception as e:
+            raise ValueError(f"cannot build a tokenizer from {ckpt.first}: {type(e).__name__}: {e} (pass "
+                             "--tokenizer DIR with the original model's tokenizer files)") from e
+    return cached(ckpt.first, "tokenizer", build, lambda tok, d: tok.save_pretrained(d),
+                  lambda d: AutoTokenizer.from_pretrained(str(d)), cache_root)
 
 
 def _name_map(ckpt: GGUFCheckpoint, num_layers: int):

@@ -4,13 +4,16 @@ a large /tokenize body and a log that said GPU on the CPU. Self-contained: rando
 written here, GGUF files written here with the gguf package, the bundled demo model's tokenizer."""
 import json
 import logging
+import os
 import shutil
 import socket
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from quant_serve.engine.demo import DEMO_MODEL_DIR
+from quant_serve.engine.gguf_loader import gguf_files, gguf_hf_config, gguf_tokenizer, open_gguf
 from quant_serve.server.cli import main
 
 
@@ -87,6 +90,73 @@ def test_an_explicit_max_model_len_that_does_not_fit_stays_an_error(tmp_path, ca
     code, err = run_cli(capsys, "generate", "--model", tiny_model(tmp_path / "m"), "--load-format", "dummy",
                         "--device", "cpu", "--kv-cache-memory-gb", 2**-10, "--max-model-len", 4096, "--prompt", "hi")
     assert code == 2 and err.startswith("error: KV cache holds 2048 tokens") and err.count("\n") == 1, err
+
+
+# ---- 6: the GGUF tokenizer (and config) built once ------------------------------------------------------------
+def _builds(monkeypatch) -> list[str]:
+    """What AutoTokenizer / AutoConfig were asked to read from a GGUF from now on."""
+    import transformers
+    built = []
+    for cls in (transformers.AutoTokenizer, transformers.AutoConfig):
+        real = cls.from_pretrained.__func__
+
+        def spy(klass, *args, _real=real, **kwargs):
+            if "gguf_file" in kwargs:
+                built.append(klass.__name__)
+            return _real(klass, *args, **kwargs)
+        monkeypatch.setattr(cls, "from_pretrained", classmethod(spy))
+    return built
+
+
+def _config_dict(path) -> dict:
+    """The GGUF's transformers config, less where it was read from."""
+    return {k: v for k, v in gguf_hf_config(open_gguf(gguf_files(path))).to_dict().items() if k != "_name_or_path"}
+
+
+def test_gguf_tokenizer_and_config_are_built_once_and_rebuilt_when_the_file_changes(tmp_path, monkeypatch):
+    path = write_gguf(tmp_path / "m.gguf")
+    first = gguf_tokenizer(open_gguf(gguf_files(path)))
+    config = _config_dict(path)
+    entries = sorted(p.name for p in (tmp_path / ".quant-serve").iterdir())
+    assert [e.rsplit("-", 1)[0] for e in entries] == ["m.gguf.config", "m.gguf.tokenizer"], entries
+    built = _builds(monkeypatch)
+    again = gguf_tokenizer(open_gguf(gguf_files(path)))
+    assert _config_dict(path) == config
+    assert built == []                        # both from the cache
+    text = "Hello world<|im_end|> 12345 café\n\n  x"
+    assert again.encode(text) == first.encode(text) and again.eos_token == first.eos_token
+    assert again.all_special_tokens == first.all_special_tokens
+    stat = path.stat()                        # the file changes: built anew, the old entries go
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    gguf_tokenizer(open_gguf(gguf_files(path)))
+    gguf_hf_config(open_gguf(gguf_files(path)))
+    assert sorted(built) == ["AutoConfig", "AutoTokenizer"]
+    now = sorted(p.name for p in (tmp_path / ".quant-serve").iterdir())
+    assert len(now) == 2 and not set(now) & set(entries), now
+
+
+def test_gguf_cache_goes_home_where_the_files_directory_is_not_writable(tmp_path, monkeypatch):
+    path = write_gguf(tmp_path / "m.gguf")
+    (tmp_path / ".quant-serve").write_text("a file, so no directory can be made here")
+    home = tmp_path / "home"
+    gguf_tokenizer(open_gguf(gguf_files(path)), home)
+    built = _builds(monkeypatch)
+    gguf_tokenizer(open_gguf(gguf_files(path)), home)
+    assert built == [] and len(list(home.glob("*/m.gguf.tokenizer-*/tokenizer.json"))) == 1
+
+
+def test_gguf_cache_write_is_atomic(tmp_path, monkeypatch):
+    """A save that fails midway leaves no entry (nor a temporary directory) that a later start would trust."""
+    path = write_gguf(tmp_path / "m.gguf")
+    from transformers import PreTrainedTokenizerBase
+
+    def half_save(self, directory, *args, **kwargs):
+        (Path(directory) / "tokenizer.json").write_text("{")
+        raise OSError("disk full")
+    monkeypatch.setattr(PreTrainedTokenizerBase, "save_pretrained", half_save)
+    tok = gguf_tokenizer(open_gguf(gguf_files(path)), tmp_path / "home")
+    assert tok.encode("hello") and not list((tmp_path / ".quant-serve").iterdir())
+    assert not list((tmp_path / "home").rglob("*tokenizer*"))
 
 
 # ---- 7: one-line errors ------------------------------------------------------------------------------------------
