@@ -5,8 +5,12 @@ written here, GGUF files written here with the gguf package, the bundled demo mo
 import json
 import logging
 import os
+import random
 import shutil
 import socket
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -14,8 +18,8 @@ import pytest
 
 from quant_serve.engine.demo import DEMO_MODEL_DIR
 from quant_serve.engine.gguf_loader import gguf_files, gguf_hf_config, gguf_tokenizer, open_gguf
+from quant_serve.engine.long_text import encode_long
 from quant_serve.server.cli import main
-
 
 TINY_CONFIG = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64,
                "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -208,3 +212,58 @@ def test_port_in_use_is_found_before_the_model_loads(tmp_path, capsys, replicas)
         port = busy.getsockname()[1]      # the model does not exist: its error would come first if it loaded first
         code, err = run_cli(capsys, "serve", tmp_path / "no-model", "--port", port, "--replicas", replicas)
     assert code == 2 and err.startswith(f"error: cannot listen on 127.0.0.1:{port}: ") and "--port" in err, err
+
+
+# ---- 7: /tokenize memory bounded by the body -------------------------------------------------------------------
+def _mixed_text(n: int, seed: int) -> str:
+    rng = random.Random(seed)
+    parts = ["hello", " world", "it's", "x2", "3.14", "café", "e\u0301", "日本語", "  ", "\n", "\n\n", "!!", "(a)",
+             "12345678", "<|im_end|>", "<|endoftext|>", "\t", "🙂", "—", "ab12cd", " "]
+    return "".join(rng.choice(parts) if rng.random() < 0.6 else chr(rng.randrange(32, 127)) for _ in range(n))
+
+
+def test_long_text_in_pieces_gives_the_ids_of_the_whole(tmp_path):
+    from tokenizers import Tokenizer, normalizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    byte_level = AutoTokenizer.from_pretrained(str(DEMO_MODEL_DIR))
+    backend = Tokenizer.from_file(str(DEMO_MODEL_DIR / "tokenizer.json"))   # a prefix added to every text:
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    prefixed = PreTrainedTokenizerFast(tokenizer_object=backend)             # no cut may be made inside words
+    for tokenizer in (byte_level, prefixed):
+        for seed in range(6):
+            text = _mixed_text(3000, seed)
+            for special in (True, False):
+                assert encode_long(tokenizer, text, special, piece_chars=64) == \
+                    tokenizer.encode(text, add_special_tokens=special), (seed, special)
+
+
+RSS_SCRIPT = textwrap.dedent("""
+    import json, random, resource, sys
+    from fastapi.testclient import TestClient
+    from quant_serve.engine.config import CacheConfig, EngineConfig
+    from quant_serve.engine.llm_engine import LLMEngine
+    from quant_serve.server.app import build_app
+    engine = LLMEngine(EngineConfig(model=sys.argv[1], load_format="dummy", device="cpu", max_model_len=1024,
+                                    cache=CacheConfig(num_gpu_blocks=64)), show_progress=False)
+    rng = random.Random(0)
+    text = "".join(chr(rng.randrange(33, 127)) for _ in range(1_000_000))   # ~1 token a byte
+    with TestClient(build_app(engine, ["m"])) as client:
+        assert client.post("/tokenize", json={"prompt": "warm up"}).status_code == 200
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        answer = client.post("/tokenize", content=json.dumps({"prompt": text}),
+                             headers={"content-type": "application/json"})
+        grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    same = answer.json()["tokens"] == engine.tokenizer.encode(text)
+    print(json.dumps({"status": answer.status_code, "grown_mib": round(grown / 1024), "same": same}))
+""")
+
+
+def test_tokenize_memory_is_bounded_by_the_body(tmp_path):
+    """1 MB of text is ~1M tokens: encoded whole the tokenizer held +300 MiB (1.9 MB: +590); in pieces ~+30."""
+    model = tiny_model(tmp_path / "m")
+    run = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(model)], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["status"] == 200 and result["same"], result
+    assert result["grown_mib"] < 100, result
