@@ -19,7 +19,7 @@ from pathlib import Path
 
 from quant_serve.engine.card_fit import fit, plan_caps, predict
 from quant_serve.engine.card_model import CardParams
-from quant_serve.engine.card_runs import CHECKS, card_observations, committed_observations
+from quant_serve.engine.card_runs import CHECKS, COMMITTED, card_observations, committed_observations
 
 FAMILIES = ("fp16", "int4", "dequant", "attn_fp16", "attn_fp8", "gguf_q4_0", "gguf_q4_k", "gguf_q5_k", "gguf_q6_k",
             "gguf_q8_0")
@@ -41,11 +41,12 @@ def card_files(results: Path) -> dict[str, list[tuple[dict, str]]]:
     return out
 
 
-def observations(plan: str, results: Path):
+def observations(plan: str, results: Path, fit: bool = True):
+    """What `plan` is fitted from (fit False: the runs that check it)."""
     runs = card_files(results).get(plan, [])
     if len({d["gpu_key"] for d, _ in runs}) >= 2:
-        return [o for d, src in runs for o in card_observations(d, src)]
-    return committed_observations(plan, results)
+        return [o for d, src in runs for o in card_observations(d, src, fit)]
+    return committed_observations(plan, results, COMMITTED if fit else CHECKS)
 
 
 def _prune(p: CardParams, report: dict) -> CardParams:
@@ -128,7 +129,7 @@ def main(argv=None) -> int:
         steps = [o for o in obs if o.kind == "step"]
         for o, t in zip(steps, predict(steps, p)):
             print(f"  {t / o.seconds - 1:+6.1%}  {o.label}  ({o.source})")
-        checks = committed_observations(plan, args.results, CHECKS)
+        checks = observations(plan, args.results, fit=False)
         for o, t in zip(checks, predict(checks, p) if checks else []):
             print(f"  check {t / o.seconds - 1:+6.1%}  {o.label}  ({o.source})")
     if args.write:
