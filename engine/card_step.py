@@ -146,7 +146,7 @@ def model_shape(cfg: dict, quantization: str | None = None, kv_bytes: int = 2, i
             else:
                 mms.append(Matmul(label, k, sum(ns), k * sum(ns) * 2 + (sum(ns) * 2 if bias else 0), "fp16"))
         layers.append(tuple(mms))
-    if gguf:
+    if gguf and not a.tied:       # a tied head is the embedding table, which loads in the model dtype
         head = gguf_parts("head", h, [a.vocab], [type_of("lm_head")], False)[0]
     elif int4_head:
         head = Matmul("head", h, a.vocab, a.vocab * h // 2 + (h // 128) * a.vocab * 5 // 2, "int4")

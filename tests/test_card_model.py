@@ -160,6 +160,21 @@ def test_step_bytes_are_the_memory_plans():
         assert shape.step_weight_bytes == pytest.approx(plan.weights_bytes - plan.embedding_bytes, rel=1e-3)
 
 
+def test_a_gguf_files_step_reads_what_its_plan_holds(tmp_path):
+    """A GGUF file's own tensor types (tiny-qwen2 as Q4_K_M, a tied head: the FP16 embedding table)."""
+    from conftest import TINY           # here, not at the top: only this test needs the shared model
+    from gguf_fixtures import write_gguf
+    from quant_serve.engine.card_model import projection_for
+    if not TINY.exists():
+        pytest.skip(f"needs {TINY}")
+    path = write_gguf(TINY, tmp_path / "tiny.gguf", "Q4_K_M")
+    plan = plan_memory(path)
+    projection = projection_for(path, PROFILES["l4"])
+    assert plan.tied_embeddings
+    assert projection["inputs"]["weight_bytes_per_step"] == pytest.approx(plan.weights_bytes, rel=1e-3)
+    assert projection["decode"][0]["tok_s"] > 0
+
+
 def test_plan_gpu_prints_the_three_figures_with_their_inputs(capsys):
     from quant_serve.server import cli
     assert cli.main(["plan", "qwen2.5-7b-instruct", "--gpu", "a10"]) == 0
