@@ -378,7 +378,7 @@ def summarize_decode(decode) -> dict:
 
 def bench_gguf_formats(formats: list[str], shapes: dict, result: dict, sms: int, out: str, log) -> None:
     """--weights: each GGUF format's planned kernel against FP16 cuBLAS on SHAPES x MS, saved after each format."""
-    from quant_serve.bench.gguf_kernel_speed import FORMATS, bench_format, summarize
+    from gguf_kernel_speed import FORMATS, bench_format, summarize   # a sibling script (bench/ is on sys.path)
     unknown = [f for f in formats if f not in FORMATS]
     if unknown:
         raise SystemExit(f"unknown --weights {unknown}: choose from awq, {', '.join(FORMATS)}")
