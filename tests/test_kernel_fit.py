@@ -34,6 +34,10 @@ def test_every_planned_kernel_fits_the_target(reports, profile):
             "_w8a16_dequant_kernel"} <= names, names
     kinds = {p["kernel"] for p in report["w4a16_plans"]}
     assert ("tma" in kinds) == (arch == (9, 0)), kinds              # TMA only where the target has it
+    # int8 activations: the quantize kernels and the int8 matmul compile everywhere; "auto" takes them above M = 64
+    # on sm80 / 86 / 89 (kernels/w4a8/rules.py W4A8_AUTO_M), never on sm90
+    assert {"_w4a8_mma_kernel", "_quant_group_kernel", "_quant_token_kernel"} <= names, names
+    assert ("w4a8" in kinds) == (arch < (9, 0)), kinds
     assert {"gemv", "gemmt"} <= kinds, kinds                         # bf16 layers: the row layout's kernels
     for k in report["kernels"]:
         where = f"{profile}: {k['name']} ({k['num_warps']} warps)"
