@@ -4,7 +4,9 @@ of Qwen2.5-7B and Llama-3.1-8B (INT4 g128 with zero points, fragment layout), M 
 Each profile runs in a fresh process (kernels/gpu.py configure; a profile on the H100 runs that card's plan: no TMA,
 wgmma or PDL, its SM count and shared memory). Paths: "fp16" (cuBLAS on a dense weight), "w4a16" (the plan with
 activation_dtype fp16), "w4a8" (the plan with activation_dtype int8: quantize kernel + int8 matmul, both timed),
-"plan" (activation_dtype auto: whichever of the two the plan picks, its time). Before timing, w4a16 is checked
+"plan" (activation_dtype auto: whichever of the two the plan picks, its time), "expected" (the path that the
+not yet measured bands of kernels/w4a8/rules.py W4A8_EXPECTED_M would pick, from the same readings) and "best" (the
+faster of w4a16 and w4a8 at each point: what a perfect band rule would give). Before timing, w4a16 is checked
 against the exact dequantized weights and w4a8 against its twin (w4a8_matmul_ref) on the first 64 rows. Times are
 kernel_speed.py's: CUDA-graph replay over rotated weight copies (>= 256 MB), median of 5 replays, the three paths
 read three times in turn and the median taken. --sweep also times W4A8 tiles around the rule's (one reading each).
@@ -22,23 +24,24 @@ from statistics import median
 
 import torch
 
-from quant_serve.bench.kernel_speed import alternating_us, copies, graph_us, random_int4, rotated
-from quant_serve.kernels.gpu import KernelOptions, configure
-from quant_serve.kernels.precompile import parallel_compile
-from quant_serve.kernels.w4a16.dispatch import _frag_forward
-from quant_serve.kernels.w4a16.frag import prepare_frag
-from quant_serve.kernels.w4a16.plan import plan_w4a16, probed_runtime
-from quant_serve.kernels.w4a16.reference import dequantize_w4
-from quant_serve.kernels.w4a16.tma import tma_works_for
-from quant_serve.kernels.w4a8.quant import quantize_act
-from quant_serve.kernels.w4a8.reference import w4a8_matmul_ref
-from quant_serve.kernels.w4a8.rules import W4A8Config
+sys.path.insert(0, str(Path(__file__).resolve().parent))       # kernel_speed.py beside this file: its timer
+from kernel_speed import alternating_us, copies, graph_us, random_int4, rotated  # noqa: E402
+from quant_serve.kernels.gpu import KernelOptions, configure  # noqa: E402
+from quant_serve.kernels.precompile import parallel_compile  # noqa: E402
+from quant_serve.kernels.w4a16.dispatch import _frag_forward  # noqa: E402
+from quant_serve.kernels.w4a16.frag import prepare_frag  # noqa: E402
+from quant_serve.kernels.w4a16.plan import plan_w4a16, probed_runtime  # noqa: E402
+from quant_serve.kernels.w4a16.reference import dequantize_w4  # noqa: E402
+from quant_serve.kernels.w4a16.tma import tma_works_for  # noqa: E402
+from quant_serve.kernels.w4a8.quant import quantize_act  # noqa: E402
+from quant_serve.kernels.w4a8.reference import w4a8_matmul_ref  # noqa: E402
+from quant_serve.kernels.w4a8.rules import W4A8_EXPECTED_M, W4A8Config  # noqa: E402
 
 MODELS = {"qwen2.5-7b": {"qkv": (3584, 4608), "o": (3584, 3584), "gate_up": (3584, 37888), "down": (18944, 3584)},
           "llama-3.1-8b": {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}}
 MS = [1, 16, 64, 256, 1024, 4096]
 SWEEP_MS = (256, 4096)
-PATHS = ("fp16", "w4a16", "w4a8", "plan")
+PATHS = ("fp16", "w4a16", "w4a8", "plan", "expected", "best")
 GS, CHECK_ROWS, DEV = 128, 64, "cuda"
 
 
@@ -56,6 +59,10 @@ def sweep_configs(m: int, rule: W4A8Config) -> list[W4A8Config]:
         out.add(dataclasses.replace(rule, warps_m=2))
     out.discard(rule)
     return sorted(out, key=repr)
+
+
+def caps_family() -> str:
+    return probed_runtime(torch.device(DEV)).caps.family
 
 
 def layer_plans(x, fw, k, n, options) -> dict:
@@ -125,6 +132,9 @@ def bench_layer(k, n, options, log, sweep: bool) -> list[dict]:
             row[f"{p}_us"], row[f"{p}_runs_us"] = median(t), t
         row.setdefault("w4a8_us", None)
         row["plan_us"] = row["w4a8_us"] if plans["plan"].kernel == "w4a8" else row["w4a16_us"]
+        lo, hi = W4A8_EXPECTED_M.get(caps_family(), (1 << 30, 0))
+        row["expected_us"] = row["w4a8_us"] if lo <= m <= hi else row["w4a16_us"]
+        row["best_us"] = min(t for t in (row["w4a16_us"], row["w4a8_us"]) if t is not None)
         kp = ws[0].words.shape[1] // 2
         row["w4a8_quant_us"] = graph_us([lambda: quantize_act(x, kp, GS)])
         if sweep and m in SWEEP_MS and "w4a8_error" not in row:

@@ -22,14 +22,11 @@ def kernels_at(plan: dict, layer: str) -> dict[int, str]:
 def test_explain_names_each_cards_kernels(capsys):
     a10, h200 = explain(capsys, "a10"), explain(capsys, "h200")
     assert a10["gpu"]["sms"] == 72 and not a10["gpu"]["tma"] and "derived" in a10["rules"]
-    assert kernels_at(a10, "gate_up_proj") == {1: "mma.sync", 16: "mma.sync", 64: "mma.sync", 256: "w4a8"}
+    assert kernels_at(a10, "gate_up_proj") == {1: "mma.sync", 16: "mma.sync", 64: "mma.sync", 256: "dequant+cublas"}
     assert kernels_at(h200, "gate_up_proj") == {1: "mma.sync", 16: "mma.sync", 64: "tma", 256: "tma"}
     assert "H200" in h200["rules"]
     why = next(e for e in a10["layers"] if e["name"] == "o_proj")["plans"][3]["why"]
-    assert "int8" in why and "sm86" in why
-    fp16 = explain(capsys, "a10", "--activation-dtype", "fp16")
-    assert kernels_at(fp16, "gate_up_proj")[256] == "dequant+cublas"
-    assert "no TMA" in next(e for e in fp16["layers"] if e["name"] == "o_proj")["plans"][3]["why"]
+    assert "no TMA" in why
     # decode attention: eight sequences' contexts split to fill the a10's 72 SMs, fewer than the H200's 132 take
     a10_splits, h200_splits = ({(a["kv"], a["batch"]): a["splits"] for a in p["attention"]} for p in (a10, h200))
     assert 1 < a10_splits[("fp16", 8)] < h200_splits[("fp16", 8)]
@@ -55,8 +52,10 @@ def test_explain_int8_activations(capsys):
     assert all(r["kernel"] != "w4a8" and "zero points" in r["why"] for e in offsets["layers"] for r in e["plans"])
     g32 = explain(capsys, "4090", "--activation-dtype", "int8", "--group-size", "32")
     assert all(r["kernel"] != "w4a8" and "group size 32" in r["why"] for e in g32["layers"] for r in e["plans"])
-    assert main(["kernels", "--explain", "--gpu", "4090", "--model", QWEN, "--m", "256"]) == 0
-    assert "w4a8" in capsys.readouterr().out
+    assert main(["kernels", "--explain", "--gpu", "4090", "--model", QWEN, "--m", "256", "--activation-dtype",
+                 "int8"]) == 0
+    text = capsys.readouterr().out
+    assert "w4a8" in text and "x quantized to int8 (a scale per group)" in text
 
 
 def test_explain_gguf_weight_formats(capsys):

@@ -24,7 +24,7 @@ from quant_serve.kernels.w4a16.plan import (KernelPlan, frag_layout_works, frag_
 from quant_serve.kernels.w4a16.reference import w4a16_matmul_ref
 from quant_serve.kernels.w4a16.rows import W4A16Weights, prepare_w4a16, rows_standard
 from quant_serve.kernels.w4a16.rules import MMAConfig, TMAConfig, W4A16Config
-from quant_serve.kernels.w4a8.rules import W4A8Config
+from quant_serve.kernels.w4a8.rules import W4A8Config, int8_planned
 
 
 def prepare_kernel_weights(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
@@ -53,7 +53,7 @@ def prepare_kernel_weights(qweight: torch.Tensor, scales: torch.Tensor, qzeros: 
     layout, _ = layout_for(k, n, group_size, scales.dtype, runtime.caps, runtime.options, offsets is not None,
                            offsets is None or frag_offsets_work(qweight.device))
     if layout == "frag" and frag_layout_works(qweight.device):
-        if runtime.options.activation_dtype != "fp16" and offsets is None:
+        if offsets is None and int8_planned(runtime.caps, runtime.options):
             w4a8_works(qweight.device)                  # its probe at load, never first inside a graph capture
         return prepare_frag(qweight, scales, qzeros, group_size, perm, offsets)
     return prepare_w4a16(qweight, scales, qzeros, group_size, perm, offsets=offsets)

@@ -17,12 +17,14 @@ W4A8_ZP_MODES = {ZP_INT4: "INT4 zero points (AWQ, GPTQ, compressed-tensors)", ZP
 # INT4 zero points / symmetric with per-group activation scales: provisional, pending the accuracy report.
 W4A8_AUTO_FORMATS: frozenset[int] = frozenset({ZP_INT4, ZP_NONE})
 
-# GPU family -> the M band (lo, hi) where "auto" takes W4A8. Families without an entry never take it on "auto".
-W4A8_AUTO_M: dict[str, tuple[int, int]] = {
-    "sm80": (65, 1 << 30),
-    "sm86": (65, 1 << 30),
-    "sm89": (65, 1 << 30),
-}
+# GPU family -> the M band (lo, hi) where "auto" takes W4A8, from bench/w4a8_speed.py readings only. Families
+# without an entry never take it on "auto". Empty: no GPU run of the W4A8 kernels exists yet.
+W4A8_AUTO_M: dict[str, tuple[int, int]] = {}
+# The bands expected to pay, not measured: above the W4A16 mma.sync band, where the sm80 / 86 / 89 plans dequantize
+# the whole matrix for cuBLAS (0.51x FP16 at M = 256 under the a10 profile) and int8 tensor cores run at 2x (A10,
+# L4, A100) or 4x (RTX 3090 / 4090, FP16 with FP32 accumulate) the FP16 rate. bench/w4a8_speed.py reports the plan
+# these bands would give ("expected") beside the committed one, so that one run decides W4A8_AUTO_M.
+W4A8_EXPECTED_M: dict[str, tuple[int, int]] = {"sm80": (65, 1 << 30), "sm86": (65, 1 << 30), "sm89": (65, 1 << 30)}
 W4A8_GROUP_ROWS = 64          # the kernel's K steps: groups must be a multiple of this (or one group)
 
 
@@ -37,6 +39,12 @@ class W4A8Config:
     num_warps: int = 8
     act_scale: str = "group"
     warps_m: int = 1
+
+
+def int8_planned(caps: GPUCaps, options: KernelOptions) -> bool:
+    """Whether any call on these caps may run the W4A8 kernels (their load-time probe is then worth its compile)."""
+    return caps.tensor_cores and (options.activation_dtype == "int8" or
+                                  options.activation_dtype == "auto" and caps.family in W4A8_AUTO_M)
 
 
 def w4a8_takes(zp_mode: int, k: int, group_size: int) -> str:
@@ -79,7 +87,7 @@ def plan_w4a8(m: int, k: int, n: int, caps: GPUCaps, options: KernelOptions, zp_
         band = W4A8_AUTO_M.get(caps.family)
         if why_not or band is None or zp_mode not in W4A8_AUTO_FORMATS or not band[0] <= m <= band[1]:
             return None, ""
-        why = f"M >= {band[0]} on {caps.family}: int8 tensor cores beat fp16 ones (w4a8.rules.W4A8_AUTO_M)"
+        why = f"M >= {band[0]} on {caps.family}: int8 tensor cores beat fp16 ones (w4a8.rules W4A8_AUTO_M)"
     cfg = select_w4a8_config(m, k, n, caps.sms, options.act_scale)
     return cfg, (f"{why}: x quantized to int8 (a scale per {options.act_scale}), int8 mma.sync over the fragment "
                  f"layout, {cfg.split_k} K split(s) for {caps.sms} SMs")
