@@ -175,9 +175,10 @@ def compile_cases() -> dict:
                    "iters_per_split")})
     out = {}
     for arch in (86, 89, 90):
-        for bm, split, token in ((128, False, False), (128, False, True), (16, True, False)):
+        for bm, split, token, wm in ((128, False, False, 1), (128, False, True, 1), (16, True, False, 1),
+                                     (128, False, False, 2)):
             cx = dict(HAS_BIAS=False, SPLIT=split, GROUP=128, ZP_MODE=ZP_INT4, ACT_TOKEN=token, EVEN_N=True,
-                      BLOCK_M=bm, BLOCK_N=128, BLOCK_K=128, num_warps=8)
+                      BLOCK_M=bm, BLOCK_N=128, BLOCK_K=128, num_warps=8, WARPS_M=wm)
             names = list(sig) + list(cx)
             attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in sig
                      if a not in ("M", "iters_per_split", "stride_sxm")}
@@ -186,7 +187,7 @@ def compile_cases() -> dict:
             regs, stack, sass = cubin_sass(triton.compile(src, target=GPUTarget("cuda", arch, 32),
                                                           options={"num_warps": 8}))
             body = [x for x in sass.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", x)]
-            out[f"{arch}-{bm}-{token}"] = {"regs": regs, "stack": stack,
+            out[f"{arch}-{bm}-{token}-{wm}"] = {"regs": regs, "stack": stack, "ldsm": sum("LDSM" in x for x in body),
                                            "imma": sum("IMMA.16832.S8.S8" in x for x in body),
                                            "hmma": sum("HMMA" in x for x in body),
                                            "i2f": sum(" I2F" in x for x in body)}
@@ -200,3 +201,6 @@ def test_w4a8_kernel_compiles_to_integer_mmas_without_spills():
         # 128 x 128 tiles, 8 warps: 64 m16n8k32 a warp and step, three steps unrolled; int32 -> fp32 by adding bits
         assert r["stack"] == 0 and r["hmma"] == 0 and r["i2f"] == 0, (name, r)
         assert r["imma"] == (192 if name.split("-")[1] == "128" else 24), (name, r)
+    # warps also along the x rows: each reads half the x tile (ldmatrix), the A tile is broadcast to both
+    for arch in (86, 89, 90):
+        assert res[f"{arch}-128-False-2"]["ldsm"] * 2 == res[f"{arch}-128-False-1"]["ldsm"], res
