@@ -44,6 +44,12 @@ def register(sub) -> None:
     p.add_argument("--weight-format", default="w4", choices=list(WEIGHT_FORMATS),
                    help="the layers' weights: " + "; ".join(f"{k}: {v}" for k, v in WEIGHT_FORMATS.items()))
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"], help="activation dtype")
+    p.add_argument("--activation-dtype", default="auto", choices=["auto", "fp16", "int8"],
+                   help="activations of the INT4 layers: int8 (quantized on the fly, integer tensor cores: "
+                        "kernels/w4a8) where the kernel reads the weights, fp16, or auto (int8 where the plan says it "
+                        "pays and the format passed the accuracy gate: kernels/w4a8/rules.py)")
+    p.add_argument("--act-scale", default="group", choices=["group", "token"],
+                   help="int8 activations: one scale per token and weight group, or per token")
     p.add_argument("--context", type=int, default=4096, help="decode context (tokens) for the attention rows")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)
@@ -105,7 +111,8 @@ def explain(caps, options, cfg, ms: list[int], group_size: int, dtype, context: 
         for m in ms:
             p = plan_w8a16(m, k, n, {"q6k": 16, "q5k": 32}.get(weight_format, group_size), caps.sms,
                            weight_format if weight_format in ("q6k", "q5k") else "int8") \
-                if w8 else plan_w4a16(m, k, n, caps, options, layout, dtype, name == "gate_up_proj", zp_mode=zp_mode)
+                if w8 else plan_w4a16(m, k, n, caps, options, layout, dtype, name == "gate_up_proj", zp_mode=zp_mode,
+                                      group_size=32 if weight_format == "w4-kquant" else group_size)
             rows.append({"m": m, "kernel": p.kernel, "why": p.why,
                          "config": dataclasses.asdict(p.config) if p.config else None})
         out["layers"].append({"name": name, "k": k, "n": n, "layout": layout, "layout_why": why, "plans": rows})
@@ -170,8 +177,8 @@ def run(args) -> int:
     gguf = args.weight_format != "w4"
     group_size = args.group_size or (32 if gguf else q.get("group_size") or q.get("q_group_size") or 128)
     ms = [int(v) for v in args.m.split(",") if v.strip()]
-    plan = explain(caps, KernelOptions(), cfg, ms, group_size, getattr(torch, args.dtype), args.context,
-                   args.weight_format)
+    options = KernelOptions(activation_dtype=args.activation_dtype, act_scale=args.act_scale)
+    plan = explain(caps, options, cfg, ms, group_size, getattr(torch, args.dtype), args.context, args.weight_format)
     if args.json:
         json.dump(plan, sys.stdout, indent=1)
         sys.stdout.write("\n")

@@ -5,9 +5,10 @@ by one that names the profile's target (sm80 / sm86 / sm89 / sm90), every launch
 the kernels' device queries answer from the profile's capability record (kernels/gpu.py). The W4A16 plan is walked
 over the Qwen2.5-7B and Llama-3.1-8B layer shapes for M = 1..8192 (one compile per distinct kernel and
 configuration, at the smallest M that picks it), then the attention, KV-store and the other decode-step kernels
-are launched on fp16 / fp8 e4m3 / fp8 e5m2 caches, the W8A16 kernels (GGUF int8-code layers) and GGUF's
-fragment-layout kernels (Q4_K, Q6_K). Each compiled kernel is reported with its shared memory,
-registers, spill stack and the Hopper / fp8 instructions its SASS holds (the wheel's cuobjdump).
+are launched on fp16 / fp8 e4m3 / fp8 e5m2 caches, the W8A16 kernels (GGUF int8-code layers), GGUF's
+fragment-layout kernels (Q4_K, Q6_K) and the W4A8 plan with int8 activations asked for (kernels/w4a8: the
+activation-quantization kernels and the int8 matmul's tiles at M = 1, 16, 64, 256, per group and per token). Each
+compiled kernel is reported with its shared memory, registers, spill stack and the Hopper / fp8 instructions its SASS holds (the wheel's cuobjdump).
 """
 import importlib
 import json
@@ -233,6 +234,28 @@ def _launch_gguf_frag() -> None:
         frag_dequantize(fw)
 
 
+def _launch_w4a8(caps) -> None:
+    """The W4A8 path as activation_dtype="int8" plans it on this target (the tiles do not depend on the model beyond
+    K and N): every layer of both models at M = 1, 16, 64, 256, per-group scales, and per-token scales once."""
+    import dataclasses
+
+    import torch
+
+    from quant_serve.kernels.gpu import KernelOptions
+    from quant_serve.kernels.w4a16.dispatch import _frag_forward
+    from quant_serve.kernels.w4a16.plan import plan_w4a16
+    seen = set()
+    for shapes in SHAPES.values():
+        for k, n in shapes.values():
+            for m in (1, 16, 64, 256):
+                for act_scale in ("group", "token") if m == 256 else ("group",):
+                    plan = plan_w4a16(m, k, n, caps, KernelOptions(activation_dtype="int8", act_scale=act_scale))
+                    cfg = dataclasses.replace(plan.config, split_k=min(plan.config.split_k, 2))
+                    if plan.kernel == "w4a8" and (cfg, k % 128, n % cfg.block_n) not in seen:
+                        seen.add((cfg, k % 128, n % cfg.block_n))
+                        _frag_forward(torch.empty(m, k, dtype=torch.float16), _frag(k, n), None, cfg, False)
+
+
 def _launch_step_kernels(model) -> None:
     import torch
 
@@ -273,6 +296,7 @@ def fit_report(profile: str) -> dict:
         _launch_step_kernels(model)
     _launch_w8a16()
     _launch_gguf_frag()
+    _launch_w4a8(caps)
     kernels, seen = [], set()
     for name, warps, compiled in records:
         if compiled is None or id(compiled) in seen:

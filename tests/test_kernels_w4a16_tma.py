@@ -129,10 +129,11 @@ def test_plan_takes_the_tma_tile_where_the_caps_and_options_allow():
     assert (no_tma.kernel, no_tma.config) == ("wgmma", wgmma.config) and "no TMA" in no_tma.why
     off = plan(64, "gate_up", options=KernelOptions(tma=False))                           # turned off
     assert (off.kernel, off.config) == ("wgmma", wgmma.config) and "TMA off" in off.why
+    fp16 = KernelOptions(activation_dtype="fp16")                # above 64 rows "auto" takes int8 there (w4a8)
     for card in ("a10", "4090", "a100"):                          # no TMA / wgmma: mma.sync to 64, then cuBLAS
         assert plan(64, "gate_up", PROFILES[card]).kernel == "mma.sync", card
-        assert plan(65, "gate_up", PROFILES[card]).kernel == "dequant+cublas", card
-    assert "no TMA" in plan(65, "gate_up", PROFILES["a10"]).why
+        assert plan(65, "gate_up", PROFILES[card], options=fp16).kernel == "dequant+cublas", card
+    assert "no TMA" in plan(65, "gate_up", PROFILES["a10"], options=fp16).why
 
 
 def test_tma_probe_failure_falls_back_with_a_warning(caplog):

@@ -12,16 +12,19 @@ Row layout (rows.py; bf16 and other layers): the Triton kernels of rows_gemv.py 
            y^T = W^T x^T (the weight tile is the MMA's M side)
   dequant  Triton dequantize to a dense W, then cuBLAS                          (large M)
 """
+from dataclasses import replace
+
 import torch
 
 from quant_serve.kernels.norm_act import silu_and_mul, silu_and_mul_ref
 from quant_serve.kernels.w4a16.frag import FragWeights, frag_standard, prepare_frag
 from quant_serve.kernels.w4a16.kquant import KQ_GROUP, kquant_scales_offsets
 from quant_serve.kernels.w4a16.plan import (KernelPlan, frag_layout_works, frag_offsets_work, layout_for, plan_w4a16,
-                                            probed_runtime)
+                                            probed_runtime, w4a8_works)
 from quant_serve.kernels.w4a16.reference import w4a16_matmul_ref
 from quant_serve.kernels.w4a16.rows import W4A16Weights, prepare_w4a16, rows_standard
 from quant_serve.kernels.w4a16.rules import MMAConfig, TMAConfig, W4A16Config
+from quant_serve.kernels.w4a8.rules import W4A8Config, int8_planned
 
 
 def prepare_kernel_weights(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
@@ -50,6 +53,8 @@ def prepare_kernel_weights(qweight: torch.Tensor, scales: torch.Tensor, qzeros: 
     layout, _ = layout_for(k, n, group_size, scales.dtype, runtime.caps, runtime.options, offsets is not None,
                            offsets is None or frag_offsets_work(qweight.device))
     if layout == "frag" and frag_layout_works(qweight.device):
+        if offsets is None and int8_planned(runtime.caps, runtime.options):
+            w4a8_works(qweight.device)                  # its probe at load, never first inside a graph capture
         return prepare_frag(qweight, scales, qzeros, group_size, perm, offsets)
     return prepare_w4a16(qweight, scales, qzeros, group_size, perm, offsets=offsets)
 
@@ -111,13 +116,19 @@ def call_plan(x: torch.Tensor, w: "W4A16Weights | FragWeights", silu_mul: bool =
     runtime = probed_runtime(x.device)
     m, k = x.shape
     if isinstance(w, FragWeights):
-        return plan_w4a16(m, k, w.out_features, runtime.caps, runtime.options, "frag", x.dtype, silu_mul,
-                          tma_works_for(x, w), w.zp_mode)
+        options = runtime.options
+        plan = plan_w4a16(m, k, w.out_features, runtime.caps, options, "frag", x.dtype, silu_mul,
+                          tma_works_for(x, w), w.zp_mode, w.group_size)
+        if plan.kernel == "w4a8" and not w4a8_works(x.device):     # its probe failed: x stays fp16
+            plan = plan_w4a16(m, k, w.out_features, runtime.caps, replace(options, activation_dtype="fp16"),
+                              "frag", x.dtype, silu_mul, tma_works_for(x, w), w.zp_mode, w.group_size)
+        return plan
     return plan_w4a16(m, k, w.out_features, runtime.caps, runtime.options, "rows", x.dtype, silu_mul)
 
 
 def w4a16_forward(x: torch.Tensor, w: W4A16Weights | FragWeights, bias: torch.Tensor | None = None,
-                  config: W4A16Config | MMAConfig | TMAConfig | None = None, silu_mul: bool = False) -> torch.Tensor:
+                  config: W4A16Config | MMAConfig | TMAConfig | W4A8Config | None = None,
+                  silu_mul: bool = False) -> torch.Tensor:
     """CUDA path. x: [M, K] -> [M, N], or [M, N/2] = silu(gate) * up with silu_mul (fused into the split-K
     reduce where the kernel has one, else the silu_and_mul kernel after the matmul)."""
     if w.perm is not None:
@@ -132,10 +143,15 @@ def w4a16_forward(x: torch.Tensor, w: W4A16Weights | FragWeights, bias: torch.Te
 
 
 def _frag_forward(x: torch.Tensor, w: FragWeights, bias: torch.Tensor | None,
-                  cfg: MMAConfig | TMAConfig | None, silu_mul: bool) -> torch.Tensor:
+                  cfg: MMAConfig | TMAConfig | W4A8Config | None, silu_mul: bool) -> torch.Tensor:
     from quant_serve.kernels.w4a16.frag_tiles import frag_dequantize
     from quant_serve.kernels.w4a16.mma import w4a16_mma
     from quant_serve.kernels.w4a16.tma import w4a16_tma
+    from quant_serve.kernels.w4a8.mma import w4a8_forward
+    if isinstance(cfg, W4A8Config):             # x quantized to int8, integer tensor cores (kernels/w4a8)
+        y = w4a8_forward(x, w, bias, cfg.act_scale, cfg.block_m, cfg.block_n, cfg.split_k, cfg.num_warps,
+                         cfg.warps_m)
+        return silu_and_mul(y) if silu_mul else y
     if x.dtype == torch.float16 and isinstance(cfg, TMAConfig):
         return w4a16_tma(x, w, bias, cfg.block_n, cfg.block_m, cfg.block_k, cfg.stages, cfg.consumers,
                          silu_mul=silu_mul, overlap=cfg.overlap)

@@ -18,16 +18,18 @@ from quant_serve.kernels.w4a16.frag import ZP_INT4, ZP_OFFSETS, ZP_Q5, ZP_Q6
 from quant_serve.kernels.w4a16.rules import (MMA_MAX_M, TMA_MAX_M, TMA_MIN_M, WGMMA_MAX_M, MMAConfig, TMAConfig,
                                              W4A16Config, measured_on, select_config, select_mma_config,
                                              select_tma_config)
+from quant_serve.kernels.w4a8.rules import W4A8Config, plan_w4a8
 
 _logger = logging.getLogger("quant_serve")
 
 
 @dataclass(frozen=True)
 class KernelPlan:
-    """kernel: "mma.sync" | "wgmma" | "tma" (fragment layout), "gemv" | "gemm" | "gemmt" (row layout),
-    "dequant+cublas" (either layout) or "torch" (the CPU twin); config: that kernel's tile; why: one line."""
+    """kernel: "mma.sync" | "wgmma" | "tma" (fragment layout), "w4a8" (fragment layout, x quantized to int8:
+    kernels/w4a8), "gemv" | "gemm" | "gemmt" (row layout), "dequant+cublas" (either layout) or "torch" (the CPU
+    twin); config: that kernel's tile; why: one line."""
     kernel: str
-    config: MMAConfig | TMAConfig | W4A16Config | None
+    config: MMAConfig | TMAConfig | W4A16Config | W4A8Config | None
     why: str
 
 
@@ -56,17 +58,28 @@ def layout_for(k: int, n: int, group_size: int, scales_dtype: torch.dtype, caps:
 @lru_cache(maxsize=4096)
 def plan_w4a16(m: int, k: int, n: int, caps: GPUCaps, options: KernelOptions = KernelOptions(),
                layout: str = "frag", dtype: torch.dtype = torch.float16, silu_mul: bool = False,
-               tma_fits: bool = True, zp_mode: int = ZP_INT4) -> KernelPlan:
+               tma_fits: bool = True, zp_mode: int = ZP_INT4, group_size: int = 128) -> KernelPlan:
     """The kernel for x [M, K] @ W [K, N] (INT4) on a GPU with `caps`, the weights in `layout`. silu_mul: the call
     also applies SwiGLU to the output (gate | up). tma_fits: the call's x suits TMA (16-byte aligned rows). zp_mode:
     the fragment weights' (frag.py; float offsets and Q6_K take no register cap: their M = 1 loop needs 72 and 102
     registers, and capped at 56 spills 88 and 176 bytes, offline sm90; gate_up with offsets 35.6 us uncapped
-    against 47.4 capped, bench/results/kernels-gguf-q4k-h100.json)."""
+    against 47.4 capped, bench/results/kernels-gguf-q4k-h100.json). group_size (-1 or K: one group) and
+    options.activation_dtype / act_scale decide whether x is quantized to int8 for the W4A8 kernel (w4a8.rules)."""
     if layout == "rows":
         return _plan_rows(m, k, n, caps)
     if dtype != torch.float16:
         return KernelPlan("dequant+cublas", None, f"{str(dtype).removeprefix('torch.')} activations: the "
                                                   "fragment kernels take fp16")
+    a8, why = plan_w4a8(m, k, n, caps, options, zp_mode, group_size)
+    if a8 is not None:
+        return KernelPlan("w4a8", a8, why)
+    plan = _plan_frag(m, k, n, caps, options, silu_mul, tma_fits, zp_mode)
+    return replace(plan, why=f"{plan.why}; {why}") if why else plan
+
+
+def _plan_frag(m: int, k: int, n: int, caps: GPUCaps, options: KernelOptions, silu_mul: bool, tma_fits: bool,
+               zp_mode: int) -> KernelPlan:
+    """The fp16-activation kernels of the fragment layout."""
     why_not_tma = ""
     if TMA_MIN_M <= m <= TMA_MAX_M:
         if caps.tma and options.tma and tma_fits and zp_mode not in _HIGH_BITS:
@@ -237,6 +250,19 @@ def _frag_hi_works(device_index: int, bits: int) -> bool:
                         "kernels", kernel, bits, device_index, reason, bits)
         return False
     return True
+
+
+def w4a8_works(device: torch.device) -> bool:
+    """The W4A8 kernels (activation quantization + int8 mma.sync) run right on this device (probed once)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _w4a8_works(index)
+
+
+@lru_cache(maxsize=None)
+def _w4a8_works(device_index: int) -> bool:
+    from quant_serve.kernels.w4a8.mma import w4a8_forward
+    return _probe(device_index, "W4A8 kernel", 64, 2, lambda x, fw: w4a8_forward(x, fw, block_m=16),
+                  "x stays fp16 (the W4A16 kernels)")
 
 
 @lru_cache(maxsize=None)
