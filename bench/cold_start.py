@@ -14,8 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-CONFIG = SHARED / "configs" / "qwen2.5-7b-instruct"
+CONFIG = Path(__file__).resolve().parents[1] / "engine" / "configs" / "qwen2.5-7b-instruct"   # shipped, no weights
 TOKENIZER = Path(__file__).resolve().parents[1] / "engine" / "demo_model"   # any tokenizer: prompts are random ids
 
 CHILD = """

@@ -68,7 +68,7 @@ def summary(times: dict[str, list[float]]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="../shared/configs/qwen2.5-7b-instruct")
+    ap.add_argument("--model", default="qwen2.5-7b-instruct")   # a config shipped with the package
     ap.add_argument("--tokenizer", default="engine/demo_model")
     ap.add_argument("--llguidance-threads", type=int, default=0, help="0: llguidance's default pool")
     ap.add_argument("--num-prompts", type=int, default=64)

@@ -3,7 +3,7 @@ mid-stream and some of which send bad requests; then checks that the server neve
 back in the pool once it is idle, and that GPU and host memory stayed flat.
 
     PYTHONPATH=. python bench/soak.py --duration 600 --concurrency 256 -- \
-        ../shared/configs/qwen2.5-7b-instruct --load-format dummy --tokenizer ../shared/models/tiny-qwen2 \
+        qwen2.5-7b-instruct --load-format dummy --tokenizer ../shared/models/tiny-qwen2 \
         --kv-cache-dtype fp8 --gpu-memory-gb 24
 
 Arguments after `--` go to `quant-serve serve` (the port is added). Writes a JSON report (--out) with a timeline
