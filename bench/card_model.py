@@ -1,4 +1,4 @@
-"""What the card model's fit (engine/card_fit.py) needs from one GPU under one kernel profile, in one run:
+"""What the card model's fit (engine/plan/card_fit.py) needs from one GPU under one kernel profile, in one run:
 
     python bench/card_model.py --profile a10 --out $OUT/card-model-h100-a10.json
 
@@ -12,7 +12,7 @@
   (median of 3), for Qwen2.5-7B AWQ, Llama-3.1-8B GPTQ and Qwen2.5-7B GGUF Q4_K_M, FP16 KV.
 
 One JSON with command, commit, GPU, profile; card-model-*.json files in bench/results/ from two GPUs of one plan
-replace the committed runs the fit otherwise reads (engine/card_refit.py). About 4-5 minutes on an H100.
+replace the committed runs the fit otherwise reads (engine/plan/card_refit.py). About 4-5 minutes on an H100.
 """
 import argparse
 import gc
@@ -29,9 +29,9 @@ import triton
 # bench/ is no package: run as a script, its folder is on sys.path and its siblings import by name
 from kernel_speed import copies, copy_bandwidth, graph_us, ours_config, random_int4, rotated
 
-from quant_serve.engine.loader import BUNDLED_CONFIGS
+from quant_serve.engine.load.loader import BUNDLED_CONFIGS
 from quant_serve.kernels.gpu import PROFILE_NAMES, PROFILES, KernelOptions, configure
-from quant_serve.kernels.w4a16.dispatch import prepare_kernel_weights, w4a16_forward
+from quant_serve.kernels.matmul.dispatch import prepare_kernel_weights, w4a16_forward
 
 SHAPES = {"qkv": (3584, 4608), "o": (3584, 3584), "gate_up": (3584, 37888), "down": (18944, 3584)}
 HEAD = (3584, 152064)
@@ -97,7 +97,7 @@ def bench_gguf(sms: int, log) -> list[dict]:
 
 def bench_attention(log) -> list[dict]:
     """Qwen2.5-7B decode attention (28 q heads, 4 kv heads, head_dim 128), one token a sequence."""
-    from quant_serve.kernels.paged_attention import paged_decode
+    from quant_serve.kernels.attention.paged import paged_decode
     hq, hkv, d, bs = 28, 4, 128, 16
     rows = []
     for batch, ctx in ATTENTION:
@@ -139,7 +139,7 @@ def prefill_seconds(engine, prompt: int, repeats: int = 3) -> float:
 
 def bench_e2e(log, deadline: float) -> list[dict]:
     import e2e
-    from quant_serve.server.bench_offline import run_offline
+    from quant_serve.server.cli.bench_offline import run_offline
     rows = []
     for name, prefill in E2E:
         if time.time() > deadline:

@@ -21,10 +21,10 @@ import torch
 from quant_serve.engine.config import (OFFLINE_BATCHED_TOKENS, SERVE_BATCHED_TOKENS, CacheConfig, EngineConfig,
                                        SchedulerConfig)
 from quant_serve.engine.llm_engine import LLMEngine
-from quant_serve.engine.loader import BUNDLED_CONFIGS
+from quant_serve.engine.load.loader import BUNDLED_CONFIGS
 from quant_serve.kernels.gpu import PROFILE_NAMES, KernelOptions
-from quant_serve.server.bench_offline import decode_bytes_per_step, measure_copy_bandwidth, run_offline
-from quant_serve.server.cli_bench import _metadata
+from quant_serve.server.cli.bench_offline import decode_bytes_per_step, measure_copy_bandwidth, run_offline
+from quant_serve.server.cli.bench import _metadata
 
 KERNELS = [KernelOptions()]    # --profile / --no-fold-norms: the kernel options every engine of this run takes
 
@@ -34,7 +34,7 @@ CONFIGS = {"qwen2.5-7b-awq": QWEN, "llama-3.1-8b-gptq": LLAMA, "qwen2.5-7b-gguf-
 # --quantization of the dummy load; else the config's
 QUANTIZATION = {"qwen2.5-7b-gguf-q4_k_m": "gguf:Q4_K_M", "qwen2.5-7b-gguf-q5_k_m": "gguf:Q5_K_M",
                 "qwen2.5-7b-gguf-q4_0": "gguf:Q4_0", "qwen2.5-7b-gguf-q8_0": "gguf:Q8_0"}
-TOKENIZER = Path(__file__).resolve().parents[1] / "engine" / "demo_model"   # any tokenizer: prompts are random ids
+TOKENIZER = Path(__file__).resolve().parents[1] / "engine" / "load" / "demo_model"   # any tokenizer: prompts are random ids
 
 
 def engine_for(config_dir: Path, kv: str, max_num_seqs: int, max_model_len: int, enforce_eager: bool,

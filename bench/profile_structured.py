@@ -13,8 +13,10 @@ from collections import defaultdict
 
 import numpy as np
 
-from quant_serve.engine import llm_engine, model_runner, structured_mask
-from quant_serve.server import cli
+from quant_serve.engine import llm_engine
+from quant_serve.engine.worker import model_runner
+from quant_serve.engine.sample import structured_mask
+from quant_serve.server.cli import main as cli
 
 BENCH_ARGS = ("bench offline --model {model} --tokenizer {tokenizer} --load-format dummy --gpu-memory-gb 24 "
               "--kv-cache-dtype fp8 --num-prompts {num_prompts} --input-len 128 --output-len {output_len} --max-model-len {max_model_len} "
@@ -69,7 +71,7 @@ def summary(times: dict[str, list[float]]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-7b-instruct")   # a config shipped with the package
-    ap.add_argument("--tokenizer", default="engine/demo_model")
+    ap.add_argument("--tokenizer", default="engine/load/demo_model")
     ap.add_argument("--llguidance-threads", type=int, default=0, help="0: llguidance's default pool")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=256)

@@ -183,7 +183,7 @@ def flat(values: list[int | None], tolerance: int) -> dict:
 
 async def run(args, serve_args: list[str]) -> dict:
     url = f"http://127.0.0.1:{args.port}"
-    cmd = [sys.executable, "-c", "import sys; from quant_serve.server.cli import main; sys.exit(main(sys.argv[1:]))",
+    cmd = [sys.executable, "-c", "import sys; from quant_serve.server.cli.main import main; sys.exit(main(sys.argv[1:]))",
            "serve", *serve_args, "--port", str(args.port), "--served-model-name", "soak",
            "--disable-uvicorn-access-log"]
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -5,7 +5,7 @@ Each profile runs in a fresh process (kernels/gpu.py configure; a profile on the
 wgmma or PDL, its SM count and shared memory). Paths: "fp16" (cuBLAS on a dense weight), "w4a16" (the plan with
 activation_dtype fp16), "w4a8" (the plan with activation_dtype int8: quantize kernel + int8 matmul, both timed),
 "plan" (activation_dtype auto: whichever of the two the plan picks, its time), "expected" (the path that the
-not yet measured bands of kernels/w4a8/rules.py W4A8_EXPECTED_M would pick, from the same readings) and "best" (the
+not yet measured bands of kernels/matmul/int8/rules.py W4A8_EXPECTED_M would pick, from the same readings) and "best" (the
 faster of w4a16 and w4a8 at each point: what a perfect band rule would give). Before timing, w4a16 is checked
 against the exact dequantized weights and w4a8 against its twin (w4a8_matmul_ref) on the first 64 rows. Times are
 kernel_speed.py's: CUDA-graph replay over rotated weight copies (>= 256 MB), median of 5 replays, the three paths
@@ -28,14 +28,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))       # kernel_speed.py
 from kernel_speed import alternating_us, copies, graph_us, random_int4, rotated  # noqa: E402
 from quant_serve.kernels.gpu import KernelOptions, configure  # noqa: E402
 from quant_serve.kernels.precompile import parallel_compile  # noqa: E402
-from quant_serve.kernels.w4a16.dispatch import _frag_forward  # noqa: E402
-from quant_serve.kernels.w4a16.frag import prepare_frag  # noqa: E402
-from quant_serve.kernels.w4a16.plan import plan_w4a16, probed_runtime  # noqa: E402
-from quant_serve.kernels.w4a16.reference import dequantize_w4  # noqa: E402
-from quant_serve.kernels.w4a16.tma import tma_works_for  # noqa: E402
-from quant_serve.kernels.w4a8.quant import quantize_act  # noqa: E402
-from quant_serve.kernels.w4a8.reference import w4a8_matmul_ref  # noqa: E402
-from quant_serve.kernels.w4a8.rules import W4A8_EXPECTED_M, W4A8Config  # noqa: E402
+from quant_serve.kernels.matmul.dispatch import _frag_forward  # noqa: E402
+from quant_serve.kernels.matmul.frag.layout import prepare_frag  # noqa: E402
+from quant_serve.kernels.matmul.plan import plan_w4a16
+from quant_serve.kernels.matmul.probes import probed_runtime
+from quant_serve.kernels.matmul.reference import dequantize_w4  # noqa: E402
+from quant_serve.kernels.matmul.frag.tma import tma_works_for  # noqa: E402
+from quant_serve.kernels.matmul.int8.quant import quantize_act  # noqa: E402
+from quant_serve.kernels.matmul.reference_int8 import w4a8_matmul_ref  # noqa: E402
+from quant_serve.kernels.matmul.int8.rules import W4A8_EXPECTED_M, W4A8Config  # noqa: E402
 
 MODELS = {"qwen2.5-7b": {"qkv": (3584, 4608), "o": (3584, 3584), "gate_up": (3584, 37888), "down": (18944, 3584)},
           "llama-3.1-8b": {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}}

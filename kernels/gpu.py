@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from quant_serve.kernels.w4a16.rules import measured_on
+from quant_serve.kernels.matmul.rules import measured_on
 
 KB = 1024
 
@@ -33,7 +33,7 @@ class GPUCaps:
     pdl: bool                      # programmatic dependent launch (sm90+)
     fp8_cvt: bool                  # hardware fp8 <-> fp16 conversion (cvt.*.e4m3x2: sm89+)
     profile: str = "this"          # the named profile these caps came from, or "this" (the device itself)
-    # The card model's rates (engine/card_model.py), datasheet dense (non-sparse) figures; 0 = unknown / none.
+    # The card model's rates (engine/plan/card_model.py), datasheet dense (non-sparse) figures; 0 = unknown / none.
     boost_mhz: int = 0             # boost clock
     fp16_f32acc_tflops: float = 0.0    # FP16 tensor cores, FP32 accumulation (our kernels, cuBLAS)
     fp16_tflops: float = 0.0       # FP16 tensor cores, FP16 accumulation

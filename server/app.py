@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from quant_serve.engine.llm_engine import LLMEngine
-from quant_serve.engine.long_text import encode_long
+from quant_serve.engine.core.long_text import encode_long
 from quant_serve.server.async_engine import AsyncEngine
 from quant_serve.server.chat_template import ChatEncoder
 from quant_serve.server.error_handlers import install_error_handlers

@@ -1,4 +1,4 @@
-"""The card model (engine/card_model.py, issue #53 item 3): the rates table, the per-kernel time, the fit and its
+"""The card model (engine/plan/card_model.py, issue #53 item 3): the rates table, the per-kernel time, the fit and its
 reproduction of the committed runs, `plan --gpu`, and where the projections land against published figures."""
 import json
 import statistics
@@ -7,18 +7,19 @@ from collections import defaultdict
 
 import pytest
 
-from quant_serve.engine.card_fit import Observation, fit, predict
-from quant_serve.engine.card_model import (CardParams, kernel_terms, kernel_time, params_for, project, step_time,
-                                           tensor_rate)
-from quant_serve.engine.card_params import FITTED
-from quant_serve.engine.card_refit import fit_all
-from quant_serve.engine.card_step import Kernel, decode_kernels, model_shape
-from quant_serve.engine.memory import plan_memory
+from quant_serve.engine.plan.card_fit import Observation, fit, predict
+from quant_serve.engine.plan.card_step import CardParams
+from quant_serve.engine.plan.card_model import (kernel_terms, kernel_time, params_for, project, step_time,
+                                                tensor_rate)
+from quant_serve.engine.plan.card_params import FITTED
+from quant_serve.engine.plan.card_refit import fit_all
+from quant_serve.engine.plan.card_step import Kernel, decode_kernels, model_shape
+from quant_serve.engine.plan.memory import plan_memory
 from quant_serve.kernels.gpu import PROFILES, _caps, resolve_caps
 
 from conftest import REPO
 
-CONFIGS = REPO / "engine" / "configs"
+CONFIGS = REPO / "engine" / "load" / "configs"
 RESULTS = REPO / "bench" / "results"
 # dense FP16 tensor operations per SM-clock: GA102 / AD102 1,024 (FP16 accumulation), GA100 2,048, GH100 4,096
 PER_SM_CLOCK = {(8, 6): 1024, (8, 9): 1024, (8, 0): 2048, (9, 0): 4096}
@@ -141,7 +142,7 @@ def test_the_committed_constants_are_the_fit_of_the_committed_runs(fits):
 def test_runs_the_fit_does_not_see_stay_in_range(fits):
     """Llama-3.1-8B GPTQ (H200) and the GGUF mixes (H100): not fitted, reported in docs/performance.md (GGUF
     batch 32 is 20-23% under: the model runs its 64-row Hopper tiles at AWQ's rate). A gross break fails here."""
-    from quant_serve.engine.card_refit import observations
+    from quant_serve.engine.plan.card_refit import observations
     params = fits["sm90"][0]
     checks = observations("sm90", RESULTS, fit=False)
     assert len(checks) >= 4
@@ -150,7 +151,7 @@ def test_runs_the_fit_does_not_see_stay_in_range(fits):
 
 
 def test_step_bytes_are_the_memory_plans():
-    """The weights a step reads (the card model's per-layer bytes) are engine/memory.py's plan less the embedding
+    """The weights a step reads (the card model's per-layer bytes) are engine/plan/memory.py's plan less the embedding
     table, to 0.1%, for every format the projections use."""
     for name, quantization in (("qwen2.5-7b-instruct", None), ("llama-3.1-8b-instruct", None),
                                ("qwen2.5-7b-instruct", "gguf:Q4_K_M"), ("llama-3.1-8b-instruct", "gguf:Q4_0"),
@@ -164,7 +165,7 @@ def test_a_gguf_files_step_reads_what_its_plan_holds(tmp_path):
     """A GGUF file's own tensor types (tiny-qwen2 as Q4_K_M, a tied head: the FP16 embedding table)."""
     from conftest import TINY           # here, not at the top: only this test needs the shared model
     from gguf_fixtures import write_gguf
-    from quant_serve.engine.card_model import projection_for
+    from quant_serve.engine.plan.card_model import projection_for
     if not TINY.exists():
         pytest.skip(f"needs {TINY}")
     path = write_gguf(TINY, tmp_path / "tiny.gguf", "Q4_K_M")
@@ -176,7 +177,7 @@ def test_a_gguf_files_step_reads_what_its_plan_holds(tmp_path):
 
 
 def test_plan_gpu_prints_the_three_figures_with_their_inputs(capsys):
-    from quant_serve.server import cli
+    from quant_serve.server.cli import main as cli
     assert cli.main(["plan", "qwen2.5-7b-instruct", "--gpu", "a10"]) == 0
     out = capsys.readouterr().out
     for text in ("decode batch  1:", "decode batch 32:", "prefill   512 tokens:", "prefill 4,096 tokens:",
@@ -226,7 +227,7 @@ def test_decode_kernels_follow_the_plan():
     b32 = decode_kernels(shape, PROFILES["a10"], 32, 512)
     assert sum(k.family == "small" for k in b1) == 3 and len(b1) == 28 * 5 + 4
     assert sum(k.name == "norm" for k in b32) == 2 * 28 + 1
-    from quant_serve.engine.card_step import prefill_kernels
+    from quant_serve.engine.plan.card_step import prefill_kernels
     pre = prefill_kernels(shape, PROFILES["a10"], 512)
     assert sum(k.family == "dequant" for k in pre) == 4 * 28
 
@@ -234,8 +235,8 @@ def test_decode_kernels_follow_the_plan():
 def test_bench_card_model_json_replaces_the_committed_runs(tmp_path):
     """Two card-model-*.json files of one plan (bench/card_model.py's schema; here made from known constants) are
     what that plan is fitted from, eta_mem and all, and the fit gives the constants back."""
-    from quant_serve.engine.card_refit import fit_plan, observations
-    from quant_serve.engine.card_runs import card_observations
+    from quant_serve.engine.plan.card_refit import fit_plan, observations
+    from quant_serve.engine.plan.card_runs import card_observations
     truth = replace(FITTED["sm86"], derived={}, source="")
     for gpu in ("h100", "h200"):
         d = {"gpu_key": gpu, "profile": "a10", "git_commit": "0" * 40,

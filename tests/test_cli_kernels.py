@@ -2,7 +2,7 @@
 (the same plan_w4a16 the forward asks), its tile and why, and the decode attention's splits."""
 import json
 
-from quant_serve.server.cli import main
+from quant_serve.server.cli.main import main
 
 from conftest import SHARED
 
@@ -81,7 +81,7 @@ def test_explain_q6k_names_the_layout_its_dtype_runs(capsys):
     """Q6_K with fp16 activations: the W4A16 fragment layout and its tensor-core kernels (gate_up at M = 1 without
     the register cap); with bf16 the code planes and the W8A16 GEMV."""
     fp16 = explain(capsys, "h200", "--weight-format", "q6k")
-    assert {e["layout"] for e in fp16["layers"]} == {"frag"} and "frag6" in fp16["layers"][0]["layout_why"]
+    assert {e["layout"] for e in fp16["layers"]} == {"frag"} and "frag/q6k.py" in fp16["layers"][0]["layout_why"]
     gate_up = next(e for e in fp16["layers"] if e["name"] == "gate_up_proj")["plans"][0]
     assert gate_up["kernel"] == "mma.sync" and gate_up["config"]["max_regs"] == 0
     bf16 = explain(capsys, "h200", "--weight-format", "q6k", "--dtype", "bfloat16")

@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from quant_serve.engine.demo import DEMO_MODEL_DIR
-from quant_serve.engine.gguf_loader import gguf_files, gguf_hf_config, gguf_tokenizer, open_gguf
-from quant_serve.engine.long_text import encode_long
-from quant_serve.server.cli import main
+from quant_serve.engine.load.demo import DEMO_MODEL_DIR
+from quant_serve.engine.load.gguf.loader import gguf_files, gguf_hf_config, gguf_tokenizer, open_gguf
+from quant_serve.engine.core.long_text import encode_long
+from quant_serve.server.cli.main import main
 
 TINY_CONFIG = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64,
                "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,

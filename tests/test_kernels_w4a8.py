@@ -13,11 +13,11 @@ if not torch.cuda.is_available():
 
 from quant_serve.kernels.gpu import PROFILES, KernelOptions  # noqa: E402
 from quant_serve.kernels.interpret import patch_triton_interpreter  # noqa: E402
-from quant_serve.kernels.w4a16.frag import ZP_INT4, ZP_NONE, ZP_OFFSETS, frag_words, prepare_frag  # noqa: E402
-from quant_serve.kernels.w4a16.plan import plan_w4a16  # noqa: E402
-from quant_serve.kernels.w4a8.quant import frag_k_order, quantize_act, quantize_act_ref  # noqa: E402
-from quant_serve.kernels.w4a8.reference import quantize_activations, w4a8_matmul_ref  # noqa: E402
-from quant_serve.kernels.w4a8.rules import W4A8_AUTO_M, W4A8Config, select_w4a8_config  # noqa: E402
+from quant_serve.kernels.matmul.frag.layout import ZP_INT4, ZP_NONE, ZP_OFFSETS, frag_words, prepare_frag  # noqa: E402
+from quant_serve.kernels.matmul.plan import plan_w4a16  # noqa: E402
+from quant_serve.kernels.matmul.int8.quant import frag_k_order, quantize_act, quantize_act_ref  # noqa: E402
+from quant_serve.kernels.matmul.reference_int8 import quantize_activations, w4a8_matmul_ref  # noqa: E402
+from quant_serve.kernels.matmul.int8.rules import W4A8_AUTO_M, W4A8Config, select_w4a8_config  # noqa: E402
 from tests.test_kernels_w4a16 import make_weights, rel_err  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -127,7 +127,7 @@ def _twin(x, raw, act_group, bias=None):
 def test_gpu_w4a8_matches_twin(k, n, group_size, zeros, m):
     """Every tile shape the plan and the sweep use (x rows 16..128, 64..256 weight rows, K splits), per-group and
     per-token scales, bias; rows past M, N past the last tile, K padded to 64 (200), groups of 64 and one group."""
-    from quant_serve.kernels.w4a8.mma import w4a8_forward
+    from quant_serve.kernels.matmul.int8.mma import w4a8_forward
     fw, x, raw = _case(k, n, group_size, zeros, m)
     bias = torch.randn(n, dtype=torch.float16, device=DEV)
     ag = k if group_size <= 0 else group_size
@@ -145,8 +145,8 @@ def test_gpu_w4a8_matches_twin(k, n, group_size, zeros, m):
 @pytest.mark.gpu
 def test_gpu_dispatcher_runs_the_int8_plan_and_its_probe():
     from quant_serve.kernels.gpu import configure, runtime_for
-    from quant_serve.kernels.w4a16.dispatch import call_plan, w4a16_forward
-    from quant_serve.kernels.w4a16.plan import w4a8_works
+    from quant_serve.kernels.matmul.dispatch import call_plan, w4a16_forward
+    from quant_serve.kernels.matmul.probes import w4a8_works
     dev = torch.device(DEV)
     assert w4a8_works(dev)
     before = runtime_for(dev).options
@@ -168,7 +168,7 @@ def compile_cases() -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    from quant_serve.kernels.w4a8.mma import _w4a8_mma_kernel
+    from quant_serve.kernels.matmul.int8.mma import _w4a8_mma_kernel
     sig = dict(xq_ptr="*i8", sx_ptr="*fp32", w_ptr="*i32", s_ptr="*fp16", z_ptr="*i32", out_ptr="*fp16",
                ws_ptr="*fp32", bias_ptr="*fp16", **{a: "i32" for a in (
                    "M", "N", "KP", "stride_xm", "stride_sxm", "stride_om", "stride_sg", "stride_zg",
