@@ -74,6 +74,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._seq_owner: dict[str, tuple[Request, int]] = {}
         self._pending: list[tuple[Sequence, int]] = []   # tokens of the last step, not yet detokenized
+        self._errored: list[Sequence] = []               # ended by a failed grammar, their output not yet made
         self._inflight: tuple[SchedulerOutput, LaunchedStep] | None = None   # launched, not yet resolved
         self.stats = EngineStats()
         self.speculation = Speculation(config.speculative, self.scheduler, self.runner,
@@ -219,10 +220,23 @@ class LLMEngine:
     def accept_tokens(self, out: SchedulerOutput, tokens: list, logprobs: list) -> None:
         """An advanced step's tokens (a list per entry for a verification step) and logprobs, applied to its
         sequences; their text is made by the next step's _emit_pending."""
+        self._end_failed_grammars()
         for item, lp in zip(out.scheduled, logprobs):
             if lp is not None and item.advanced and not item.seq.is_finished:
                 item.seq.output_logprobs.append(lp)
         self._pending += self.scheduler.apply_tokens(out, tokens)
+
+    def _end_failed_grammars(self) -> None:
+        """Sequences whose grammar failed while their step sampled end with finish_reason "error" (the message in
+        stop_reason) before that step's tokens apply, so the token sampled for them, which the grammar did not
+        choose, is dropped; their blocks go back now."""
+        grammars = self.runner.sampler.grammars
+        for seq_id, error in (grammars.take_failures() if grammars is not None else {}).items():
+            owner = self._seq_owner.get(seq_id)
+            seq = owner[0].seqs[owner[1]] if owner is not None else None
+            if seq is not None and not seq.is_finished:
+                self.scheduler.finish(seq, "error", error)
+                self._errored.append(seq)
 
     def _look_ahead_mode(self, out: SchedulerOutput) -> str:
         """How far the step after `out` goes before `out`'s tokens reach the host: "launch" (forward and sampling),
@@ -278,6 +292,13 @@ class LLMEngine:
             old_text, old_ids = deltas.get((request.request_id, index), ("", []))
             deltas[(request.request_id, index)] = (old_text + text, old_ids + [token])
             touched[request.request_id] = request
+        errored, self._errored = self._errored, []
+        for seq in errored:                     # no token: the output only says that the sequence ended
+            owner = self._seq_owner.get(seq.request_id)
+            if owner is not None:
+                touched[owner[0].request_id] = owner[0]
+                self.runner.sampler.release(seq.request_id)
+                self.speculation.release(seq.request_id)
         return [self._make_output(r, deltas, now) for r in touched.values()]
 
     def count_transfers(self, out: SchedulerOutput) -> None:

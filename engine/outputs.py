@@ -17,7 +17,7 @@ class CompletionOutput:
     logprobs: list[Logprob] | None = None
     delta_logprobs: list[Logprob] | None = None
     cumulative_logprob: float | None = None
-    finish_reason: str | None = None   # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None   # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None
 
     @property

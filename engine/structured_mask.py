@@ -17,6 +17,7 @@ import torch
 
 from quant_serve.engine.sequence import Sequence
 from quant_serve.engine.structured import GrammarCompiler
+from quant_serve.engine.structured_limits import short
 from quant_serve.engine.transfer import to_device
 
 logger = logging.getLogger("quant_serve")
@@ -57,7 +58,6 @@ assert sys.byteorder == "little", "apply_bitmask reads the int32 mask words as l
 class _SequenceGrammar:
     matcher: object                 # llguidance.LLMatcher
     num_consumed: int = 0           # output tokens fed to the matcher
-    reported: bool = False          # its error was logged
 
     def catch_up(self, seq: Sequence, eos: int) -> None:
         """Feeds the matcher the tokens accepted since its last mask; every EOS id of the model is its one EOS."""
@@ -71,26 +71,46 @@ class _SequenceGrammar:
 
 
 class GrammarMasks:
-    """The matchers of the running constrained sequences (keyed by sequence id) and the masks of a step."""
+    """The matchers of the running constrained sequences (keyed by sequence id) and the masks of a step.
+
+    A grammar that fails during generation (a parser limit met past the tokens the compile-time probe followed, a
+    token its mask did not allow) never yields a token that breaks it: its row allows only EOS for the step, and
+    the sequence is listed in `failures` (sequence id -> the library's error, short) for the engine, which ends it
+    with finish_reason "error" and drops that row's token (LLMEngine.accept_tokens)."""
 
     def __init__(self, compiler: GrammarCompiler):
         self.compiler = compiler
         self._states: dict[str, _SequenceGrammar] = {}
         self._executor = None
+        self.failures: dict[str, str] = {}
 
     def release(self, seq_id: str) -> None:
         self._states.pop(seq_id, None)
 
-    def _state(self, seq: Sequence) -> _SequenceGrammar:
+    def take_failures(self) -> dict[str, str]:
+        failures, self.failures = self.failures, {}
+        return failures
+
+    def _fail(self, seq: Sequence, error: str) -> None:
+        if seq.request_id not in self.failures:
+            self.failures[seq.request_id] = error = short(error)
+            logger.warning("sequence %s: its grammar failed during generation (%s); it ends with an error",
+                           seq.request_id, error)
+
+    def _state(self, seq: Sequence) -> _SequenceGrammar | None:
         state = self._states.get(seq.request_id)
         if state is None:
-            state = self._states[seq.request_id] = _SequenceGrammar(
-                self.compiler.matcher(seq.params.structured_outputs))
+            try:            # the compiled grammar left the cache since the request was accepted: compiled again
+                matcher = self.compiler.matcher(seq.params.structured_outputs)
+            except ValueError as e:
+                self._fail(seq, str(e))
+                return None
+            state = self._states[seq.request_id] = _SequenceGrammar(matcher)
         return state
 
     def fill(self, seqs: list[Sequence], vocab_size: int) -> tuple[np.ndarray, list[int]]:
         """The host bitmask int32 [S, words] of a step's rows (a row without a constraint allows every token) and
-        the rows whose grammar is complete (only EOS is allowed)."""
+        the rows whose grammar is complete or failed (only EOS is allowed)."""
         mask = np.full((len(seqs), bitmask_words(vocab_size)), -1, dtype=np.int32)
         words = mask.view(np.uint32)
         eos, *other_eos = self.compiler.eos_token_ids
@@ -101,19 +121,17 @@ class GrammarMasks:
             if seq.params.structured_outputs is None or seq.is_finished:
                 continue
             state = self._state(seq)
-            state.catch_up(seq, eos)
-            matcher = state.matcher
-            if matcher.is_error():              # a token the mask did not allow, a parser limit: end it
-                if not state.reported:
-                    state.reported = True
-                    logger.warning("sequence %s: its grammar failed (%s); it ends here", seq.request_id,
-                                   matcher.get_error())
+            if state is not None:
+                state.catch_up(seq, eos)
+            if state is None or state.matcher.is_error():   # a token the mask did not allow
+                if state is not None:
+                    self._fail(seq, state.matcher.get_error())
                 words[i] = 0
                 words[i, eos // 32] = np.uint32(1 << (eos % 32))
                 complete.append(i)
                 continue
-            rows.append((matcher, i))
-            if matcher.is_stopped():
+            rows.append((state.matcher, i))
+            if state.matcher.is_stopped():
                 complete.append(i)
         if rows:
             if self._executor is None:
@@ -121,6 +139,12 @@ class GrammarMasks:
                 self._executor = llguidance.LLExecutor()
             from llguidance.numpy import fill_next_token_bitmask_par
             fill_next_token_bitmask_par(self._executor, rows, mask)
+            for matcher, i in rows:        # a parser limit met while computing the mask
+                if matcher.is_error():
+                    self._fail(seqs[i], matcher.get_error())
+                    words[i] = 0
+                    words[i, eos // 32] = np.uint32(1 << (eos % 32))
+                    complete.append(i)
         if other_eos:                           # where the grammar allows its EOS, every EOS id of the model
             ends = ((words[:, eos // 32] >> np.uint32(eos % 32)) & 1).astype(bool)
             for t in other_eos:
