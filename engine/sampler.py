@@ -247,7 +247,11 @@ class Sampler:
                 len(unseeded), probs.shape[1], device=device).exponential_(
                 generator=self._shared_generator(device))
         for j, seq in enumerate(seqs):
-            if seq.params.seed is not None:
+            if seq.params.seed is not None and seq.is_finished:
+                # ended since its step was scheduled (sampled behind the next step, its generator is released): a
+                # token nobody reads, and no new generator that would outlive the request
+                noise[j].fill_(1.0)
+            elif seq.params.seed is not None:
                 noise[j].exponential_(generator=self._request_generator(seq, device))
         # exponential_ can return 0; tiny keeps p / E finite (p <= 1) and 0 / E == 0 for masked tokens
         return (probs / noise.clamp_min(torch.finfo(torch.float32).tiny)).argmax(dim=-1)
