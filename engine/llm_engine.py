@@ -67,7 +67,7 @@ class LLMEngine:
         # the sampler masks the constrained rows of each step
         self.grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
                                                 self.model_config.eos_token_ids)
-        self.runner.sampler.grammars = GrammarMasks(self.grammar_compiler)
+        self.runner.sampler.grammars = GrammarMasks(self.grammar_compiler, config.structured_forced_tokens)
         self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                                           num_cpu_blocks)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
@@ -76,6 +76,7 @@ class LLMEngine:
         self._pending: list[tuple[Sequence, int]] = []   # tokens of the last step, not yet detokenized
         self._errored: list[Sequence] = []               # ended by a failed grammar, their output not yet made
         self._inflight: tuple[SchedulerOutput, LaunchedStep] | None = None   # launched, not yet resolved
+        self._ahead = None     # (out, step) launched behind the step whose tokens are being applied
         self.stats = EngineStats()
         self.speculation = Speculation(config.speculative, self.scheduler, self.runner,
                                        make_proposer(config.speculative, self.draft_target()))
@@ -172,7 +173,7 @@ class LLMEngine:
             return self._sample_behind(prev)
         launched = self._schedule_and_launch(prev[1].carry(prev[0]))
         outputs = self._emit_pending()
-        self._apply(*prev)
+        self._apply(*prev, ahead=launched)
         return launched, outputs
 
     def _sample_behind(self, prev) -> tuple:
@@ -185,7 +186,7 @@ class LLMEngine:
         outputs = self._emit_pending()
         sampled = self.runner.sample(prev[1])
         launched = None if out is None else (out, self._run(out, prepared, sampled.carry(prev[0])))
-        self._apply(prev[0], sampled)
+        self._apply(prev[0], sampled, ahead=launched)
         return launched, outputs
 
     def _keep_in_flight(self, launched) -> None:
@@ -197,7 +198,7 @@ class LLMEngine:
             self._inflight = launched
             grammars = self.runner.sampler.grammars
             if isinstance(launched[1], ForwardStep) and grammars is not None:
-                grammars.start(launched[1].sample_seqs, self.model_config.vocab_size)
+                grammars.start(launched[1].sample_seqs, self.model_config.vocab_size, frozenset(launched[1].dropped))
         else:
             self.scheduler.advance(launched[0])
             self._apply(*launched)
@@ -237,11 +238,16 @@ class LLMEngine:
         return self.config.async_scheduling and \
             any(item.sample and needs_last_token_on_host(item.seq) for item in out.scheduled)
 
-    def _apply(self, out: SchedulerOutput, launched: LaunchedStep | ForwardStep) -> None:
-        """Waits for an advanced step and applies its tokens; their text is made by the next _emit_pending."""
+    def _apply(self, out: SchedulerOutput, launched: LaunchedStep | ForwardStep, ahead=None) -> None:
+        """Waits for an advanced step and applies its tokens; their text is made by the next _emit_pending. ahead:
+        the step launched behind it (forced tokens drop its token for their sequences)."""
         if isinstance(launched, ForwardStep):       # its sampling was left for later: now
             launched = self.runner.sample(launched)
-        self.accept_tokens(out, *launched.resolve())
+        self._ahead = ahead
+        try:
+            self.accept_tokens(out, *launched.resolve())
+        finally:
+            self._ahead = None
 
     def accept_tokens(self, out: SchedulerOutput, tokens: list, logprobs: list) -> None:
         """An advanced step's tokens (a list per entry for a verification step) and logprobs, applied to its
@@ -251,6 +257,34 @@ class LLMEngine:
             if lp is not None and item.advanced and not item.seq.is_finished:
                 item.seq.output_logprobs.append(lp)
         self._pending += self.scheduler.apply_tokens(out, tokens)
+        self._append_forced(out, tokens)
+
+    def _append_forced(self, out: SchedulerOutput, tokens: list) -> None:
+        """The tokens a grammar forced behind the token its sequence just sampled (jump-forward): appended without a
+        forward each; the step launched behind this one (self._ahead) computes the sampled token's KV and drops what
+        it samples for the sequence, the next computes the forced tokens' KV as one chunk."""
+        grammars = self.runner.sampler.grammars
+        chains = grammars.take_forced() if grammars is not None else {}
+        if not chains:
+            return
+        ahead = {id(item.seq): item for item in self._ahead[0].scheduled} if self._ahead is not None else {}
+        for item, token in zip(out.scheduled, tokens):
+            chain = chains.pop(item.seq.request_id, None)
+            if chain is None:
+                continue
+            seq = item.seq
+            if seq.is_finished or token != chain[0]:     # ended by its token, or sampled another (logit_bias)
+                grammars.unforce(seq.request_id, len(chain) - (token == chain[0]))
+                continue
+            applied = self.scheduler.apply_forced(seq, chain[1:])
+            self._pending += applied
+            self.stats.structured_forced_tokens_total += len(applied)
+            if id(seq) in ahead:
+                ahead[id(seq)].discard = True
+                if isinstance(self._ahead[1], ForwardStep):     # not sampled yet: no draw for it (seeded rows)
+                    self._ahead[1].dropped.add(id(seq))
+        for seq_id, chain in chains.items():             # not in this step (aborted meanwhile)
+            grammars.unforce(seq_id, len(chain))
 
     def _end_failed_grammars(self) -> None:
         """Sequences whose grammar failed while their step sampled end with finish_reason "error" (the message in

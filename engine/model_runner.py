@@ -265,7 +265,7 @@ class ModelRunner:
             values = sampled if sampled.is_cuda else sampled.clone()
             pending = PendingSample(sampled, values, len(step.sample_seqs), [])
         elif step.logits is not None:
-            pending = self.sampler.sample(step.logits, step.sample_seqs)
+            pending = self.sampler.sample(step.logits, step.sample_seqs, frozenset(step.dropped))
         return LaunchedStep(step.samples, pending)
 
     def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor, starts: list[int]) -> None:

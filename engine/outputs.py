@@ -88,3 +88,4 @@ class EngineStats:
     swapped_in_blocks_total: int = 0       # KV blocks copied CPU tier -> GPU (resume or CPU prefix hit)
     swap_bytes_total: int = 0
     cpu_prefix_hits_total: int = 0         # blocks served from the CPU tier by prefix hits
+    structured_forced_tokens_total: int = 0    # tokens a grammar forced, appended without a forward each

@@ -1,6 +1,6 @@
 """A launched step's state between the model runner and the engine: what it samples, its pending tokens, and the
 tokens it carries into the step launched behind it (async scheduling)."""
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -58,6 +58,7 @@ class ForwardStep:
     sample_seqs: list[Sequence]          # the sequences that sample, in row order
     logits: torch.Tensor | None          # [S, vocab] on the device
     graph_sampled: torch.Tensor | None   # [S] from a decode graph that sampled inside (greedy steps)
+    dropped: set[int] = field(default_factory=set)   # ids of sequences whose token will be dropped (forced tokens)
 
 
 @dataclass

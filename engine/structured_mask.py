@@ -11,13 +11,14 @@ behind the next step's preparation (sampler.needs_last_token_on_host, LLMEngine.
 import logging
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from quant_serve.engine.sequence import Sequence
 from quant_serve.engine.structured import GrammarCompiler
+from quant_serve.engine.structured_forced import forced_chains
 from quant_serve.engine.structured_limits import short
 from quant_serve.engine.transfer import to_device
 
@@ -80,6 +81,7 @@ class MaskResult:
     mask: np.ndarray                # int32 [S, words]
     complete: list[int]             # rows whose grammar is complete or failed: only EOS is allowed
     errors: dict[int, str]          # row -> the library's error, for grammars that failed here
+    forced: dict[int, list[int]] = field(default_factory=dict)   # row -> its forced chain (see forced_chains)
 
 
 def _eos_only(words: np.ndarray, row: int, eos: int) -> None:
@@ -87,10 +89,12 @@ def _eos_only(words: np.ndarray, row: int, eos: int) -> None:
     words[row, eos // 32] = np.uint32(1 << (eos % 32))
 
 
-def compute_masks(executor, rows: list[_Row], num_rows: int, vocab_size: int, eos_ids: list[int]) -> MaskResult:
+def compute_masks(executor, rows: list[_Row], num_rows: int, vocab_size: int, eos_ids: list[int],
+                  max_forced: int = 0, force: list[_Row] | None = None) -> MaskResult:
     """The rows' matchers catch up with their new tokens, then every mask is filled in one call (llguidance's
-    thread pool, the GIL released). Touches only these matchers and its own mask: it runs in a worker thread
-    while the engine goes on (GrammarMasks.start) or inline (GrammarMasks.fill)."""
+    thread pool, the GIL released), then the forced chains of the `force` rows (max_forced tokens at most; see
+    forced_chains). Touches only these matchers and its own mask: it runs in a worker thread while the engine goes
+    on (GrammarMasks.start) or inline (GrammarMasks.fill)."""
     from llguidance.numpy import fill_next_token_bitmask_par
     mask = np.full((num_rows, bitmask_words(vocab_size)), -1, dtype=np.int32)
     words = mask.view(np.uint32)
@@ -125,7 +129,8 @@ def compute_masks(executor, rows: list[_Row], num_rows: int, vocab_size: int, eo
         ends = ((words[:, eos // 32] >> np.uint32(eos % 32)) & 1).astype(bool)
         for t in other_eos:
             words[ends, t // 32] |= np.uint32(1 << (t % 32))
-    return MaskResult(mask, complete, errors)
+    forced = forced_chains(executor, force, words, eos_ids, max_forced) if max_forced and force else {}
+    return MaskResult(mask, complete, errors, forced)
 
 
 class GrammarMasks:
@@ -141,13 +146,15 @@ class GrammarMasks:
     the sequence is listed in `failures` (sequence id -> the library's error, short) for the engine, which ends it
     with finish_reason "error" and drops that row's token (LLMEngine.accept_tokens)."""
 
-    def __init__(self, compiler: GrammarCompiler):
+    def __init__(self, compiler: GrammarCompiler, max_forced: int = 0):
         self.compiler = compiler
+        self.max_forced = max_forced          # forced tokens per chain (jump-forward); 0: off
         self._states: dict[str, _SequenceGrammar] = {}
         self._executor = None                 # llguidance.LLExecutor
         self._pool: ThreadPoolExecutor | None = None
         self._job: tuple[list[Sequence], int, Future] | None = None     # (rows, vocab size, MaskResult)
         self.failures: dict[str, str] = {}
+        self.forced: dict[str, list[int]] = {}       # sequence id -> its forced chain, for the engine
 
     def release(self, seq_id: str) -> None:
         self._states.pop(seq_id, None)       # a job in flight keeps its matcher object until it ends
@@ -155,6 +162,20 @@ class GrammarMasks:
     def take_failures(self) -> dict[str, str]:
         failures, self.failures = self.failures, {}
         return failures
+
+    def take_forced(self) -> dict[str, list[int]]:
+        """Sequence id -> the chain its last mask forced: the first token is the one it sampled, the others follow
+        it without being sampled (the matcher has consumed them all)."""
+        forced, self.forced = self.forced, {}
+        return forced
+
+    def unforce(self, seq_id: str, num_tokens: int) -> None:
+        """A chain that did not make it into the sequence (it sampled another token or ended): the matcher goes
+        back before it."""
+        state = self._states.get(seq_id)
+        if state is not None:
+            state.matcher.rollback(num_tokens)
+            state.num_consumed -= num_tokens
 
     def _fail(self, seq: Sequence, error: str) -> None:
         if seq.request_id not in self.failures:
@@ -173,14 +194,14 @@ class GrammarMasks:
             state = self._states[seq.request_id] = _SequenceGrammar(matcher)
         return state
 
-    def _rows(self, seqs: list[Sequence]) -> list[_Row]:
+    def _rows(self, seqs: list[Sequence], skip: frozenset[int] = frozenset()) -> list[_Row]:
         """What each constrained row's mask needs, taken on the engine's thread. A sequence that ended since its
         step was scheduled (a stop string found meanwhile) samples a token nobody reads: no matcher for it, which
-        would outlive its release."""
+        would outlive its release; nor for the rows in skip (ids of sequences whose token the engine drops)."""
         eos = self.compiler.eos_token_ids[0]
         rows = []
         for i, seq in enumerate(seqs):
-            if seq.params.structured_outputs is None or seq.is_finished:
+            if seq.params.structured_outputs is None or seq.is_finished or id(seq) in skip:
                 continue
             state = self._state(seq)
             rows.append(_Row(i, None, []) if state is None else _Row(i, state.matcher, state.new_tokens(seq, eos)))
@@ -192,16 +213,20 @@ class GrammarMasks:
             self._executor = llguidance.LLExecutor()
         return self._executor
 
-    def start(self, seqs: list[Sequence], vocab_size: int) -> None:
-        """Begins the masks of a step's sampling rows (seqs, in row order) in a worker thread."""
+    def _force(self, rows: list[_Row], seqs: list[Sequence]) -> list[_Row]:
+        """The rows that may take a forced chain: not those that want logprobs (a forced token has none)."""
+        return [r for r in rows if seqs[r.index].params.logprobs is None] if self.max_forced else []
+
+    def start(self, seqs: list[Sequence], vocab_size: int, skip: frozenset[int] = frozenset()) -> None:
+        """Begins the masks of a step's sampling rows (seqs, in row order) in a worker thread; skip: see _rows."""
         self._finish_job()
-        rows = self._rows(seqs)
+        rows = self._rows(seqs, skip)
         if not rows:
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
         future = self._pool.submit(compute_masks, self._llg_executor(), rows, len(seqs), vocab_size,
-                                   self.compiler.eos_token_ids)
+                                   self.compiler.eos_token_ids, self.max_forced, self._force(rows, seqs))
         self._job = (seqs, vocab_size, future)
 
     def _finish_job(self) -> MaskResult | None:
@@ -220,10 +245,16 @@ class GrammarMasks:
             all(a is b for a, b in zip(job[0], seqs))
         result = self._finish_job()
         if not begun:           # a job for other rows had its matchers catch up: these rows go on from there
-            result = compute_masks(self._llg_executor(), self._rows(seqs), len(seqs), vocab_size,
-                                   self.compiler.eos_token_ids)
+            rows = self._rows(seqs)
+            result = compute_masks(self._llg_executor(), rows, len(seqs), vocab_size, self.compiler.eos_token_ids,
+                                   self.max_forced, self._force(rows, seqs))
         for i, error in result.errors.items():
             self._fail(seqs[i], error)
+        for i, chain in result.forced.items():      # consumed by the matcher: counted now
+            state = self._states.get(seqs[i].request_id)
+            if state is not None:                   # not aborted meanwhile
+                state.num_consumed += len(chain)
+                self.forced[seqs[i].request_id] = chain
         return result.mask, result.complete
 
     def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> frozenset[int]:

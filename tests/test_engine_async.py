@@ -146,7 +146,7 @@ def test_host_read_sampling_still_queues_the_next_forward_first():
     forward, apply = ahead.runner.run_step, ahead._apply
     ahead.runner.run_step = lambda prepared, carried=None: \
         events.append("forward" if carried is not None else "-") or forward(prepared, carried)
-    ahead._apply = lambda out, launched: events.append("apply") or apply(out, launched)
+    ahead._apply = lambda out, launched, ahead=None: events.append("apply") or apply(out, launched, ahead)
     assert run(ahead) == run(make_engine(DEMO_MODEL_DIR, async_scheduling=False, max_model_len=256))
     assert "".join(e[0] for e in events).count("fa") >= 8      # forward of step N+1, then step N's tokens
     assert_all_blocks_free(ahead)

@@ -215,3 +215,13 @@ def test_the_engine_ends_a_failed_grammar_with_an_error_and_frees_its_blocks():
     assert failed.outputs[0].text in ("b", "c")              # its first token, free; the failing step's is dropped
     assert normal.outputs[0].token_ids == alone
     assert_all_blocks_free(engine)
+
+
+def test_forced_tokens_are_counted_in_metrics(sdk, demo_server):
+    before = demo_server.metrics().get("vllm:structured_output_forced_tokens_total", 0)
+    flags = {"type": "object", "properties": {"visible": {"type": "boolean"}}, "required": ["visible"]}
+    schema = {"type": "object", "properties": {"status": {"enum": ["active", "inactive"]}, "flags": flags},
+              "required": ["status", "flags"]}
+    text = _create(sdk, "chat", {"response_format": _schema_format(schema)}, stream=False, max_tokens=48)
+    assert set(json.loads(text)) == {"status", "flags"}
+    assert demo_server.metrics()["vllm:structured_output_forced_tokens_total"] > before
