@@ -19,8 +19,9 @@ from quant_serve.engine import llm_engine, model_runner, structured_mask
 from quant_serve.server import cli
 
 BENCH_ARGS = ("bench offline --model {model} --tokenizer {tokenizer} --load-format dummy --gpu-memory-gb 24 "
-              "--kv-cache-dtype fp8 --num-prompts {num_prompts} --input-len 128 --output-len {output_len} --max-model-len {max_model_len} "
-              "--structured-outputs json-schema --compare-unconstrained")
+              "--kv-cache-dtype fp8 --num-prompts {num_prompts} --input-len 128 --output-len {output_len} "
+              "--max-model-len {max_model_len} --structured-outputs json-schema --json-schema {schema} "
+              "--structured-forced-tokens {forced} --compare-unconstrained")
 PHASES = [(llm_engine.LLMEngine, "schedule_step", "schedule"),
           (model_runner.ModelRunner, "prepare_step", "prepare inputs"),
           (llm_engine.LLMEngine, "_emit_pending", "outputs (detokenize)"),
@@ -81,7 +82,9 @@ def summary(times: dict[str, list[float]]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="../shared/configs/qwen2.5-7b-instruct")
+    ap.add_argument("--model", default="qwen2.5-7b-instruct", help="a bundled config's name, dummy weights")
+    ap.add_argument("--schema", default="free-text", choices=["free-text", "fixed-keys"])
+    ap.add_argument("--forced", type=int, default=32, help="--structured-forced-tokens (0: every token sampled)")
     ap.add_argument("--tokenizer", default="engine/demo_model")
     ap.add_argument("--llguidance-threads", type=int, default=0, help="0: llguidance's default pool")
     ap.add_argument("--num-prompts", type=int, default=64)
@@ -94,7 +97,8 @@ def main() -> None:
     instrument(times, args.llguidance_threads, timeline)
     bench_json = "/tmp/profile-structured-bench.json"
     argv = BENCH_ARGS.format(model=args.model, tokenizer=args.tokenizer, num_prompts=args.num_prompts,
-                             output_len=args.output_len, max_model_len=args.max_model_len).split() + ["--output-json", bench_json]
+                             output_len=args.output_len, max_model_len=args.max_model_len, schema=args.schema,
+                             forced=args.forced).split() + ["--output-json", bench_json]
     if cli.main(argv):
         sys.exit("the bench failed")
     with open(bench_json) as f:

@@ -57,3 +57,17 @@ def test_constrained_greedy_outputs_are_those_before(async_scheduling, forced):
     assert engine.stats.structured_forced_tokens_total == (41 if forced else 0)
     assert engine.stats.generation_tokens_total == 156
     assert_all_blocks_free(engine)
+
+
+def test_bench_compares_each_schema_with_the_unconstrained_load():
+    """`bench offline --structured-outputs json-schema --compare-unconstrained`: per schema its ratio, and forced
+    tokens counted where the grammar forces them."""
+    from quant_serve.server.bench_offline import compare_structured
+    engine = make_engine(DEMO_MODEL_DIR, max_model_len=128)
+    result = compare_structured(engine, ["free-text", "fixed-keys"], num_prompts=2, input_len=8, output_len=12,
+                                range_ratio=0.0, seed=0)
+    assert set(result["constrained_over_unconstrained_by_schema"]) == {"free-text", "fixed-keys"}
+    assert result["constrained_over_unconstrained"] == result["schemas"]["free-text"]["constrained_over_unconstrained"]
+    assert len(result["rounds"]) == 2 and result["schemas"]["fixed-keys"]["output_tok_s"] > 0
+    assert result["schemas"]["fixed-keys"]["engine_stats_delta"]["structured_forced_tokens_total"] > 0
+    assert_all_blocks_free(engine)
