@@ -8,7 +8,6 @@ chains); per step the time of that call and the share of tokens that were forced
 import argparse
 import json
 import random
-import statistics
 import time
 from pathlib import Path
 

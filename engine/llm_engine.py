@@ -26,6 +26,7 @@ from quant_serve.engine.spec.runtime import Speculation
 from quant_serve.engine.startup import start_kernels
 from quant_serve.engine.structured import GrammarCompiler
 from quant_serve.engine.structured_mask import GrammarMasks
+from quant_serve.engine.structured_outcomes import append_forced, end_failed_grammars
 from quant_serve.kernels.gpu import configure
 
 logger = logging.getLogger("quant_serve")
@@ -252,51 +253,15 @@ class LLMEngine:
     def accept_tokens(self, out: SchedulerOutput, tokens: list, logprobs: list) -> None:
         """An advanced step's tokens (a list per entry for a verification step) and logprobs, applied to its
         sequences; their text is made by the next step's _emit_pending."""
-        self._end_failed_grammars()
+        grammars = self.runner.sampler.grammars
+        self._errored += end_failed_grammars(grammars, self.scheduler, out)
         for item, lp in zip(out.scheduled, logprobs):
             if lp is not None and item.advanced and not item.seq.is_finished:
                 item.seq.output_logprobs.append(lp)
         self._pending += self.scheduler.apply_tokens(out, tokens)
-        self._append_forced(out, tokens)
-
-    def _append_forced(self, out: SchedulerOutput, tokens: list) -> None:
-        """The tokens a grammar forced behind the token its sequence just sampled (jump-forward): appended without a
-        forward each; the step launched behind this one (self._ahead) computes the sampled token's KV and drops what
-        it samples for the sequence, the next computes the forced tokens' KV as one chunk."""
-        grammars = self.runner.sampler.grammars
-        chains = grammars.take_forced() if grammars is not None else {}
-        if not chains:
-            return
-        ahead = {id(item.seq): item for item in self._ahead[0].scheduled} if self._ahead is not None else {}
-        for item, token in zip(out.scheduled, tokens):
-            chain = chains.pop(item.seq.request_id, None)
-            if chain is None:
-                continue
-            seq = item.seq
-            if seq.is_finished or token != chain[0]:     # ended by its token, or sampled another (logit_bias)
-                grammars.unforce(seq.request_id, len(chain) - (token == chain[0]))
-                continue
-            applied = self.scheduler.apply_forced(seq, chain[1:])
-            self._pending += applied
-            self.stats.structured_forced_tokens_total += len(applied)
-            if id(seq) in ahead:
-                ahead[id(seq)].discard = True
-                if isinstance(self._ahead[1], ForwardStep):     # not sampled yet: no draw for it (seeded rows)
-                    self._ahead[1].dropped.add(id(seq))
-        for seq_id, chain in chains.items():             # not in this step (aborted meanwhile)
-            grammars.unforce(seq_id, len(chain))
-
-    def _end_failed_grammars(self) -> None:
-        """Sequences whose grammar failed while their step sampled end with finish_reason "error" (the message in
-        stop_reason) before that step's tokens apply, so the token sampled for them, which the grammar did not
-        choose, is dropped; their blocks go back now."""
-        grammars = self.runner.sampler.grammars
-        for seq_id, error in (grammars.take_failures() if grammars is not None else {}).items():
-            owner = self._seq_owner.get(seq_id)
-            seq = owner[0].seqs[owner[1]] if owner is not None else None
-            if seq is not None and not seq.is_finished:
-                self.scheduler.finish(seq, "error", error)
-                self._errored.append(seq)
+        forced = append_forced(grammars, self.scheduler, out, tokens, self._ahead)
+        self._pending += forced
+        self.stats.structured_forced_tokens_total += len(forced)
 
     def drain(self) -> list[RequestOutput]:
         """Resolves a step still in flight and returns every output not yet returned."""

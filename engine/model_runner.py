@@ -1,6 +1,5 @@
 """Turns a SchedulerOutput into flat batch tensors, runs the model over the paged KV cache and samples.
 Owns every device tensor, including the KV cache (allocated once). Warm-up at start: engine/warmup.py."""
-import numpy as np
 import torch
 
 from quant_serve.engine.eager_inputs import eager_inputs
