@@ -68,7 +68,7 @@ def main() -> None:
     import ray
     from ray import serve
 
-    from quant_serve.server.cluster import args_from_config, build_application
+    from quant_serve.server.cluster.deploy import args_from_config, build_application
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]

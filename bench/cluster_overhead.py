@@ -45,7 +45,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 300) -> No
 
 def bench(url: str, args, num_prompts: int) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        subprocess.run([sys.executable, "-m", "quant_serve.server.cli", "bench", "serve", "--url", url,
+        subprocess.run([sys.executable, "-m", "quant_serve.server.cli.main", "bench", "serve", "--url", url,
                         "--num-prompts", str(num_prompts), "--concurrency", str(args.concurrency),
                         "--input-len", str(args.input_len), "--output-len", str(args.output_len),
                         "--output-json", out.name], check=True, stdout=subprocess.DEVNULL)
@@ -56,7 +56,7 @@ def measure(name: str, serve_flags: list[str], args) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "OMP_NUM_THREADS": str(args.server_threads)} if args.device == "cpu" else None
-    cmd = [sys.executable, "-m", "quant_serve.server.cli", "--log-level", "warning", "serve", "--port", str(port),
+    cmd = [sys.executable, "-m", "quant_serve.server.cli.main", "--log-level", "warning", "serve", "--port", str(port),
            "--device", args.device, "--disable-uvicorn-access-log", *serve_flags]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -14,9 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-CONFIG = SHARED / "configs" / "qwen2.5-7b-instruct"
-TOKENIZER = Path(__file__).resolve().parents[1] / "engine" / "demo_model"   # any tokenizer: prompts are random ids
+CONFIG = Path(__file__).resolve().parents[1] / "engine" / "load" / "configs" / "qwen2.5-7b-instruct"   # shipped, no weights
+TOKENIZER = Path(__file__).resolve().parents[1] / "engine" / "load" / "demo_model"   # any tokenizer: prompts are random ids
 
 CHILD = """
 import cProfile, io, json, logging, pstats, sys, time

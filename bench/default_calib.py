@@ -5,7 +5,7 @@ perplexity, KLD and top-1 against FP16 on held-out val.txt windows.
     python bench/default_calib.py [--wordnet wordnet-base_1%3a3.0-37_all.deb] [--tokens 32768] [--threads 1]
                                   [--out bench/results/default-calib-tiny-qwen2.json]
 
-The default calibration is the CLI's own (server/cli_calib.sample_token_windows with --calib-samples 128,
+The default calibration is the CLI's own (server/cli/calib.sample_token_windows with --calib-samples 128,
 --calib-seq-len 512, --calib-seed 0), sampled once and handed to both methods; the hand-picked file is the README's
 demo-model recipe (`quant-serve make-calib --docstrings --wordnet ... --chat-model`), or docstrings alone without
 --wordnet, tokenized as `--calib FILE` is. Quantizer settings are the CLI defaults (awq asym, gptq sym, g128).
@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
-from quant_serve.engine.loader import load_model_config  # noqa: E402
+from quant_serve.engine.load.loader import load_model_config  # noqa: E402
 from quant_serve.quant.quantize import QuantizeConfig, quantize_model  # noqa: E402
-from quant_serve.server.cli import main as cli  # noqa: E402
-from quant_serve.server.cli_calib import sample_token_windows  # noqa: E402
-from quant_serve.server.cli_quantize import load_source, tokenize_calib  # noqa: E402
+from quant_serve.server.cli.main import main as cli  # noqa: E402
+from quant_serve.server.cli.calib import sample_token_windows  # noqa: E402
+from quant_serve.server.cli.quantize import load_source, tokenize_calib  # noqa: E402
 
 
 _HERE = Path(__file__).resolve().parent

@@ -21,23 +21,20 @@ import torch
 from quant_serve.engine.config import (OFFLINE_BATCHED_TOKENS, SERVE_BATCHED_TOKENS, CacheConfig, EngineConfig,
                                        SchedulerConfig)
 from quant_serve.engine.llm_engine import LLMEngine
+from quant_serve.engine.load.loader import BUNDLED_CONFIGS
 from quant_serve.kernels.gpu import PROFILE_NAMES, KernelOptions
-from quant_serve.server.bench_offline import decode_bytes_per_step, measure_copy_bandwidth, run_offline
-from quant_serve.server.cli_bench import _metadata
+from quant_serve.server.cli.bench_offline import decode_bytes_per_step, measure_copy_bandwidth, run_offline
+from quant_serve.server.cli.bench import _metadata
 
 KERNELS = [KernelOptions()]    # --profile / --no-fold-norms: the kernel options every engine of this run takes
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-CONFIGS = {"qwen2.5-7b-awq": SHARED / "configs" / "qwen2.5-7b-instruct",
-           "llama-3.1-8b-gptq": SHARED / "configs" / "llama-3.1-8b-instruct",
-           "qwen2.5-7b-gguf-q4_k_m": SHARED / "configs" / "qwen2.5-7b-instruct",
-           "qwen2.5-7b-gguf-q5_k_m": SHARED / "configs" / "qwen2.5-7b-instruct",
-           "qwen2.5-7b-gguf-q4_0": SHARED / "configs" / "qwen2.5-7b-instruct",
-           "qwen2.5-7b-gguf-q8_0": SHARED / "configs" / "qwen2.5-7b-instruct"}
+QWEN, LLAMA = BUNDLED_CONFIGS / "qwen2.5-7b-instruct", BUNDLED_CONFIGS / "llama-3.1-8b-instruct"
+CONFIGS = {"qwen2.5-7b-awq": QWEN, "llama-3.1-8b-gptq": LLAMA, "qwen2.5-7b-gguf-q4_k_m": QWEN,
+           "qwen2.5-7b-gguf-q5_k_m": QWEN, "qwen2.5-7b-gguf-q4_0": QWEN, "qwen2.5-7b-gguf-q8_0": QWEN}
 # --quantization of the dummy load; else the config's
 QUANTIZATION = {"qwen2.5-7b-gguf-q4_k_m": "gguf:Q4_K_M", "qwen2.5-7b-gguf-q5_k_m": "gguf:Q5_K_M",
                 "qwen2.5-7b-gguf-q4_0": "gguf:Q4_0", "qwen2.5-7b-gguf-q8_0": "gguf:Q8_0"}
-TOKENIZER = Path(__file__).resolve().parents[1] / "engine" / "demo_model"   # any tokenizer: prompts are random ids
+TOKENIZER = Path(__file__).resolve().parents[1] / "engine" / "load" / "demo_model"   # any tokenizer: prompts are random ids
 
 
 def engine_for(config_dir: Path, kv: str, max_num_seqs: int, max_model_len: int, enforce_eager: bool,

@@ -8,10 +8,10 @@ copies that exceed the L2).
       --out bench/results/kernels-gguf-kquant-h200.json      (Q4_K two-level next to AWQ g128 and the old layout)
   python bench/kernel_speed.py --weights gguf-q5_k,q5_k --ms 1,4,16,64 --out bench/results/kernels-gguf-q5_k-h100.json
 
-Formats (how the GGUF loader lays them out, kernels/w4a16/reference.py and kernels/w8a16/reference.py):
+Formats (how the GGUF loader lays them out, kernels/matmul/reference.py and kernels/matmul/reference_planes.py):
   gguf-q4_0   INT4, groups of 32, w = (q - 8) d: symmetric, no offsets (the zero-point path)
   gguf-q4_1   INT4, groups of 32, w = q d + m: float offsets
-  gguf-q4_k   INT4, Q4_K's two-level scales as stored (kernels/w4a16/kquant.py: int16 sub-codes per 32, fp16 d and
+  gguf-q4_k   INT4, Q4_K's two-level scales as stored (kernels/matmul/frag/kquant.py: int16 sub-codes per 32, fp16 d and
               dmin per 256; 4.625 bits a weight): what the loader builds for a layer of Q4_K shards
   gguf-q4_k-f16  INT4, groups of 32, fp16 scale + fp16 offset per group (5 bits; Q4_K before the two-level layout,
               and a Q4_K shard merged with another INT4 type)
@@ -19,36 +19,36 @@ Formats (how the GGUF loader lays them out, kernels/w4a16/reference.py and kerne
   q8_0        int8 codes, groups of 32, no offsets (W8A16)
   q6_k        int8 codes (q - 32), groups of 16, no offsets (W8A16; 9 bits: Q6_K before the planes, and a Q6_K
               shard merged with another type)
-  gguf-q6_k   Q6_K's 6-bit planes + int8 sub-scales + fp16 d (kernels/w8a16/q6k.py, 6.5625 bits; the W8A16
+  gguf-q6_k   Q6_K's 6-bit planes + int8 sub-scales + fp16 d (kernels/matmul/planes/q6k.py, 6.5625 bits; the W8A16
               kernels): what a layer of Q6_K shards keeps on the CPU and in bf16 models
-  gguf-q6_k-frag  Q6_K in the W4A16 fragment layout (kernels/w4a16/frag6.py, 7 bits; the W4A16 tensor-core
+  gguf-q6_k-frag  Q6_K in the W4A16 fragment layout (kernels/matmul/frag/q6k.py, 7 bits; the W4A16 tensor-core
               kernels): what a CUDA fp16 model makes of a layer of Q6_K shards at load
-  gguf-q5_k-frag  Q5_K in the W4A16 fragment layout (kernels/w4a16/frag5.py, 6 bits: fp16 (s, o) per 32; the W4A16
+  gguf-q5_k-frag  Q5_K in the W4A16 fragment layout (kernels/matmul/frag/q5k.py, 6 bits: fp16 (s, o) per 32; the W4A16
               tensor-core kernels): what a CUDA fp16 model makes of a layer of Q5_K shards at load
   q5_k        int8 codes, groups of 32, float offsets (W8A16; 9 bits: Q5_K before the planes, and a Q5_K shard
               merged with a non-K type)
-  gguf-q5_k   Q5_K's 5-bit planes + Q4_K's two-level scales (kernels/w8a16/q5k.py, 5.625 bits; the W8A16 kernels):
+  gguf-q5_k   Q5_K's 5-bit planes + Q4_K's two-level scales (kernels/matmul/planes/q5k.py, 5.625 bits; the W8A16 kernels):
               what the loader builds for a layer of Q5_K shards
 Every timed call is first checked against the dequantized weights through FP16 cuBLAS (rel_err in the row).
-The 8-bit formats' GEMV (M <= 16, constants derived, not measured: kernels/w8a16/plan.py) is also timed in a few
+The 8-bit formats' GEMV (M <= 16, constants derived, not measured: kernels/matmul/plan.py) is also timed in a few
 other tiles (row["variants_us"]: one scale row a step with block_k = the group, wider columns, longer steps); the
 4-bit formats' M = 1 mma.sync kernel with and without the PDL preload and the one-wave register cap, two choices
-derived offline for groups of 32 (kernels/w4a16/mma.py: no preload; the cap spills 96-104 bytes at 56 registers).
+derived offline for groups of 32 (kernels/matmul/frag/mma.py: no preload; the cap spills 96-104 bytes at 56 registers).
 """
 import dataclasses
 
 import torch
 
-from quant_serve.kernels.w4a16.dispatch import call_plan, prepare_kernel_weights, w4a16_forward
-from quant_serve.kernels.w4a16.frag5 import frag5_bytes
-from quant_serve.kernels.w4a16.frag6 import frag6_bytes
-from quant_serve.kernels.w4a16.kquant import kquant_bytes, kquant_scales_offsets, pack_sub_codes, pack_superscales
-from quant_serve.kernels.w4a16.reference import dequantize_w4, pack_int4_cols, pack_int4_rows
-from quant_serve.kernels.w8a16.dispatch import prepare_q5k, prepare_q6k, w8a16_forward
-from quant_serve.kernels.w8a16.plan import plan_w8a16
-from quant_serve.kernels.w8a16.q5k import pack_q5k, q5k_bytes, q5k_dequantize
-from quant_serve.kernels.w8a16.q6k import pack_q6k, q6k_bytes, q6k_dequantize
-from quant_serve.kernels.w8a16.reference import dequantize_w8
+from quant_serve.kernels.matmul.dispatch import call_plan, prepare_kernel_weights, w4a16_forward
+from quant_serve.kernels.matmul.frag.q5k import frag5_bytes
+from quant_serve.kernels.matmul.frag.q6k import frag6_bytes
+from quant_serve.kernels.matmul.frag.kquant import kquant_bytes, kquant_scales_offsets, pack_sub_codes, pack_superscales
+from quant_serve.kernels.matmul.reference import dequantize_w4, pack_int4_cols, pack_int4_rows
+from quant_serve.kernels.matmul.dispatch import prepare_q5k, prepare_q6k, w8a16_forward
+from quant_serve.kernels.matmul.plan import plan_w8a16
+from quant_serve.kernels.matmul.planes.q5k import pack_q5k, q5k_bytes, q5k_dequantize
+from quant_serve.kernels.matmul.planes.q6k import pack_q6k, q6k_bytes, q6k_dequantize
+from quant_serve.kernels.matmul.reference_planes import dequantize_w8
 
 # format -> (bits, group size, float offsets)
 FORMATS = {"gguf-q4_0": (4, 32, False), "gguf-q4_1": (4, 32, True), "gguf-q4_k": (4, 32, True),
@@ -211,8 +211,8 @@ def w8_variants(fmt: str, layers: list, x: torch.Tensor, want: torch.Tensor, gra
 def w4_m1_variants(layers: list, x: torch.Tensor, want: torch.Tensor, graph_us, silu_layer: bool) -> dict:
     """{"preload=..., max_regs=...": us} for the planned M = 1 mma.sync tile (the plain matmul; gate_up's tile is
     the SwiGLU one's), each checked first."""
-    from quant_serve.kernels.w4a16.mma import w4a16_mma
-    from quant_serve.kernels.w4a16.rules import select_mma_config
+    from quant_serve.kernels.matmul.frag.mma import w4a16_mma
+    from quant_serve.kernels.matmul.rules import select_mma_config
     w0 = layers[0]["weights"]
     cfg = select_mma_config(1, w0.in_features, w0.out_features, False, silu_layer)
     out = {}

@@ -1,9 +1,9 @@
-"""The measurement behind the grammar library choice (engine/structured.py): xgrammar vs llguidance on CPU.
+"""The measurement behind the grammar library choice (engine/sample/structured.py): xgrammar vs llguidance on CPU.
 
 For one JSON schema (8 required fields: strings, a pattern, an enum, an array, a nested object, numbers) and a
 tokenizer: the compile time of a new schema, the mask time per token along a valid document, the time to fill the
 masks of 64 matchers at different positions (one call, the library's thread pool), and the time to apply 64 masks to
-[64, vocab] fp32 logits on the CPU (each library's function and the sampler's, engine/structured_mask.py).
+[64, vocab] fp32 logits on the CPU (each library's function and the sampler's, engine/sample/structured_mask.py).
 
     python bench/grammar_libs.py                                   # the demo model's tokenizer (8192 tokens)
     python bench/grammar_libs.py --out bench/results/grammar-libs-cpu.json
@@ -118,7 +118,7 @@ def measure_llguidance(tok, vocab: int, eos: int, ids: list[int]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     here = Path(__file__).resolve().parents[1]
-    parser.add_argument("--tokenizer", default=str(here / "engine" / "demo_model"))
+    parser.add_argument("--tokenizer", default=str(here / "engine" / "load" / "demo_model"))
     parser.add_argument("--vocab-size", type=int, default=None, help="the model's (default: the tokenizer's)")
     parser.add_argument("--eos", default="<|im_end|>")
     parser.add_argument("--label", default=None, help="what the tokenizer is, for the JSON (default: its path)")
@@ -133,7 +133,7 @@ def main() -> None:
               "batch": BATCH, "torch": torch.__version__}
     result["xgrammar"], _ = measure_xgrammar(tok, vocab, eos, ids)
     result["llguidance"], masks = measure_llguidance(tok, vocab, eos, ids)
-    from quant_serve.engine.structured_mask import apply_bitmask
+    from quant_serve.engine.sample.structured_mask import apply_bitmask
     logits = torch.randn(BATCH, vocab)
     result["quant_serve_apply_ms"] = timed(lambda: apply_bitmask(logits, masks.numpy()), REPEAT) * 1e3
     text = json.dumps(result, indent=2)

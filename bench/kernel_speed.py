@@ -6,7 +6,7 @@ fp16 vs fp8 e4m3 KV, and torch SDPA on an unpaged fp16 cache. Times (us) are GPU
 captured in a CUDA graph (as the engine's decode steps are) over enough rotated weight copies (>= 256 MB) that no
 weight is served from L2; median of 5 replays. fp16_dobench_us is triton.testing.do_bench (eager, L2 flushed) for
 comparison with the anchors in targets.md. Where kernels/pdl.py launches with PDL (sm90), ours_no_pdl_us times the
-same calls launched plainly (M <= 128; summary "ours_no_pdl"). --tune also times kernels/w4a16/rules.py's search space.
+same calls launched plainly (M <= 128; summary "ours_no_pdl"). --tune also times kernels/matmul/rules.py's search space.
 
   python bench/kernel_speed.py --out bench/results/kernels-h200.json [--tune] [--awq-sdist F.tar.gz] [--profile a10]
 
@@ -41,17 +41,18 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-from quant_serve.kernels.paged_attention import DecodeConfig, paged_decode  # noqa: E402
+from quant_serve.kernels.attention.paged import DecodeConfig, paged_decode  # noqa: E402
 from quant_serve.kernels.gpu import PROFILE_NAMES, KernelOptions, configure, runtime_for  # noqa: E402
 from quant_serve.kernels.pdl import pdl_enabled  # noqa: E402
-from quant_serve.kernels.w4a16.dispatch import prepare_kernel_weights, w4a16_forward  # noqa: E402
-from quant_serve.kernels.w4a16.frag import FragWeights  # noqa: E402
-from quant_serve.kernels.w4a16.frag_tiles import frag_dequantize  # noqa: E402
-from quant_serve.kernels.w4a16.plan import plan_w4a16, probed_runtime  # noqa: E402
-from quant_serve.kernels.w4a16.reference import dequantize_w4  # noqa: E402
-from quant_serve.kernels.w4a16.rows import prepare_w4a16  # noqa: E402
-from quant_serve.kernels.w4a16.rules import W4A16Config  # noqa: E402
-from quant_serve.kernels.w4a16.sweep import candidate_configs, refinements, table_row  # noqa: E402
+from quant_serve.kernels.matmul.dispatch import prepare_kernel_weights, w4a16_forward  # noqa: E402
+from quant_serve.kernels.matmul.frag.layout import FragWeights  # noqa: E402
+from quant_serve.kernels.matmul.frag.tiles import frag_dequantize  # noqa: E402
+from quant_serve.kernels.matmul.plan import plan_w4a16
+from quant_serve.kernels.matmul.probes import probed_runtime
+from quant_serve.kernels.matmul.reference import dequantize_w4  # noqa: E402
+from quant_serve.kernels.matmul.rows.layout import prepare_w4a16  # noqa: E402
+from quant_serve.kernels.matmul.rules import W4A16Config  # noqa: E402
+from quant_serve.kernels.matmul.sweep import candidate_configs, refinements, table_row  # noqa: E402
 
 SHAPES = {"qkv": (3584, 4608), "o": (3584, 3584), "gate_up": (3584, 37888), "down": (18944, 3584)}
 # --shapes may add: Q4_K_M's Q6_K layers are v (beside Q4_K q / k) and half the downs, and the head
@@ -141,7 +142,7 @@ def load_awq(sdist: str):
 
 
 def ours_config(w, m, k, n) -> dict:
-    """The plan's choice for this call (kernels/w4a16/plan.py), as recorded in the JSON."""
+    """The plan's choice for this call (kernels/matmul/plan.py), as recorded in the JSON."""
     rt = probed_runtime(torch.device(DEV))
     p = plan_w4a16(m, k, n, rt.caps, rt.options, "frag" if isinstance(w, FragWeights) else "rows")
     return {"kernel": p.kernel, "why": p.why, **(dataclasses.asdict(p.config) if p.config else {})}
@@ -378,7 +379,7 @@ def summarize_decode(decode) -> dict:
 
 def bench_gguf_formats(formats: list[str], shapes: dict, result: dict, sms: int, out: str, log) -> None:
     """--weights: each GGUF format's planned kernel against FP16 cuBLAS on SHAPES x MS, saved after each format."""
-    from quant_serve.bench.gguf_kernel_speed import FORMATS, bench_format, summarize
+    from gguf_kernel_speed import FORMATS, bench_format, summarize   # a sibling script (bench/ is on sys.path)
     unknown = [f for f in formats if f not in FORMATS]
     if unknown:
         raise SystemExit(f"unknown --weights {unknown}: choose from awq, {', '.join(FORMATS)}")
@@ -450,7 +451,7 @@ def main():
             result["table_rows"][name] = table_row(k, n, winners)
         Path(args.out).write_text(json.dumps(result, indent=1))
     if result["table_rows"]:
-        log("tuning-table rows (kernels/w4a16/rules.py, _SM90['shapes']):")
+        log("tuning-table rows (kernels/matmul/rules.py, _SM90['shapes']):")
         for name, text in result["table_rows"].items():
             log(f"    {text}  # {name}")
     if args.no_decode:

@@ -6,7 +6,7 @@ counters as JSON. Needs a machine where ncu reads the hardware counters.
     PYTHONPATH=. python bench/ncu_w4a16.py --out bench/results/ncu-w4a16-h200.json [--cases 'gate_up:64:tma:2,256,64;qkv:1:ours']
 
 A case is layer:M:path[:consumers,block_n,block_m[,overlap]]: path `fp16` (cuBLAS), `ours` (the dispatcher) or
-`tma` (kernels/w4a16/tma.py with that tile). --source: where in the code the warps wait instead (the source
+`tma` (kernels/matmul/frag/tma.py with that tile). --source: where in the code the warps wait instead (the source
 counters' stall samples by SASS line): each kernel's stall shares by reason and its most-sampled lines, e.g.
 
     PYTHONPATH=. python bench/ncu_w4a16.py --source --cases 'gate_up:16:ours;gate_up:8:ours' \
@@ -46,9 +46,9 @@ def run_cases(cases: list[str]):
     """The worker (under ncu): each case warmed up, then one call inside the profiled range."""
     import torch
     from bench.kernel_speed import SHAPES, random_int4, GS
-    from quant_serve.kernels.w4a16.dispatch import w4a16_forward
-    from quant_serve.kernels.w4a16.frag import prepare_frag
-    from quant_serve.kernels.w4a16.tma import w4a16_tma
+    from quant_serve.kernels.matmul.dispatch import w4a16_forward
+    from quant_serve.kernels.matmul.frag.layout import prepare_frag
+    from quant_serve.kernels.matmul.frag.tma import w4a16_tma
     layers = {}
     for case in cases:
         name, m, path, *tile = case.split(":")

@@ -15,8 +15,10 @@ from collections import defaultdict
 
 import numpy as np
 
-from quant_serve.engine import llm_engine, model_runner, structured_mask
-from quant_serve.server import cli
+from quant_serve.engine import llm_engine
+from quant_serve.engine.worker import model_runner
+from quant_serve.engine.sample import structured_mask
+from quant_serve.server.cli import main as cli
 
 BENCH_ARGS = ("bench offline --model {model} --tokenizer {tokenizer} --load-format dummy --gpu-memory-gb 24 "
               "--kv-cache-dtype fp8 --num-prompts {num_prompts} --input-len 128 --output-len {output_len} "
@@ -85,7 +87,7 @@ def main() -> None:
     ap.add_argument("--model", default="qwen2.5-7b-instruct", help="a bundled config's name, dummy weights")
     ap.add_argument("--schema", default="free-text", choices=["free-text", "fixed-keys"])
     ap.add_argument("--forced", type=int, default=32, help="--structured-forced-tokens (0: every token sampled)")
-    ap.add_argument("--tokenizer", default="engine/demo_model")
+    ap.add_argument("--tokenizer", default="engine/load/demo_model")
     ap.add_argument("--llguidance-threads", type=int, default=0, help="0: llguidance's default pool")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=256)

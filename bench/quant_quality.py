@@ -131,8 +131,8 @@ def main() -> int:
     parser.add_argument("--only", nargs="*", default=None, help="subset of our configs to (re)run")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "quant-quality-tiny-qwen2.json"))
     args = parser.parse_args()
-    from quant_serve.engine.loader import load_model_config
-    from quant_serve.server.cli import main as cli
+    from quant_serve.engine.load.loader import load_model_config
+    from quant_serve.server.cli.main import main as cli
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     calib = args.calib or str(work / "calib.jsonl")

@@ -3,7 +3,7 @@ mid-stream and some of which send bad requests; then checks that the server neve
 back in the pool once it is idle, and that GPU and host memory stayed flat.
 
     PYTHONPATH=. python bench/soak.py --duration 600 --concurrency 256 -- \
-        ../shared/configs/qwen2.5-7b-instruct --load-format dummy --tokenizer ../shared/models/tiny-qwen2 \
+        qwen2.5-7b-instruct --load-format dummy --tokenizer ../shared/models/tiny-qwen2 \
         --kv-cache-dtype fp8 --gpu-memory-gb 24
 
 Arguments after `--` go to `quant-serve serve` (the port is added). Writes a JSON report (--out) with a timeline
@@ -183,7 +183,7 @@ def flat(values: list[int | None], tolerance: int) -> dict:
 
 async def run(args, serve_args: list[str]) -> dict:
     url = f"http://127.0.0.1:{args.port}"
-    cmd = [sys.executable, "-c", "import sys; from quant_serve.server.cli import main; sys.exit(main(sys.argv[1:]))",
+    cmd = [sys.executable, "-c", "import sys; from quant_serve.server.cli.main import main; sys.exit(main(sys.argv[1:]))",
            "serve", *serve_args, "--port", str(args.port), "--served-model-name", "soak",
            "--disable-uvicorn-access-log"]
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))

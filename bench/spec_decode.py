@@ -132,9 +132,9 @@ def run_acceptance(args) -> dict:
 def run_verify_cost(args) -> dict:
     sys.path.insert(0, str(REPO / "bench"))
     from e2e import CONFIGS, engine_for
-    from quant_serve.engine.scheduler import ScheduledSeq, SchedulerOutput
+    from quant_serve.engine.core.scheduler import ScheduledSeq, SchedulerOutput
     from quant_serve.engine.sampling_params import SamplingParams
-    from quant_serve.engine.sequence import Sequence
+    from quant_serve.engine.core.sequence import Sequence
     if args.model is None:
         engine = engine_for(CONFIGS["qwen2.5-7b-awq"], "auto", 64, 4096, False)
         model = "dummy Qwen2.5-7B AWQ g128, 24 GiB cap"

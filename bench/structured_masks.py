@@ -1,6 +1,6 @@
 """The host side of a constrained decode step on CPU, without a model (issue 54): BATCH sequences follow one of the
-bench's schemas (server/bench_offline.BENCH_SCHEMAS), each step picking a random allowed token (as dummy weights
-do), through the engine's own mask code (engine/structured_mask.compute_masks: catch-up, the batch fill, the forced
+bench's schemas (server/cli/bench_offline.BENCH_SCHEMAS), each step picking a random allowed token (as dummy weights
+do), through the engine's own mask code (engine/sample/structured_mask.compute_masks: catch-up, the batch fill, the forced
 chains); per step the time of that call and the share of tokens that were forced.
 
     python bench/structured_masks.py --out bench/results/structured-masks-cpu.json
@@ -15,9 +15,9 @@ import llguidance
 import numpy as np
 from transformers import AutoTokenizer
 
-from quant_serve.engine.structured import GrammarCompiler, StructuredOutputsParams
-from quant_serve.engine.structured_mask import _Row, compute_masks
-from quant_serve.server.bench_offline import BENCH_SCHEMAS
+from quant_serve.engine.sample.structured import GrammarCompiler, StructuredOutputsParams
+from quant_serve.engine.sample.structured_mask import _Row, compute_masks
+from quant_serve.server.cli.bench_offline import BENCH_SCHEMAS
 
 
 def run(compiler: GrammarCompiler, schema: dict, batch: int, steps: int, max_forced: int, seed: int) -> dict:
@@ -54,7 +54,7 @@ def run(compiler: GrammarCompiler, schema: dict, batch: int, steps: int, max_for
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     here = Path(__file__).resolve().parents[1]
-    ap.add_argument("--tokenizer", default=str(here / "engine" / "demo_model"))
+    ap.add_argument("--tokenizer", default=str(here / "engine" / "load" / "demo_model"))
     ap.add_argument("--vocab-size", type=int, default=152064, help="the logits' width (Qwen2.5-7B's by default)")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=128)

@@ -6,26 +6,27 @@ from collections import Counter
 
 import torch
 
-from quant_serve.engine import kv_pool, offline
-from quant_serve.engine.block_manager import BlockManager
+from quant_serve.engine import offline
+from quant_serve.engine.worker import kv_pool
+from quant_serve.engine.core.block_manager import BlockManager
 from quant_serve.engine.config import EngineConfig, resolve_max_model_len
-from quant_serve.engine.detokenizer import IncrementalDetokenizer
-from quant_serve.engine.kv_scales import resolve_kv_scales
-from quant_serve.engine.loader import (default_device, load_model, load_model_config, load_tokenizer, pick_dtype,
-                                       resolve_model_dir)
-from quant_serve.engine.model_runner import ModelRunner
-from quant_serve.engine.steps import Carry, ForwardStep, LaunchedStep, carry_rows
+from quant_serve.engine.core.detokenizer import IncrementalDetokenizer
+from quant_serve.engine.worker.kv_scales import resolve_kv_scales
+from quant_serve.engine.load.loader import (default_device, load_model, load_model_config, load_tokenizer, pick_dtype,
+                                            resolve_model_dir)
+from quant_serve.engine.worker.model_runner import ModelRunner
+from quant_serve.engine.worker.steps import Carry, ForwardStep, LaunchedStep, carry_rows
 from quant_serve.engine.outputs import EngineStats, Request, RequestMetrics, RequestOutput
-from quant_serve.engine.sampler import needs_last_token_on_host
+from quant_serve.engine.sample.sampler import needs_last_token_on_host
 from quant_serve.engine.sampling_params import SamplingParams
-from quant_serve.engine.requests import check_request, encode_prompt
-from quant_serve.engine.scheduler import Scheduler, SchedulerOutput
-from quant_serve.engine.sequence import Sequence
+from quant_serve.engine.core.requests import check_request, encode_prompt
+from quant_serve.engine.core.scheduler import Scheduler, SchedulerOutput
+from quant_serve.engine.core.sequence import Sequence
 from quant_serve.engine.spec.proposer import DraftTarget, make_proposer
 from quant_serve.engine.spec.runtime import Speculation
-from quant_serve.engine.startup import start_kernels
-from quant_serve.engine.structured import GrammarCompiler
-from quant_serve.engine.structured_mask import GrammarMasks
+from quant_serve.engine.worker.startup import device_name, start_kernels
+from quant_serve.engine.sample.structured import GrammarCompiler
+from quant_serve.engine.sample.structured_mask import GrammarMasks
 from quant_serve.engine.structured_outcomes import append_forced, end_failed_grammars
 from quant_serve.kernels.gpu import configure
 
@@ -49,13 +50,14 @@ class LLMEngine:
         if self.device != "cpu":            # before any weight is prepared: the layouts follow the runtime's caps
             configure(torch.device(self.device), config.kernels)
         start = time.perf_counter()
-        logger.info("config, tokenizer and GPU ready in %.1f s", start - begin)
+        logger.info("config, tokenizer and device (%s) ready in %.1f s", device_name(self.device), start - begin)
         self.model, self.quant_config = load_model(self.model_dir, self.model_config, self.dtype, self.device,
                                                    config.load_format, config.quantization, show_progress,
                                                    config.seed, config.quantize_lm_head)
         logger.info("weights loaded and prepared in %.1f s", time.perf_counter() - start)
-        num_blocks, self.memory_plan = kv_pool.num_gpu_blocks(config, self.model_config, self.model_dir,
-                                                              self.device, self.dtype, self.max_model_len)
+        num_blocks, self.memory_plan, self.max_model_len = kv_pool.num_gpu_blocks(
+            config, self.model_config, self.model_dir, self.device, self.dtype, self.max_model_len)
+        config.scheduler.max_model_len = self.max_model_len
         num_cpu_blocks = kv_pool.num_cpu_blocks(config, self.model_config, self.dtype)
         self.runner = ModelRunner(self.model, self.model_config, config.cache, num_blocks, self.device, self.dtype,
                                   config.seed, num_cpu_blocks)

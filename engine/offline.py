@@ -4,8 +4,8 @@ from tqdm import tqdm
 
 from quant_serve.engine.outputs import RequestOutput
 from quant_serve.engine.sampling_params import SamplingParams
-from quant_serve.engine.scheduler import ScheduledSeq, SchedulerOutput
-from quant_serve.engine.sequence import Sequence
+from quant_serve.engine.core.scheduler import ScheduledSeq, SchedulerOutput
+from quant_serve.engine.core.sequence import Sequence
 
 
 def generate(engine, prompts: list[str | list[int]] | str, params: SamplingParams | list[SamplingParams] | None

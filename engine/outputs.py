@@ -2,9 +2,9 @@
 built from, and the engine's counters."""
 from dataclasses import dataclass, field
 
-from quant_serve.engine.detokenizer import IncrementalDetokenizer
+from quant_serve.engine.core.detokenizer import IncrementalDetokenizer
 from quant_serve.engine.sampling_params import SamplingParams
-from quant_serve.engine.sequence import Logprob, Sequence
+from quant_serve.engine.core.sequence import Logprob, Sequence
 
 
 @dataclass

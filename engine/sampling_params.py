@@ -2,7 +2,7 @@
 import math
 from dataclasses import dataclass, field
 
-from quant_serve.engine.structured import StructuredOutputsParams
+from quant_serve.engine.sample.structured import StructuredOutputsParams
 
 LOGIT_BIAS_LIMIT = 100.0     # OpenAI's range for logit_bias values; larger ones are clamped to it, as vLLM does
 

@@ -1,9 +1,9 @@
 """What a step's grammars decided besides its sampled tokens (issue 54), applied by the engine with that step's
 tokens: sequences whose grammar failed end with an error, and forced chains (jump-forward) are appended."""
-from quant_serve.engine.scheduler import Scheduler, SchedulerOutput
-from quant_serve.engine.sequence import Sequence
-from quant_serve.engine.steps import ForwardStep
-from quant_serve.engine.structured_mask import GrammarMasks
+from quant_serve.engine.core.scheduler import Scheduler, SchedulerOutput
+from quant_serve.engine.core.sequence import Sequence
+from quant_serve.engine.worker.steps import ForwardStep
+from quant_serve.engine.sample.structured_mask import GrammarMasks
 
 
 def end_failed_grammars(grammars: GrammarMasks | None, scheduler: Scheduler, out: SchedulerOutput) -> list[Sequence]:

@@ -19,10 +19,10 @@ import torch
 from tqdm import tqdm
 
 from quant_serve.eval.data import Window
-from quant_serve.quant.linear_dense import DenseLinear
-from quant_serve.quant.linear import QuantLinear
-from quant_serve.quant.linear_parts import PartsLinear
-from quant_serve.quant.linear_w8 import W8Linear
+from quant_serve.quant.layers.dense import DenseLinear
+from quant_serve.quant.layers.linear import QuantLinear
+from quant_serve.quant.layers.parts import PartsLinear
+from quant_serve.quant.layers.w8 import W8Linear
 
 FOLD_TOLERANCE = 1e-3      # norm weights differing by more than this (relative) mean the checkpoint folded scales
 

@@ -15,7 +15,7 @@ HASHED_SUFFIXES = (".safetensors", ".json", ".gguf")
 def model_hash(model_dir: str | Path) -> str:
     """Short sha256 over the weight files and JSON configs (names and contents), so edited weights hash apart; a
     GGUF checkpoint (a .gguf file or its split parts): over its files."""
-    from quant_serve.engine.gguf_loader import gguf_files
+    from quant_serve.engine.load.gguf.loader import gguf_files
     h = hashlib.sha256()
     files = gguf_files(model_dir) if Path(model_dir).is_file() else sorted(Path(model_dir).iterdir())
     for path in files:

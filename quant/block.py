@@ -1,7 +1,7 @@
 """What the calibrated quantizers (AWQ, GPTQ) need from a model: a decoder block they can observe stage by stage.
 
 quant keeps the algorithms; the model definition is the engine's (engine/models/dense_calib.py implements these
-protocols with engine/models/decoder.py's layers), handed in by server/cli_quantize.py, so that one decoder serves
+protocols with engine/models/decoder.py's layers), handed in by server/cli/quantize.py, so that one decoder serves
 both serving and calibration and quant still imports nothing from engine.
 
 Every stage takes w, the block's checkpoint-named fp32 weights ("self_attn.q_proj.weight", "input_layernorm.weight",

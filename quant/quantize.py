@@ -1,7 +1,7 @@
 """The quantization driver: one decoder block at a time on the compute device, weights read lazily from the source
 checkpoint, standard INT4 checkpoints (AWQ gemm, GPTQ v1/v2, compressed-tensors) written atomically.
 
-The caller (server/cli_quantize.py) reads the source config and safetensors through engine/ helpers and hands
+The caller (server/cli/quantize.py) reads the source config and safetensors through engine/ helpers and hands
 in a SourceModel of plain tensors and callables, with the engine's decoder as the CalibModel (quant/block.py) that
 AWQ and GPTQ observe: quant does not import engine.
 """

@@ -14,7 +14,7 @@ from typing import Callable
 from quant_serve.engine.llm_engine import LLMEngine
 from quant_serve.engine.outputs import RequestOutput
 from quant_serve.engine.sampling_params import SamplingParams
-from quant_serve.engine.sequence import SequenceStatus
+from quant_serve.engine.core.sequence import SequenceStatus
 
 logger = logging.getLogger("quant_serve.server")
 

@@ -15,8 +15,8 @@ from pydantic import BaseModel
 from quant_serve.engine.llm_engine import LLMEngine
 from quant_serve.engine.outputs import RequestOutput
 from quant_serve.engine.sampling_params import SamplingParams
-from quant_serve.engine.sequence import Logprob
-from quant_serve.engine.structured import StructuredOutputsParams
+from quant_serve.engine.core.sequence import Logprob
+from quant_serve.engine.sample.structured import StructuredOutputsParams
 from quant_serve.server.async_engine import AsyncEngine, QueueFullError, RequestStream
 from quant_serve.server.chat_template import ChatEncoder
 from quant_serve.server.protocol import (APIError, ChatLogProb, ChatLogProbEntry, CompletionLogProbs, SamplingRequest,

@@ -7,7 +7,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from quant_serve.engine.outputs import CompletionOutput, RequestOutput
-from quant_serve.engine.structured import StructuredOutputsParams
+from quant_serve.engine.sample.structured import StructuredOutputsParams
 from quant_serve.server.protocol import (APIError, CompletionChoice, CompletionRequest, CompletionResponse,
                                          PromptTokensDetails, UsageInfo, random_id)
 from quant_serve.server.serving import (SSE_DONE, ServingContext, make_sampling_params, raise_if_failed, sse,

@@ -5,7 +5,7 @@ before anything is queued."""
 import json
 from dataclasses import dataclass
 
-from quant_serve.engine.structured import GrammarCompiler, StructuredOutputsParams, StructuredOutputsUnavailable
+from quant_serve.engine.sample.structured import GrammarCompiler, StructuredOutputsParams, StructuredOutputsUnavailable
 from quant_serve.server.protocol import (APIError, ChatCompletionRequest, NamedToolChoice, ResponseFormat,
                                          SamplingRequest)
 from quant_serve.server.tool_grammar import tool_call_grammar

@@ -3,7 +3,7 @@ grammar (llguidance's dialect) whose calls are JSON schemas of {"name": <the fun
 parameters>}, so the output always parses into calls of the given functions with valid arguments."""
 import json
 
-from quant_serve.engine.structured import JSON_LAYOUT, close_objects
+from quant_serve.engine.sample.structured import JSON_LAYOUT, close_objects
 from quant_serve.server.tool_parsers import ToolCallFormat
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}

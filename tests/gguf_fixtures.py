@@ -1,7 +1,7 @@
 """GGUF files the tests write themselves from an FP16 safetensors model (tiny-qwen2) with gguf.GGUFWriter: the
 metadata llama.cpp's converter writes (hyper-parameters, the BPE tokenizer, the chat template) and each matrix in
 the type a mix gives it. Q4_0 / Q4_1 / Q5_0 / Q8_0 through gguf.quants.quantize, the K-quants through
-quant/formats/gguf_kquants.py. `llama_permute` applies llama.cpp's q / k row order for the llama architecture."""
+quant/formats/gguf/kquants.py. `llama_permute` applies llama.cpp's q / k row order for the llama architecture."""
 import json
 import re
 from pathlib import Path
@@ -10,8 +10,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 
-from quant_serve.quant.formats.gguf_config import q4_k_m_type
-from quant_serve.quant.formats.gguf_kquants import quantize
+from quant_serve.quant.formats.gguf.config import q4_k_m_type
+from quant_serve.quant.formats.gguf.kquants import quantize
 
 _FALLBACK = {T.Q4_K: T.Q5_0, T.Q6_K: T.Q8_0, T.Q5_K: T.Q5_1}   # llama.cpp's choice for rows not a multiple of 256
 

@@ -6,7 +6,7 @@ import shutil
 from pathlib import Path
 
 from quant_serve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from quant_serve.engine.demo import DEMO_MODEL_DIR
+from quant_serve.engine.load.demo import DEMO_MODEL_DIR
 from quant_serve.engine.llm_engine import LLMEngine
 from quant_serve.kernels.gpu import KernelOptions
 

@@ -5,9 +5,10 @@ by one that names the profile's target (sm80 / sm86 / sm89 / sm90), every launch
 the kernels' device queries answer from the profile's capability record (kernels/gpu.py). The W4A16 plan is walked
 over the Qwen2.5-7B and Llama-3.1-8B layer shapes for M = 1..8192 (one compile per distinct kernel and
 configuration, at the smallest M that picks it), then the attention, KV-store and the other decode-step kernels
-are launched on fp16 / fp8 e4m3 / fp8 e5m2 caches, the W8A16 kernels (GGUF int8-code layers) and GGUF's
-fragment-layout kernels (Q4_K, Q6_K). Each compiled kernel is reported with its shared memory,
-registers, spill stack and the Hopper / fp8 instructions its SASS holds (the wheel's cuobjdump).
+are launched on fp16 / fp8 e4m3 / fp8 e5m2 caches, the W8A16 kernels (GGUF int8-code layers), GGUF's
+fragment-layout kernels (Q4_K, Q6_K) and the W4A8 plan with int8 activations asked for (kernels/w4a8: the
+activation-quantization kernels and the int8 matmul's tiles at M = 1, 16, 64, 256, per group and per token). Each
+compiled kernel is reported with its shared memory, registers, spill stack and the Hopper / fp8 instructions its SASS holds (the wheel's cuobjdump).
 """
 import importlib
 import json
@@ -89,9 +90,9 @@ def _install(caps, records: list) -> None:
                "_fp8_cvt": lambda q, dtype: caps.fp8_cvt and dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
                and q.dtype == torch.float16,
                "probed_runtime": lambda device: runtime, "interpreting": lambda: False}
-    import quant_serve.kernels.paged_attention  # noqa: F401 - the modules whose globals are answered below
-    import quant_serve.kernels.w4a16.dispatch  # noqa: F401
-    import quant_serve.kernels.w4a16.fold  # noqa: F401
+    import quant_serve.kernels.attention.paged  # noqa: F401 - the modules whose globals are answered below
+    import quant_serve.kernels.matmul.dispatch  # noqa: F401
+    import quant_serve.kernels.matmul.frag.fold  # noqa: F401
     for name, module in list(sys.modules.items()):
         if name.startswith("quant_serve.kernels"):
             for attr, answer in answers.items():
@@ -105,7 +106,7 @@ def _w4a16_cases(caps) -> list[tuple]:
     import torch
 
     from quant_serve.kernels.gpu import KernelOptions
-    from quant_serve.kernels.w4a16.plan import layout_for, plan_w4a16
+    from quant_serve.kernels.matmul.plan import layout_for, plan_w4a16
     seen, cases = set(), []
     for dtype in (torch.float16, torch.bfloat16):
         for model, shapes in SHAPES.items():
@@ -124,7 +125,7 @@ def _frag(k: int, n: int):
     """Fragment-layout weights of the shape [K, N] (values unread: launches only compile)."""
     import torch
 
-    from quant_serve.kernels.w4a16.frag import FragWeights
+    from quant_serve.kernels.matmul.frag.layout import FragWeights
     kp = -(-k // 64) * 64
     return FragWeights(torch.zeros(n // 16, kp // 64 * 128, dtype=torch.int32),
                        torch.ones(k // 128, n, dtype=torch.float16), torch.zeros(k // 128, n // 8, dtype=torch.int32),
@@ -134,17 +135,17 @@ def _frag(k: int, n: int):
 def _launch_w4a16(model, layer, m, dtype, layout, plan) -> None:
     import torch
 
-    from quant_serve.kernels.w4a16.dispatch import _frag_forward, _rows_forward
-    from quant_serve.kernels.w4a16.rows import DEFAULT_PACK_K, W4A16Weights
-    from quant_serve.kernels.w4a16.fold import FoldedNorm, w4a16_normed, w4a16_residual
-    from quant_serve.kernels.w4a16.frag_tiles import frag_dequantize
+    from quant_serve.kernels.matmul.dispatch import _frag_forward, _rows_forward
+    from quant_serve.kernels.matmul.rows.layout import DEFAULT_PACK_K, W4A16Weights
+    from quant_serve.kernels.matmul.frag.fold import FoldedNorm, w4a16_normed, w4a16_residual
+    from quant_serve.kernels.matmul.frag.tiles import frag_dequantize
     k, n = SHAPES[model][layer]
     if layout == "rows":
         kp = -(-k // DEFAULT_PACK_K) * DEFAULT_PACK_K
         w = W4A16Weights(torch.zeros(kp // 8, n, dtype=torch.int32), torch.ones(k // 128, n, dtype=dtype),
                          torch.zeros(k // 128, n // 8, dtype=torch.int32), 128, k, DEFAULT_PACK_K, None)
         if plan.kernel == "dequant+cublas":
-            from quant_serve.kernels.w4a16.rows_gemm import w4a16_dequantize
+            from quant_serve.kernels.matmul.rows.gemm import w4a16_dequantize
             w4a16_dequantize(w, dtype)
         else:
             _rows_forward(torch.empty(m, k, dtype=dtype), w, None, plan.config, layer == "gate_up")
@@ -165,10 +166,10 @@ def _launch_w4a16(model, layer, m, dtype, layout, plan) -> None:
 def _launch_attention(model, kv_dtype, batch, context) -> None:
     import torch
 
-    from quant_serve.kernels.attention_ref import build_cos_sin_cache
-    from quant_serve.kernels.paged_attention import (NewTokens, paged_decode, paged_prefill, rope_store_kv_triton,
+    from quant_serve.kernels.attention.reference import build_cos_sin_cache
+    from quant_serve.kernels.attention.paged import (NewTokens, paged_decode, paged_prefill, rope_store_kv_triton,
                                                      store_kv_triton)
-    from quant_serve.kernels.w4a16.fold import w4a16_residual
+    from quant_serve.kernels.matmul.frag.fold import w4a16_residual
     hq, hkv = HEADS[model]
     blocks = -(-context // 16)
     k_cache = torch.empty(blocks * batch, 16, hkv, 128, dtype=kv_dtype)
@@ -201,8 +202,8 @@ def _launch_w8a16() -> None:
     DOT_MAX_M): tiles do not depend on the layer's shape."""
     import torch
 
-    from quant_serve.kernels.w8a16.dispatch import w8a16_forward
-    from quant_serve.kernels.w8a16.plan import DOT_MAX_M
+    from quant_serve.kernels.matmul.dispatch import w8a16_forward
+    from quant_serve.kernels.matmul.plan import DOT_MAX_M
     k, n = SHAPES["qwen2.5-7b"]["qkv"]
     codes = torch.empty(k, n, dtype=torch.int8)
     scales = torch.empty(k // 32, n, dtype=torch.float16)
@@ -215,9 +216,9 @@ def _launch_gguf_frag() -> None:
     shape: M = 1 and M = 16 through the planned mma kernel, and the dequantize pass."""
     import torch
 
-    from quant_serve.kernels.w4a16.dispatch import call_plan, _frag_forward
-    from quant_serve.kernels.w4a16.frag import FragWeights
-    from quant_serve.kernels.w4a16.frag_tiles import frag_dequantize
+    from quant_serve.kernels.matmul.dispatch import call_plan, _frag_forward
+    from quant_serve.kernels.matmul.frag.layout import FragWeights
+    from quant_serve.kernels.matmul.frag.tiles import frag_dequantize
     k, n = SHAPES["qwen2.5-7b"]["down"]
     q4k = FragWeights(torch.zeros(n // 16, k // 64 * 128, dtype=torch.int32),
                       torch.zeros(k // 32, n, dtype=torch.int16), None, 32, k, n,
@@ -231,6 +232,28 @@ def _launch_gguf_frag() -> None:
             x = torch.empty(m, k, dtype=torch.float16)
             _frag_forward(x, fw, None, call_plan(x, fw).config, False)
         frag_dequantize(fw)
+
+
+def _launch_w4a8(caps) -> None:
+    """The W4A8 path as activation_dtype="int8" plans it on this target (the tiles do not depend on the model beyond
+    K and N): every layer of both models at M = 1, 16, 64, 256, per-group scales, and per-token scales once."""
+    import dataclasses
+
+    import torch
+
+    from quant_serve.kernels.gpu import KernelOptions
+    from quant_serve.kernels.matmul.dispatch import _frag_forward
+    from quant_serve.kernels.matmul.plan import plan_w4a16
+    seen = set()
+    for shapes in SHAPES.values():
+        for k, n in shapes.values():
+            for m in (1, 16, 64, 256):
+                for act_scale in ("group", "token") if m == 256 else ("group",):
+                    plan = plan_w4a16(m, k, n, caps, KernelOptions(activation_dtype="int8", act_scale=act_scale))
+                    cfg = dataclasses.replace(plan.config, split_k=min(plan.config.split_k, 2))
+                    if plan.kernel == "w4a8" and (cfg, k % 128, n % cfg.block_n) not in seen:
+                        seen.add((cfg, k % 128, n % cfg.block_n))
+                        _frag_forward(torch.empty(m, k, dtype=torch.float16), _frag(k, n), None, cfg, False)
 
 
 def _launch_step_kernels(model) -> None:
@@ -273,6 +296,7 @@ def fit_report(profile: str) -> dict:
         _launch_step_kernels(model)
     _launch_w8a16()
     _launch_gguf_frag()
+    _launch_w4a8(caps)
     kernels, seen = [], set()
     for name, warps, compiled in records:
         if compiled is None or id(compiled) in seen:

@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from quant_serve.engine import block_manager as bm_module
-from quant_serve.engine.block_manager import BlockManager, hash_block
+from quant_serve.engine.core import block_manager as bm_module
+from quant_serve.engine.core.block_manager import BlockManager, hash_block
 from quant_serve.engine.sampling_params import SamplingParams
-from quant_serve.engine.sequence import Sequence
+from quant_serve.engine.core.sequence import Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -313,6 +313,6 @@ def test_copy_on_write_failure_changes_nothing(new_bm):
 
 
 def test_pure_python_modules_never_import_torch():
-    code = ("import quant_serve.engine.scheduler, quant_serve.engine.block_manager, quant_serve.engine.sequence, sys; "
+    code = ("import quant_serve.engine.core.scheduler, quant_serve.engine.core.block_manager, quant_serve.engine.core.sequence, sys; "
             "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)

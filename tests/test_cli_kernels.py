@@ -2,7 +2,7 @@
 (the same plan_w4a16 the forward asks), its tile and why, and the decode attention's splits."""
 import json
 
-from quant_serve.server.cli import main
+from quant_serve.server.cli.main import main
 
 from conftest import SHARED
 
@@ -41,6 +41,23 @@ def test_explain_text_and_this_gpu_without_one(capsys):
     assert "--gpu a10" in capsys.readouterr().err
 
 
+def test_explain_int8_activations(capsys):
+    """The integer path where it runs and why: int8 asked for runs it at every M for INT4 zero points, with the
+    activation scales' granularity in its tile; GGUF's float offsets and groups of 32 stay fp16 and say why."""
+    int8 = explain(capsys, "4090", "--activation-dtype", "int8", "--act-scale", "token")
+    rows = [r for e in int8["layers"] for r in e["plans"]]
+    assert {r["kernel"] for r in rows} == {"w4a8"} and {r["config"]["act_scale"] for r in rows} == {"token"}
+    assert all("activation_dtype int8" in r["why"] for r in rows)
+    offsets = explain(capsys, "4090", "--activation-dtype", "int8", "--weight-format", "w4-offsets")
+    assert all(r["kernel"] != "w4a8" and "zero points" in r["why"] for e in offsets["layers"] for r in e["plans"])
+    g32 = explain(capsys, "4090", "--activation-dtype", "int8", "--group-size", "32")
+    assert all(r["kernel"] != "w4a8" and "group size 32" in r["why"] for e in g32["layers"] for r in e["plans"])
+    assert main(["kernels", "--explain", "--gpu", "4090", "--model", QWEN, "--m", "256", "--activation-dtype",
+                 "int8"]) == 0
+    text = capsys.readouterr().out
+    assert "w4a8" in text and "x quantized to int8 (a scale per group)" in text
+
+
 def test_explain_gguf_weight_formats(capsys):
     """GGUF layers: INT4 with float offsets runs the kernels of its layout as zero-point INT4 does (every kernel
     takes offsets); int8 codes name the W8A16 GEMV at M = 1, its tl.dot row blocks up to DOT_MAX_M, then dequantize
@@ -64,7 +81,7 @@ def test_explain_q6k_names_the_layout_its_dtype_runs(capsys):
     """Q6_K with fp16 activations: the W4A16 fragment layout and its tensor-core kernels (gate_up at M = 1 without
     the register cap); with bf16 the code planes and the W8A16 GEMV."""
     fp16 = explain(capsys, "h200", "--weight-format", "q6k")
-    assert {e["layout"] for e in fp16["layers"]} == {"frag"} and "frag6" in fp16["layers"][0]["layout_why"]
+    assert {e["layout"] for e in fp16["layers"]} == {"frag"} and "frag/q6k.py" in fp16["layers"][0]["layout_why"]
     gate_up = next(e for e in fp16["layers"] if e["name"] == "gate_up_proj")["plans"][0]
     assert gate_up["kernel"] == "mma.sync" and gate_up["config"]["max_regs"] == 0
     bf16 = explain(capsys, "h200", "--weight-format", "q6k", "--dtype", "bfloat16")

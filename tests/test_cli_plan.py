@@ -1,7 +1,7 @@
 """`quant-serve plan` on the real Qwen2.5-7B / Llama-3.1-8B configs (config.json only, no weights)."""
 import json
 
-from quant_serve.server.cli import main
+from quant_serve.server.cli.main import main
 
 from conftest import SHARED, TINY
 

@@ -5,7 +5,7 @@ import logging
 import pytest
 
 from helpers import make_engine
-from quant_serve.server.cli import main
+from quant_serve.server.cli.main import main
 
 from conftest import TINY
 

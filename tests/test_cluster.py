@@ -1,4 +1,4 @@
-"""Replicas on Ray Serve (server/cluster.py) on CPU: a local Ray instance, two replicas of the bundled demo model.
+"""Replicas on Ray Serve (server/cluster/deploy.py) on CPU: a local Ray instance, two replicas of the bundled demo model.
 Needs the cluster extra (pip install '.[cluster]'); CI runs it in its own stage (.ci/run)."""
 import json
 import random
@@ -12,7 +12,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="ray is not installed: the cluster tests need pip install '.[cluster]'")
 serve = pytest.importorskip("ray.serve", reason="ray[serve] is not installed: pip install '.[cluster]'")
 
-from quant_serve.server.cluster import args_from_config, build_application  # noqa: E402
+from quant_serve.server.cluster.deploy import args_from_config, build_application  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""The Ray Serve application's configuration (docs/cluster.yaml, server/cluster.py's args_from_config): the
+"""The Ray Serve application's configuration (docs/cluster.yaml, server/cluster/deploy.py's args_from_config): the
 `quant-serve serve` flags by name, checked as on the command line. No Ray needed."""
 import asyncio
 from pathlib import Path
@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from quant_serve.server.cluster import args_from_config
+from quant_serve.server.cluster.deploy import args_from_config
 
 CONFIG = Path(__file__).resolve().parents[1] / "docs" / "cluster.yaml"
 
@@ -14,7 +14,7 @@ CONFIG = Path(__file__).resolve().parents[1] / "docs" / "cluster.yaml"
 def test_the_documented_config_reads_as_serve_flags():
     config = yaml.safe_load(CONFIG.read_text())
     (app,) = config["applications"]
-    assert app["import_path"] == "quant_serve.server.cluster:app_builder"
+    assert app["import_path"] == "quant_serve.server.cluster.deploy:app_builder"
     args = args_from_config(app["args"])
     assert (args.model, args.served_model_name, args.replicas, args.routing) == (
         "Qwen/Qwen2.5-7B-Instruct-AWQ", ["qwen2.5-7b-instruct"], 4, "prefix")
@@ -39,8 +39,8 @@ def test_the_ingress_keys_requests_by_their_prompt_tokens_and_only_for_clients_w
 
     from starlette.requests import Request
 
-    from quant_serve.server.cluster import Ingress
-    from quant_serve.server.prefix_routing import prefix_key
+    from quant_serve.server.cluster.deploy import Ingress
+    from quant_serve.server.cluster.prefix_routing import prefix_key
     from quant_serve.server.protocol import ChatCompletionRequest
     ingress = Ingress(None, args_from_config({"api-key": "k", "routing-prefix-blocks": 2}))
     system = {"role": "system", "content": "You keep the lighthouse. " * 12}
@@ -68,7 +68,7 @@ def test_the_ingress_keys_requests_by_their_prompt_tokens_and_only_for_clients_w
 @pytest.mark.parametrize("option, value", [("routing-prefix-blocks", 0), ("routing-load-factor", 0.9),
                                            ("replica-max-ongoing-requests", 0), ("replicas", 0)])
 def test_bad_routing_options_are_refused_when_the_application_is_built(option, value):
-    from quant_serve.server.cluster import build_application
+    from quant_serve.server.cluster.deploy import build_application
     args = args_from_config({"replicas": 2, option: value})
     with pytest.raises(ValueError, match=f"{option.split('-')[0]}.* >= 1"):     # before any Ray import or start
         build_application(args)
@@ -82,7 +82,7 @@ def test_serve_local_starts_its_own_ray_and_shuts_serve_down_on_sigterm(monkeypa
     import time
     ray = pytest.importorskip("ray", reason="ray is not installed: pip install '.[cluster]'")
     serve = pytest.importorskip("ray.serve", reason="ray[serve] is not installed: pip install '.[cluster]'")
-    from quant_serve.server import cluster
+    from quant_serve.server.cluster import deploy as cluster
     calls = []
 
     def ray_init(**kwargs):          # as ray.init does: a SIGTERM handler that kills the Ray processes and exits 1
@@ -107,8 +107,8 @@ def test_serve_local_starts_its_own_ray_and_shuts_serve_down_on_sigterm(monkeypa
 def test_a_chat_with_tools_is_keyed_by_the_prompt_the_template_renders_with_them():
     import json
 
-    from quant_serve.server.cluster import Ingress
-    from quant_serve.server.prefix_routing import prefix_key
+    from quant_serve.server.cluster.deploy import Ingress
+    from quant_serve.server.cluster.prefix_routing import prefix_key
     from quant_serve.server.protocol import ChatCompletionRequest
     from quant_serve.server.chat_template import ChatEncoder
     ingress = Ingress(None, args_from_config({"routing-prefix-blocks": 2}))
@@ -132,7 +132,7 @@ def test_a_chat_with_tools_is_keyed_by_the_prompt_the_template_renders_with_them
 def test_a_replica_checks_the_key_the_application_was_built_with_not_its_own_environment(monkeypatch):
     from types import SimpleNamespace
     pytest.importorskip("ray.serve", reason="ray[serve] is not installed: pip install '.[cluster]'")
-    from quant_serve.server import cluster_replica
+    from quant_serve.server.cluster import replica as cluster_replica
     monkeypatch.setattr(cluster_replica.serve, "get_replica_context",
                         lambda: SimpleNamespace(replica_id=SimpleNamespace(unique_id="r1")))
     # built where no key is set (build_application resolves it: None), run on a node whose environment has one
@@ -182,8 +182,8 @@ def test_a_request_held_for_a_replica_that_is_gone_gets_a_503_and_an_unreadable_
     pytest.importorskip("ray.serve", reason="ray[serve] is not installed: pip install '.[cluster]'")
     import json
 
-    import quant_serve.server.cluster as cluster
-    from quant_serve.server.cluster import Ingress
+    import quant_serve.server.cluster.deploy as cluster
+    from quant_serve.server.cluster.deploy import Ingress
     monkeypatch.setattr(cluster, "REPLICA_CHECK_S", 0.05)
     handle = _Handle()
     ingress = Ingress(handle, args_from_config({"replicas": 2}))
@@ -211,7 +211,7 @@ def test_the_controller_failing_to_answer_reads_as_unknown_not_as_an_error(monke
     pytest.importorskip("ray.serve", reason="ray[serve] is not installed: pip install '.[cluster]'")
     from ray import serve
 
-    from quant_serve.server.cluster import Ingress
+    from quant_serve.server.cluster.deploy import Ingress
     ingress = Ingress(_Handle(), args_from_config({"replicas": 2}))
 
     def broken():

@@ -1,4 +1,4 @@
-"""A decode step's inputs on their way to the CUDA graphs (engine/cuda_graph.py): one packed buffer that the graphs
+"""A decode step's inputs on their way to the CUDA graphs (engine/worker/cuda_graph.py): one packed buffer that the graphs
 read through views of one device blob, and the carried-token gather (kernels/step_inputs.py). On CPU the graphs are
 stood in for by eager forwards over the same views, so the packing, the padding rows and the gather are checked
 end to end against the engine without graphs."""
@@ -11,8 +11,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")   # before the kernel module is imported (decoration time)
 
-from quant_serve.engine.cuda_graph import GREEDY_MAX_BATCH, DecodeGraphs, DecodeInputs  # noqa: E402
-from quant_serve.engine.demo import DEMO_MODEL_DIR  # noqa: E402
+from quant_serve.engine.worker.cuda_graph import GREEDY_MAX_BATCH, DecodeGraphs, DecodeInputs  # noqa: E402
+from quant_serve.engine.load.demo import DEMO_MODEL_DIR  # noqa: E402
 from quant_serve.engine.sampling_params import SamplingParams  # noqa: E402
 from quant_serve.kernels.interpret import patch_triton_interpreter  # noqa: E402
 from quant_serve.kernels.step_inputs import take_carried, take_carried_ref, take_carried_triton  # noqa: E402

@@ -3,7 +3,7 @@ import json
 
 import httpx
 
-from quant_serve.engine.demo import DEMO_MODEL_DIR
+from quant_serve.engine.load.demo import DEMO_MODEL_DIR
 from test_server_common import running_server
 
 

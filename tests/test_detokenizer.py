@@ -3,7 +3,7 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from quant_serve.engine.detokenizer import IncrementalDetokenizer
+from quant_serve.engine.core.detokenizer import IncrementalDetokenizer
 from quant_serve.engine.sampling_params import SamplingParams
 
 MODEL = "/work/shared/models/tiny-qwen2"

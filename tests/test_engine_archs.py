@@ -112,7 +112,7 @@ def header_bytes(path) -> int:
 
 def plan_weights(path) -> int:
     """The memory plan's weight bytes computed from config.json alone (no safetensors header)."""
-    from quant_serve.engine.memory import plan_memory
+    from quant_serve.engine.plan.memory import plan_memory
     plan = plan_memory(json.loads((path / "config.json").read_text()))
     assert plan.weights_source == "config"
     return plan.weights_bytes
@@ -131,9 +131,9 @@ def test_logits_and_greedy_match_hf(name, model_dirs):
 
 
 def rtn_source(path):
-    """A SourceModel without a forward (RTN reads none), as server/cli_quantize.load_source builds it otherwise."""
-    from quant_serve.engine.checkpoint import INDEX, list_weight_files, read_tensor_names
-    from quant_serve.engine.loader import load_model_config
+    """A SourceModel without a forward (RTN reads none), as server/cli/quantize.load_source builds it otherwise."""
+    from quant_serve.engine.load.checkpoint import INDEX, list_weight_files, read_tensor_names
+    from quant_serve.engine.load.loader import load_model_config
     from quant_serve.quant.quantize import SourceModel
     cfg, raw = load_model_config(path)
     names = read_tensor_names(list_weight_files(path), path / INDEX)
@@ -155,7 +155,7 @@ def test_int4_rtn_checkpoint_matches_hf_on_dequantized_weights(name, model_dirs,
     """`quant-serve quantize --method rtn` into AWQ / GPTQ (Phi's fused qkv_proj / gate_up_proj stay fused, as
     AutoAWQ and GPTQModel write them), loaded by our readers and run on the INT4 path, against transformers with
     every linear replaced by its dequantized weights."""
-    from quant_serve.quant.linear import QuantLinear
+    from quant_serve.quant.layers.linear import QuantLinear
     from quant_serve.quant.quantize import QuantizeConfig, quantize_model
     src, fmt = model_dirs(name), INT4_FORMATS[name]
     results = {}
@@ -189,8 +189,8 @@ def test_quantize_refuses_calibrated_methods_without_a_forward(model_dirs, tmp_p
 def test_plan_counts_gemma3_12b_weights_and_kv(tmp_path):
     """Gemma 3 12B's real config: the plan's KV per token uses head_dim 256 (not hidden / heads = 240), and its
     weight bytes are exactly our decoder's parameters (built on the meta device: no memory)."""
-    from quant_serve.engine.loader import build_model, load_model_config
-    from quant_serve.engine.memory import plan_memory
+    from quant_serve.engine.load.loader import build_model, load_model_config
+    from quant_serve.engine.plan.memory import plan_memory
     config = Gemma3TextConfig(vocab_size=262208, hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
                               num_attention_heads=16, num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256,
                               sliding_window=1024, max_position_embeddings=131072, dtype="bfloat16",

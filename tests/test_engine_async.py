@@ -2,7 +2,7 @@
 requests get: same tokens, text, finish reasons and logprobs as the synchronous engine, and no leaked block."""
 import pytest
 
-from quant_serve.engine.demo import DEMO_MODEL_DIR
+from quant_serve.engine.load.demo import DEMO_MODEL_DIR
 from quant_serve.engine.sampling_params import SamplingParams
 
 from helpers import assert_all_blocks_free, make_engine

@@ -68,7 +68,7 @@ def test_cuda_graph_decode_matches_eager():
 
 def test_greedy_graph_takes_the_argmax_inside_and_matches_eager():
     """Greedy rows without logprobs or min_tokens run the decode graph that holds the head and the argmax
-    (engine/cuda_graph.py, batches <= GREEDY_MAX_BATCH): same tokens as the eager engine, and its graphs ran."""
+    (engine/worker/cuda_graph.py, batches <= GREEDY_MAX_BATCH): same tokens as the eager engine, and its graphs ran."""
     eager = make_engine(awq_model_dir(), dtype="float16", device="cuda", enforce_eager=True)
     graphed = make_engine(awq_model_dir(), dtype="float16", device="cuda")
     graphs = graphed.runner.decode_graphs
@@ -100,7 +100,7 @@ def test_batch_one_folds_the_norms_and_matches_the_plain_path(monkeypatch):
     from dataclasses import replace
 
     from quant_serve.engine.models import fused_decode
-    from quant_serve.kernels.attention_merge import DecodePartials
+    from quant_serve.kernels.attention.merge import DecodePartials
     from quant_serve.kernels.gpu import configure, runtime_for
     engine = make_engine(awq_model_dir(), dtype="float16", device="cuda", enforce_eager=True)
     model = engine.runner.model.model
@@ -195,7 +195,7 @@ def test_no_triton_compile_after_startup(kv, monkeypatch):
 
 def test_sample_copy_does_not_wait_for_later_work():
     """The sampled tokens' copy is queued with the step: resolving it must not wait for the step launched after."""
-    from quant_serve.engine.sampler import PendingSample
+    from quant_serve.engine.sample.sampler import PendingSample
     tokens = torch.arange(8, device="cuda")
     pending = PendingSample(tokens, tokens, 8, [])
     torch.cuda._sleep(2_000_000_000)                      # ~1 s of GPU work queued behind the copy: the next step

@@ -2,9 +2,9 @@
 it must leave no trace: the KV cache untouched, the fp8 scale calibration still pending, outputs unchanged."""
 import torch
 
-from quant_serve.engine.demo import DEMO_MODEL_DIR
+from quant_serve.engine.load.demo import DEMO_MODEL_DIR
 from quant_serve.engine.sampling_params import SamplingParams
-from quant_serve.engine.warmup import warm_up
+from quant_serve.engine.worker.warmup import warm_up
 
 from helpers import assert_all_blocks_free, make_engine
 

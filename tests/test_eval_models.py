@@ -17,7 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from conftest import DATA, TINY, TINY_AWQ, TINY_CT
-from quant_serve.server.cli import main
+from quant_serve.server.cli.main import main
 
 MAX_TOKENS, CONTEXT = 2048, 512
 DAMAGED = "model.layers.5.mlp.down_proj"

@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-from quant_serve.engine.demo import DEMO_MODEL_DIR
+from quant_serve.engine.load.demo import DEMO_MODEL_DIR
 from quant_serve.eval import harness, plots
-from quant_serve.server.cli import main as cli
+from quant_serve.server.cli.main import main as cli
 
 TEXT = ("The lantern hung from a hook by the door. A lantern is a lamp with a transparent case protecting the flame. "
         "She carried it down the path to the river, where the boats were tied for the night.\n") * 8

@@ -12,7 +12,7 @@ from quant_serve.eval.gate import load_gate
 from quant_serve.eval.harness import EvalConfig, EvalResult, ModelResult
 from quant_serve.eval.layer_error import LayerError
 from quant_serve.eval.tasks import GENERATION, MULTIPLE_CHOICE, TaskResult, load_task, wilson_interval
-from quant_serve.server.cli import main
+from quant_serve.server.cli.main import main
 
 
 def test_disjoint_windows_score_all_but_each_first_token():

@@ -9,7 +9,7 @@ from quant_serve.engine.models import fused_decode
 from quant_serve.engine.sampling_params import SamplingParams
 from helpers import awq_model_dir, make_engine
 from quant_serve.kernels.norm_act import rms_norm_ref
-from quant_serve.kernels.w4a16.fold import FOLD_TILE, FoldedNorm, folded_norm_ref, residual_ref
+from quant_serve.kernels.matmul.frag.fold import FOLD_TILE, FoldedNorm, folded_norm_ref, residual_ref
 
 from conftest import DATA
 
@@ -61,16 +61,16 @@ def test_folded_decoder_path_matches_the_plain_one(monkeypatch):
 def test_gpu_fold_kernels_with_gguf_layouts_match_unfused(mode):
     """The residual epilogue and the normed prologue (plain and SwiGLU) over Q4_K's two-level scales and Q6_K's
     fragment layout, against the dense matmul of the same weights around the twins."""
-    from quant_serve.kernels.w4a16.fold import folded_norm_applies, w4a16_normed, w4a16_residual
+    from quant_serve.kernels.matmul.frag.fold import folded_norm_applies, w4a16_normed, w4a16_residual
     k = n = 512
     if mode == "q4k":
-        from quant_serve.kernels.w4a16.dispatch import prepare_kernel_weights
+        from quant_serve.kernels.matmul.dispatch import prepare_kernel_weights
         from tests.test_kernels_w4a16_kquant import q4_k_layer
         _, dense, qweight, sub, sup = q4_k_layer(k, n)
         fw = prepare_kernel_weights(qweight, sub, None, 32, superscales=sup, scale_dtype=torch.float16)
     else:
-        from quant_serve.kernels.w4a16.frag6 import frag6_dequantize_ref, pack_frag6
-        from quant_serve.kernels.w8a16.q6k import q6k_codes, q6k_scales
+        from quant_serve.kernels.matmul.frag.q6k import frag6_dequantize_ref, pack_frag6
+        from quant_serve.kernels.matmul.planes.q6k import q6k_codes, q6k_scales
         from tests.test_kernels_w4a16_frag6 import q6k_layer
         w = q6k_layer(k, n, "cuda")
         fw = pack_frag6(q6k_codes(w), q6k_scales(w))

@@ -1,9 +1,9 @@
-"""engine/gguf_hparams.py on hand-made metadata: what the GGUF says that transformers' mapping leaves out."""
+"""engine/load/gguf/hparams.py on hand-made metadata: what the GGUF says that transformers' mapping leaves out."""
 from types import SimpleNamespace
 
 import pytest
 
-from quant_serve.engine.gguf_hparams import apply_gguf_hparams, end_of_generation_ids
+from quant_serve.engine.load.gguf.hparams import apply_gguf_hparams, end_of_generation_ids
 
 
 def _hf():

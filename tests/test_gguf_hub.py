@@ -4,8 +4,8 @@ import shutil
 
 import pytest
 
-from quant_serve.engine.gguf_hub import available_quants, select_gguf_files, split_quant_tag
-from quant_serve.engine.loader import resolve_model_dir
+from quant_serve.engine.load.gguf.hub import available_quants, select_gguf_files, split_quant_tag
+from quant_serve.engine.load.loader import resolve_model_dir
 from quant_serve.engine.sampling_params import SamplingParams
 
 from conftest import TINY

@@ -83,7 +83,7 @@ def test_perplexity_matches_transformers_on_dequantized_weights(gguf_dir, held_o
 
 def test_split_files_and_directory(gguf_dir, tmp_path):
     """A directory holding one model's split parts reads as the single file: the same tensors, bytes and config."""
-    from quant_serve.engine.gguf_loader import gguf_files, gguf_model_config, open_gguf
+    from quant_serve.engine.load.gguf.loader import gguf_files, gguf_model_config, open_gguf
     single = open_gguf(gguf_files(gguf_dir / "tiny-Q4_0.gguf"))
     write_gguf(TINY, tmp_path / "tiny-Q4_0.gguf", "Q4_0", split_max_tensors=60)
     files = gguf_files(tmp_path)
@@ -139,7 +139,7 @@ def test_served_through_openai_api(gguf_dir, held_out_ids, tmp_path):
 
 def test_copy_of_gguf_without_config_is_detected(gguf_dir, tmp_path):
     shutil.copy(gguf_dir / "tiny-Q4_1.gguf", tmp_path / "model.gguf")
-    from quant_serve.engine.gguf_loader import gguf_files
+    from quant_serve.engine.load.gguf.loader import gguf_files
     assert gguf_files(tmp_path) == [tmp_path / "model.gguf"]
     assert gguf_files(TINY) is None                                    # a safetensors directory
 
@@ -148,9 +148,9 @@ def _loaded_bytes(model) -> int:
     """What the model holds on CUDA: its CPU buffers, with scales and offsets in the model dtype (fp16 here), and
     each Q6_K / Q5_K layer in the fragment layout the CUDA fp16 model converts its planes to (frag6_bytes,
     frag5_bytes)."""
-    from quant_serve.kernels.w4a16.frag5 import frag5_bytes
-    from quant_serve.kernels.w4a16.frag6 import frag6_bytes
-    from quant_serve.quant.linear_w8 import W8Linear
+    from quant_serve.kernels.matmul.frag.q5k import frag5_bytes
+    from quant_serve.kernels.matmul.frag.q6k import frag6_bytes
+    from quant_serve.quant.layers.w8 import W8Linear
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     planes = {name: frag6_bytes if m.q6k_planes else frag5_bytes for name, m in model.named_modules()
               if isinstance(m, W8Linear) and (m.q6k_planes or m.q5k_planes)}
@@ -175,8 +175,8 @@ def test_plan_counts_gguf_bytes_by_type(gguf_dir, capsys, mix, source):
     CUDA."""
     import json
 
-    from quant_serve.engine.loader import load_model, load_model_config
-    from quant_serve.server.cli import main
+    from quant_serve.engine.load.loader import load_model, load_model_config
+    from quant_serve.server.cli.main import main
     path = gguf_dir / f"tiny-{mix}.gguf"
     assert main(["plan", str(path), "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
@@ -189,11 +189,11 @@ def test_plan_counts_gguf_bytes_by_type(gguf_dir, capsys, mix, source):
 def test_dummy_q4_k_m_mix(tmp_path):
     """--load-format dummy --quantization gguf:Q4_K_M: llama.cpp's type mix on random weights (Q6_K for the v and
     down projections of layers 0, 3, 6, 7 of 8), planned to the byte, and it generates."""
-    from quant_serve.engine.memory import plan_memory
+    from quant_serve.engine.plan.memory import plan_memory
     from quant_serve.engine.sampling_params import SamplingParams
-    from quant_serve.quant.linear import QuantLinear
-    from quant_serve.quant.linear_parts import PartsLinear
-    from quant_serve.quant.linear_w8 import W8Linear
+    from quant_serve.quant.layers.linear import QuantLinear
+    from quant_serve.quant.layers.parts import PartsLinear
+    from quant_serve.quant.layers.w8 import W8Linear
     engine = make_engine(TINY, num_blocks=8, max_model_len=128, load_format="dummy", quantization="gguf:Q4_K_M",
                          dtype="float16")
     layers = engine.model.model.layers
@@ -218,10 +218,10 @@ def test_dummy_q5_k_m_mix():
     """--load-format dummy --quantization gguf:Q5_K_M: Q5_K layers in their 5-bit planes, qkv with a Q6_K v in two
     parts (Q5_K q / k planes beside Q6_K v planes), planned to the byte, weights about N(0, 0.02), and it
     generates."""
-    from quant_serve.engine.memory import plan_memory
+    from quant_serve.engine.plan.memory import plan_memory
     from quant_serve.engine.sampling_params import SamplingParams
-    from quant_serve.quant.linear_parts import PartsLinear
-    from quant_serve.quant.linear_w8 import W8Linear
+    from quant_serve.quant.layers.parts import PartsLinear
+    from quant_serve.quant.layers.w8 import W8Linear
     engine = make_engine(TINY, num_blocks=8, max_model_len=128, load_format="dummy", quantization="gguf:Q5_K_M",
                          dtype="float16")
     layers = engine.model.model.layers
@@ -247,9 +247,9 @@ def test_dummy_q5_k_m_mix():
 def test_dummy_plain_mixes(mix, paths, head):
     """--load-format dummy --quantization gguf:Q8_0 / gguf:Q4_0: every linear in the file's type (an untied head in
     Q6_K for Q4_0, in Q8_0 for Q8_0, as llama.cpp writes them), planned to the byte, and it generates."""
-    from quant_serve.engine.memory import plan_memory
+    from quant_serve.engine.plan.memory import plan_memory
     from quant_serve.engine.sampling_params import SamplingParams
-    from quant_serve.quant.formats.gguf_config import dummy_gguf_config
+    from quant_serve.quant.formats.gguf.config import dummy_gguf_config
     type_of = dummy_gguf_config(mix.lower(), 8).type_of
     assert type_of("lm_head") == head and type_of("model.layers.7.mlp.down_proj") == getattr(
         gguf.GGMLQuantizationType, mix)
@@ -290,7 +290,7 @@ def test_llama_qk_permutation_is_undone(tmp_path):
 def test_eval_names_gguf_files_and_type_mix(gguf_dir):
     """eval's report: a GGUF file hashes by its bytes; its format names the type mix and the layer paths."""
     from quant_serve.eval.metadata import model_hash
-    from quant_serve.quant.formats.gguf_config import GGUFConfig
+    from quant_serve.quant.formats.gguf.config import GGUFConfig
     assert model_hash(gguf_dir / "tiny-Q4_0.gguf") != model_hash(gguf_dir / "tiny-Q4_1.gguf")
     config = GGUFConfig("gguf", 4, 32, type_of=None, type_mix={"Q6_K": 4, "Q4_K": 45})
     config.layer_paths.update({"int4": 20, "w8": 12})
@@ -299,7 +299,7 @@ def test_eval_names_gguf_files_and_type_mix(gguf_dir):
 
 def test_nan_scale_is_refused(tmp_path):
     """A corrupt block scale (NaN) is named at load, as a safetensors checkpoint's NaN is."""
-    from quant_serve.engine.gguf_loader import gguf_files, gguf_model_config, load_gguf_model, open_gguf
+    from quant_serve.engine.load.gguf.loader import gguf_files, gguf_model_config, load_gguf_model, open_gguf
     path = write_gguf(TINY, tmp_path / "bad.gguf", "Q8_0")
     ckpt = open_gguf(gguf_files(path))
     t = ckpt.tensors["blk.2.ffn_up.weight"]

@@ -1,6 +1,6 @@
 """A SentencePiece vocabulary in a GGUF (tokenizer.ggml.model "llama": Llama 2, Mistral, Gemma, Phi-3 files) builds
 the tokenizer llama.cpp tokenizes with: the file's pieces merged by score, a "▁" prefix, unknown characters as byte
-tokens, <s> first. engine/gguf_loader.gguf_tokenizer goes through transformers' GGUF support; the reference below is
+tokens, <s> first. engine/load/gguf/loader.gguf_tokenizer goes through transformers' GGUF support; the reference below is
 llama.cpp's SPM algorithm written out (merge the adjacent pair whose concatenation is a piece of the highest score,
 leftmost first)."""
 import random
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from quant_serve.engine.gguf_loader import gguf_tokenizer
+from quant_serve.engine.load.gguf.loader import gguf_tokenizer
 
 WORDS = ["the", "cat", "sat", "on", "mat", "then", "that", "hat", "attention", "station", "nation"]
 

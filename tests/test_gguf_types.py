@@ -6,10 +6,10 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
-from quant_serve.kernels.w4a16.reference import dequantize_w4
-from quant_serve.kernels.w8a16.reference import dequantize_w8
-from quant_serve.quant.formats.gguf_kquants import quantize
-from quant_serve.quant.formats.gguf_types import (INT4_TYPES, int4_layout, path_of, read_dense, read_grouped,
+from quant_serve.kernels.matmul.reference import dequantize_w4
+from quant_serve.kernels.matmul.reference_planes import dequantize_w8
+from quant_serve.quant.formats.gguf.kquants import quantize
+from quant_serve.quant.formats.gguf.types import (INT4_TYPES, int4_layout, path_of, read_dense, read_grouped,
                                                   w8_layout)
 
 N, K = 24, 512
@@ -67,8 +67,8 @@ def test_unsupported_type_and_bad_rows():
 def test_cuda_scale_dtype_never_narrows_to_bf16(model, checkpoint, want):
     """On CUDA a GGUF layer's scales go to fp16 on an fp16 model; a bf16 model (Gemma) keeps them in fp32: bf16's
     8 bits are coarser than Q8_0's steps (they were cast to the model dtype, bf16 too)."""
-    from quant_serve.quant.linear import gguf_kernel_scale_dtype
-    from quant_serve.quant.linear_w8 import W8Linear
+    from quant_serve.quant.layers.linear import gguf_kernel_scale_dtype
+    from quant_serve.quant.layers.w8 import W8Linear
     assert gguf_kernel_scale_dtype(checkpoint, model) == want
     layer = W8Linear(64, [32], False, model, "cuda", None, 32)      # no tensor made: the choice alone
     assert layer._param_dtype(checkpoint) == want

@@ -9,6 +9,7 @@ import concurrent.futures
 import pytest
 
 from kernel_fit import in_fresh_process
+from quant_serve.kernels.matmul.int8.rules import W4A8_AUTO_M
 
 PROFILES = ("a100", "a10", "4090", "h200")
 REGISTERS_PER_SM = 65536
@@ -34,6 +35,10 @@ def test_every_planned_kernel_fits_the_target(reports, profile):
             "_w8a16_dequant_kernel"} <= names, names
     kinds = {p["kernel"] for p in report["w4a16_plans"]}
     assert ("tma" in kinds) == (arch == (9, 0)), kinds              # TMA only where the target has it
+    # int8 activations: the quantize kernels and the int8 matmul's tiles compile everywhere (kernel_fit asks for
+    # int8); "auto" takes them only in the measured bands of kernels/matmul/int8/rules.py
+    assert {"_w4a8_mma_kernel", "_quant_group_kernel", "_quant_token_kernel"} <= names, names
+    assert ("w4a8" in kinds) == (f"sm{arch[0]}{arch[1]}" in W4A8_AUTO_M), kinds
     assert {"gemv", "gemmt"} <= kinds, kinds                         # bf16 layers: the row layout's kernels
     for k in report["kernels"]:
         where = f"{profile}: {k['name']} ({k['num_warps']} warps)"

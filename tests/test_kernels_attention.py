@@ -1,4 +1,4 @@
-"""Paged attention, KV store and RoPE Triton kernels vs their torch twins (kernels/attention_ref.py).
+"""Paged attention, KV store and RoPE Triton kernels vs their torch twins (kernels/attention/reference.py).
 
 On CPU the kernels run under TRITON_INTERPRET=1 on tiny shapes; on a GPU machine the same tests run compiled,
 and the `gpu` tests add Qwen2.5-7B attention shapes.
@@ -14,11 +14,11 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from quant_serve.kernels.attention_ref import (build_cos_sin_cache, paged_attention_ref,  # noqa: E402
-                                               rope_store_kv_ref, store_kv_ref)
-from quant_serve.kernels.attention_triton import _e4m3_to_f16, _f32_to_e4m3  # noqa: E402
+from quant_serve.kernels.attention.reference import (build_cos_sin_cache, paged_attention_ref,  # noqa: E402
+                                                     rope_store_kv_ref, store_kv_ref)
+from quant_serve.kernels.attention.triton_kernels import _e4m3_to_f16, _f32_to_e4m3  # noqa: E402
 from quant_serve.kernels.interpret import patch_triton_interpreter  # noqa: E402
-from quant_serve.kernels.paged_attention import (DecodeConfig, NewTokens, paged_attention, paged_decode,  # noqa: E402
+from quant_serve.kernels.attention.paged import (DecodeConfig, NewTokens, paged_attention, paged_decode,  # noqa: E402
                                                  paged_prefill, rope_store_kv_triton, store_kv_triton)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -148,10 +148,10 @@ def test_decode_with_new_tokens_matches_rope_store_then_decode(dtype, cache_dtyp
 @pytest.mark.parametrize("cache_dtype,splits,tensor_scale", [
     (torch.float16, 5, False), (E4M3, 7, True), (E5M2, 3, False)])
 def test_decode_partials_merged_later_equal_the_merged_output(cache_dtype, splits, tensor_scale):
-    """paged_decode(merge=False) hands back the split partials (for o_proj to merge, kernels/attention_merge.py):
+    """paged_decode(merge=False) hands back the split partials (for o_proj to merge, kernels/attention/merge.py):
     merge_partials gives the merged call's bytes, the torch twin its values; the splits live_splits counts out
     are empty (m = NEG, l = 0, o = 0: the o_proj staging skips them)."""
-    from quant_serve.kernels.attention_merge import DecodePartials, live_splits, merge_partials, merge_partials_ref
+    from quant_serve.kernels.attention.merge import DecodePartials, live_splits, merge_partials, merge_partials_ref
     gen = torch.Generator().manual_seed(splits)
     hq, hkv, d, seq_lens = 4, 2, 32, [100, 1, 17]
     scale = 0.3 if cache_dtype in (E4M3, E5M2) else 1.0
@@ -195,7 +195,7 @@ def test_prefill_matches_twin(hq, hkv, dtype, cache_dtype):
 def test_mixed_step_splits_decodes_from_prefills(cache_dtype):
     """engine.attention.attend: the leading one-token sequences of a mixed step go to the decode path, the rest to
     the prefill path (relative query starts); together they equal one attention over the whole batch."""
-    from quant_serve.engine.attention import AttentionMetadata, attend
+    from quant_serve.engine.worker.attention import AttentionMetadata, attend
     gen = torch.Generator().manual_seed(11)
     hq, hkv, d = 4, 2, 32
     seq_lens, q_lens = [40, 17, 64, 50, 9], [1, 1, 1, 20, 9]     # three decodes, a chunk after a prefix, a prompt
@@ -330,7 +330,7 @@ def test_gpu_qwen_decode_prefill_store(dtype, cache_dtype):
 def test_gpu_fp8_decode_asm_widening_equals_triton_cast(cache_dtype):
     """The decode kernel's inline-asm fp8 -> fp16 widening (attention_triton._widen) gives what Triton's own cast
     gives: both are exact, so the outputs agree to rounding of the same sums."""
-    import quant_serve.kernels.paged_attention as pa
+    import quant_serve.kernels.attention.paged as pa
     from quant_serve.kernels.gpu import runtime_for
     if not runtime_for(torch.device(DEV)).caps.fp8_cvt:
         pytest.skip(f"the {runtime_for(torch.device(DEV)).caps.profile} GPU profile has no fp8 conversion")
@@ -354,7 +354,7 @@ def compile_decode_sm90() -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from quant_serve.kernels.attention_triton import _decode_kernel
+    from quant_serve.kernels.attention.triton_kernels import _decode_kernel
     from tests.test_kernels_w4a16_mma import cubin_sass
     sig = dict(q_ptr="*fp16", k_cache="*fp8e4nv", v_cache="*fp8e4nv", tables_ptr="*i32", seq_lens_ptr="*i32",
                qsl_ptr="*i32", out_ptr="*fp16", part_o="*fp32", part_ml="*fp32", k_scale_ptr="*fp32",
@@ -390,11 +390,11 @@ def test_fp8_decode_widens_before_the_layout_change_on_sm90():
 
 
 def test_decode_config_rule(monkeypatch):
-    """The fitted rule (kernels/paged_attention.decode_config): few programs split the context finely, many keep it
+    """The fitted rule (kernels/attention/paged.decode_config): few programs split the context finely, many keep it
     whole; fp8 tiles are widened by asm only on short tables; a CUDA graph's table keeps the coarse rule; the split
     count stays within the merge kernel's."""
-    import quant_serve.kernels.paged_attention as pa
-    from quant_serve.kernels.paged_attention import MAX_SPLITS, decode_config, decode_splits
+    import quant_serve.kernels.attention.paged as pa
+    from quant_serve.kernels.attention.paged import MAX_SPLITS, decode_config, decode_splits
     few16, many16 = decode_config(False, 4, 4096), decode_config(False, 256, 4096)
     assert (few16.block_n, few16.waves, few16.min_split_tokens) == (64, 8.0, 64)
     assert (many16.waves, many16.min_split_tokens) == (2.0, 256)
@@ -415,8 +415,8 @@ def test_decode_config_rule(monkeypatch):
 def test_decode_graph_contexts(monkeypatch):
     """Few programs: a graph per table width, doubling from 1024 tokens to max_model_len, less the widths whose launch
     (configuration, split count) the next wider one repeats; many: one wide table."""
-    import quant_serve.kernels.paged_attention as pa
-    from quant_serve.kernels.paged_attention import FEW_PROGRAMS, decode_graph_contexts
+    import quant_serve.kernels.attention.paged as pa
+    from quant_serve.kernels.attention.paged import FEW_PROGRAMS, decode_graph_contexts
     monkeypatch.setattr(pa, "_num_sms", lambda device: 132)                         # an H100/H200
     cuda = torch.device("cuda", 0)
     assert decode_graph_contexts(4, 4096, False, cuda) == [1024, 2048, 4096]
@@ -426,7 +426,7 @@ def test_decode_graph_contexts(monkeypatch):
     assert decode_graph_contexts(FEW_PROGRAMS, 3000, False, cuda) == [1024, 3000]        # 16 splits, then 17
     assert decode_graph_contexts(8, 512, False, cuda) == [512]
     assert decode_graph_contexts(FEW_PROGRAMS + 1, 32768, False, cuda) == [32768]
-    from quant_serve.engine.cuda_graph import DecodeGraphs
+    from quant_serve.engine.worker.cuda_graph import DecodeGraphs
     on_gpu = pa.decode_splits                              # as on an H200, though the buffers here are on the CPU
     monkeypatch.setattr(pa, "decode_splits", lambda programs, ctx, device, cfg: on_gpu(programs, ctx, cuda, cfg))
     graphs = DecodeGraphs(None, 64, 4096, 16, torch.device("cpu"), num_kv_heads=4)     # Qwen2.5-7B heads
@@ -466,7 +466,7 @@ def test_software_e4m3_cache_path_matches_the_fp8_type(monkeypatch):
     """An e4m3 cache handed to the kernels as bytes (paged_attention.e4m3_in_software: no fp8 conversion on the
     GPU) stores the same bytes and attends to the same values as the fp8-typed path: store, fused RoPE + store,
     decode with new tokens, prefill."""
-    import quant_serve.kernels.paged_attention as pa
+    import quant_serve.kernels.attention.paged as pa
     gen = torch.Generator().manual_seed(9)
     hq, hkv, d, seq_lens = 4, 2, 32, [1, 17, 40, 5]
     caches = make_cache(12, hkv, d, E4M3, 0.3, gen)

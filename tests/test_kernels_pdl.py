@@ -41,7 +41,7 @@ def _decode_chain(x, layers, norm_w):
     SwiGLU kernel in layer 0, as wide layers at M = 1 run it) -> down, per layer: the kernel kinds of a decode step,
     each reading the previous one's output."""
     from quant_serve.kernels.norm_act import rms_norm, silu_and_mul
-    from quant_serve.kernels.w4a16.dispatch import w4a16_matmul
+    from quant_serve.kernels.matmul.dispatch import w4a16_matmul
     residual = x
     h = x
     for i, (qkv, o, gate_up, down) in enumerate(layers):
@@ -58,7 +58,7 @@ def _decode_chain(x, layers, norm_w):
                     reason="PDL needs sm90 (runs on the GPU machine)")
 @pytest.mark.parametrize("m", [1, 16, 48])
 def test_gpu_pdl_chain_in_a_cuda_graph_matches_plain_launches(m):
-    from quant_serve.kernels.w4a16.dispatch import prepare_kernel_weights
+    from quant_serve.kernels.matmul.dispatch import prepare_kernel_weights
     torch.manual_seed(0)
     hidden, inter = 1024, 2816
 

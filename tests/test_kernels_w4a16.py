@@ -1,4 +1,4 @@
-"""W4A16 Triton kernels vs the torch twin (kernels/w4a16/reference.py).
+"""W4A16 Triton kernels vs the torch twin (kernels/matmul/reference.py).
 
 On CPU the Triton kernels run under TRITON_INTERPRET=1 on tiny shapes; on a GPU machine the same tests run the
 compiled kernels, and the `gpu` tests add the Qwen2.5-7B layer shapes.
@@ -12,12 +12,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")   # before any kernel module is imported (decoration time)
 
 from quant_serve.kernels.interpret import patch_triton_interpreter  # noqa: E402
-from quant_serve.kernels.w4a16.dispatch import standard_layout, w4a16_forward, w4a16_matmul  # noqa: E402
-from quant_serve.kernels.w4a16.rows import prepare_w4a16  # noqa: E402
-from quant_serve.kernels.w4a16.rows_gemm import w4a16_dequantize  # noqa: E402
-from quant_serve.kernels.w4a16.reference import (dequantize_w4, pack_int4_cols, pack_int4_rows,  # noqa: E402
-                                                 w4a16_matmul_ref)
-from quant_serve.kernels.w4a16.rules import W4A16Config  # noqa: E402
+from quant_serve.kernels.matmul.dispatch import standard_layout, w4a16_forward, w4a16_matmul  # noqa: E402
+from quant_serve.kernels.matmul.rows.layout import prepare_w4a16  # noqa: E402
+from quant_serve.kernels.matmul.rows.gemm import w4a16_dequantize  # noqa: E402
+from quant_serve.kernels.matmul.reference import (dequantize_w4, pack_int4_cols, pack_int4_rows,  # noqa: E402
+                                                  w4a16_matmul_ref)
+from quant_serve.kernels.matmul.rules import W4A16Config  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 patch_triton_interpreter()
@@ -122,7 +122,7 @@ def test_dequant_path_matches_twin():
     (40, -1, True, False, True),
 ])
 def test_gemv_variants_equal_baseline(n, group_size, zeros, act_order, bias):
-    from quant_serve.kernels.w4a16.splitk import tile_counters
+    from quant_serve.kernels.matmul.splitk import tile_counters
     k = 384                                              # 3 chunks of 128, the last one padded
     qweight, scales, qzeros, gs, perm = make_weights(k, n, group_size, zeros, act_order, torch.float16, seed=n)
     w = prepare_w4a16(qweight, scales, qzeros, gs, perm)
@@ -147,7 +147,7 @@ def test_gemv_variants_equal_baseline(n, group_size, zeros, act_order, bias):
 
 @pytest.mark.parametrize("path,m", [("gemm", 5), ("gemmt", 3)])
 def test_gemm_one_launch_equals_two_launch(path, m):
-    from quant_serve.kernels.w4a16.splitk import tile_counters
+    from quant_serve.kernels.matmul.splitk import tile_counters
     k, n = 384, 72
     qweight, scales, qzeros, gs, perm = make_weights(k, n, 64, True, True, torch.float16, seed=m)
     w = prepare_w4a16(qweight, scales, qzeros, gs, perm)
@@ -246,7 +246,7 @@ def test_gpu_fast_gemv_variants_bitwise(k, n):
 def test_gpu_one_launch_in_cuda_graph():
     """Several single-launch split-K linears in one captured graph, replayed twice: the counters are allocated
     before capture and every kernel leaves its counters at 0 for the next."""
-    from quant_serve.kernels.w4a16.splitk import tile_counters
+    from quant_serve.kernels.matmul.splitk import tile_counters
     layers = []
     for k, n in QWEN_SHAPES[:2] + [(512, 200)]:
         qweight, scales, qzeros, gs, _ = make_weights(k, n, 128, True, False, torch.float16, seed=k)

@@ -1,15 +1,15 @@
-"""GGUF Q5_K in the W4A16 fragment layout (kernels/w4a16/frag5.py): the packing round-trips on the CPU and every
+"""GGUF Q5_K in the W4A16 fragment layout (kernels/matmul/frag/q5k.py): the packing round-trips on the CPU and every
 weight's code comes out of an emulation of the kernel's LOP3s, the Gluon kernels compile for sm90 without spills
 (offline) and on the GPU match the layout's fp16 reference and gguf's exact weights, and a CUDA fp16 W8Linear of
 Q5_K shards takes the layout."""
 import pytest
 import torch
 
-from quant_serve.kernels.w4a16.frag import ZP_Q5, frag_words
-from quant_serve.kernels.w4a16.frag5 import (frag5_bytes, frag5_codes, frag5_dequantize_ref, pack_frag5,
-                                             pair_scales_offsets, q5k_pairs)
-from quant_serve.kernels.w4a16.kquant import kquant_scales_offsets, pack_sub_codes, pack_superscales
-from quant_serve.kernels.w8a16.q5k import pack_q5k, q5k_codes, q5k_dequantize
+from quant_serve.kernels.matmul.frag.layout import ZP_Q5, frag_words
+from quant_serve.kernels.matmul.frag.q5k import (frag5_bytes, frag5_codes, frag5_dequantize_ref, pack_frag5,
+                                                 pair_scales_offsets, q5k_pairs)
+from quant_serve.kernels.matmul.frag.kquant import kquant_scales_offsets, pack_sub_codes, pack_superscales
+from quant_serve.kernels.matmul.planes.q5k import pack_q5k, q5k_codes, q5k_dequantize
 
 DEV = "cuda"
 
@@ -69,7 +69,7 @@ def _lop3_codes(words: torch.Tensor, view: torch.Tensor) -> list[torch.Tensor]:
 def test_every_code_comes_out_of_the_kernels_lop3s():
     """Emulating the asm on each word with its shifted / rotated high-bit view (_q5_by_word) gives every weight's
     5-bit code: the high bits sit where the masks read them and nowhere a neighbour's mask reads."""
-    from quant_serve.kernels.w4a16.frag6 import _rotr8
+    from quant_serve.kernels.matmul.frag.q6k import _rotr8
     codes = q5k_codes(q5k_layer(256, 32, seed=3)).to(torch.int32)
     fw = pack_frag5(codes, torch.zeros(8, 32, dtype=torch.int32))
     h = fw.hi.unsqueeze(-1)                                                       # [N/16, Kp/64 * 32, 1]
@@ -89,13 +89,13 @@ def test_pack_frag5_rejects_bad_shapes():
 
 
 def test_cpu_q5k_layer_keeps_its_planes():
-    from quant_serve.kernels.w8a16.dispatch import prepare_q5k
+    from quant_serve.kernels.matmul.dispatch import prepare_q5k
     w = q5k_layer(256, 32)
     assert prepare_q5k(w, torch.float16) is w
 
 
 def test_q5k_to_frag5_in_column_chunks_equals_one_pack():
-    from quant_serve.kernels.w8a16.dispatch import q5k_to_frag5
+    from quant_serve.kernels.matmul.dispatch import q5k_to_frag5
     w = q5k_layer(512, 80, seed=7)
     whole = frag5_of(w)
     chunked = q5k_to_frag5(w, max_elems=512 * 32)                          # 32 columns a chunk: 3 chunks
@@ -107,9 +107,9 @@ def test_q5k_to_frag5_in_column_chunks_equals_one_pack():
 def compile_q5_cases() -> dict:
     """The Q5_K fragment kernels compiled for sm90 without a GPU, as the plan configures them (no register cap):
     M = 1 (qkv with x staged, long-K down, the SwiGLU gate_up), M = 16, wgmma at 32, the dequantize pass."""
-    from quant_serve.kernels.w4a16.frag_tiles import _frag_dequant_kernel
-    from quant_serve.kernels.w4a16.mma import _w4a16_mma_kernel, mma_variant
-    from quant_serve.kernels.w4a16.plan import mma_config
+    from quant_serve.kernels.matmul.frag.tiles import _frag_dequant_kernel
+    from quant_serve.kernels.matmul.frag.mma import _w4a16_mma_kernel, mma_variant
+    from quant_serve.kernels.matmul.plan import mma_config
     from tests.test_kernels_w4a16_mma import _compile_sm90, mma_signature
     sig = mma_signature("*i32", "*i32")
     out = {}
@@ -142,7 +142,7 @@ def test_gluon_q5_kernels_compile_for_sm90_without_spills():
 
 def test_plan_takes_no_register_cap_for_q5k():
     from quant_serve.kernels.gpu import PROFILES
-    from quant_serve.kernels.w4a16.plan import plan_w4a16
+    from quant_serve.kernels.matmul.plan import plan_w4a16
     plan = plan_w4a16(1, 3584, 37888, PROFILES["h200"], silu_mul=True, zp_mode=ZP_Q5)
     assert plan.config.max_regs == 0 and "no register cap" in plan.why
 
@@ -156,7 +156,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 @pytest.mark.parametrize("k,n", [(256, 64), (512, 96), (3584, 512), (1024, 4608)])
 @pytest.mark.parametrize("m", [1, 3, 16, 40, 64, 300])
 def test_gpu_frag5_matmul_matches_reference(k, n, m):
-    from quant_serve.kernels.w4a16.dispatch import w4a16_matmul
+    from quant_serve.kernels.matmul.dispatch import w4a16_matmul
     w = q5k_layer(k, n, DEV)
     fw = frag5_of(w)
     x = torch.randn(m, k, dtype=torch.float16, device=DEV)
@@ -170,8 +170,8 @@ def test_gpu_frag5_matmul_matches_reference(k, n, m):
 @gpu
 @pytest.mark.gpu
 def test_gpu_frag5_kernels_every_config():
-    from quant_serve.kernels.w4a16.frag_tiles import frag_dequantize
-    from quant_serve.kernels.w4a16.mma import w4a16_mma
+    from quant_serve.kernels.matmul.frag.tiles import frag_dequantize
+    from quant_serve.kernels.matmul.frag.mma import w4a16_mma
     fw = frag5_of(q5k_layer(1024, 256, DEV, seed=3))
     assert torch.equal(frag_dequantize(fw).t(), frag5_dequantize_ref(fw))
     for m in (1, 8, 17):
@@ -193,11 +193,11 @@ def test_gpu_frag5_kernels_every_config():
 def test_gpu_w8linear_takes_the_fragment_layout(kind):
     """A CUDA fp16 W8Linear of Q5_K / Q6_K shards converts its planes to the fragment layout at load (the probe
     passes on a GPU with tensor cores) and matches gguf's exact weights."""
-    from quant_serve.kernels.w4a16.frag import ZP_Q6
-    from quant_serve.kernels.w4a16.frag6 import frag6_dequantize_ref
-    from quant_serve.kernels.w4a16.plan import frag5_works, frag6_works
-    from quant_serve.kernels.w8a16.q6k import q6k_dequantize
-    from quant_serve.quant.linear_w8 import W8Linear
+    from quant_serve.kernels.matmul.frag.layout import ZP_Q6
+    from quant_serve.kernels.matmul.frag.q6k import frag6_dequantize_ref
+    from quant_serve.kernels.matmul.probes import frag5_works, frag6_works
+    from quant_serve.kernels.matmul.planes.q6k import q6k_dequantize
+    from quant_serve.quant.layers.w8 import W8Linear
     from tests.test_kernels_w4a16_frag6 import q6k_layer
     assert (frag5_works if kind == "q5k" else frag6_works)(torch.device(DEV))
     lin = W8Linear(512, [96], False, torch.float16, DEV, None, 32 if kind == "q5k" else 16)

@@ -1,12 +1,12 @@
-"""GGUF Q6_K in the W4A16 fragment layout (kernels/w4a16/frag6.py): the packing round-trips on the CPU, the Gluon
+"""GGUF Q6_K in the W4A16 fragment layout (kernels/matmul/frag/q6k.py): the packing round-trips on the CPU, the Gluon
 kernels (GPU only) match the layout's fp16 reference and the bit-exact planes within fp16 rounding, and a CUDA fp16
 W8Linear of Q6_K shards takes the layout."""
 import pytest
 import torch
 
-from quant_serve.kernels.w4a16.frag import ZP_Q6
-from quant_serve.kernels.w4a16.frag6 import frag6_bytes, frag6_codes, frag6_dequantize_ref, pack_frag6
-from quant_serve.kernels.w8a16.q6k import pack_q6k, q6k_codes, q6k_dequantize, q6k_scales
+from quant_serve.kernels.matmul.frag.layout import ZP_Q6
+from quant_serve.kernels.matmul.frag.q6k import frag6_bytes, frag6_codes, frag6_dequantize_ref, pack_frag6
+from quant_serve.kernels.matmul.planes.q6k import pack_q6k, q6k_codes, q6k_dequantize, q6k_scales
 
 DEV = "cuda"
 
@@ -37,8 +37,8 @@ def test_pack_frag6_round_trips_codes_and_scales(k, n):
 
 def test_pack_frag6_puts_each_high_bit_pair_where_the_kernel_reads_it():
     """One weight at a time: its 2 high bits land in the one hi bit pair the kernel's masks take for its nibble."""
-    from quant_serve.kernels.w4a16.frag import frag_words
-    from quant_serve.kernels.w4a16.frag6 import _HI_MASK, _HI_POS, _rotr8
+    from quant_serve.kernels.matmul.frag.layout import frag_words
+    from quant_serve.kernels.matmul.frag.q6k import _HI_MASK, _HI_POS, _rotr8
     for k in (0, 1, 8, 9, 16, 17, 24, 25, 33, 63):
         codes = torch.full((64, 16), -32)
         codes[k, 3] = 48 - 32                                                  # u = 48: lo 0, hi 3
@@ -61,7 +61,7 @@ def test_pack_frag6_rejects_bad_shapes():
 
 
 def test_cpu_q6k_layer_keeps_its_planes():
-    from quant_serve.kernels.w8a16.dispatch import prepare_q6k
+    from quant_serve.kernels.matmul.dispatch import prepare_q6k
     w = q6k_layer(256, 32)
     assert prepare_q6k(w, torch.float16) is w
 
@@ -69,7 +69,7 @@ def test_cpu_q6k_layer_keeps_its_planes():
 def test_q6k_to_frag6_in_column_chunks_equals_one_pack():
     """The load-time conversion (column chunks, as a 152k-row head takes) joins its chunks into the layout one pack
     of the whole matrix gives: every code and scale where the kernels read it."""
-    from quant_serve.kernels.w8a16.dispatch import q6k_to_frag6
+    from quant_serve.kernels.matmul.dispatch import q6k_to_frag6
     w = q6k_layer(320, 80, seed=7)
     whole = pack_frag6(q6k_codes(w), q6k_scales(w))
     chunked = q6k_to_frag6(w, max_elems=320 * 32)                          # 32 columns a chunk: 3 chunks
@@ -87,7 +87,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 @pytest.mark.parametrize("k,n", [(256, 64), (320, 96), (3584, 512), (1024, 4608)])
 @pytest.mark.parametrize("m", [1, 3, 16, 40, 64, 300])
 def test_gpu_frag6_matmul_matches_reference(k, n, m):
-    from quant_serve.kernels.w4a16.dispatch import w4a16_matmul
+    from quant_serve.kernels.matmul.dispatch import w4a16_matmul
     w = q6k_layer(k, n, DEV)
     fw = pack_frag6(q6k_codes(w), q6k_scales(w))
     x = torch.randn(m, k, dtype=torch.float16, device=DEV)
@@ -101,8 +101,8 @@ def test_gpu_frag6_matmul_matches_reference(k, n, m):
 @gpu
 @pytest.mark.gpu
 def test_gpu_frag6_kernels_every_config():
-    from quant_serve.kernels.w4a16.frag_tiles import frag_dequantize
-    from quant_serve.kernels.w4a16.mma import w4a16_mma
+    from quant_serve.kernels.matmul.frag.tiles import frag_dequantize
+    from quant_serve.kernels.matmul.frag.mma import w4a16_mma
     w = q6k_layer(1024, 256, DEV, seed=3)
     fw = pack_frag6(q6k_codes(w), q6k_scales(w))
     assert torch.equal(frag_dequantize(fw).t(), frag6_dequantize_ref(fw))
@@ -117,7 +117,7 @@ def test_gpu_frag6_kernels_every_config():
 
 def compile_q6_cases() -> dict:
     """The Q6_K fragment kernels compiled for sm90 without a GPU: M = 1 (down and the head's shape), M = 16."""
-    from quant_serve.kernels.w4a16.mma import _w4a16_mma_kernel
+    from quant_serve.kernels.matmul.frag.mma import _w4a16_mma_kernel
     from tests.test_kernels_w4a16_mma import _compile_sm90, mma_signature
     sig = mma_signature("*fp16", "*i32")
     out = {}
@@ -141,8 +141,8 @@ def test_plan_caps_registers_only_where_the_dequant_fits_the_cap():
     """gate_up at M = 1 (two splits, SwiGLU): the one-wave register cap for INT4 codes and Q4_K, none for float
     offsets and Q6_K (their loops need 72 and 102 registers; capped at 56 they spill, offsets 47.4 against 35.6 us)."""
     from quant_serve.kernels.gpu import PROFILES
-    from quant_serve.kernels.w4a16.frag import ZP_INT4, ZP_KQUANT, ZP_OFFSETS
-    from quant_serve.kernels.w4a16.plan import plan_w4a16
+    from quant_serve.kernels.matmul.frag.layout import ZP_INT4, ZP_KQUANT, ZP_OFFSETS
+    from quant_serve.kernels.matmul.plan import plan_w4a16
     caps = PROFILES["h200"]
     regs = {zp: plan_w4a16(1, 3584, 37888, caps, silu_mul=True, zp_mode=zp).config.max_regs
             for zp in (ZP_INT4, ZP_KQUANT, ZP_OFFSETS, ZP_Q6)}

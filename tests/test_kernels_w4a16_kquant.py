@@ -1,4 +1,4 @@
-"""GGUF Q4_K kept two-level in the W4A16 kernels (kernels/w4a16/kquant.py): int16 sub-codes and int32 super-scales
+"""GGUF Q4_K kept two-level in the W4A16 kernels (kernels/matmul/frag/kquant.py): int16 sub-codes and int32 super-scales
 read by the row-layout Triton kernels (gemv, gemm / gemmt, dequantize pass) under TRITON_INTERPRET=1 on CPU (compiled
 on a GPU), against gguf.quants.dequantize (bit-exact dequant) and a torch matmul over it; the fragment layout's Gluon
 kernels with the same tensors on the GPU only (`gpu` tests: Gluon does not run in the interpreter)."""
@@ -16,14 +16,14 @@ from gguf.quants import dequantize  # noqa: E402
 
 from quant_serve.kernels.interpret import patch_triton_interpreter  # noqa: E402
 from quant_serve.kernels.triton_compat import interpreting  # noqa: E402
-from quant_serve.kernels.w4a16.dispatch import prepare_kernel_weights, twin_args, w4a16_forward, w4a16_matmul  # noqa: E402,E501
-from quant_serve.kernels.w4a16.frag import ZP_KQUANT, prepare_frag  # noqa: E402
-from quant_serve.kernels.w4a16.kquant import kquant_bytes, kquant_scales_offsets  # noqa: E402
-from quant_serve.kernels.w4a16.rows import prepare_w4a16  # noqa: E402
-from quant_serve.kernels.w4a16.rows_gemm import w4a16_dequantize  # noqa: E402
-from quant_serve.kernels.w4a16.rules import W4A16Config  # noqa: E402
-from quant_serve.quant.formats.gguf_kquants import quantize  # noqa: E402
-from quant_serve.quant.formats.gguf_types import kquant_layout, read_grouped  # noqa: E402
+from quant_serve.kernels.matmul.dispatch import prepare_kernel_weights, twin_args, w4a16_forward, w4a16_matmul  # noqa: E402,E501
+from quant_serve.kernels.matmul.frag.layout import ZP_KQUANT, prepare_frag  # noqa: E402
+from quant_serve.kernels.matmul.frag.kquant import kquant_bytes, kquant_scales_offsets  # noqa: E402
+from quant_serve.kernels.matmul.rows.layout import prepare_w4a16  # noqa: E402
+from quant_serve.kernels.matmul.rows.gemm import w4a16_dequantize  # noqa: E402
+from quant_serve.kernels.matmul.rules import W4A16Config  # noqa: E402
+from quant_serve.quant.formats.gguf.kquants import quantize  # noqa: E402
+from quant_serve.quant.formats.gguf.types import kquant_layout, read_grouped  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 patch_triton_interpreter()
@@ -135,9 +135,9 @@ def test_gpu_planned_kquant_matches_gguf(k, n):
 
 @pytest.mark.gpu
 def test_gpu_kquant_probe_passes_where_the_kernels_are_right():
-    """The load-time probe (kernels/w4a16/plan.py) must accept the fragment kernels with k-quant scales on sm80+:
+    """The load-time probe (kernels/matmul/plan.py) must accept the fragment kernels with k-quant scales on sm80+:
     a probe that expects the wrong value sends every Q4_K layer to the row-layout kernels (8x slower on the H200)."""
-    from quant_serve.kernels.w4a16.plan import _frag_offsets_work, frag_offsets_work
+    from quant_serve.kernels.matmul.probes import _frag_offsets_work, frag_offsets_work
     _frag_offsets_work.cache_clear()
     assert frag_offsets_work(torch.device(DEV), kquant=True)
     assert frag_offsets_work(torch.device(DEV), kquant=False)
@@ -149,10 +149,10 @@ def compile_kquant_cases() -> dict:
     epilogue, the dequantize pass and a TMA tile (M = 17..4096 on sm90)."""
     from triton.experimental.gluon import language as gl
 
-    from quant_serve.kernels.w4a16.frag_tiles import _frag_dequant_kernel
-    from quant_serve.kernels.w4a16.mma import _w4a16_mma_kernel, mma_variant
-    from quant_serve.kernels.w4a16.rules import select_mma_config
-    from quant_serve.kernels.w4a16.tma import _w4a16_tma_kernel, register_budget
+    from quant_serve.kernels.matmul.frag.tiles import _frag_dequant_kernel
+    from quant_serve.kernels.matmul.frag.mma import _w4a16_mma_kernel, mma_variant
+    from quant_serve.kernels.matmul.rules import select_mma_config
+    from quant_serve.kernels.matmul.frag.tma import _w4a16_tma_kernel, register_budget
     from tests.test_kernels_w4a16_mma import _compile_sm90, mma_signature
     sig = mma_signature("*i16", "*i32")
     out = {}

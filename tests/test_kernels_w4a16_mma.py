@@ -1,11 +1,11 @@
-"""Fragment-layout W4A16 MMA kernel (kernels/w4a16/mma.py): the layout on CPU (exact round trip, the word's
+"""Fragment-layout W4A16 MMA kernel (kernels/matmul/frag/mma.py): the layout on CPU (exact round trip, the word's
 nibble map), the Gluon kernel on the GPU against the torch twin. Gluon kernels do not run in the Triton
 interpreter, so the kernel tests need the GPU machine."""
 import pytest
 import torch
 
-from quant_serve.kernels.w4a16.frag import frag_codes, frag_standard, frag_words, pick_block_k, prepare_frag
-from quant_serve.kernels.w4a16.reference import dequantize_w4
+from quant_serve.kernels.matmul.frag.layout import frag_codes, frag_standard, frag_words, pick_block_k, prepare_frag
+from quant_serve.kernels.matmul.reference import dequantize_w4
 from tests.test_kernels_w4a16 import make_weights, reference, rel_err
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -60,7 +60,7 @@ def frag_case(k: int, n: int, group_size: int, zeros: bool, m: int):
                                                   (200, 48, -1, True), (3584, 4608, 128, True)])
 @pytest.mark.parametrize("m", [1, 3, 8, 13, 16, 40, 64])
 def test_gpu_mma_matches_twin(k, n, group_size, zeros, m):
-    from quant_serve.kernels.w4a16.mma import w4a16_mma
+    from quant_serve.kernels.matmul.frag.mma import w4a16_mma
     fw, x, bias, ref = frag_case(k, n, group_size, zeros, m)
     for cfg in (dict(), dict(block_n=64, block_k=128, split_k=3), dict(block_n=64, block_k=128, split_k=5),
                 dict(block_n=256, num_warps=8, split_k=8),
@@ -74,7 +74,7 @@ def test_gpu_mma_matches_twin(k, n, group_size, zeros, m):
 @pytest.mark.gpu
 def test_gpu_mma_takes_strided_and_misaligned_x():
     """x through cp.async (M > 1, wgmma) needs unit-stride, 16-byte aligned rows: other inputs are copied first."""
-    from quant_serve.kernels.w4a16.mma import w4a16_mma
+    from quant_serve.kernels.matmul.frag.mma import w4a16_mma
     qweight, scales, qzeros, gs, _ = make_weights(512, 256, 128, True, False, torch.float16)
     fw = prepare_frag(qweight, scales, qzeros, gs)
     def randn(*shape):
@@ -91,7 +91,7 @@ def test_gpu_mma_takes_strided_and_misaligned_x():
 @pytest.mark.parametrize("m", [65, 128, 200, 256, 300])
 def test_gpu_wgmma_large_m_matches_twin(m):
     """wgmma tiles M by 128 rows (several row tiles above 128; one-launch counters per (column, row) tile)."""
-    from quant_serve.kernels.w4a16.mma import w4a16_mma
+    from quant_serve.kernels.matmul.frag.mma import w4a16_mma
     qweight, scales, qzeros, gs, _ = make_weights(512, 384, 128, True, False, torch.float16)
     fw = prepare_frag(qweight, scales, qzeros, gs)
     x = torch.randn(m, 512, dtype=torch.float16, device=DEV)
@@ -106,7 +106,7 @@ def test_gpu_wgmma_large_m_matches_twin(m):
 @pytest.mark.gpu
 def test_gpu_mma_silu_mul_equals_unfused():
     from quant_serve.kernels.norm_act import silu_and_mul
-    from quant_serve.kernels.w4a16.mma import w4a16_mma
+    from quant_serve.kernels.matmul.frag.mma import w4a16_mma
     qweight, scales, qzeros, gs, _ = make_weights(512, 512, 128, True, False, torch.float16)
     fw = prepare_frag(qweight, scales, qzeros, gs)
     for m, cfg in ((2, dict(split_k=2)), (2, dict(split_k=2, one_launch=False)), (16, dict(block_n=64, split_k=1)),
@@ -125,8 +125,8 @@ def test_gpu_residual_epilogue_and_folded_norm():
     matmul + torch add and the sums of squares of what it wrote (by 64 columns, a partial last tile included); the
     folded norm gives the matmul of the twin-normed x (the variance summed in another order: a tolerance), with and
     without the SwiGLU, one split or several (the last ticket's split writes)."""
-    from quant_serve.kernels.w4a16.fold import FoldedNorm, folded_norm_ref, residual_ref
-    from quant_serve.kernels.w4a16.mma import w4a16_mma
+    from quant_serve.kernels.matmul.frag.fold import FoldedNorm, folded_norm_ref, residual_ref
+    from quant_serve.kernels.matmul.frag.mma import w4a16_mma
     gen = torch.Generator().manual_seed(7)
     for k, n, split in ((512, 320, 1), (512, 320, 4), (1024, 80, 8)):
         qweight, scales, qzeros, gs, _ = make_weights(k, n, 128, True, False, torch.float16)
@@ -158,10 +158,10 @@ def test_gpu_matmul_merges_decode_partials_as_it_stages_x(cache_dtype, scale):
     """Batch-1 decode: o_proj merges the decode kernel's split partials while it stages x (attention_merge.py):
     the result is the matmul of the merged attention output (merge_partials), up to the fp32 order of the sum
     over splits, for 1, 3 (a short last split) and 8 splits of K, with the residual epilogue and without."""
-    from quant_serve.kernels.attention_merge import DecodePartials, merge_partials, merge_partials_ref
-    from quant_serve.kernels.paged_attention import DecodeConfig, paged_decode
-    from quant_serve.kernels.w4a16.fold import FoldedNorm
-    from quant_serve.kernels.w4a16.mma import w4a16_mma
+    from quant_serve.kernels.attention.merge import DecodePartials, merge_partials, merge_partials_ref
+    from quant_serve.kernels.attention.paged import DecodeConfig, paged_decode
+    from quant_serve.kernels.matmul.frag.fold import FoldedNorm
+    from quant_serve.kernels.matmul.frag.mma import w4a16_mma
     gen = torch.Generator().manual_seed(5)
     hq, hkv, d, bs, ctx = 8, 2, 128, 16, 700
     blocks = torch.randperm(64, generator=gen)[:64].to(torch.int32)
@@ -195,8 +195,8 @@ def test_gpu_preloaded_split_and_register_cap_change_no_bit():
     bits as the stepwise loop, for one to four steps a split (a short last split included), with the residual
     epilogue, the folded norm and the SwiGLU; the register cap of one_wave_regs changes no bit either."""
     from quant_serve.kernels.pdl import pdl_enabled
-    from quant_serve.kernels.w4a16.fold import FoldedNorm, residual_ref
-    from quant_serve.kernels.w4a16.mma import w4a16_mma
+    from quant_serve.kernels.matmul.frag.fold import FoldedNorm, residual_ref
+    from quant_serve.kernels.matmul.frag.mma import w4a16_mma
     if not pdl_enabled(torch.zeros(1, device=DEV)):
         pytest.skip("the preload applies under PDL only (sm90 and newer, KernelOptions.pdl on)")
     gen = torch.Generator().manual_seed(11)
@@ -218,8 +218,8 @@ def test_gpu_preloaded_split_and_register_cap_change_no_bit():
 
 
 def test_cpu_keeps_row_layout_and_twin_reads_fragment_layout():
-    from quant_serve.kernels.w4a16.dispatch import prepare_kernel_weights, w4a16_matmul
-    from quant_serve.kernels.w4a16.rows import W4A16Weights
+    from quant_serve.kernels.matmul.dispatch import prepare_kernel_weights, w4a16_matmul
+    from quant_serve.kernels.matmul.rows.layout import W4A16Weights
     qweight, scales, qzeros, gs, perm = make_weights(256, 64, 64, True, True, torch.float16, device="cpu")
     assert isinstance(prepare_kernel_weights(qweight, scales, qzeros, gs, perm), W4A16Weights)   # no GPU: rows
     fw = prepare_frag(qweight, scales, qzeros, gs, perm)
@@ -229,7 +229,7 @@ def test_cpu_keeps_row_layout_and_twin_reads_fragment_layout():
 
 
 def test_mma_variant_picks_scales_after_and_staged_x_where_they_apply():
-    from quant_serve.kernels.w4a16.mma import mma_variant
+    from quant_serve.kernels.matmul.frag.mma import mma_variant
     # (block_k, steps per split, splits, scales after the MMA, staged x rows)
     def v(*args, **kw):
         r = mma_variant(*args, **kw)
@@ -253,7 +253,7 @@ def test_mma_variant_picks_scales_after_and_staged_x_where_they_apply():
 
 
 def test_mma_config_rule_reproduces_the_sweep_winners():
-    from quant_serve.kernels.w4a16.rules import select_mma_config
+    from quant_serve.kernels.matmul.rules import select_mma_config
     # (K, N, M) -> (block_n, block_k, split_k, one_launch): bench/results/exp-mma-h200.json winners
     def cfg(m, k, n):
         c = select_mma_config(m, k, n)
@@ -300,8 +300,8 @@ def test_gpu_dispatcher_on_fragment_layout(m):
     """QuantLinear's path on CUDA: the fragment layout, mma.sync up to M = 16 (64 off sm90), wgmma to 128,
     dequantize + cuBLAS above; act-order, bias and the fused SwiGLU included."""
     from quant_serve.kernels.norm_act import silu_and_mul
-    from quant_serve.kernels.w4a16.dispatch import prepare_kernel_weights, w4a16_matmul
-    from quant_serve.kernels.w4a16.frag import FragWeights
+    from quant_serve.kernels.matmul.dispatch import prepare_kernel_weights, w4a16_matmul
+    from quant_serve.kernels.matmul.frag.layout import FragWeights
     qweight, scales, qzeros, gs, perm = make_weights(512, 384, 128, True, True, torch.float16)
     w = prepare_kernel_weights(qweight, scales, qzeros, gs, perm)
     assert isinstance(w, FragWeights)
@@ -316,7 +316,7 @@ def test_gpu_dispatcher_on_fragment_layout(m):
 
 @pytest.mark.gpu
 def test_gpu_frag_dequantize_exact():
-    from quant_serve.kernels.w4a16.frag_tiles import frag_dequantize
+    from quant_serve.kernels.matmul.frag.tiles import frag_dequantize
     for k, n, group_size, zeros in [(512, 256, 128, True), (200, 48, -1, False), (320, 96, 32, True)]:
         qweight, scales, qzeros, gs, _ = make_weights(k, n, group_size, zeros, False, torch.float16)
         exact = dequantize_w4(qweight, scales, qzeros, gs, torch.float32).to(torch.float16)   # [K, N]
@@ -427,9 +427,9 @@ def mma_signature(s_ptr: str = "*fp16", z_ptr: str = "*i32") -> dict:
 
 def compile_cases() -> dict:
     """The dispatcher's mma configurations for the Qwen2.5-7B shapes and the dequantize kernel, compiled for sm90."""
-    from quant_serve.kernels.w4a16.mma import _w4a16_mma_kernel, mma_variant
-    from quant_serve.kernels.w4a16.frag_tiles import _frag_dequant_kernel
-    from quant_serve.kernels.w4a16.rules import select_mma_config
+    from quant_serve.kernels.matmul.frag.mma import _w4a16_mma_kernel, mma_variant
+    from quant_serve.kernels.matmul.frag.tiles import _frag_dequant_kernel
+    from quant_serve.kernels.matmul.rules import select_mma_config
     sig = mma_signature()
     out = {}
     for m, k, n in COMPILE_CASES:
@@ -521,7 +521,7 @@ def test_gluon_kernels_compile_for_sm90_without_spills():
 
 def test_layout_probe_failure_falls_back_to_rows_with_a_warning(caplog):
     """A Triton whose Gluon cannot build or run the kernel (here: no GPU at all) must cost speed, not the load."""
-    from quant_serve.kernels.w4a16.plan import _mma_kernels_work
+    from quant_serve.kernels.matmul.probes import _mma_kernels_work
     if torch.cuda.is_available():
         assert _mma_kernels_work(torch.cuda.current_device())
         return
@@ -533,7 +533,7 @@ def test_layout_probe_failure_falls_back_to_rows_with_a_warning(caplog):
 def test_wgmma_probe_failure_falls_back_with_a_warning(caplog):
     """The wgmma variant serves only where its probe passes: an sm90 GPU (H100/H200); elsewhere mma.sync and the
     dequantize path serve, and a failed probe says so."""
-    from quant_serve.kernels.w4a16.plan import _wgmma_works
+    from quant_serve.kernels.matmul.probes import _wgmma_works
     if torch.cuda.is_available():
         if torch.cuda.get_device_capability() == (9, 0):
             assert _wgmma_works(torch.cuda.current_device())

@@ -13,15 +13,15 @@ if not torch.cuda.is_available():
 
 from quant_serve.kernels.gpu import PROFILES, KernelOptions  # noqa: E402
 from quant_serve.kernels.interpret import patch_triton_interpreter  # noqa: E402
-from quant_serve.kernels.w4a16.dispatch import (prepare_kernel_weights, standard_layout, w4a16_forward,  # noqa: E402
-                                                w4a16_matmul)
-from quant_serve.kernels.w4a16.frag import ZP_OFFSETS, FragWeights, prepare_frag  # noqa: E402
-from quant_serve.kernels.w4a16.frag_tiles import _frag_dq_asm  # noqa: E402
-from quant_serve.kernels.w4a16.plan import layout_for, plan_w4a16  # noqa: E402
-from quant_serve.kernels.w4a16.reference import dequantize_w4, pack_int4_rows, w4a16_matmul_ref  # noqa: E402
-from quant_serve.kernels.w4a16.rows import W4A16Weights, prepare_w4a16  # noqa: E402
-from quant_serve.kernels.w4a16.rows_gemm import w4a16_dequantize  # noqa: E402
-from quant_serve.kernels.w4a16.rules import W4A16Config  # noqa: E402
+from quant_serve.kernels.matmul.dispatch import (prepare_kernel_weights, standard_layout, w4a16_forward,  # noqa: E402
+                                                 w4a16_matmul)
+from quant_serve.kernels.matmul.frag.layout import ZP_OFFSETS, FragWeights, prepare_frag  # noqa: E402
+from quant_serve.kernels.matmul.frag.tiles import _frag_dq_asm  # noqa: E402
+from quant_serve.kernels.matmul.plan import layout_for, plan_w4a16  # noqa: E402
+from quant_serve.kernels.matmul.reference import dequantize_w4, pack_int4_rows, w4a16_matmul_ref  # noqa: E402
+from quant_serve.kernels.matmul.rows.layout import W4A16Weights, prepare_w4a16  # noqa: E402
+from quant_serve.kernels.matmul.rows.gemm import w4a16_dequantize  # noqa: E402
+from quant_serve.kernels.matmul.rules import W4A16Config  # noqa: E402
 from quant_serve.kernels.triton_compat import interpreting  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -183,7 +183,7 @@ def gpu_frag_case(k, n, gs, m):
 @pytest.mark.parametrize("k,n,gs", [(512, 256, 32), (384, 160, 16), (3584, 4608, 32), (256, 128, 128)])
 @pytest.mark.parametrize("m", [1, 4, 17, 64])
 def test_gpu_mma_and_wgmma_with_offsets_match_twin(k, n, gs, m):
-    from quant_serve.kernels.w4a16.mma import w4a16_mma
+    from quant_serve.kernels.matmul.frag.mma import w4a16_mma
     fw, x, bias, ref = gpu_frag_case(k, n, gs, m)
     for cfg in (dict(), dict(block_n=64, block_k=128, split_k=3), dict(block_n=64, block_k=128, split_k=2,
                 one_launch=False), dict(block_n=64, block_k=128, split_k=2, wgmma=True),
@@ -195,8 +195,8 @@ def test_gpu_mma_and_wgmma_with_offsets_match_twin(k, n, gs, m):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [17, 64, 300])
 def test_gpu_tma_dequant_and_planned_path_with_offsets_match_twin(m):
-    from quant_serve.kernels.w4a16.frag_tiles import frag_dequantize
-    from quant_serve.kernels.w4a16.tma import w4a16_tma
+    from quant_serve.kernels.matmul.frag.tiles import frag_dequantize
+    from quant_serve.kernels.matmul.frag.tma import w4a16_tma
     k, n, gs = 512, 256, 32
     fw, x, bias, ref = gpu_frag_case(k, n, gs, m)
     if torch.cuda.get_device_capability() == (9, 0):
@@ -213,7 +213,7 @@ def test_gpu_tma_dequant_and_planned_path_with_offsets_match_twin(m):
 
 @pytest.mark.gpu
 def test_gpu_folded_norm_and_swiglu_with_offsets_match_unfused():
-    from quant_serve.kernels.w4a16.fold import FoldedNorm, folded_norm_applies, w4a16_normed, w4a16_residual
+    from quant_serve.kernels.matmul.frag.fold import FoldedNorm, folded_norm_applies, w4a16_normed, w4a16_residual
     k, n, gs = 512, 512, 32
     fw, x, _, _ = gpu_frag_case(k, n, gs, 1)
     assert folded_norm_applies(fw)
@@ -238,9 +238,9 @@ def compile_offset_cases() -> dict:
     """The fragment kernels with float offsets (ZP_MODE 2, GGUF's groups of 32) compiled for sm90 without a GPU:
     the batch-1 decode configurations of qkv (x staged) and down (long K), M = 16, wgmma at M = 32, the folded
     residual epilogue and the dequantize pass."""
-    from quant_serve.kernels.w4a16.frag_tiles import _frag_dequant_kernel
-    from quant_serve.kernels.w4a16.mma import _w4a16_mma_kernel, mma_variant
-    from quant_serve.kernels.w4a16.rules import select_mma_config
+    from quant_serve.kernels.matmul.frag.tiles import _frag_dequant_kernel
+    from quant_serve.kernels.matmul.frag.mma import _w4a16_mma_kernel, mma_variant
+    from quant_serve.kernels.matmul.rules import select_mma_config
     from tests.test_kernels_w4a16_mma import _compile_sm90, mma_signature
     sig = mma_signature("*fp16", "*fp16")
     out = {}

@@ -1,9 +1,9 @@
-"""The TMA-fed Hopper W4A16 kernel (kernels/w4a16/tma.py): its dispatch rule (CPU), its sm90 compile (CPU, the
+"""The TMA-fed Hopper W4A16 kernel (kernels/matmul/frag/tma.py): its dispatch rule (CPU), its sm90 compile (CPU, the
 wheel's ptxas) and, on the GPU machine, its results against the exact dequantized reference."""
 import pytest
 import torch
 
-from quant_serve.kernels.w4a16.rules import MMAConfig, TMAConfig, select_tma_config
+from quant_serve.kernels.matmul.rules import MMAConfig, TMAConfig, select_tma_config
 from tests.test_kernels_w4a16 import make_weights, reference, rel_err
 from tests.test_kernels_w4a16_mma import compiled_in_fresh_process, frag_case
 
@@ -18,7 +18,7 @@ def test_tma_rule_pins_the_sweep_winners():
     rows one x 64 x 128 in 128-row steps, two stages; two x 256 weight rows on gate_up at 128; one x 64 x 128 rows
     (overlap) on narrow short-K layers to 512; else two consumers x 128 x 256. The tail: equal K ranges where they
     fill 84% of a wave, else stream-K."""
-    from quant_serve.kernels.w4a16.streamk import stream_k_plan
+    from quant_serve.kernels.matmul.streamk import stream_k_plan
     two = TMAConfig(2, 128, 256)
 
     def one(bn, bm):
@@ -53,7 +53,7 @@ def test_tma_rule_pins_the_sweep_winners():
 
 
 def _sk_work(plan, steps):
-    """The kernel's work list per program (kernels/w4a16/tma.py: _sk_span, _sk_owner, the consumer's loops), in
+    """The kernel's work list per program (kernels/matmul/frag/tma.py: _sk_span, _sk_owner, the consumer's loops), in
     its closed forms: program -> [(tile, k0, k1, segment, segments, tail index)]."""
     work = {p: [(p + j * plan.programs, 0, steps, 0, 1, 0) for j in range(plan.waves)] for p in range(plan.programs)}
     if not plan.tail:
@@ -81,7 +81,7 @@ def test_stream_k_plan_covers_every_step_once(tiles, steps, slots, sk):
     """Every (tile, K step) is done by exactly one program; a split tile's segments are numbered 0..n-1 in K order
     by programs that agree on n, n <= the plan's max_segs (the workspace's size); no program idles while another
     has more than one step beyond its share; whole tiles where the plan splits none."""
-    from quant_serve.kernels.w4a16.streamk import MIN_SK_STEPS, SK_ALIGNED_FILL, stream_k_plan
+    from quant_serve.kernels.matmul.streamk import MIN_SK_STEPS, SK_ALIGNED_FILL, stream_k_plan
     plan = stream_k_plan(tiles, steps, slots, sk)
     assert plan.programs <= slots and plan.waves * plan.programs + plan.tail == tiles
     done, segs = {}, {}
@@ -114,7 +114,7 @@ def test_plan_takes_the_tma_tile_where_the_caps_and_options_allow():
     from dataclasses import replace
 
     from quant_serve.kernels.gpu import PROFILES, KernelOptions
-    from quant_serve.kernels.w4a16.plan import plan_w4a16
+    from quant_serve.kernels.matmul.plan import plan_w4a16
     h200 = PROFILES["h200"]
     plan = lambda m, shape, caps=h200, **kw: plan_w4a16(m, *QWEN[shape], caps, **kw)  # noqa: E731
     assert plan(64, "gate_up").config == select_tma_config(64, *QWEN["gate_up"]) is not None
@@ -129,16 +129,17 @@ def test_plan_takes_the_tma_tile_where_the_caps_and_options_allow():
     assert (no_tma.kernel, no_tma.config) == ("wgmma", wgmma.config) and "no TMA" in no_tma.why
     off = plan(64, "gate_up", options=KernelOptions(tma=False))                           # turned off
     assert (off.kernel, off.config) == ("wgmma", wgmma.config) and "TMA off" in off.why
+    fp16 = KernelOptions(activation_dtype="fp16")                # above 64 rows "auto" takes int8 there (w4a8)
     for card in ("a10", "4090", "a100"):                          # no TMA / wgmma: mma.sync to 64, then cuBLAS
         assert plan(64, "gate_up", PROFILES[card]).kernel == "mma.sync", card
-        assert plan(65, "gate_up", PROFILES[card]).kernel == "dequant+cublas", card
-    assert "no TMA" in plan(65, "gate_up", PROFILES["a10"]).why
+        assert plan(65, "gate_up", PROFILES[card], options=fp16).kernel == "dequant+cublas", card
+    assert "no TMA" in plan(65, "gate_up", PROFILES["a10"], options=fp16).why
 
 
 def test_tma_probe_failure_falls_back_with_a_warning(caplog):
     """The TMA kernel serves only where its load probe passes (an sm90 GPU); a failed probe says what serves
     instead."""
-    from quant_serve.kernels.w4a16.plan import _tma_works
+    from quant_serve.kernels.matmul.probes import _tma_works
     if torch.cuda.is_available():
         if torch.cuda.get_device_capability() == (9, 0):
             assert _tma_works(torch.cuda.current_device())
@@ -168,8 +169,8 @@ def test_gpu_tma_matches_twin(k, n, group_size, zeros, m, monkeypatch):
     assumed) whole waves before the tail; one consumer with each step's dequant beside the last wgmma (overlap; spans
     of odd and even step counts); steps of 128 K rows (2 and 4 scale groups a step at groups of 64 and 32, an odd 5
     steps at K = 640; K = 1088 falls back to 64). Twice each: the sum of a split tile's segments has one order."""
-    import quant_serve.kernels.w4a16.tma as tma_module
-    from quant_serve.kernels.w4a16.tma import w4a16_tma
+    import quant_serve.kernels.matmul.frag.tma as tma_module
+    from quant_serve.kernels.matmul.frag.tma import w4a16_tma
     fw, x, bias, ref = frag_case(k, n, group_size, zeros, m)
     for sms in (132, 3):
         monkeypatch.setattr(tma_module, "device_sms", lambda device, sms=sms: sms)
@@ -195,13 +196,13 @@ def test_gpu_tma_matches_twin(k, n, group_size, zeros, m, monkeypatch):
 def test_gpu_tma_silu_mul_and_dispatch(monkeypatch):
     """The SwiGLU after the kernel; w4a16_forward takes the TMA kernel where the rule has a tile (a spy counts its
     calls, after the load probe has run as prepare_kernel_weights runs it) and gives the same result."""
-    import quant_serve.kernels.w4a16.tma as tma_module
+    import quant_serve.kernels.matmul.frag.tma as tma_module
     from quant_serve.kernels.gpu import runtime_for
     from quant_serve.kernels.norm_act import silu_and_mul
-    from quant_serve.kernels.w4a16.dispatch import w4a16_forward
-    from quant_serve.kernels.w4a16.frag import prepare_frag
-    from quant_serve.kernels.w4a16.plan import _tma_works
-    from quant_serve.kernels.w4a16.tma import w4a16_tma
+    from quant_serve.kernels.matmul.dispatch import w4a16_forward
+    from quant_serve.kernels.matmul.frag.layout import prepare_frag
+    from quant_serve.kernels.matmul.probes import _tma_works
+    from quant_serve.kernels.matmul.frag.tma import w4a16_tma
     assert _tma_works(torch.cuda.current_device())
     qweight, scales, qzeros, gs, _ = make_weights(1024, 512, 128, True, False, torch.float16)
     fw = prepare_frag(qweight, scales, qzeros, gs)
@@ -226,7 +227,7 @@ def compile_tma_cases() -> dict:
     """The dispatcher's TMA tiles compiled for sm90 (a fresh process: see the caller) -> registers, spills, SASS."""
     from triton.experimental.gluon import language as gl
 
-    from quant_serve.kernels.w4a16.tma import _w4a16_tma_kernel, register_budget
+    from quant_serve.kernels.matmul.frag.tma import _w4a16_tma_kernel, register_budget
     from tests.test_kernels_w4a16_mma import _compile_sm90
     out = {}
     cases = [(1, 64, 64, False, 64, 4, False), (1, 64, 128, True, 64, 4, True), (2, 128, 256, True, 64, 4, False),

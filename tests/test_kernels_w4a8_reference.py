@@ -1,10 +1,10 @@
-"""The W4A8 twin (kernels/w4a8/reference.py): activations on the int8 grid give the W4A16 result to fp32
+"""The W4A8 twin (kernels/matmul/reference_int8.py): activations on the int8 grid give the W4A16 result to fp32
 rounding, for integer zero points, symmetric weights and GGUF's float offsets; per-token and per-group scales."""
 import pytest
 import torch
 
-from quant_serve.kernels.w4a16.reference import pack_int4_cols, pack_int4_rows, w4a16_matmul_ref
-from quant_serve.kernels.w4a8.reference import act_group_size, quantize_activations, w4a8_matmul_ref
+from quant_serve.kernels.matmul.reference import pack_int4_cols, pack_int4_rows, w4a16_matmul_ref
+from quant_serve.kernels.matmul.reference_int8 import act_group_size, quantize_activations, w4a8_matmul_ref
 
 
 def _weights(k, n, gs, seed=0):

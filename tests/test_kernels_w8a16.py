@@ -1,4 +1,4 @@
-"""W8A16 Triton kernels (kernels/w8a16/kernels.py: split-K GEMV, dequantize + cuBLAS) against the torch twin, and
+"""W8A16 Triton kernels (kernels/matmul/planes/kernels.py: split-K GEMV, dequantize + cuBLAS) against the torch twin, and
 plan_w8a16's choices. On CPU the kernels run under TRITON_INTERPRET=1 on tiny shapes; on a GPU, compiled."""
 import os
 
@@ -10,10 +10,10 @@ if not torch.cuda.is_available():
 
 from quant_serve.kernels.interpret import patch_triton_interpreter  # noqa: E402
 from quant_serve.kernels.triton_compat import interpreting  # noqa: E402
-from quant_serve.kernels.w8a16.dispatch import w8a16_forward, w8a16_matmul  # noqa: E402
-from quant_serve.kernels.w8a16.kernels import w8a16_dequantize  # noqa: E402
-from quant_serve.kernels.w8a16.plan import _PROGRAMS_PER_SM, DOT_MAX_M, W8A16Config, plan_w8a16  # noqa: E402
-from quant_serve.kernels.w8a16.reference import dequantize_w8, w8a16_matmul_ref  # noqa: E402
+from quant_serve.kernels.matmul.dispatch import w8a16_forward, w8a16_matmul  # noqa: E402
+from quant_serve.kernels.matmul.planes.kernels import w8a16_dequantize  # noqa: E402
+from quant_serve.kernels.matmul.plan import _PROGRAMS_PER_SM, DOT_MAX_M, W8A16Config, plan_w8a16  # noqa: E402
+from quant_serve.kernels.matmul.reference_planes import dequantize_w8, w8a16_matmul_ref  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 patch_triton_interpreter()
@@ -110,7 +110,7 @@ def test_cpu_runs_the_twin_and_cuda_checks_the_layout():
     y = w8a16_matmul(x, q.cpu(), s.cpu(), o.cpu(), 32)
     assert y.shape == (2, 3, 32)
     assert torch.equal(y.reshape(6, 32), w8a16_matmul_ref(x.reshape(6, 128), q.cpu(), s.cpu(), o.cpu(), 32))
-    from quant_serve.kernels.w8a16.dispatch import check_w8_layout
+    from quant_serve.kernels.matmul.dispatch import check_w8_layout
     with pytest.raises(ValueError, match="int8"):
         check_w8_layout(128, q.int(), s, o, 32)
     with pytest.raises(ValueError, match="scales"):

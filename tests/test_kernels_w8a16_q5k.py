@@ -1,4 +1,4 @@
-"""GGUF Q5_K at 5 bits in the W8A16 kernels (kernels/w8a16/q5k.py: 4-bit + 1-bit code planes, Q4_K's int16
+"""GGUF Q5_K at 5 bits in the W8A16 kernels (kernels/matmul/planes/q5k.py: 4-bit + 1-bit code planes, Q4_K's int16
 sub-codes and int32 d | dmin): the GEMV (FMA rows and tl.dot rows) and the dequantize pass under TRITON_INTERPRET=1
 on CPU (compiled on a GPU), against gguf.quants.dequantize (bit-exact dequant) and a torch matmul over it."""
 import os
@@ -14,12 +14,12 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf.quants import dequantize  # noqa: E402
 
 from quant_serve.kernels.triton_compat import interpreting  # noqa: E402
-from quant_serve.kernels.w8a16.dispatch import w8a16_forward, w8a16_matmul  # noqa: E402
-from quant_serve.kernels.w8a16.kernels import w8a16_dequantize  # noqa: E402
-from quant_serve.kernels.w8a16.plan import W8A16Config  # noqa: E402
-from quant_serve.kernels.w8a16.q5k import pack_q5k, q5k_bytes, q5k_codes, q5k_dequantize  # noqa: E402
-from quant_serve.quant.formats.gguf_kquants import quantize  # noqa: E402
-from quant_serve.quant.formats.gguf_types import q5k_layout, read_grouped  # noqa: E402
+from quant_serve.kernels.matmul.dispatch import w8a16_forward, w8a16_matmul  # noqa: E402
+from quant_serve.kernels.matmul.planes.kernels import w8a16_dequantize  # noqa: E402
+from quant_serve.kernels.matmul.plan import W8A16Config  # noqa: E402
+from quant_serve.kernels.matmul.planes.q5k import pack_q5k, q5k_bytes, q5k_codes, q5k_dequantize  # noqa: E402
+from quant_serve.quant.formats.gguf.kquants import quantize  # noqa: E402
+from quant_serve.quant.formats.gguf.types import q5k_layout, read_grouped  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -83,7 +83,7 @@ def compile_q5_kernels_sm90() -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from quant_serve.kernels.w8a16.kernels import _w8a16_dequant_kernel, _w8a16_gemv_kernel
+    from quant_serve.kernels.matmul.planes.kernels import _w8a16_dequant_kernel, _w8a16_gemv_kernel
     from tests.test_kernels_w4a16_mma import cubin_sass
     from tests.test_kernels_w8a16_q6k import constexpr_defaults
 
@@ -131,7 +131,7 @@ def test_bench_format_gguf_q5_k():
 
 @pytest.mark.parametrize("m", [1, 3])
 def test_planned_q5k_gemv_matches_gguf(m):
-    """The forward with no config runs the plan's tile (kernels/w8a16/plan.py: one row a program over 128 columns at
+    """The forward with no config runs the plan's tile (kernels/matmul/plan.py: one row a program over 128 columns at
     M = 1, tl.dot rows above, K split in one launch) correctly."""
     k, n = 1024, 160
     dense, w = q5_k_layer(k, n, seed=11)

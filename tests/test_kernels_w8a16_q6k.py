@@ -1,4 +1,4 @@
-"""GGUF Q6_K at 6 bits in the W8A16 kernels (kernels/w8a16/q6k.py: low / high code planes, int8 sub-scales, fp16 d):
+"""GGUF Q6_K at 6 bits in the W8A16 kernels (kernels/matmul/planes/q6k.py: low / high code planes, int8 sub-scales, fp16 d):
 the GEMV (FMA rows and tl.dot rows) and the dequantize pass under TRITON_INTERPRET=1 on CPU (compiled on a GPU),
 against gguf.quants.dequantize (bit-exact dequant) and a torch matmul over it."""
 import os
@@ -14,12 +14,12 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf.quants import dequantize  # noqa: E402
 
 from quant_serve.kernels.triton_compat import interpreting  # noqa: E402
-from quant_serve.kernels.w8a16.dispatch import w8a16_forward, w8a16_matmul  # noqa: E402
-from quant_serve.kernels.w8a16.kernels import w8a16_dequantize  # noqa: E402
-from quant_serve.kernels.w8a16.plan import W8A16Config  # noqa: E402
-from quant_serve.kernels.w8a16.q6k import pack_q6k, q6k_bytes, q6k_codes, q6k_dequantize  # noqa: E402
-from quant_serve.quant.formats.gguf_kquants import quantize  # noqa: E402
-from quant_serve.quant.formats.gguf_types import q6k_layout, read_grouped  # noqa: E402
+from quant_serve.kernels.matmul.dispatch import w8a16_forward, w8a16_matmul  # noqa: E402
+from quant_serve.kernels.matmul.planes.kernels import w8a16_dequantize  # noqa: E402
+from quant_serve.kernels.matmul.plan import W8A16Config  # noqa: E402
+from quant_serve.kernels.matmul.planes.q6k import pack_q6k, q6k_bytes, q6k_codes, q6k_dequantize  # noqa: E402
+from quant_serve.quant.formats.gguf.kquants import quantize  # noqa: E402
+from quant_serve.quant.formats.gguf.types import q6k_layout, read_grouped  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -92,9 +92,9 @@ def compile_row_kernels_sm90() -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from quant_serve.kernels.w4a16.rows_gemm import _w4a16_dequant_kernel, _w4a16_gemm_kernel
-    from quant_serve.kernels.w4a16.rows_gemv import _w4a16_gemv_kernel
-    from quant_serve.kernels.w8a16.kernels import _w8a16_dequant_kernel, _w8a16_gemv_kernel
+    from quant_serve.kernels.matmul.rows.gemm import _w4a16_dequant_kernel, _w4a16_gemm_kernel
+    from quant_serve.kernels.matmul.rows.gemv import _w4a16_gemv_kernel
+    from quant_serve.kernels.matmul.planes.kernels import _w8a16_dequant_kernel, _w8a16_gemv_kernel
     from tests.test_kernels_w4a16_mma import cubin_sass
 
     def build(kernel, sig, constexprs, num_warps=4):
@@ -151,7 +151,7 @@ def test_planes_plan_fills_the_gpu_and_its_kernel_is_right(m, k, n, sms):
     """The code-plane plan (measured rule): Q6_K through tl.dot quarters, Q5_K one row a program at M = 1; K split
     while the grid stays under ~10 programs an SM and every split keeps at least two 64-row chunks; more splits
     never for a wider layer; one launch whenever it splits."""
-    from quant_serve.kernels.w8a16.plan import plan_w8a16
+    from quant_serve.kernels.matmul.plan import plan_w8a16
     for layout in ("q6k", "q5k"):
         p = plan_w8a16(m, k, n, 16, sms, layout)
         c = p.config

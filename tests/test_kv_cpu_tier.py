@@ -1,11 +1,11 @@
 """The CPU tier in the block manager and the scheduler: exact block ids of both tiers, swaps, LRU across tiers."""
 import pytest
 
-from quant_serve.engine.block_manager import BlockManager, CpuHit
+from quant_serve.engine.core.block_manager import BlockManager, CpuHit
 from quant_serve.engine.config import SchedulerConfig
 from quant_serve.engine.sampling_params import SamplingParams
-from quant_serve.engine.scheduler import Scheduler
-from quant_serve.engine.sequence import Sequence, SequenceStatus
+from quant_serve.engine.core.scheduler import Scheduler
+from quant_serve.engine.core.sequence import Sequence, SequenceStatus
 
 TOKEN = 50
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from quant_serve.engine.kv_calibration import calibrate_kv_scales
-from quant_serve.engine.kv_scales import (E4M3_MAX, KV_SCALE_MARGIN, parse_kv_scale_name,
-                                          read_kv_scales, resolve_kv_scales, scale_from_amax, write_kv_scales)
+from quant_serve.engine.worker.kv_calibration import calibrate_kv_scales
+from quant_serve.engine.worker.kv_scales import (E4M3_MAX, KV_SCALE_MARGIN, parse_kv_scale_name,
+                                                 read_kv_scales, resolve_kv_scales, scale_from_amax, write_kv_scales)
 from helpers import assert_all_blocks_free, make_engine
 
 from conftest import DATA, TINY
@@ -188,7 +188,7 @@ def _flat(pairs):
 def test_scale_sources_and_file_format(tmp_path, caplog):
     e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
     k_amax, v_amax = [10.0, 20.0], [4.0, 8.0]
-    from quant_serve.engine.kv_scales import make_kv_scales
+    from quant_serve.engine.worker.kv_scales import make_kv_scales
     data = make_kv_scales(k_amax, v_amax, 64, dtype_max=57344.0)
     assert data["layers"]["1"]["k_scale"] == scale_from_amax(20.0, 57344.0)
     write_kv_scales(tmp_path, data)

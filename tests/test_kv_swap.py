@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from quant_serve.engine.sampling_params import SamplingParams
-from quant_serve.engine.swap import CpuKVTier, block_runs
+from quant_serve.engine.worker.swap import CpuKVTier, block_runs
 from helpers import assert_all_blocks_free, fp16_model_dir, make_engine
 
 from conftest import DATA, TINY

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from quant_serve.server.cli import main as cli
+from quant_serve.server.cli.main import main as cli
 
 from conftest import TINY, TINY_AWQ, TINY_CT
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from quant_serve.engine.memory import format_plan, kv_dtype_bytes, plan_memory
+from quant_serve.engine.plan.memory import format_plan, kv_dtype_bytes, plan_memory
 
 from conftest import SHARED
 

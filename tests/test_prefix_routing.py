@@ -1,10 +1,10 @@
-"""Prefix keys and the bounded-load consistent-hash ring (server/prefix_routing.py): pure Python, no Ray."""
+"""Prefix keys and the bounded-load consistent-hash ring (server/cluster/prefix_routing.py): pure Python, no Ray."""
 import random
 
 import pytest
 
-from quant_serve.engine.block_manager import hash_block
-from quant_serve.server.prefix_routing import ROOT_PARENT, HashRing, prefix_key
+from quant_serve.engine.core.block_manager import hash_block
+from quant_serve.server.cluster.prefix_routing import ROOT_PARENT, HashRing, prefix_key
 
 BS = 16
 

@@ -9,8 +9,8 @@ import torch
 
 from quant_serve.quant.calib import read_calib_file
 from quant_serve.quant.calib_data import wordnet_entries
-from quant_serve.server.cli import main as cli
-from quant_serve.server.cli_calib import sample_token_windows
+from quant_serve.server.cli.main import main as cli
+from quant_serve.server.cli.calib import sample_token_windows
 
 from conftest import TINY
 

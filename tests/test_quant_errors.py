@@ -9,8 +9,8 @@ from safetensors.torch import save_file
 from quant_serve.quant.formats import (AWQConfig, CompressedTensorsConfig, GPTQConfig, awq_quantization_config,
                                        ct_quantization_config, gptq_quantization_config, load_quant_config,
                                        write_awq_gemm, write_gptq, write_pack_quantized)
-from quant_serve.quant.linear_dense import DenseLinear
-from quant_serve.quant.linear import QuantLinear, make_linear
+from quant_serve.quant.layers.dense import DenseLinear
+from quant_serve.quant.layers.linear import QuantLinear, make_linear
 from quant_serve.quant.rtn import quantize_rtn
 
 L0 = "model.layers.0.mlp"
@@ -26,7 +26,7 @@ def checkpoint(tmp_path, quantization_config: dict | None, modules: dict[str, di
 
 
 def load_like_the_engine(model_dir, k: int, sizes: list[int], prefixes: list[str], override=None):
-    """What engine/loader.py does for one layer: header names -> config -> make_linear -> load_shard -> finalize."""
+    """What engine/load/loader.py does for one layer: header names -> config -> make_linear -> load_shard -> finalize."""
     with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
         tensors = {name: f.get_tensor(name) for name in f.keys()}
     hf = json.loads((model_dir / "config.json").read_text())

@@ -19,8 +19,8 @@ import torch
 from safetensors import safe_open
 
 from quant_serve.quant.formats import load_quant_config
-from quant_serve.quant.linear_dense import DenseLinear
-from quant_serve.quant.linear import QuantLinear
+from quant_serve.quant.layers.dense import DenseLinear
+from quant_serve.quant.layers.linear import QuantLinear
 
 MODELS = Path("/work/shared/models")
 MODULES = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from quant_serve.quant.formats import load_quant_config
-from quant_serve.quant.linear import QuantLinear
+from quant_serve.quant.layers.linear import QuantLinear
 
 GROUP_SIZES = [32, 64, 128, -1]
 PREFIX = "model.layers.0.mlp.down_proj"
@@ -209,11 +209,11 @@ def test_dummy_init_runs():
     ("ct-no-ignore", True), ("ct-ignore-head", False)])
 def test_config_alone_decides_the_head_of_a_dummy_model(quant, int4_head, tmp_path):
     """--load-format dummy has no header to read: GPTQ's `lm_head` flag and compressed-tensors' `ignore` decide
-    whether the head is INT4, as they do for the memory plan (engine/memory.py) of the same config."""
-    from quant_serve.engine.memory import plan_memory
+    whether the head is INT4, as they do for the memory plan (engine/plan/memory.py) of the same config."""
+    from quant_serve.engine.plan.memory import plan_memory
     from helpers import make_engine
     from quant_serve.quant.formats import ct_quantization_config
-    from quant_serve.quant.linear_dense import DenseLinear
+    from quant_serve.quant.layers.dense import DenseLinear
     from conftest import TINY
     if isinstance(quant, str):
         quant = ct_quantization_config(32, sym=False, ignore=[] if quant == "ct-no-ignore" else ["lm_head"])

@@ -3,14 +3,14 @@ candidates with and without it."""
 import torch
 
 from quant_serve.engine.config import HEAD_GROUP_SIZE
-from quant_serve.engine.demo import DEMO_MODEL_DIR
-from quant_serve.engine.memory import plan_memory
+from quant_serve.engine.load.demo import DEMO_MODEL_DIR
+from quant_serve.engine.plan.memory import plan_memory
 from quant_serve.eval.harness import EvalConfig, plan_candidates
 from helpers import make_engine
-from quant_serve.quant.linear_dense import DenseLinear
-from quant_serve.quant.linear import QuantLinear
+from quant_serve.quant.layers.dense import DenseLinear
+from quant_serve.quant.layers.linear import QuantLinear
 from quant_serve.quant.rtn import dequantize_codes, quantize_rtn
-from quant_serve.server.cli import build_parser
+from quant_serve.server.cli.main import build_parser
 
 from conftest import DATA, SHARED
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from quant_serve.kernels.w4a16.reference import unpack_int4_rows
+from quant_serve.kernels.matmul.reference import unpack_int4_rows
 from quant_serve.quant.formats import (awq_quantization_config, ct_quantization_config, gptq_quantization_config,
                                        load_quant_config, write_awq_gemm, write_gptq, write_pack_quantized)
 from quant_serve.quant.formats.awq import unpack_awq

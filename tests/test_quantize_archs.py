@@ -7,11 +7,11 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import bench_script, make_engine
-from quant_serve.engine.loader import load_model_config
+from quant_serve.engine.load.loader import load_model_config
 from quant_serve.engine.models.dense_calib import dense_logits
 from quant_serve.engine.sampling_params import SamplingParams
-from quant_serve.server.cli import main as cli
-from quant_serve.server.cli_quantize import load_source
+from quant_serve.server.cli.main import main as cli
+from quant_serve.server.cli.quantize import load_source
 from test_engine_archs import CONFIGS, VOCAB, hf_model, model_dirs, prompts, random_model_dir  # noqa: F401 - a fixture
 
 quant_quality = bench_script("quant_quality")

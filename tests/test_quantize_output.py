@@ -17,7 +17,7 @@ from safetensors import SafetensorError
 from quant_serve.quant import output as output_mod
 from quant_serve.quant import quantize as quantize_mod
 from quant_serve.quant.output import MARKER, OWNER
-from quant_serve.server.cli import main as cli
+from quant_serve.server.cli.main import main as cli
 
 from conftest import TINY
 
@@ -76,7 +76,7 @@ def test_overwrite_replaces_only_our_checkpoints(tmp_path, capsys):
 
 def test_debris_of_killed_runs_is_cleaned(tmp_path):
     out = tmp_path / "int4"
-    run = subprocess.Popen([sys.executable, "-m", "quant_serve.server.cli", "quantize", str(TINY), str(out),
+    run = subprocess.Popen([sys.executable, "-m", "quant_serve.server.cli.main", "quantize", str(TINY), str(out),
                             "--method", "rtn", "--device", "cpu"], stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL)
     deadline = time.time() + 120

@@ -10,15 +10,15 @@ import torch
 from safetensors.torch import save_file
 
 from helpers import make_engine
-from quant_serve.kernels.w4a16.reference import unpack_int4_cols, unpack_int4_rows
+from quant_serve.kernels.matmul.reference import unpack_int4_cols, unpack_int4_rows
 from quant_serve.quant import quantize as quantize_mod
 from quant_serve.engine.models.dense_calib import dense_logits
 from quant_serve.quant.calib import calib_tokens, read_calib_file
 from quant_serve.quant.quantize import QuantizeConfig, quantize_model
 from quant_serve.quant.gptq import GPTQSettings
 from quant_serve.quant.rtn import dequantize_codes
-from quant_serve.server.cli import main as cli
-from quant_serve.server.cli_quantize import load_source
+from quant_serve.server.cli.main import main as cli
+from quant_serve.server.cli.quantize import load_source
 
 from conftest import REPO, TINY
 
@@ -199,8 +199,8 @@ def test_quantized_lm_head_writes_loads_and_scores(fmt, sym, source, tmp_path):
     """--lm-head: the head is written as INT4 (GPTQ `lm_head: true`; compressed-tensors with nothing ignored),
     loads as a QuantLinear, and the engine's logits are those of the dequantized head: exactly the dense head's
     logits computed with the round-to-nearest weights."""
-    from quant_serve.quant.linear_dense import DenseLinear
-    from quant_serve.quant.linear import QuantLinear
+    from quant_serve.quant.layers.dense import DenseLinear
+    from quant_serve.quant.layers.linear import QuantLinear
     sink = {}
     with_head = quantize(source, tmp_path / "head", sink, method="rtn", sym=sym, format=fmt, lm_head=True)
     without = quantize(source, tmp_path / "dense", method="rtn", sym=sym, format=fmt)

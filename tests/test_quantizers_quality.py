@@ -10,15 +10,15 @@ import importlib.util
 import pytest
 import torch
 
-from quant_serve.engine.demo import DEMO_MODEL_DIR
+from quant_serve.engine.load.demo import DEMO_MODEL_DIR
 from helpers import make_engine
 from quant_serve.quant.awq import AWQSettings
 from quant_serve.engine.models.dense_calib import dense_logits
 from quant_serve.quant.calib import calib_tokens
 from quant_serve.quant.gptq import GPTQSettings
 from quant_serve.quant.quantize import QuantizeConfig, quantize_model
-from quant_serve.server.cli_calib import model_samples
-from quant_serve.server.cli_quantize import load_source
+from quant_serve.server.cli.calib import model_samples
+from quant_serve.server.cli.quantize import load_source
 
 from conftest import REPO, TINY
 
@@ -73,7 +73,7 @@ def test_calibrated_quantizer_beats_rtn(quality, method):
 
 def test_demo_model_is_our_awq_and_beats_rtn(quality):
     if "demo" not in quality:
-        pytest.skip("engine/demo_model is not installed")
+        pytest.skip("engine/load/demo_model is not installed")
     import json
     config = json.loads((DEMO_MODEL_DIR / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "awq"

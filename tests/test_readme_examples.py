@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from quant_serve.server.cli import main as cli
+from quant_serve.server.cli.main import main as cli
 from test_server_common import REPO, running_server
 
 README = (REPO / "README.md").read_text()

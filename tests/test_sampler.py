@@ -3,10 +3,10 @@ import math
 import pytest
 import torch
 
-from quant_serve.engine.sampler import (Sampler, apply_logit_bias, apply_min_tokens, apply_penalties,
-                                        compute_prompt_logprobs)
+from quant_serve.engine.sample.sampler import (Sampler, apply_logit_bias, apply_min_tokens, apply_penalties,
+                                               compute_prompt_logprobs)
 from quant_serve.engine.sampling_params import SamplingParams
-from quant_serve.engine.sequence import Sequence
+from quant_serve.engine.core.sequence import Sequence
 
 VOCAB = 50
 

@@ -1,11 +1,11 @@
 """Scheduler: one token budget, decode-first order, chunked prefill, preemption, abort and stop conditions."""
 import pytest
 
-from quant_serve.engine.block_manager import BlockManager
+from quant_serve.engine.core.block_manager import BlockManager
 from quant_serve.engine.config import SchedulerConfig
 from quant_serve.engine.sampling_params import SamplingParams
-from quant_serve.engine.scheduler import Scheduler, SchedulerOutput
-from quant_serve.engine.sequence import Sequence, SequenceStatus
+from quant_serve.engine.core.scheduler import Scheduler, SchedulerOutput
+from quant_serve.engine.core.sequence import Sequence, SequenceStatus
 
 TOKEN = 50          # what the fake model samples unless told otherwise
 

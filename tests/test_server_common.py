@@ -40,7 +40,7 @@ class ServerProcess:
         self.extra_env = env or {}
         self.url = f"http://127.0.0.1:{self.port}"
         exe = shutil.which("quant-serve")
-        command = [exe] if exe else [sys.executable, "-m", "quant_serve.server.cli"]
+        command = [exe] if exe else [sys.executable, "-m", "quant_serve.server.cli.main"]
         self.command = command + ["serve", *args, "--host", "127.0.0.1", "--port", str(self.port)]
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None

@@ -7,12 +7,12 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-import quant_serve.server.cli
-import quant_serve.server.cli_args
+import quant_serve.server.cli.main
+import quant_serve.server.cli.engine_args
 from conftest import TINY, TINY_AWQ
 from helpers import assert_all_blocks_free, make_engine
 from quant_serve.server.app import build_app
-from quant_serve.server.cli_serve import startup_report
+from quant_serve.server.cli.serve import startup_report
 from test_server_common import assert_error_shape, running_server, wait_until
 
 LONG = {"prompt": "Once upon a time", "max_tokens": 240, "ignore_eos": True, "temperature": 0}
@@ -124,13 +124,13 @@ def test_failed_step_fails_the_requests_in_flight_and_the_server_lives_on(engine
 
 
 def test_serve_takes_vllm_flag_names():
-    args = quant_serve.server.cli.build_parser().parse_args([
+    args = quant_serve.server.cli.main.build_parser().parse_args([
         "serve", "some/model", "--host", "0.0.0.0", "--port", "9000", "--served-model-name", "a", "b",
         "--api-key", "k", "--max-model-len", "128", "--max-num-seqs", "4", "--max-num-batched-tokens", "256",
         "--gpu-memory-utilization", "0.5", "--kv-cache-dtype", "fp8", "--no-enable-prefix-caching",
         "--enforce-eager", "--quantization", "awq", "--dtype", "float16", "--max-queued-requests", "7",
         "--load-format", "safetensors"])
-    config = quant_serve.server.cli.engine_config_from_args(args)
+    config = quant_serve.server.cli.main.engine_config_from_args(args)
     assert (args.host, args.port, args.served_model_name, args.api_key, args.max_queued_requests) == \
         ("0.0.0.0", 9000, ["a", "b"], "k", 7)
     assert config.model == "some/model" and config.max_model_len == 128 and config.enforce_eager
@@ -142,8 +142,8 @@ def test_serve_takes_vllm_flag_names():
 
 def test_token_budget_defaults_follow_vllm():
     """Serving keeps 2048-token steps (inter-token latency); offline commands take 8192 (throughput)."""
-    parse = quant_serve.server.cli.build_parser().parse_args
-    config = quant_serve.server.cli.engine_config_from_args
+    parse = quant_serve.server.cli.main.build_parser().parse_args
+    config = quant_serve.server.cli.main.engine_config_from_args
     budget = lambda argv: config(parse(argv)).scheduler.max_num_batched_tokens  # noqa: E731
     assert budget(["serve", "m"]) == 2048
     assert budget(["bench", "offline", "--model", "m"]) == 8192
@@ -152,8 +152,8 @@ def test_token_budget_defaults_follow_vllm():
 
 
 def test_serve_without_a_model_fails_clearly(monkeypatch, capsys):
-    monkeypatch.setattr(quant_serve.server.cli_args, "demo_model_dir", lambda: None)
-    assert quant_serve.server.cli.main(["serve", "--port", "1"]) == 2
+    monkeypatch.setattr(quant_serve.server.cli.engine_args, "demo_model_dir", lambda: None)
+    assert quant_serve.server.cli.main.main(["serve", "--port", "1"]) == 2
     assert "no MODEL given and the bundled demo model is not installed" in capsys.readouterr().err
 
 

@@ -8,7 +8,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-import quant_serve.server.cli as cli
+import quant_serve.server.cli.main as cli
 from conftest import SHARED, TINY
 from test_server_common import (KEY, assert_error_shape, chat_messages, client, post, shared_server,  # noqa: F401
                                 wait_until)

@@ -11,9 +11,9 @@ from argparse import Namespace
 import httpx
 import pytest
 
-import quant_serve.server.cli as cli
+import quant_serve.server.cli.main as cli
 from conftest import TINY
-from quant_serve.server.cli_serve import resolve_api_key
+from quant_serve.server.cli.serve import resolve_api_key
 from test_server_common import KEY, assert_error_shape, chat_messages, post, running_server, shared_server  # noqa
 
 HARD_KEY = "sk-from-the-environment"

@@ -157,7 +157,7 @@ def test_draft_model_with_another_tokenizer_is_refused(tmp_path, two_layer_draft
 
 
 def test_memory_plan_counts_the_draft_model(two_layer_draft):
-    from quant_serve.engine.memory import plan_memory
+    from quant_serve.engine.plan.memory import plan_memory
     config = TINY.parent.parent / "configs" / "qwen2.5-7b-instruct"
     alone = plan_memory(config, gpu_mem_gb=24.0, max_model_len=4096)
     both = plan_memory(config, gpu_mem_gb=24.0, max_model_len=4096, draft_model=two_layer_draft)
@@ -241,7 +241,7 @@ def test_abort_while_speculating_frees_both_pools(two_layer_draft):
 
 
 def test_backoff_after_verifications_that_accept_nothing():
-    from quant_serve.engine.sequence import Sequence
+    from quant_serve.engine.core.sequence import Sequence
     from quant_serve.engine.spec.backoff import Backoff
     seq = Sequence("s", [1, 2, 3], SamplingParams())
     backoff = Backoff(after=2)

@@ -7,7 +7,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from quant_serve.engine.sampling_params import SamplingParams
-from quant_serve.server.cli_args import ArgumentParser, add_engine_args, speculative_config_from_args
+from quant_serve.server.cli.engine_args import ArgumentParser, add_engine_args, speculative_config_from_args
 
 from conftest import TINY
 from helpers import make_engine

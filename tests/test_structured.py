@@ -12,12 +12,12 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from transformers import AutoTokenizer
 
-from quant_serve.engine.demo import DEMO_MODEL_DIR
-from quant_serve.engine.sampler import Sampler
+from quant_serve.engine.load.demo import DEMO_MODEL_DIR
+from quant_serve.engine.sample.sampler import Sampler
 from quant_serve.engine.sampling_params import SamplingParams
-from quant_serve.engine.sequence import Sequence
-from quant_serve.engine.structured import GrammarCompiler, StructuredOutputsParams, StructuredOutputsUnavailable
-from quant_serve.engine.structured_mask import GrammarMasks, allowed_tokens, apply_bitmask
+from quant_serve.engine.core.sequence import Sequence
+from quant_serve.engine.sample.structured import GrammarCompiler, StructuredOutputsParams, StructuredOutputsUnavailable
+from quant_serve.engine.sample.structured_mask import GrammarMasks, allowed_tokens, apply_bitmask
 
 from helpers import assert_all_blocks_free, fp16_model_dir, make_engine
 
@@ -204,7 +204,7 @@ def test_without_the_grammar_library_the_error_names_it(tokenizer, monkeypatch):
 def test_bench_offline_constrains_every_request(tmp_path_factory):
     import llguidance
 
-    from quant_serve.server.bench_offline import BENCH_JSON_SCHEMA, run_offline
+    from quant_serve.server.cli.bench_offline import BENCH_JSON_SCHEMA, run_offline
     engine = make_engine(fp16_model_dir(tmp_path_factory.mktemp("fp16")), max_model_len=128)
     constraint = StructuredOutputsParams(json=BENCH_JSON_SCHEMA)
     finished, step = [], engine.step

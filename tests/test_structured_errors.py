@@ -8,10 +8,10 @@ import threading
 import openai
 import pytest
 
-from quant_serve.engine.demo import DEMO_MODEL_DIR
+from quant_serve.engine.load.demo import DEMO_MODEL_DIR
 from quant_serve.engine.sampling_params import SamplingParams
-from quant_serve.engine.structured import GrammarCompiler, StructuredOutputsParams
-from quant_serve.engine.structured_limits import StructuredLimits, has_finite_instance
+from quant_serve.engine.sample.structured import GrammarCompiler, StructuredOutputsParams
+from quant_serve.engine.sample.structured_limits import StructuredLimits, has_finite_instance
 
 from test_server_common import KEY, running_server
 

@@ -6,10 +6,10 @@ thread, the sampling behind the next step's preparation) and forced tokens appen
 (jump-forward, their KV computed as a chunk by the next step), and synchronously with every token sampled."""
 import pytest
 
-from quant_serve.engine.demo import DEMO_MODEL_DIR
+from quant_serve.engine.load.demo import DEMO_MODEL_DIR
 from quant_serve.engine.sampling_params import SamplingParams
-from quant_serve.engine.structured_mask import GrammarMasks
-from quant_serve.server.bench_offline import BENCH_JSON_SCHEMA
+from quant_serve.engine.sample.structured_mask import GrammarMasks
+from quant_serve.server.cli.bench_offline import BENCH_JSON_SCHEMA
 
 from helpers import assert_all_blocks_free, make_engine
 
@@ -62,7 +62,7 @@ def test_constrained_greedy_outputs_are_those_before(async_scheduling, forced):
 def test_bench_compares_each_schema_with_the_unconstrained_load():
     """`bench offline --structured-outputs json-schema --compare-unconstrained`: per schema its ratio, and forced
     tokens counted where the grammar forces them."""
-    from quant_serve.server.bench_offline import compare_structured
+    from quant_serve.server.cli.bench_offline import compare_structured
     engine = make_engine(DEMO_MODEL_DIR, max_model_len=128)
     result = compare_structured(engine, ["free-text", "fixed-keys"], num_prompts=2, input_len=8, output_len=12,
                                 range_ratio=0.0, seed=0)

@@ -6,8 +6,8 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from quant_serve.engine.demo import DEMO_MODEL_DIR
-from quant_serve.engine.structured import GrammarCompiler, StructuredOutputsParams, close_objects
+from quant_serve.engine.load.demo import DEMO_MODEL_DIR
+from quant_serve.engine.sample.structured import GrammarCompiler, StructuredOutputsParams, close_objects
 from quant_serve.server.chat_template import ChatEncoder
 from quant_serve.server.protocol import ChatMessage
 from quant_serve.server.tool_grammar import tool_call_grammar

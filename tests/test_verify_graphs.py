@@ -13,8 +13,8 @@ if not torch.cuda.is_available():
 
 from quant_serve.engine.config import SpeculativeConfig  # noqa: E402
 from quant_serve.engine.sampling_params import SamplingParams  # noqa: E402
-from quant_serve.engine.scheduler import ScheduledSeq  # noqa: E402
-from quant_serve.engine.sequence import Sequence  # noqa: E402
+from quant_serve.engine.core.scheduler import ScheduledSeq  # noqa: E402
+from quant_serve.engine.core.sequence import Sequence  # noqa: E402
 from quant_serve.engine.spec.graphs import VerifyGraphs, VerifyInputs, VerifyRowGraphs  # noqa: E402
 from quant_serve.kernels.gpu import KernelOptions  # noqa: E402
 from quant_serve.kernels.interpret import patch_triton_interpreter  # noqa: E402
@@ -214,7 +214,7 @@ def test_cuda_verify_graph_logits_match_eager(as_rows, tmp_path_factory):
     bucket of 16) through the captured graph and eagerly over the same cache: the same logits up to fp16 rounding (the matmuls see 20 rows, not 9),
     the same argmax wherever it is not a near-tie."""
     from helpers import fp16_model_dir
-    from quant_serve.engine.scheduler import SchedulerOutput
+    from quant_serve.engine.core.scheduler import SchedulerOutput
     engine = _gpu_engine(fp16_model_dir(tmp_path_factory.getbasetemp()))
     runner, bm = engine.runner, engine.block_manager
     # the kind the test names, whichever KernelOptions.verify_rows the engine took (rows of 1..20 tokens in the
@@ -301,8 +301,8 @@ def test_bench_projection_prefers_the_graphed_verify_cost():
 def test_memory_plan_counts_the_verify_logits():
     import json
     from quant_serve.engine.config import EngineConfig, SchedulerConfig
-    from quant_serve.engine.kv_pool import verify_rows
-    from quant_serve.engine.memory import plan_memory
+    from quant_serve.engine.worker.kv_pool import verify_rows
+    from quant_serve.engine.plan.memory import plan_memory
     config = json.loads((TINY / "config.json").read_text())
     base, spec = plan_memory(config, max_model_len=256), plan_memory(config, max_model_len=256, verify_rows=20)
     assert spec.cuda_graph_bytes - base.cuda_graph_bytes == 20 * config["vocab_size"] * 4

@@ -11,16 +11,16 @@ import contextlib
 import torch
 from torch import nn
 
-from quant_serve.engine.attention import AttentionMetadata, paged_attention_forward
+from quant_serve.engine.worker.attention import AttentionMetadata, paged_attention_forward
 from quant_serve.engine.config import ModelConfig
 from quant_serve.engine.models import fused_decode
 from quant_serve.engine.models.layers import (GELU_ACTS, SILU_ACTS, RMSNorm, RotaryEmbedding, gelu_tanh_and_mul,
                                               make_norm, rope_inv_freq)
-from quant_serve.kernels.attention_merge import DecodePartials
+from quant_serve.kernels.attention.merge import DecodePartials
 from quant_serve.kernels.gemv import gemv, gemv_applies
 from quant_serve.kernels.norm_act import rms_norm_ref, silu_and_mul_ref
-from quant_serve.quant.linear_dense import DenseLinear
-from quant_serve.quant.linear import make_linear
+from quant_serve.quant.layers.dense import DenseLinear
+from quant_serve.quant.layers.linear import make_linear
 
 __all__ = ["DecoderForCausalLM", "DecoderModel", "RMSNorm", "RotaryEmbedding", "rope_inv_freq"]
 

@@ -11,7 +11,7 @@ A Llama-style layer (ModelConfig.llama_block) at one token a step reads, per lay
     stream, ss = residual(down_proj, act, stream)
 
 Against DecoderModel.forward's path this is two norm launches and one merge launch a layer fewer, with the same
-roundings (the variance is summed in another order, fp32). The kernels are kernels/w4a16/fold.py's launchers of the
+roundings (the variance is summed in another order, fp32). The kernels are kernels/matmul/frag/fold.py's launchers of the
 mma kernel; on CPU, or where a layer's layout cannot fold, their torch twins run, so the order of operations is
 testable anywhere (tests/test_fold_norm.py). QuantLinear knows nothing of this: it loads and does a plain forward.
 """
@@ -20,11 +20,11 @@ import weakref
 import torch
 from torch import nn
 
-from quant_serve.kernels.attention_merge import DecodePartials, merge_partials
+from quant_serve.kernels.attention.merge import DecodePartials, merge_partials
 from quant_serve.kernels.gpu import options_for
-from quant_serve.kernels.w4a16.fold import (FoldedNorm, folded_norm_applies, folded_norm_ref, residual_ref,
-                                            w4a16_normed, w4a16_residual)
-from quant_serve.quant.linear import QuantLinear
+from quant_serve.kernels.matmul.frag.fold import (FoldedNorm, folded_norm_applies, folded_norm_ref, residual_ref,
+                                                  w4a16_normed, w4a16_residual)
+from quant_serve.quant.layers.linear import QuantLinear
 
 _KERNEL_FOLDS: "weakref.WeakKeyDictionary[QuantLinear, dict[bool, bool]]" = weakref.WeakKeyDictionary()
 
@@ -45,7 +45,7 @@ def applies(model, x: torch.Tensor) -> bool:
 
 
 def kernel_folds(linear: QuantLinear, silu_mul: bool = False) -> bool:
-    """The layer's kernel layout can fold a norm (kernels/w4a16/fold.py:folded_norm_applies): the fragment layout,
+    """The layer's kernel layout can fold a norm (kernels/matmul/frag/fold.py:folded_norm_applies): the fragment layout,
     no act-order parts. Asked once per layer and answer (the layout is fixed after load)."""
     if linear.parts is not None or linear.packed is None:
         return False

@@ -1,7 +1,7 @@
 """When a sequence stops asking for proposals. Pure Python."""
 from dataclasses import dataclass, field
 
-from quant_serve.engine.sequence import Sequence
+from quant_serve.engine.core.sequence import Sequence
 
 MAX_BACKOFF_STEPS = 32
 

@@ -8,16 +8,16 @@ import logging
 
 import torch
 
-from quant_serve.engine.block_manager import BlockManager
+from quant_serve.engine.core.block_manager import BlockManager
 from quant_serve.engine.config import CacheConfig, SpeculativeConfig
-from quant_serve.engine.loader import load_model, load_model_config, load_tokenizer, resolve_model_dir
-from quant_serve.engine.model_runner import ModelRunner
+from quant_serve.engine.load.loader import load_model, load_model_config, load_tokenizer, resolve_model_dir
+from quant_serve.engine.worker.model_runner import ModelRunner
 from quant_serve.engine.sampling_params import SamplingParams
-from quant_serve.engine.scheduler import ScheduledSeq, SchedulerOutput
-from quant_serve.engine.sequence import Sequence, SequenceStatus
+from quant_serve.engine.core.scheduler import ScheduledSeq, SchedulerOutput
+from quant_serve.engine.core.sequence import Sequence, SequenceStatus
 from quant_serve.engine.spec.backoff import Backoff
 from quant_serve.engine.spec.step import num_to_propose
-from quant_serve.engine.warmup import warm_up
+from quant_serve.engine.worker.warmup import warm_up
 
 logger = logging.getLogger("quant_serve")
 

@@ -1,14 +1,14 @@
 """CUDA graphs for verification steps: a speculating decode forwards its last token and its k proposals, and the
 target's logits at all k + 1 positions decide what is accepted. Eagerly, such a step pays a few hundred kernel
 launches (about 1.5 ms on a 7B model at batch 1, as much as the graphed decode step itself); replaying a graph
-removes them, as engine/cuda_graph.py does for decode steps.
+removes them, as engine/worker/cuda_graph.py does for decode steps.
 
 One graph per batch bucket up to the batch above which speculation is off (SpeculativeConfig.disable_by_batch_size),
 all at t = k + 1 token rows per sequence (k is fixed per engine). A bucket of bs sequences has bs * t token rows
 and bs + 1 sequences: the real entries take the first rows (any n <= t tokens each: fewer proposals, plain
 decodes), the extra sequence owns every row the real ones leave (padding: slot -1 stores nothing, its own
 context of those rows over block 0), and the sequences after it have no rows. The attention is the varlen prefill
-kernel, which reads every per-sequence value on the device (kernels/paged_attention.paged_prefill: no host value
+kernel, which reads every per-sequence value on the device (kernels/attention/paged.paged_prefill: no host value
 in its launch but shapes), so one capture serves every mix of lengths. The head runs inside the graph over all
 rows (fp32 logits); sampling and acceptance stay outside.
 
@@ -16,7 +16,7 @@ The inputs reach the graph as one packed host buffer and one copy (VerifyInputs)
 
 VerifyRowGraphs (KernelOptions.verify_rows) runs the same step as one decode row per token instead: row i of a
 sequence is a decode of position p + i over a context of p + i + 1 tokens, through decode graphs of their own
-(engine/cuda_graph.py, with the K/V store before the decode kernel, since rows of one sequence read each other's
+(engine/worker/cuda_graph.py, with the K/V store before the decode kernel, since rows of one sequence read each other's
 K/V). The prefill kernel walks each sequence's context in one program per KV head (slow for long contexts at small
 batches); the decode kernel splits it. The head runs outside the graph, over the real rows."""
 import logging
@@ -26,8 +26,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from quant_serve.engine.attention import AttentionMetadata
-from quant_serve.engine.cuda_graph import BUCKETS, DecodeGraphs, _capture, _dtype
+from quant_serve.engine.worker.attention import AttentionMetadata
+from quant_serve.engine.worker.cuda_graph import BUCKETS, DecodeGraphs, _capture, _dtype
 
 logger = logging.getLogger("quant_serve")
 

@@ -2,7 +2,7 @@
 from dataclasses import dataclass
 
 from quant_serve.engine.config import EngineConfig, SpeculativeConfig
-from quant_serve.engine.sequence import Sequence
+from quant_serve.engine.core.sequence import Sequence
 from quant_serve.engine.spec.backoff import Backoff
 from quant_serve.engine.spec.ngram import propose_ngram
 from quant_serve.engine.spec.step import num_to_propose

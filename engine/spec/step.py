@@ -6,11 +6,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from quant_serve.engine.sampler import _is_greedy, needs_last_token_on_host, sampling_probs
-from quant_serve.engine.scheduler import SchedulerOutput
-from quant_serve.engine.sequence import Logprob, Sequence
+from quant_serve.engine.sample.sampler import _is_greedy, needs_last_token_on_host, sampling_probs
+from quant_serve.engine.core.scheduler import SchedulerOutput
+from quant_serve.engine.core.sequence import Logprob, Sequence
 from quant_serve.engine.spec.verify import accept_greedy, accept_sampled
-from quant_serve.engine.transfer import to_device
+from quant_serve.engine.worker.transfer import to_device
 
 
 def can_speculate(seq: Sequence) -> bool:

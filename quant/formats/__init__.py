@@ -1,6 +1,6 @@
 """Checkpoint format readers and writers. `load_quant_config` finds a checkpoint's INT4 format; its QuantConfig
 builds each linear layer and converts the checkpoint's tensors into the one internal layout
-(kernels/w4a16/reference.py)."""
+(kernels/matmul/reference.py)."""
 import json
 from pathlib import Path
 

@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from quant_serve.kernels.w4a16.reference import pack_int4_cols, pack_int4_rows, unpack_int4_cols
+from quant_serve.kernels.matmul.reference import pack_int4_cols, pack_int4_rows, unpack_int4_cols
 from quant_serve.quant.formats.base import (Int4Weights, QuantConfig, check_codes, check_dtype, check_features,
                                             check_groups, check_shape, get_tensor, num_groups, pack_zeros,
                                             trivial_g_idx)

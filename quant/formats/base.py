@@ -1,6 +1,6 @@
 """What every INT4 format shares: the QuantConfig base (per-module decisions) and the internal-layout record.
 
-Internal layout (kernels/w4a16/reference.py): qweight int32 [K/8, N] packed along K; scales [G, N]; qzeros int32
+Internal layout (kernels/matmul/reference.py): qweight int32 [K/8, N] packed along K; scales [G, N]; qzeros int32
 [G, N/8] packed along N holding REAL zeros, or None when every zero is 8 (symmetric); perm int64 [K] or None (act-order).
 """
 import math
@@ -11,9 +11,9 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from quant_serve.kernels.w4a16.reference import pack_int4_cols
-from quant_serve.quant.linear_dense import DenseLinear
-from quant_serve.quant.linear import QuantLinear
+from quant_serve.kernels.matmul.reference import pack_int4_cols
+from quant_serve.quant.layers.dense import DenseLinear
+from quant_serve.quant.layers.linear import QuantLinear
 
 # A Linear inside a numbered block (model.layers.3.mlp.up_proj): AutoAWQ and GPTQ quantize only these.
 _IN_BLOCK = re.compile(r"\.\d+\.")
@@ -28,7 +28,7 @@ class Int4Weights:
     perm: torch.Tensor | None = None      # int64 [K]; internal row r = original input channel perm[r]
     bias: torch.Tensor | None = None      # [N]
     offsets: torch.Tensor | None = None   # [G, N] float per-group offsets (GGUF), only with qzeros None
-    superscales: torch.Tensor | None = None   # int32 [G/8, N]: GGUF Q4_K kept two-level (kernels/w4a16/kquant.py);
+    superscales: torch.Tensor | None = None   # int32 [G/8, N]: GGUF Q4_K kept two-level (kernels/matmul/frag/kquant.py);
                                               # scales are then its int16 sub-codes [G, N], offsets None
 
 

@@ -1,0 +1,1 @@
+"""GGUF checkpoints: the reader, hub repositories of many quantizations, hyper-parameters, weight bytes by type."""

@@ -1,0 +1,1 @@
+"""Next-token sampling and structured outputs (grammar masks)."""

@@ -1,0 +1,1 @@
+"""Paged attention (decode, prefill, verification), the KV store, their merges, and the torch twins."""

@@ -1,0 +1,1 @@
+"""The quant-serve command: one module per subcommand, the engine and serve flags, the benchmarks it runs."""
