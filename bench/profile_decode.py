@@ -164,11 +164,12 @@ def profile(batch: int, ctx: int, kv: str, eager: bool, steps: int = 24, int4_he
     vars(engine).pop("_emit_pending")
     # The breakdown wraps the parts with device syncs, which also stops the host work overlapping the GPU: it
     # runs on separate steps, after the step time above was measured without it.
-    parts = {"runner.forward": [], "sampler.sample": [], "model.compute_logits": [], "runner._prepare": []}
-    runner.forward = timed(runner.forward, parts["runner.forward"])
+    # prepare_forward: the host half of a forward (the eager inputs, the graph packing); run_forward: the rest
+    parts = {"runner.run_forward": [], "sampler.sample": [], "model.compute_logits": [], "runner.prepare_forward": []}
+    runner.run_forward = timed(runner.run_forward, parts["runner.run_forward"])
     runner.sampler.sample = timed(runner.sampler.sample, parts["sampler.sample"])
     engine.model.compute_logits = timed(engine.model.compute_logits, parts["model.compute_logits"])
-    runner._prepare = timed(runner._prepare, parts["runner._prepare"])
+    runner.prepare_forward = timed(runner.prepare_forward, parts["runner.prepare_forward"])
     for _ in range(steps):
         sizes.append(len(engine.scheduler.running))
         engine.step()

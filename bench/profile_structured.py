@@ -1,9 +1,11 @@
-"""Where a grammar-constrained decode step spends its host time (GPU machine; issue 34's gap): the engine's host
+"""Where a grammar-constrained decode step spends its host time (GPU machine; issues 34 and 54): the engine's host
 phases are wrapped with timers while `quant-serve bench offline --structured-outputs json-schema
---compare-unconstrained` runs its load; per phase the count, sum and percentiles of the timed (second) round.
+--compare-unconstrained` runs its load; per phase the count, sum and percentiles of the timed (second) round, and
+the timeline of a few constrained steps (each phase's start and end in ms from the step's start): with async
+scheduling a step schedules and prepares the next, waits for the masks begun in a worker thread ("mask wait"),
+queues the sampling behind the forward in flight, queues the next forward, then waits for the tokens.
 
-    PYTHONPATH=. python bench/profile_structured.py --llguidance-threads 0,4 \
-        --out bench/results/profile-structured-h200.json
+    PYTHONPATH=. python bench/profile_structured.py --out bench/results/profile-structured-h100.json
 """
 import argparse
 import json
@@ -19,44 +21,56 @@ from quant_serve.engine.sample import structured_mask
 from quant_serve.server.cli import main as cli
 
 BENCH_ARGS = ("bench offline --model {model} --tokenizer {tokenizer} --load-format dummy --gpu-memory-gb 24 "
-              "--kv-cache-dtype fp8 --num-prompts {num_prompts} --input-len 128 --output-len {output_len} --max-model-len {max_model_len} "
-              "--structured-outputs json-schema --compare-unconstrained")
-PHASES = [(llm_engine.LLMEngine, "_schedule_and_launch", "schedule + launch"),
-          (llm_engine.LLMEngine, "_apply", "previous tokens (wait + apply)"),
+              "--kv-cache-dtype fp8 --num-prompts {num_prompts} --input-len 128 --output-len {output_len} "
+              "--max-model-len {max_model_len} --structured-outputs json-schema --json-schema {schema} "
+              "--structured-forced-tokens {forced} --compare-unconstrained")
+PHASES = [(llm_engine.LLMEngine, "schedule_step", "schedule"),
+          (model_runner.ModelRunner, "prepare_step", "prepare inputs"),
           (llm_engine.LLMEngine, "_emit_pending", "outputs (detokenize)"),
-          (model_runner.ModelRunner, "sample", "sampling (host side)"),
-          (structured_mask.GrammarMasks, "fill", "mask fill (all rows)"),
-          (structured_mask._SequenceGrammar, "catch_up", "matcher catch-up (one row)")]
+          (structured_mask.GrammarMasks, "wait", "mask wait"),
+          (structured_mask.GrammarMasks, "fill", "mask fill (sampler side)"),
+          (model_runner.ModelRunner, "sample", "sample (queue)"),
+          (model_runner.ModelRunner, "run_step", "forward (queue)"),
+          (llm_engine.LLMEngine, "_apply", "tokens (wait + apply)")]
+TIMELINE_STEPS = 5          # constrained steps whose timeline is kept, from the middle of the timed round
 
 
-def instrument(times: dict[str, list[float]], threads: int) -> None:
+def instrument(times: dict[str, list[float]], threads: int, timeline: list) -> None:
+    current: list = []          # (phase, start, end) of the step running now
+
     def timed(fn, key):
         def wrap(*a, **k):
             t = time.perf_counter()
             r = fn(*a, **k)
-            times[key].append(time.perf_counter() - t)
+            end = time.perf_counter()
+            times[key].append(end - t)
+            current.append((key, t, end))
             return r
         return wrap
     for cls, name, key in PHASES:
         setattr(cls, name, timed(getattr(cls, name), key))
+    # the worker thread's masks: how long they take, beside the wait the engine saw
+    structured_mask.compute_masks = timed(structured_mask.compute_masks, "mask job (worker thread)")
     step = llm_engine.LLMEngine.step
 
     def timed_step(self):
-        fills, t = len(times["mask fill (all rows)"]), time.perf_counter()
+        current.clear()
+        t = time.perf_counter()
         out = step(self)
-        kind = "constrained" if len(times["mask fill (all rows)"]) > fills else "unconstrained"
-        times[f"step ({kind})"].append(time.perf_counter() - t)
+        constrained = any(key.startswith("mask") for key, _, _ in current)
+        times[f"step ({'constrained' if constrained else 'unconstrained'})"].append(time.perf_counter() - t)
+        if constrained:
+            timeline.append([(key, round((a - t) * 1e3, 3), round((b - t) * 1e3, 3)) for key, a, b in current])
         return out
     llm_engine.LLMEngine.step = timed_step
     if threads:
         import llguidance
-        fill = structured_mask.GrammarMasks.fill
 
-        def fill_with_threads(self, *a, **k):
+        def executor(self):
             if self._executor is None:
                 self._executor = llguidance.LLExecutor(num_threads=threads)
-            return fill(self, *a, **k)
-        structured_mask.GrammarMasks.fill = fill_with_threads
+            return self._executor
+        structured_mask.GrammarMasks._llg_executor = executor
 
 
 def summary(times: dict[str, list[float]]) -> dict:
@@ -70,7 +84,9 @@ def summary(times: dict[str, list[float]]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="qwen2.5-7b-instruct")   # a config shipped with the package
+    ap.add_argument("--model", default="qwen2.5-7b-instruct", help="a bundled config's name, dummy weights")
+    ap.add_argument("--schema", default="free-text", choices=["free-text", "fixed-keys"])
+    ap.add_argument("--forced", type=int, default=32, help="--structured-forced-tokens (0: every token sampled)")
     ap.add_argument("--tokenizer", default="engine/load/demo_model")
     ap.add_argument("--llguidance-threads", type=int, default=0, help="0: llguidance's default pool")
     ap.add_argument("--num-prompts", type=int, default=64)
@@ -79,20 +95,25 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     times: dict[str, list[float]] = defaultdict(list)
-    instrument(times, args.llguidance_threads)
+    timeline: list = []
+    instrument(times, args.llguidance_threads, timeline)
     bench_json = "/tmp/profile-structured-bench.json"
     argv = BENCH_ARGS.format(model=args.model, tokenizer=args.tokenizer, num_prompts=args.num_prompts,
-                             output_len=args.output_len, max_model_len=args.max_model_len).split() + ["--output-json", bench_json]
+                             output_len=args.output_len, max_model_len=args.max_model_len, schema=args.schema,
+                             forced=args.forced).split() + ["--output-json", bench_json]
     if cli.main(argv):
         sys.exit("the bench failed")
     with open(bench_json) as f:
         bench = json.load(f)
     result = {"command": " ".join(sys.argv), "llguidance_threads": args.llguidance_threads or "default",
               "constrained_over_unconstrained": bench.get("constrained_over_unconstrained"),
-              "phases": summary(times)}
+              "phases": summary(times),
+              "timeline_ms": timeline[len(timeline) * 3 // 4:][:TIMELINE_STEPS]}    # steady state, timed round
     for key, row in result["phases"].items():
         print(f"{key:32s} n={row['n']:6d} sum={row['sum_ms']:9.1f} ms p50={row['p50_ms']:7.3f} "
               f"p90={row['p90_ms']:7.3f} p99={row['p99_ms']:7.3f} max={row['max_ms']:7.2f}")
+    for step in result["timeline_ms"]:
+        print("step: " + ", ".join(f"{key} {a:.2f}-{b:.2f}" for key, a, b in step))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

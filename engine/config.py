@@ -147,6 +147,9 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kernels: KernelOptions = field(default_factory=KernelOptions)   # kernel switches and the GPU profile
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    # structured outputs: tokens a grammar forces in a row (the keys of a JSON schema) are appended without a forward
+    # each, up to this many at a time (jump-forward); 0 samples every token
+    structured_forced_tokens: int = 32
 
 
 def resolve_max_model_len(model: ModelConfig, wanted: int | None) -> int:

@@ -15,7 +15,7 @@ from quant_serve.engine.worker.kv_scales import resolve_kv_scales
 from quant_serve.engine.load.loader import (default_device, load_model, load_model_config, load_tokenizer, pick_dtype,
                                             resolve_model_dir)
 from quant_serve.engine.worker.model_runner import ModelRunner
-from quant_serve.engine.worker.steps import Carry, ForwardStep, LaunchedStep
+from quant_serve.engine.worker.steps import Carry, ForwardStep, LaunchedStep, carry_rows
 from quant_serve.engine.outputs import EngineStats, Request, RequestMetrics, RequestOutput
 from quant_serve.engine.sample.sampler import needs_last_token_on_host
 from quant_serve.engine.sampling_params import SamplingParams
@@ -27,6 +27,7 @@ from quant_serve.engine.spec.runtime import Speculation
 from quant_serve.engine.worker.startup import device_name, start_kernels
 from quant_serve.engine.sample.structured import GrammarCompiler
 from quant_serve.engine.sample.structured_mask import GrammarMasks
+from quant_serve.engine.structured_outcomes import append_forced, end_failed_grammars
 from quant_serve.kernels.gpu import configure
 
 logger = logging.getLogger("quant_serve")
@@ -69,14 +70,16 @@ class LLMEngine:
         # the sampler masks the constrained rows of each step
         self.grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
                                                 self.model_config.eos_token_ids)
-        self.runner.sampler.grammars = GrammarMasks(self.grammar_compiler)
+        self.runner.sampler.grammars = GrammarMasks(self.grammar_compiler, config.structured_forced_tokens)
         self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                                           num_cpu_blocks)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.requests: dict[str, Request] = {}
         self._seq_owner: dict[str, tuple[Request, int]] = {}
         self._pending: list[tuple[Sequence, int]] = []   # tokens of the last step, not yet detokenized
+        self._errored: list[Sequence] = []               # ended by a failed grammar, their output not yet made
         self._inflight: tuple[SchedulerOutput, LaunchedStep] | None = None   # launched, not yet resolved
+        self._ahead = None     # (out, step) launched behind the step whose tokens are being applied
         self.stats = EngineStats()
         self.speculation = Speculation(config.speculative, self.scheduler, self.runner,
                                        make_proposer(config.speculative, self.draft_target()))
@@ -160,33 +163,45 @@ class LLMEngine:
         return outputs
 
     def _step_behind(self, prev) -> tuple:
-        """The next step, launched as far as it may go before prev's tokens reach the host (_look_ahead_mode).
+        """The next step, launched before prev's tokens reach the host (nothing ahead while K/V go to an observer).
         _emit_pending always runs before the next _apply: a stop string it finds ends the sequence before any later
         token of it is applied. -> (the launched step or None, outputs)."""
-        mode = self._look_ahead_mode(prev[0])
-        if mode == "sync":
+        if self.runner.observes_kv:
             outputs = self._emit_pending()
             self.scheduler.advance(prev[0])
             self._apply(*prev)
             return self._schedule_and_launch(None), outputs
         self.scheduler.advance(prev[0])
-        if mode == "launch":
-            launched = self._schedule_and_launch(prev[1].carry(prev[0]))
-            outputs = self._emit_pending()
-            self._apply(*prev)
-            return launched, outputs
-        # "forward": the forward goes ahead; its sampling waits for prev's tokens on the host
-        forwarded = self._schedule_and_launch(prev[1].carry(prev[0]), sample=False)
+        if isinstance(prev[1], ForwardStep):
+            return self._sample_behind(prev)
+        launched = self._schedule_and_launch(prev[1].carry(prev[0]))
         outputs = self._emit_pending()
-        self._apply(*prev)
-        return (None if forwarded is None else (forwarded[0], self.runner.sample(forwarded[1]))), outputs
+        self._apply(*prev, ahead=launched)
+        return launched, outputs
+
+    def _sample_behind(self, prev) -> tuple:
+        """prev was forwarded without its sampling, which reads the tokens before it on the host (grammar masks,
+        begun in a worker thread when those tokens were applied; penalties; min_tokens): the next step is scheduled
+        and prepared first, then prev is sampled and the next forward queued behind it, so that the host's work on
+        the next step overlaps the masks and prev's forward. -> (the launched step or None, outputs)."""
+        out = self.schedule_step()
+        prepared = None if out is None else self.runner.prepare_step(out, carry_rows(prev[0]))
+        outputs = self._emit_pending()
+        sampled = self.runner.sample(prev[1])
+        launched = None if out is None else (out, self._run(out, prepared, sampled.carry(prev[0])))
+        self._apply(prev[0], sampled, ahead=launched)
+        return launched, outputs
 
     def _keep_in_flight(self, launched) -> None:
-        """With async scheduling a launched step is resolved by the next call; without, now."""
+        """With async scheduling a launched step is resolved by the next call (the masks of a step whose sampling
+        waits begin now: the tokens they follow are applied); without, now."""
         if launched is None:
             return
         if self.config.async_scheduling:
             self._inflight = launched
+            grammars = self.runner.sampler.grammars
+            if isinstance(launched[1], ForwardStep) and grammars is not None:
+                grammars.start(launched[1].sample_seqs, self.model_config.vocab_size, frozenset(launched[1].dropped))
         else:
             self.scheduler.advance(launched[0])
             self._apply(*launched)
@@ -206,36 +221,49 @@ class LLMEngine:
                 request.metrics.first_scheduled_time = now
         return out
 
-    def _schedule_and_launch(self, carry: Carry | None, sample: bool = True) -> \
-            tuple[SchedulerOutput, LaunchedStep | ForwardStep] | None:
-        """Schedules the next step and queues it on the device: forward and sampling, or the forward alone."""
+    def _schedule_and_launch(self, carry: Carry | None) -> tuple[SchedulerOutput, LaunchedStep | ForwardStep] | None:
+        """Schedules the next step and queues it on the device: forward and sampling, or the forward alone where
+        the sampling is left for later (_samples_behind)."""
         out = self.schedule_step()
         if out is None:
             return None
-        return out, (self.runner.launch(out, carry) if sample else self.runner.launch_forward(out, carry))
+        return out, (self.runner.launch_forward(out, carry) if self._samples_behind(out) else
+                     self.runner.launch(out, carry))
 
-    def _apply(self, out: SchedulerOutput, launched: LaunchedStep) -> None:
-        """Waits for an advanced step and applies its tokens; their text is made by the next _emit_pending."""
-        self.accept_tokens(out, *launched.resolve())
+    def _run(self, out: SchedulerOutput, prepared, carry: Carry | None) -> LaunchedStep | ForwardStep:
+        """Queues a prepared step, as _schedule_and_launch does."""
+        step = self.runner.run_step(prepared, carry.tokens if carry is not None else None)
+        return step if self._samples_behind(out) else self.runner.sample(step)
+
+    def _samples_behind(self, out: SchedulerOutput) -> bool:
+        """With async scheduling, a step whose sampling reads the previous tokens on the host (grammar masks,
+        penalties, min_tokens) is sampled by the next step() call (_sample_behind), once they are there."""
+        return self.config.async_scheduling and \
+            any(item.sample and needs_last_token_on_host(item.seq) for item in out.scheduled)
+
+    def _apply(self, out: SchedulerOutput, launched: LaunchedStep | ForwardStep, ahead=None) -> None:
+        """Waits for an advanced step and applies its tokens; their text is made by the next _emit_pending. ahead:
+        the step launched behind it (forced tokens drop its token for their sequences)."""
+        if isinstance(launched, ForwardStep):       # its sampling was left for later: now
+            launched = self.runner.sample(launched)
+        self._ahead = ahead
+        try:
+            self.accept_tokens(out, *launched.resolve())
+        finally:
+            self._ahead = None
 
     def accept_tokens(self, out: SchedulerOutput, tokens: list, logprobs: list) -> None:
         """An advanced step's tokens (a list per entry for a verification step) and logprobs, applied to its
         sequences; their text is made by the next step's _emit_pending."""
+        grammars = self.runner.sampler.grammars
+        self._errored += end_failed_grammars(grammars, self.scheduler, out)
         for item, lp in zip(out.scheduled, logprobs):
             if lp is not None and item.advanced and not item.seq.is_finished:
                 item.seq.output_logprobs.append(lp)
         self._pending += self.scheduler.apply_tokens(out, tokens)
-
-    def _look_ahead_mode(self, out: SchedulerOutput) -> str:
-        """How far the step after `out` goes before `out`'s tokens reach the host: "launch" (forward and sampling),
-        "forward" (the forward only: a sequence that samples in `out` needs its last token on the host to sample the
-        next, for penalties, min_tokens not yet reached or a grammar, whose mask follows from the tokens so far and
-        is computed while that forward runs), or "sync" (nothing, while K/V go to an observer)."""
-        if self.runner.observes_kv:
-            return "sync"
-        if any(item.sample and needs_last_token_on_host(item.seq) for item in out.scheduled):
-            return "forward"
-        return "launch"
+        forced = append_forced(grammars, self.scheduler, out, tokens, self._ahead)
+        self._pending += forced
+        self.stats.structured_forced_tokens_total += len(forced)
 
     def drain(self) -> list[RequestOutput]:
         """Resolves a step still in flight and returns every output not yet returned."""
@@ -280,6 +308,13 @@ class LLMEngine:
             old_text, old_ids = deltas.get((request.request_id, index), ("", []))
             deltas[(request.request_id, index)] = (old_text + text, old_ids + [token])
             touched[request.request_id] = request
+        errored, self._errored = self._errored, []
+        for seq in errored:                     # no token: the output only says that the sequence ended
+            owner = self._seq_owner.get(seq.request_id)
+            if owner is not None:
+                touched[owner[0].request_id] = owner[0]
+                self.runner.sampler.release(seq.request_id)
+                self.speculation.release(seq.request_id)
         return [self._make_output(r, deltas, now) for r in touched.values()]
 
     def count_transfers(self, out: SchedulerOutput) -> None:

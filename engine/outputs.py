@@ -17,7 +17,7 @@ class CompletionOutput:
     logprobs: list[Logprob] | None = None
     delta_logprobs: list[Logprob] | None = None
     cumulative_logprob: float | None = None
-    finish_reason: str | None = None   # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None   # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None
 
     @property
@@ -88,3 +88,4 @@ class EngineStats:
     swapped_in_blocks_total: int = 0       # KV blocks copied CPU tier -> GPU (resume or CPU prefix hit)
     swap_bytes_total: int = 0
     cpu_prefix_hits_total: int = 0         # blocks served from the CPU tier by prefix hits
+    structured_forced_tokens_total: int = 0    # tokens a grammar forced, appended without a forward each

@@ -44,6 +44,7 @@ class EngineSnapshot:
     spec_num_draft_tokens_total: int = 0
     spec_num_accepted_tokens_total: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()     # accepted tokens by draft position
+    structured_forced_tokens_total: int = 0         # generated tokens a grammar forced (jump-forward)
 
 
 class AsyncEngine:
@@ -249,7 +250,8 @@ class AsyncEngine:
             spec_num_drafts_total=engine.spec_stats.num_drafts,
             spec_num_draft_tokens_total=engine.spec_stats.num_draft_tokens,
             spec_num_accepted_tokens_total=engine.spec_stats.num_accepted_tokens,
-            spec_accepted_per_pos=tuple(engine.spec_stats.accepted_per_pos))
+            spec_accepted_per_pos=tuple(engine.spec_stats.accepted_per_pos),
+            structured_forced_tokens_total=stats.structured_forced_tokens_total)
 
 
 class RequestStream:

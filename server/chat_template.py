@@ -31,14 +31,21 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict]:
         if m.name is not None:
             message["name"] = m.name
         if isinstance(message.get("tool_calls"), list):
-            message["tool_calls"] = [_with_parsed_arguments(call) for call in message["tool_calls"]]
+            message["tool_calls"] = [_with_parsed_arguments(call, f"messages.{i}.tool_calls.{j}.function.arguments")
+                                     for j, call in enumerate(message["tool_calls"])]
         out.append(message)
     return out
 
 
-def _with_parsed_arguments(call):
+# Nesting the templates' tojson can write: deeper arguments reach Python's recursion limit inside the template.
+MAX_ARGUMENTS_DEPTH = 64
+
+
+def _with_parsed_arguments(call, param: str):
     """OpenAI sends a call's arguments as JSON text; chat templates (Qwen2.5, Llama 3.1, Mistral) write them with
-    tojson and expect the object, as vLLM passes it. Text that is not JSON stays text."""
+    tojson and expect the object, as vLLM passes it. Text that is not JSON stays text; JSON that Python cannot hold
+    (an integer past its int-string limit, nesting past its recursion limit) or nested deeper than
+    MAX_ARGUMENTS_DEPTH is a 400 naming it."""
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
         return call
@@ -46,7 +53,23 @@ def _with_parsed_arguments(call):
         arguments = json.loads(function["arguments"])
     except json.JSONDecodeError:
         return call
+    except (ValueError, RecursionError) as e:
+        reason = "nested deeper than its recursion limit" if isinstance(e, RecursionError) else str(e).split(";")[0]
+        raise APIError(400, f"{param} holds JSON this server cannot read: {reason}", param=param) from None
+    if _depth(arguments) > MAX_ARGUMENTS_DEPTH:
+        raise APIError(400, f"{param} nests JSON more than {MAX_ARGUMENTS_DEPTH} levels deep", param=param)
     return {**call, "function": {**function, "arguments": arguments}}
+
+
+def _depth(value) -> int:
+    """Nesting depth of parsed JSON, without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            deepest = max(deepest, depth)
+            stack += [(item, depth + 1) for item in (node.values() if isinstance(node, dict) else node)]
+    return deepest
 
 
 def _first_string_matching(value, pattern: re.Pattern, path: str) -> str | None:

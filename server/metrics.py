@@ -49,7 +49,9 @@ class _SnapshotCollector:
                     ("vllm:spec_decode_num_draft_tokens", "Speculative tokens proposed and verified.",
                      s.spec_num_draft_tokens_total),
                     ("vllm:spec_decode_num_accepted_tokens", "Speculative tokens accepted.",
-                     s.spec_num_accepted_tokens_total)]
+                     s.spec_num_accepted_tokens_total),
+                    ("vllm:structured_output_forced_tokens", "Generated tokens a grammar forced, appended without a "
+                     "forward each (jump-forward).", s.structured_forced_tokens_total)]
         for name, doc, value in gauges:
             family = GaugeMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)

@@ -13,6 +13,7 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from quant_serve.engine.llm_engine import LLMEngine
+from quant_serve.engine.outputs import RequestOutput
 from quant_serve.engine.sampling_params import SamplingParams
 from quant_serve.engine.core.sequence import Logprob
 from quant_serve.engine.sample.structured import StructuredOutputsParams
@@ -188,6 +189,17 @@ def make_sampling_params(req: SamplingRequest, max_tokens: int, vocab_size: int,
         name = str(e).split(" ", 1)[0]
         fields = {f.name for f in dataclasses.fields(SamplingParams)}
         raise APIError(400, str(e), param=name if name in fields else None) from e
+
+
+def raise_if_failed(out: RequestOutput, param: str | None) -> None:
+    """A sequence whose grammar failed during generation (finish_reason "error", the library's message in
+    stop_reason) ends its request with an error, never with output that may break the constraint. 422, not 500:
+    the request was well-formed and the server is fine, but its constraint cannot be followed within the grammar
+    library's limits, and SDKs retry a 5xx (the openai SDK twice), which would only fail the same way again."""
+    for c in out.outputs:
+        if c.finish_reason == "error":
+            raise APIError(422, f"{param or 'the output constraint'} failed during generation: {c.stop_reason}",
+                           param=param, code="structured_output_failed")
 
 
 def sse(payload: BaseModel | dict) -> str:

@@ -8,8 +8,8 @@ from fastapi.responses import StreamingResponse
 from quant_serve.server.protocol import (APIError, ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
                                          ChatCompletionStreamResponse, ChatLogProbs, ChatResponseMessage,
                                          ChatStreamChoice, PromptTokensDetails, UsageInfo, random_id)
-from quant_serve.server.serving import (SSE_DONE, ServingContext, make_sampling_params, sse, sse_error,
-                                        unless_disconnected)
+from quant_serve.server.serving import (SSE_DONE, ServingContext, make_sampling_params, raise_if_failed, sse,
+                                        sse_error, unless_disconnected)
 from quant_serve.server.structured_request import ToolPlan, chat_constraint, plan_tools
 from quant_serve.server.tool_parsers import ToolCallStream, extract_tool_calls
 
@@ -22,7 +22,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
     plan = plan_tools(req, ctx.tool_format)
-    constraint = await ctx.run(chat_constraint, req, plan, ctx.engine.grammar_compiler, ctx.tokenizer)
+    constraint, constraint_param = await ctx.run(chat_constraint, req, plan, ctx.engine.grammar_compiler,
+                                                 ctx.tokenizer)
     # The template already holds any special tokens the model wants.
     token_ids = await ctx.run(ctx.chat.encode, req.messages, req.add_generation_prompt, req.continue_final_message,
                               req.chat_template, req.chat_template_kwargs, plan.template_tools if plan else None)
@@ -35,10 +36,10 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     stream = ctx.submit([(request_id, token_ids, params)], req.n, arrival, "n")
     parse = plan if plan is not None and plan.parse else None
     if req.stream:
-        return StreamingResponse(_stream(ctx, req, model, request_id, stream, parse),
+        return StreamingResponse(_stream(ctx, req, model, request_id, stream, parse, constraint_param),
                                  media_type="text/event-stream")
     try:
-        out = await unless_disconnected(raw, _last(stream))
+        out = await unless_disconnected(raw, _last(stream, constraint_param))
     finally:
         stream.close()
     choices = []
@@ -63,15 +64,16 @@ def _finish_reason(reason: str | None, plan: ToolPlan | None, calls: list) -> st
     return reason
 
 
-async def _last(stream):
+async def _last(stream, constraint_param: str | None):
     last = None
     async for out in stream:
+        raise_if_failed(out, constraint_param)
         last = out
     return last
 
 
 async def _stream(ctx: ServingContext, req: ChatCompletionRequest, model: str, request_id: str, stream,
-                  plan: ToolPlan | None):
+                  plan: ToolPlan | None, constraint_param: str | None):
     created = int(time.time())
     num_top = req.top_logprobs or 0
     done: set[int] = set()
@@ -83,6 +85,7 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, model: str, r
             choice = ChatStreamChoice(index=index, delta={"role": "assistant", "content": ""})
             yield sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice]))
         async for out in stream:
+            raise_if_failed(out, constraint_param)       # an error event, then [DONE]
             for c in out.outputs:
                 if c.index in done:
                     continue

@@ -10,8 +10,8 @@ from quant_serve.engine.outputs import CompletionOutput, RequestOutput
 from quant_serve.engine.sample.structured import StructuredOutputsParams
 from quant_serve.server.protocol import (APIError, CompletionChoice, CompletionRequest, CompletionResponse,
                                          PromptTokensDetails, UsageInfo, random_id)
-from quant_serve.server.serving import (SSE_DONE, ServingContext, make_sampling_params, sse, sse_error,
-                                        unless_disconnected)
+from quant_serve.server.serving import (SSE_DONE, ServingContext, make_sampling_params, raise_if_failed, sse,
+                                        sse_error, unless_disconnected)
 from quant_serve.server.structured_request import compile_or_400, requested_constraint
 
 
@@ -45,12 +45,13 @@ def _prompts(ctx: ServingContext, req: CompletionRequest, base_id: str) -> list[
     return prompts
 
 
-def _constraint(ctx: ServingContext, req: CompletionRequest) -> StructuredOutputsParams | None:
-    """response_format or vLLM's guided_* / structured_outputs, compiled (a 400 naming the parameter otherwise)."""
+def _constraint(ctx: ServingContext, req: CompletionRequest) -> tuple[StructuredOutputsParams | None, str | None]:
+    """(response_format or vLLM's guided_* / structured_outputs, compiled (a 400 naming the parameter otherwise),
+    the parameter)."""
     constraint, param = requested_constraint(req)
     if constraint is not None:
         compile_or_400(ctx.engine.grammar_compiler, constraint, param)
-    return constraint
+    return constraint, param
 
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Request):
@@ -75,7 +76,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     prompt_logprobs = req.logprobs if echo and req.logprobs is not None else None
 
     request_id = random_id("cmpl")
-    constraint = await ctx.run(_constraint, ctx, req)
+    constraint, constraint_param = await ctx.run(_constraint, ctx, req)
     prompts = await ctx.run(_prompts, ctx, req, request_id)
     submissions = []
     for p in prompts:
@@ -86,10 +87,10 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     stream = ctx.submit(submissions, best_of, arrival, "best_of" if req.best_of else "n")
     builder = _ChoiceBuilder(ctx, req, prompts, n, scoring_only)
     if req.stream:
-        return StreamingResponse(_stream(ctx, req, model, request_id, stream, builder),
+        return StreamingResponse(_stream(ctx, req, model, request_id, stream, builder, constraint_param),
                                  media_type="text/event-stream")
     try:
-        finals = await unless_disconnected(raw, _collect(stream))
+        finals = await unless_disconnected(raw, _collect(stream, constraint_param))
     finally:
         stream.close()
     # echoed prompts and their logprobs can be long: the answer and its JSON are built in the thread pool
@@ -116,9 +117,10 @@ def _response(builder: "_ChoiceBuilder", finals: dict[str, RequestOutput], reque
     return Response(response.model_dump_json(), media_type="application/json")
 
 
-async def _collect(stream) -> dict[str, RequestOutput]:
+async def _collect(stream, constraint_param: str | None) -> dict[str, RequestOutput]:
     finals = {}
     async for out in stream:
+        raise_if_failed(out, constraint_param)
         if out.finished:
             finals[out.request_id] = out
     return finals
@@ -170,7 +172,7 @@ class _ChoiceBuilder:
 
 
 async def _stream(ctx: ServingContext, req: CompletionRequest, model: str, request_id: str, stream,
-                  builder: _ChoiceBuilder):
+                  builder: _ChoiceBuilder, constraint_param: str | None):
     created = int(time.time())
     prompt_index = {p.request_id: i for i, p in enumerate(builder.prompts)}
     started: set[int] = set()
@@ -178,6 +180,7 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, model: str, reque
     usage = UsageInfo(prompt_tokens_details=PromptTokensDetails())
     try:
         async for out in stream:
+            raise_if_failed(out, constraint_param)       # an error event, then [DONE]
             i = prompt_index[out.request_id]
             for c in out.outputs:
                 index = i * builder.n + c.index

@@ -92,15 +92,15 @@ def plan_tools(req: ChatCompletionRequest, fmt: ToolCallFormat) -> ToolPlan | No
 
 
 def chat_constraint(req: ChatCompletionRequest, plan: ToolPlan | None, compiler: GrammarCompiler,
-                    tokenizer) -> StructuredOutputsParams | None:
-    """The chat request's constraint, compiled (400 naming the parameter otherwise). tool_choice required or named:
-    a grammar of calls in the model's format; auto with a JSON response format: that JSON or calls; otherwise the
-    requested constraint alone."""
+                    tokenizer) -> tuple[StructuredOutputsParams | None, str | None]:
+    """(the chat request's constraint, compiled (400 naming the parameter otherwise), the parameter that asks for
+    it). tool_choice required or named: a grammar of calls in the model's format; auto with a JSON response format:
+    that JSON or calls; otherwise the requested constraint alone."""
     requested, param = requested_constraint(req)
     if requested is not None:
         compile_or_400(compiler, requested, param)
     if plan is None or not plan.parse:
-        return requested
+        return requested, param
     forced_or_joined = plan.forced is not None or (requested is not None and requested.kind in ("json", "json_object"))
     for i, tool in enumerate(plan.template_tools):
         parameters = tool["function"].get("parameters")
@@ -125,7 +125,7 @@ def chat_constraint(req: ChatCompletionRequest, plan: ToolPlan | None, compiler:
             answer = json.loads(answer)
         grammar = tool_call_grammar(plan.format, functions, req.parallel_tool_calls is not False, tokenizer, answer)
     else:
-        return requested
+        return requested, param
     constraint = StructuredOutputsParams(grammar=grammar)
     compile_or_400(compiler, constraint, "tools")
-    return constraint
+    return constraint, "tools"

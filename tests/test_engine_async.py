@@ -125,8 +125,9 @@ def test_async_scheduling_over_chunked_prefills_and_prefix_hits_matches_sync():
 
 
 def test_host_read_sampling_still_queues_the_next_forward_first():
-    """Penalties, min_tokens and grammars read the last token on the host before the next sample: the next step's
-    forward is still queued before that token is waited for (its sampling follows), with the sync engine's outputs."""
+    """Penalties, min_tokens and grammars read the last token on the host before the next sample: that sampling is
+    queued behind the next step's preparation, and the next step's forward before the last token is waited for,
+    with the sync engine's outputs."""
     params = [SamplingParams(max_tokens=12, temperature=0, repetition_penalty=1.3),
               SamplingParams(max_tokens=10, temperature=0.7, seed=1, min_tokens=8),
               SamplingParams(max_tokens=16, temperature=0, structured_outputs={"regex": "[a-z]{3,9}( [a-z]{2,6})*"})]
@@ -142,10 +143,10 @@ def test_host_read_sampling_still_queues_the_next_forward_first():
 
     ahead = make_engine(DEMO_MODEL_DIR, async_scheduling=True, max_model_len=256)
     events = []
-    forward, apply = ahead.runner.launch_forward, ahead._apply
-    ahead.runner.launch_forward = lambda out, carry=None: events.append("forward" if carry else "-") or \
-        forward(out, carry)
-    ahead._apply = lambda out, launched: events.append("apply") or apply(out, launched)
+    forward, apply = ahead.runner.run_step, ahead._apply
+    ahead.runner.run_step = lambda prepared, carried=None: \
+        events.append("forward" if carried is not None else "-") or forward(prepared, carried)
+    ahead._apply = lambda out, launched, ahead=None: events.append("apply") or apply(out, launched, ahead)
     assert run(ahead) == run(make_engine(DEMO_MODEL_DIR, async_scheduling=False, max_model_len=256))
     assert "".join(e[0] for e in events).count("fa") >= 8      # forward of step N+1, then step N's tokens
     assert_all_blocks_free(ahead)

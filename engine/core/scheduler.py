@@ -20,6 +20,9 @@ class ScheduledSeq:
     advanced: bool = field(init=False, default=False)   # Scheduler.advance() applied it (the sequence was running)
     # speculative decoding: the last num_spec_tokens of the new tokens are the sequence's proposals (spec_token_ids)
     num_spec_tokens: int = field(init=False, default=0)
+    # forced tokens were appended to the sequence after this entry was scheduled (LLMEngine.accept_tokens): the
+    # token it samples is dropped (it follows the wrong position), and it leaves no pending token
+    discard: bool = field(init=False, default=False)
 
     def __post_init__(self):
         self.num_spec_tokens = len(self.seq.spec_token_ids)
@@ -200,7 +203,7 @@ class Scheduler:
                 # of a speculating entry only the last known token counts now; apply_tokens adds the accepted ones
                 seq.num_computed_tokens += item.num_new_tokens - item.num_spec_tokens
                 self.block_manager.cache_full_blocks(seq)
-                seq.num_pending_tokens += item.sample
+                seq.num_pending_tokens += item.sample and not item.discard
 
     def apply_tokens(self, output: SchedulerOutput, sampled: list[int | list[int] | None]
                      ) -> list[tuple[Sequence, int]]:
@@ -211,7 +214,7 @@ class Scheduler:
         applied = []
         for item, token in zip(output.scheduled, sampled):
             seq = item.seq
-            if not item.advanced:
+            if not item.advanced or item.discard:
                 continue
             assert (token is None) != item.sample, f"{seq.request_id}: sampled {token} for sample={item.sample}"
             if token is None:
@@ -222,6 +225,21 @@ class Scheduler:
             if isinstance(token, list):
                 applied += self._apply_verified(item, token)
                 continue
+            seq.append_token(token)
+            applied.append((seq, token))
+            reason = self._check_stop(seq, token)
+            if reason is not None:
+                self.finish(seq, *reason)
+        return applied
+
+    def apply_forced(self, seq: Sequence, tokens: list[int]) -> list[tuple[Sequence, int]]:
+        """Tokens the grammar forces after the sequence's last one, appended without being sampled (their KV is
+        computed by its next step, as a chunk); each may end it (max_tokens, stop token ids). -> the (seq, token)
+        applied."""
+        applied = []
+        for token in tokens:
+            if seq.is_finished:
+                break
             seq.append_token(token)
             applied.append((seq, token))
             reason = self._check_stop(seq, token)

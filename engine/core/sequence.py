@@ -32,7 +32,7 @@ class Sequence:
     num_computed_tokens: int = 0     # tokens whose K/V are in the cache
     num_cached_tokens: int = 0       # of the prompt, served by the prefix cache at (last) admission
     block_table: list[int] = field(default_factory=list)
-    finish_reason: str | None = None     # "stop" | "length" | "abort"
+    finish_reason: str | None = None     # "stop" | "length" | "abort" | "error" (its grammar failed)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_preemptions: int = 0
     first_scheduled_time: float | None = None

@@ -229,7 +229,8 @@ class Sampler:
         """The generator a row's random draws come from: its own when seeded, else the shared one."""
         return self._shared_generator(device) if seq.params.seed is None else self._request_generator(seq, device)
 
-    def _sample_random(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _sample_random(self, logits: torch.Tensor, seqs: list[Sequence], dropped: frozenset[int] = frozenset()
+                       ) -> torch.Tensor:
         """logits: [R, V] penalized rows of non-greedy sequences. Returns sampled ids [R]."""
         device = logits.device
         temperature = to_device([s.params.temperature for s in seqs], torch.float32, device)[:, None]
@@ -247,7 +248,12 @@ class Sampler:
                 len(unseeded), probs.shape[1], device=device).exponential_(
                 generator=self._shared_generator(device))
         for j, seq in enumerate(seqs):
-            if seq.params.seed is not None:
+            if seq.params.seed is not None and (seq.is_finished or id(seq) in dropped):
+                # ended since its step was scheduled (sampled behind the next step, its generator is released), or
+                # its token is dropped (forced tokens followed its last one): a token nobody reads, no draw from its
+                # generator (the draws stay those of step-by-step decoding) and none that would outlive the request
+                noise[j].fill_(1.0)
+            elif seq.params.seed is not None:
                 noise[j].exponential_(generator=self._request_generator(seq, device))
         # exponential_ can return 0; tiny keeps p / E finite (p <= 1) and 0 / E == 0 for masked tokens
         return (probs / noise.clamp_min(torch.finfo(torch.float32).tiny)).argmax(dim=-1)
@@ -255,8 +261,10 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         return self.sample(logits, seqs).resolve()
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> PendingSample:
-        """Queues the sampling of one token per row of logits [S, V]; nothing waits for the GPU."""
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], dropped: frozenset[int] = frozenset()
+               ) -> PendingSample:
+        """Queues the sampling of one token per row of logits [S, V]; nothing waits for the GPU. dropped: ids of
+        the sequences whose token the engine will drop."""
         assert logits.dim() == 2 and logits.shape[0] == len(seqs), (tuple(logits.shape), len(seqs))
         if only_argmax(seqs):          # the model's dtype is fine: widening to fp32 is exact and keeps the order
             sampled = argmax_rows(logits)                                                        # [S]
@@ -280,7 +288,7 @@ class Sampler:
             random_rows = [i for i, s in enumerate(seqs) if not _is_greedy(s)]
             if random_rows:
                 idx = to_device(random_rows, torch.long, logits.device)
-                sampled[idx] = self._sample_random(logits[idx], [seqs[i] for i in random_rows])
+                sampled[idx] = self._sample_random(logits[idx], [seqs[i] for i in random_rows], dropped)
 
         if not want_logprobs:
             return PendingSample(sampled, sampled, len(seqs), [])

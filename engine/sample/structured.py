@@ -16,14 +16,21 @@ for 64 x 8k on CPU, llguidance's is torch.compile'd).
 import json
 import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
+
+from quant_serve.engine.sample.structured_limits import DEFAULT_LIMITS, StructuredLimits, check_schema, short
 
 # JSON without free whitespace: one space after ',' and ':' as Python's json.dumps writes it. A small model allowed
 # any whitespace can spend its whole budget on newlines; whitespace_pattern lets a request allow more.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 GRAMMAR_CACHE_SIZE = 256          # compiled grammars kept (tool lists and schemas repeat across requests)
+SLOW_CACHE_SIZE = 256             # constraints whose compilation went over the budget: refused at once when sent again
 
 
 def close_objects(schema):
@@ -104,43 +111,68 @@ def _llguidance():
     return llguidance
 
 
-def grammar_text(params: StructuredOutputsParams) -> str:
-    """The llguidance grammar of a constraint (not yet checked: GrammarCompiler.compile does that)."""
+def grammar_text(params: StructuredOutputsParams, limits: StructuredLimits = DEFAULT_LIMITS) -> str:
+    """The llguidance grammar of a constraint (not yet checked: GrammarCompiler.compile does that); ValueError for
+    a constraint past our limits (structured_limits.py)."""
     llg = _llguidance()
     kind, value = params.kind, getattr(params, params.kind)
     if kind in ("json", "json_object"):
         schema = {"type": "object"} if kind == "json_object" else value
         if isinstance(schema, str):
+            if len(schema) > limits.max_schema_chars:
+                raise ValueError(f"the JSON schema is {len(schema)} characters long; the limit is "
+                                 f"{limits.max_schema_chars}")
             try:
                 schema = json.loads(schema)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+            except (ValueError, RecursionError) as e:     # a number of 5,000 digits, nesting past the stack
+                raise ValueError(f"the JSON schema is not valid JSON: {short(str(e), 200)}") from None
         if not isinstance(schema, (dict, bool)):
             raise ValueError(f"a JSON schema must be an object, got {type(schema).__name__}")
+        text = json.dumps(schema) if kind == "json" else ""
+        check_schema(schema, limits, len(text))
         schema = close_objects(schema)
         overrides = {"whitespace_pattern": params.whitespace_pattern} if params.whitespace_pattern else None
         return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_LAYOUT, overrides=overrides)
     if kind == "regex":
+        _check_length("regex", value, limits.max_regex_chars)
         return llg.LLMatcher.grammar_from_regex(value)
     if kind == "choice":
+        if len(value) > limits.max_choices:
+            raise ValueError(f"the choice has {len(value)} items; the limit is {limits.max_choices}")
+        _check_length("choice", "".join(value), limits.max_choice_chars)
         return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in value))
+    _check_length("grammar", value, limits.max_grammar_chars)
     return llg.grammar_from("grammar", value)          # Lark as is, GBNF converted to Lark
+
+
+def _check_length(what: str, text: str, limit: int) -> None:
+    if len(text) > limit:
+        raise ValueError(f"the {what} is {len(text)} characters long; the limit is {limit}")
 
 
 class GrammarCompiler:
     """The llguidance view of the engine's tokenizer (built on first use: about 1 s for a 150k vocabulary) and the
     compiled grammars, cached by constraint. Thread-safe: the server compiles in its request threads (to answer 400
-    before queueing), the engine thread builds the matchers."""
+    before queueing), the engine thread builds the matchers.
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]):
+    A compilation runs in this compiler's own threads with a wall-clock budget (limits.compile_budget_s): past it
+    the caller gets a ValueError at once, and the compilation still ends by itself, bounded by llguidance's fuel
+    limits (its Rust code cannot be interrupted); the constraint is then refused at once when it comes again."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 limits: StructuredLimits = DEFAULT_LIMITS):
         self.hf_tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.limits = limits
         self.eos_token_ids = [t for t in eos_token_ids if 0 <= t < vocab_size] or \
             ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
         self._tokenizer_lock = threading.Lock()
         self._tokenizer = None
         self._cache_lock = threading.Lock()
         self._grammars: OrderedDict[str, tuple] = OrderedDict()    # constraint key -> (grammar, matcher), LRU
+        self._slow: OrderedDict[str, None] = OrderedDict()         # keys whose compilation went over the budget
+        # llguidance releases the GIL while it compiles: two threads, so one slow schema does not hold up the rest
+        self._executor = ThreadPoolExecutor(2, thread_name_prefix="grammar-compile")
 
     @property
     def tokenizer(self):
@@ -170,18 +202,58 @@ class GrammarCompiler:
             if key in self._grammars:
                 self._grammars.move_to_end(key)
                 return self._grammars[key]
-        llg = _llguidance()
-        grammar = grammar_text(params)
-        error = llg.LLMatcher.validate_grammar(grammar, self.tokenizer)
-        matcher = None if error else llg.LLMatcher(self.tokenizer, grammar, log_level=0)
-        error = error or matcher.get_error()
-        if error:
-            raise ValueError(f"the {params.kind.replace('_', ' ')} constraint cannot be compiled: {error.strip()}")
+            slow = key in self._slow
+        budget = self.limits.compile_budget_s
+        if slow:
+            raise ValueError(f"compiling it took longer than the server's budget of {budget:g} s")
+        tokenizer = self.tokenizer          # built outside the budget: once per server, not per constraint
+        grammar = grammar_text(params, self.limits)
+        future = self._executor.submit(self._build, grammar, tokenizer)
+        try:
+            matcher = future.result(timeout=budget)
+        except FutureTimeout:
+            with self._cache_lock:
+                self._slow[key] = None
+                if len(self._slow) > SLOW_CACHE_SIZE:
+                    self._slow.popitem(last=False)
+            raise ValueError(f"compiling it took longer than the server's budget of {budget:g} s") from None
+        except ValueError as e:
+            raise ValueError(f"the {params.kind.replace('_', ' ')} constraint cannot be compiled: {e}") from None
         with self._cache_lock:
             self._grammars[key] = (grammar, matcher)
             if len(self._grammars) > GRAMMAR_CACHE_SIZE:
                 self._grammars.popitem(last=False)
         return grammar, matcher
+
+    def _build(self, grammar: str, tokenizer):
+        """A matcher at the start of the grammar, checked: the library validates it, then the probe follows it from
+        the start for as long as it forces one token (limits.probe_steps at most), computing each mask, so that a
+        grammar that fails on its first tokens (a row too wide after a common prefix, a lexer past its fuel, a $ref
+        loop with nothing to match) is refused here rather than failing a request after it was accepted."""
+        llg = _llguidance()
+        limits = self.limits.parser_limits()
+        error = llg.LLMatcher.validate_grammar(grammar, tokenizer, limits=limits)
+        matcher = None if error else llg.LLMatcher(tokenizer, grammar, log_level=0, limits=limits)
+        error = error or matcher.get_error() or self._probe(matcher.deep_copy())
+        if error:
+            raise ValueError(short(error))
+        return matcher
+
+    def _probe(self, matcher) -> str:
+        """Follows the forced tokens from the start (on a copy); the first error met, or ""."""
+        eos = self.eos_token_ids[0]
+        for _ in range(self.limits.probe_steps):
+            mask = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+            if matcher.is_error():
+                return matcher.get_error()
+            allowed = np.flatnonzero(np.unpackbits(mask, bitorder="little")[:self.vocab_size])
+            if len(allowed) == 0:
+                return "the grammar allows no token at its start"
+            if len(allowed) != 1 or allowed[0] == eos or matcher.is_stopped():
+                return ""
+            if not matcher.consume_token(int(allowed[0])):
+                return matcher.get_error() or "the grammar refused the one token it allowed"
+        return ""
 
     def matcher(self, params: StructuredOutputsParams):
         """A matcher at the start of the constraint, for one sequence (the cached one is never advanced)."""

@@ -1,9 +1,8 @@
 """Turns a SchedulerOutput into flat batch tensors, runs the model over the paged KV cache and samples.
 Owns every device tensor, including the KV cache (allocated once). Warm-up at start: engine/worker/warmup.py."""
-import numpy as np
 import torch
 
-from quant_serve.engine.worker.attention import AttentionMetadata
+from quant_serve.engine.worker.eager_inputs import eager_inputs
 from quant_serve.engine.config import CacheConfig, ModelConfig
 from quant_serve.engine.worker.cuda_graph import DecodeGraphs
 from quant_serve.engine.worker.kv_scales import FP8_DTYPES, KVRangeObserver
@@ -12,7 +11,7 @@ from quant_serve.engine.sample.sampler import PendingSample, Sampler, compute_pr
 from quant_serve.engine.core.scheduler import SchedulerOutput
 from quant_serve.engine.core.sequence import Logprob
 from quant_serve.engine.spec.graphs import VerifyGraphs, VerifyRowGraphs
-from quant_serve.engine.worker.steps import Carry, ForwardStep, LaunchedStep
+from quant_serve.engine.worker.steps import Carry, ForwardStep, LaunchedStep, PreparedForward, PreparedStep
 from quant_serve.engine.worker.swap import CpuKVTier
 from quant_serve.engine.worker.transfer import to_device
 from quant_serve.kernels.gpu import options_for
@@ -29,14 +28,6 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch
         raise ValueError(f"unsupported kv cache dtype {kv_cache_dtype!r} "
                          f"(supported: auto, {', '.join(KV_CACHE_DTYPES)})")
     return KV_CACHE_DTYPES[kv_cache_dtype]
-
-
-def _padded_rows(tables: list[list[int]]) -> np.ndarray:
-    """Block tables -> int32 [B, longest], padded with 0 (row fills: 4x faster than nested lists to a tensor)."""
-    rows = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int32)
-    for row, table in zip(rows, tables):
-        row[:len(table)] = table
-    return rows
 
 
 class ModelRunner:
@@ -137,48 +128,6 @@ class ModelRunner:
         for cache in (*self.k_caches, *self.v_caches):
             cache[dst] = cache[src]
 
-    def _prepare(self, out: SchedulerOutput, carry: "Carry | None" = None):
-        input_ids, positions, slots, seq_lens, starts = [], [], [], [], [0]
-        tables = []
-        fill_at, fill_from = [], []        # input positions whose token the step in flight samples: its row
-        bs = self.block_size
-        for item in out.scheduled:
-            seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
-            # a speculating entry: its last known token, then its proposals (no copy of the whole context)
-            known = seq.token_ids[start:start + n] + seq.spec_token_ids if item.num_spec_tokens else \
-                seq.token_ids[start:start + n]
-            assert len(known) <= n, (seq.request_id, len(known), n)
-            if len(known) < n:             # the last input is the sequence's pending token
-                fill_at.append(len(input_ids) + len(known))
-                fill_from.append(carry.rows[id(seq)])
-                known = known + [0]
-            input_ids += known
-            positions += range(start, start + n)
-            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
-            seq_lens.append(start + n)
-            starts.append(starts[-1] + n)
-            tables.append(seq.block_table)
-        table_rows = _padded_rows(tables)
-
-        def tensor(values, dtype):
-            return to_device(values, dtype, self.device)
-
-        num_decodes = 0                     # leading sequences with one new token (running decodes come first)
-        while num_decodes < len(out.scheduled) and out.scheduled[num_decodes].num_new_tokens == 1:
-            num_decodes += 1
-        mixed = 0 < num_decodes < len(out.scheduled)
-        meta = AttentionMetadata(
-            slot_mapping=tensor(slots, torch.int64), block_tables=tensor(table_rows, torch.int32),
-            seq_lens=tensor(seq_lens, torch.int32), query_start_loc=tensor(starts, torch.int32),
-            max_seq_len=max(seq_lens), max_query_len=max(b - a for a, b in zip(starts, starts[1:])),
-            num_decodes=num_decodes if mixed else 0,
-            prefill_query_start_loc=tensor([s - num_decodes for s in starts[num_decodes:]], torch.int32)
-            if mixed else None)
-        ids = tensor(input_ids, torch.int64)
-        if fill_at:                        # gathered on the device, behind the step that samples them
-            ids[tensor(fill_at, torch.int64)] = carry.tokens[tensor(fill_from, torch.int64)]
-        return ids, tensor(positions, torch.int64), meta, starts
-
     def step_path(self, out: SchedulerOutput, carry: "Carry | None" = None, verify: bool = False,
                   observer=None) -> str:
         """How a step runs, chosen here only: "verify graph" (verify: every entry's inputs on the host, each at most
@@ -201,38 +150,58 @@ class ModelRunner:
         (every row samples its argmax): a decode graph with the head and the argmax inside may run, and the third
         value is then its token ids [T]. verify (a verification step: logits of every row wanted): a verify graph
         with the head inside may run, and the third value is then the fp32 logits of every row [T, vocab]."""
+        prepared = self.prepare_forward(out, carry.rows if carry is not None else None, greedy, verify)
+        return self.run_forward(prepared, carry.tokens if carry is not None else None)
+
+    def prepare_forward(self, out: SchedulerOutput, carry_rows: dict[int, int] | None = None, greedy: bool = False,
+                        verify: bool = False) -> PreparedForward:
+        """forward()'s host half: the path, the packed inputs (their copies queued), the swaps issued. Needs only
+        where the carried tokens will be (carry_rows), so it may run before the step in flight is even sampled."""
         if self.cpu_tier is not None:   # async on CUDA: the host prepares the batch meanwhile
             self.cpu_tier.issue(out.blocks_to_swap_out, out.blocks_to_swap_in)
         first = self._first_forward_observer if self.kv_observer is None else None
         observer = self.kv_observer or first
-        num_tokens = sum(item.num_new_tokens for item in out.scheduled)
-        path = self.step_path(out, carry, verify, observer)
+        path = self.step_path(out, carry_rows, verify, observer)
+        prepared = PreparedForward(out, path, greedy, first)
         if path == "verify graph":
-            bucket, packed, starts = self.verify_graphs.pack_step(out.scheduled)
+            prepared.bucket, prepared.packed, prepared.starts = self.verify_graphs.pack_step(out.scheduled)
         elif path == "decode graph":
-            shape, packed, carries = self.decode_graphs.pack_step([item.seq for item in out.scheduled],
-                                                                  carry.rows if carry is not None else None)
+            prepared.shape, prepared.packed, prepared.carries = self.decode_graphs.pack_step(
+                [item.seq for item in out.scheduled], carry_rows)
+            prepared.starts = list(range(len(out.scheduled) + 1))
         else:
-            input_ids, positions, meta, starts = self._prepare(out, carry)
-            meta.kv_observer = observer
+            prepared.input_ids, prepared.positions, prepared.meta, prepared.starts, prepared.fill = \
+                eager_inputs(out, carry_rows, self.block_size, self.device)
+            prepared.meta.kv_observer = observer
+        return prepared
+
+    def run_forward(self, prepared: PreparedForward, carried: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
+        """forward()'s device half: queues the copies, the carried tokens (carried: the samples of the step in
+        flight) and the model."""
+        out, path = prepared.out, prepared.path
+        num_tokens = sum(item.num_new_tokens for item in out.scheduled)
         if self.cpu_tier is not None:
             self.cpu_tier.wait()
         self.copy_blocks(out.blocks_to_copy)
         third = None
         if path == "verify graph":
-            hidden, logits = self.verify_graphs.run(bucket, packed)
+            hidden, logits = self.verify_graphs.run(prepared.bucket, prepared.packed)
             hidden, third = hidden[:num_tokens], logits[:num_tokens]
         elif path == "decode graph":
-            hidden, third = self.decode_graphs.run(len(out.scheduled), shape, packed,
-                                                   carry.tokens if carries else None, greedy)
-            starts = list(range(len(out.scheduled) + 1))
+            hidden, third = self.decode_graphs.run(len(out.scheduled), prepared.shape, prepared.packed,
+                                                   carried if prepared.carries else None, prepared.greedy)
         else:
-            hidden = self.model(input_ids, positions, meta)
+            if prepared.fill is not None:
+                at, rows = prepared.fill
+                prepared.input_ids[at] = carried[rows]
+            hidden = self.model(prepared.input_ids, prepared.positions, prepared.meta)
+        first = prepared.first_observer
         if first is not None:
             self._first_forward_observer = None
             first.report(self.model.attention_layers, self.kv_dtype)
         self.num_tokens_forwarded += num_tokens
-        return hidden, starts, third
+        return hidden, prepared.starts, third
 
     @torch.inference_mode()
     def compute_all_logits(self, out: SchedulerOutput) -> torch.Tensor:
@@ -254,12 +223,24 @@ class ModelRunner:
     @torch.inference_mode()
     def launch_forward(self, out: SchedulerOutput, carry: "Carry | None" = None) -> "ForwardStep":
         """The first half of launch(): the forward and the logits queued on the device, nothing sampled yet. The
-        engine applies the previous step's tokens in between when the sampling reads them on the host (grammar
-        masks, penalties, min_tokens), so that host work overlaps this forward."""
+        engine samples it later when the sampling reads the previous tokens on the host (grammar masks, penalties,
+        min_tokens), so that host work overlaps this forward."""
+        return self.run_step(self.prepare_step(out, carry.rows if carry is not None else None),
+                             carry.tokens if carry is not None else None)
+
+    def prepare_step(self, out: SchedulerOutput, carry_rows: dict[int, int] | None = None) -> PreparedStep:
+        """launch_forward()'s host half (prepare_forward), before the step in flight is sampled."""
         sample_seqs = [item.seq for item in out.scheduled if item.sample]
         argmax_only = only_argmax(sample_seqs)
         greedy = argmax_only and len(sample_seqs) == len(out.scheduled)
-        hidden, starts, graph_sampled = self.forward(out, carry, greedy)    # [T, hidden]
+        return PreparedStep([item.sample for item in out.scheduled], sample_seqs, argmax_only,
+                            self.prepare_forward(out, carry_rows, greedy))
+
+    @torch.inference_mode()
+    def run_step(self, prepared: PreparedStep, carried: torch.Tensor | None = None) -> "ForwardStep":
+        """launch_forward()'s device half: the forward and the logits of the sampling rows, queued."""
+        out = prepared.forward.out
+        hidden, starts, graph_sampled = self.run_forward(prepared.forward, carried)    # [T, hidden]
         sample_rows = [starts[i + 1] - 1 for i, item in enumerate(out.scheduled) if item.sample]
         self._prompt_logprobs(out, hidden, starts)
         logits = None
@@ -269,8 +250,8 @@ class ModelRunner:
             else:   # a list index would go through pageable memory, which waits for the step in flight
                 rows = hidden[to_device(sample_rows, torch.long, hidden.device)]
             # [S, vocab]; fp32 unless every row only takes the argmax
-            logits = self.model.compute_logits(rows, float32=not argmax_only)
-        return ForwardStep([item.sample for item in out.scheduled], sample_seqs, logits, graph_sampled)
+            logits = self.model.compute_logits(rows, float32=not prepared.argmax_only)
+        return ForwardStep(prepared.samples, prepared.sample_seqs, logits, graph_sampled)
 
     @torch.inference_mode()
     def sample(self, step: "ForwardStep") -> "LaunchedStep":
@@ -283,7 +264,7 @@ class ModelRunner:
             values = sampled if sampled.is_cuda else sampled.clone()
             pending = PendingSample(sampled, values, len(step.sample_seqs), [])
         elif step.logits is not None:
-            pending = self.sampler.sample(step.logits, step.sample_seqs)
+            pending = self.sampler.sample(step.logits, step.sample_seqs, frozenset(step.dropped))
         return LaunchedStep(step.samples, pending)
 
     def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor, starts: list[int]) -> None:

@@ -1,7 +1,9 @@
 """A launched step's state between the model runner and the engine: what it samples, its pending tokens, and the
 tokens it carries into the step launched behind it (async scheduling)."""
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
 import torch
 
 from quant_serve.engine.sample.sampler import PendingSample
@@ -17,12 +19,46 @@ class Carry:
 
 
 @dataclass
+class PreparedForward:
+    """A forward whose inputs are ready on the host (their copies queued) and which is not queued yet
+    (ModelRunner.prepare_forward): the fields its path needs."""
+    out: SchedulerOutput
+    path: str                            # "verify graph" | "decode graph" | "eager"
+    greedy: bool
+    first_observer: Any = None           # the first forward's K/V range check
+    starts: list[int] | None = None      # row starts
+    packed: np.ndarray | None = None     # graph inputs
+    bucket: Any = None                   # verify graph
+    shape: tuple[int, int] | None = None     # decode graph
+    carries: bool = False                # decode graph: a row's input is a carried token
+    input_ids: torch.Tensor | None = None    # eager
+    positions: torch.Tensor | None = None
+    meta: Any = None
+    fill: tuple[torch.Tensor, torch.Tensor] | None = None    # eager: (input positions, rows of the carried samples)
+
+
+@dataclass
+class PreparedStep:
+    """A step whose forward is prepared and not queued (ModelRunner.prepare_step)."""
+    samples: list[bool]                  # per scheduled entry: does it get a token
+    sample_seqs: list[Sequence]
+    argmax_only: bool
+    forward: PreparedForward
+
+
+def carry_rows(out: SchedulerOutput) -> dict[int, int]:
+    """id(sequence) -> its row in the samples of a step (the sequences that sample, in order)."""
+    return {id(item.seq): row for row, item in enumerate(i for i in out.scheduled if i.sample)}
+
+
+@dataclass
 class ForwardStep:
     """A step whose forward is queued and whose sampling is not (ModelRunner.launch_forward)."""
     samples: list[bool]                  # per scheduled entry: does it get a token
     sample_seqs: list[Sequence]          # the sequences that sample, in row order
     logits: torch.Tensor | None          # [S, vocab] on the device
     graph_sampled: torch.Tensor | None   # [S] from a decode graph that sampled inside (greedy steps)
+    dropped: set[int] = field(default_factory=set)   # ids of sequences whose token will be dropped (forced tokens)
 
 
 @dataclass
@@ -45,5 +81,4 @@ class LaunchedStep:
     def carry(self, out: SchedulerOutput) -> Carry | None:
         if self.pending is None:             # nothing sampled (prompt chunks only): no input to carry over
             return None
-        sampling = [item.seq for item in out.scheduled if item.sample]
-        return Carry(self.pending.token_ids, {id(seq): row for row, seq in enumerate(sampling)})
+        return Carry(self.pending.token_ids, carry_rows(out))

@@ -16,10 +16,16 @@ def register(sub) -> None:
     _add_load_args(off)
     off.add_argument("--measure-bandwidth", action="store_true", help="also measure GPU copy bandwidth (roofline)")
     off.add_argument("--structured-outputs", choices=["none", "json-schema"], default="none",
-                     help="json-schema: every request is constrained by a JSON schema (bench_offline.BENCH_JSON_SCHEMA)")
+                     help="json-schema: every request is constrained by a JSON schema (bench_offline.BENCH_SCHEMAS)")
+    off.add_argument("--json-schema", choices=["free-text", "fixed-keys", "both"], default="both",
+                     help="which schema: free-text (strings, numbers, enums), fixed-keys (records of enums and "
+                          "booleans: mostly forced tokens), both (each in turn, with --compare-unconstrained)")
+    off.add_argument("--structured-forced-tokens", type=int, default=None,
+                     help="forced tokens appended without a forward each, at most this many in a row (jump-forward; "
+                          "default 32); 0: every token sampled")
     off.add_argument("--compare-unconstrained", action="store_true",
                      help="with --structured-outputs: run the same load unconstrained first and report the ratio of "
-                          "output throughputs")
+                          "output throughputs (constrained_over_unconstrained, per schema)")
     off.set_defaults(func=run_offline_cmd)
     srv = modes.add_parser("serve", help="a streaming load client against a running server")
     srv.add_argument("--url", default="http://127.0.0.1:8000")
@@ -58,36 +64,29 @@ def _metadata(args) -> dict:
 
 def run_offline_cmd(args) -> int:
     from quant_serve.engine.llm_engine import LLMEngine
-    from quant_serve.server.cli.bench_offline import (decode_bytes_per_step, format_summary, measure_copy_bandwidth,
-                                                      run_offline, write_json)
+    from quant_serve.server.cli.bench_offline import (BENCH_SCHEMAS, compare_structured,
+                                                      decode_bytes_per_step, format_summary,
+                                                      measure_copy_bandwidth, run_offline, write_json)
     from quant_serve.server.cli.engine_args import engine_config_from_args
-    engine = LLMEngine(engine_config_from_args(args))
+    config = engine_config_from_args(args)
+    if args.structured_forced_tokens is not None:
+        config.structured_forced_tokens = args.structured_forced_tokens
+    engine = LLMEngine(config)
     result = {"metadata": _metadata(args), "model": engine.config.model,
               "quantization": engine.quant_config.describe() if engine.quant_config else "none",
               "kv_cache_dtype": engine.config.cache.kv_cache_dtype,
               "kv_cache_tokens": engine.block_manager.num_blocks * engine.config.cache.block_size}
-    structured = None
+    schemas = ["free-text", "fixed-keys"] if args.json_schema == "both" else [args.json_schema]
     if args.structured_outputs == "json-schema":
-        from quant_serve.engine.sample.structured import StructuredOutputsParams
-        from quant_serve.server.cli.bench_offline import BENCH_JSON_SCHEMA
-        structured = StructuredOutputsParams(json=BENCH_JSON_SCHEMA)
-        result["structured_outputs"] = args.structured_outputs
-    if structured is not None and args.compare_unconstrained:
-        # two rounds of unconstrained then constrained, each on its own prompts (no prefix-cache hits across runs);
-        # the first round warms both paths up, the second is the comparison
-        keys = ("elapsed_s", "steps", "output_tok_s", "tpot_mean_s", "tpot_p50_s", "ttft_mean_s")
-        result["rounds"] = []
-        for r in range(2):
-            free = run_offline(engine, args.num_prompts, args.input_len, args.output_len, args.range_ratio,
-                               args.bench_seed + 2 * r + 1)
-            constrained = run_offline(engine, args.num_prompts, args.input_len, args.output_len, args.range_ratio,
-                                      args.bench_seed + 2 * r + 2, structured_outputs=structured)
-            result["rounds"].append({"unconstrained": {k: free[k] for k in keys},
-                                     "constrained": {k: constrained[k] for k in keys}})
-        result.update(constrained)
-        result["unconstrained"] = {k: free[k] for k in keys}
-        result["constrained_over_unconstrained"] = result["output_tok_s"] / free["output_tok_s"]
+        result["structured_outputs"], result["json_schemas"] = args.structured_outputs, schemas
+    if args.structured_outputs == "json-schema" and args.compare_unconstrained:
+        result.update(compare_structured(engine, schemas, args.num_prompts, args.input_len, args.output_len,
+                                         args.range_ratio, args.bench_seed))
     else:
+        structured = None
+        if args.structured_outputs == "json-schema":
+            from quant_serve.engine.sample.structured import StructuredOutputsParams
+            structured = StructuredOutputsParams(json=BENCH_SCHEMAS[schemas[0]])
         result.update(run_offline(engine, args.num_prompts, args.input_len, args.output_len, args.range_ratio,
                                   args.bench_seed, structured_outputs=structured))
     result["decode_bytes_per_step"] = decode_bytes_per_step(engine.model)

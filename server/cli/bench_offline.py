@@ -60,6 +60,51 @@ BENCH_JSON_SCHEMA = {
     "required": ["items"]}
 
 
+# `--structured-outputs json-schema`, the second schema: records of mostly fixed keys (enums, booleans, a digit), so
+# that most tokens of the output are forced by the grammar (keys, quotes, separators) and few are the model's choice.
+BENCH_FIXED_SCHEMA = {
+    "type": "object",
+    "properties": {"records": {"type": "array", "items": {
+        "type": "object",
+        "properties": {"status": {"enum": ["active", "inactive", "pending"]}, "verified": {"type": "boolean"},
+                       "priority": {"enum": ["low", "medium", "high"]}, "archived": {"type": "boolean"},
+                       "region": {"enum": ["north", "south", "east", "west"]},
+                       "level": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["status", "verified", "priority", "archived", "region", "level"]}}},
+    "required": ["records"]}
+BENCH_SCHEMAS = {"free-text": BENCH_JSON_SCHEMA, "fixed-keys": BENCH_FIXED_SCHEMA}
+
+
+def compare_structured(engine, schemas: list[str], num_prompts: int, input_len: int, output_len: int,
+                       range_ratio: float, seed: int) -> dict:
+    """Two rounds of the load unconstrained, then constrained by each schema of BENCH_SCHEMAS named, each run on
+    its own prompts (no prefix-cache hits across runs); the first round warms every path up, the second is the
+    comparison. -> the last constrained run's result, with per schema its speed and constrained_over_unconstrained,
+    and the first schema's ratio at the top."""
+    from quant_serve.engine.sample.structured import StructuredOutputsParams
+    keys = ("elapsed_s", "steps", "output_tok_s", "tpot_mean_s", "tpot_p50_s", "ttft_mean_s")
+    rounds, result = [], {}
+    for r in range(2):
+        base = seed + r * (len(schemas) + 1)
+        free = run_offline(engine, num_prompts, input_len, output_len, range_ratio, base + 1)
+        row = {"unconstrained": {k: free[k] for k in keys}}
+        for i, name in enumerate(schemas):
+            constrained = run_offline(engine, num_prompts, input_len, output_len, range_ratio, base + 2 + i,
+                                      structured_outputs=StructuredOutputsParams(json=BENCH_SCHEMAS[name]))
+            row[name] = {k: constrained[k] for k in keys}
+            row[name]["constrained_over_unconstrained"] = constrained["output_tok_s"] / free["output_tok_s"]
+            row[name]["engine_stats_delta"] = constrained["engine_stats_delta"]
+            if i == 0:
+                result = constrained
+        rounds.append(row)
+    last = rounds[-1]
+    result.update(rounds=rounds, unconstrained=last["unconstrained"], schemas={n: last[n] for n in schemas},
+                  constrained_over_unconstrained=last[schemas[0]]["constrained_over_unconstrained"],
+                  constrained_over_unconstrained_by_schema={
+                      n: last[n]["constrained_over_unconstrained"] for n in schemas})
+    return result
+
+
 def run_offline(engine, num_prompts: int, input_len: int, output_len: int, range_ratio: float = 0.0,
                 seed: int = 0, warmup: int = 1, structured_outputs=None) -> dict:
     """structured_outputs: a StructuredOutputsParams every request carries (compiled before the timed region)."""
@@ -180,7 +225,9 @@ def format_summary(title: str, result: dict) -> str:
     row("Total token throughput (tok/s)", result.get("total_tok_s"))
     row("Batch-1 decode (tok/s)", result.get("decode_tok_s"))
     row("Unconstrained output throughput (tok/s)", result.get("unconstrained", {}).get("output_tok_s"))
-    row("Constrained / unconstrained", result.get("constrained_over_unconstrained"), "{:.3f}")
+    for name, ratio in result.get("constrained_over_unconstrained_by_schema",
+                                  {"": result.get("constrained_over_unconstrained")}).items():
+        row(f"Constrained / unconstrained {name}".rstrip(), ratio, "{:.3f}")
     row("Spec decode acceptance rate", result.get("speculative", {}).get("acceptance_rate"), "{:.3f}")
     row("Spec decode mean accepted length", result.get("speculative", {}).get("mean_accepted_length"), "{:.3f}")
     for key, name in _LATENCIES:
