@@ -65,13 +65,13 @@ def test_gpu_fold_kernels_with_gguf_layouts_match_unfused(mode):
     k = n = 512
     if mode == "q4k":
         from quant_serve.kernels.w4a16.dispatch import prepare_kernel_weights
-        from tests.test_kernels_w4a16_kquant import q4_k_layer
+        from kernel_helpers import q4_k_layer
         _, dense, qweight, sub, sup = q4_k_layer(k, n)
         fw = prepare_kernel_weights(qweight, sub, None, 32, superscales=sup, scale_dtype=torch.float16)
     else:
         from quant_serve.kernels.w4a16.frag6 import frag6_dequantize_ref, pack_frag6
         from quant_serve.kernels.w8a16.q6k import q6k_codes, q6k_scales
-        from tests.test_kernels_w4a16_frag6 import q6k_layer
+        from kernel_helpers import q6k_layer
         w = q6k_layer(k, n, "cuda")
         fw = pack_frag6(q6k_codes(w), q6k_scales(w))
         dense = frag6_dequantize_ref(fw).float().cpu()

@@ -84,8 +84,8 @@ def compile_q5_kernels_sm90() -> dict:
     from triton.compiler import ASTSource
 
     from quant_serve.kernels.w8a16.kernels import _w8a16_dequant_kernel, _w8a16_gemv_kernel
-    from tests.test_kernels_w4a16_mma import cubin_sass
-    from tests.test_kernels_w8a16_q6k import constexpr_defaults
+    from kernel_helpers import cubin_sass
+    from kernel_helpers import constexpr_defaults
 
     def build(kernel, sig, constexprs):
         constexprs = dict(constexpr_defaults(kernel), **constexprs)
@@ -111,7 +111,7 @@ def compile_q5_kernels_sm90() -> dict:
 
 
 def test_q5_kernels_compile_for_sm90_without_spills():
-    from tests.test_kernels_w4a16_mma import compiled_in_fresh_process
+    from kernel_helpers import compiled_in_fresh_process
     res = compiled_in_fresh_process("tests.test_kernels_w8a16_q5k", "compile_q5_kernels_sm90")
     assert all(r["stack"] == 0 for r in res.values()), res
     print({name: r["regs"] for name, r in res.items()})
