@@ -160,14 +160,11 @@ def test_step_bytes_are_the_memory_plans():
         assert shape.step_weight_bytes == pytest.approx(plan.weights_bytes - plan.embedding_bytes, rel=1e-3)
 
 
-def test_a_gguf_files_step_reads_what_its_plan_holds(tmp_path):
-    """A GGUF file's own tensor types (tiny-qwen2 as Q4_K_M, a tied head: the FP16 embedding table)."""
-    from conftest import TINY           # here, not at the top: only this test needs the shared model
+def test_a_gguf_files_step_reads_what_its_plan_holds(tmp_path, trained_model):
+    """A GGUF file's own tensor types (the tiny model as Q4_K_M, a tied head: the FP16 embedding table)."""
     from gguf_fixtures import write_gguf
     from quant_serve.engine.card_model import projection_for
-    if not TINY.exists():
-        pytest.skip(f"needs {TINY}")
-    path = write_gguf(TINY, tmp_path / "tiny.gguf", "Q4_K_M")
+    path = write_gguf(trained_model, tmp_path / "tiny.gguf", "Q4_K_M")
     plan = plan_memory(path)
     projection = projection_for(path, PROFILES["l4"])
     assert plan.tied_embeddings
