@@ -39,12 +39,12 @@ import dataclasses
 
 import torch
 
-from quant_serve.kernels.matmul.dispatch import call_plan, prepare_kernel_weights, w4a16_forward
+from quant_serve.kernels.matmul.dispatch import (call_plan, prepare_kernel_weights, prepare_q5k, prepare_q6k, w4a16_forward,
+                                                 w8a16_forward)
 from quant_serve.kernels.matmul.frag.q5k import frag5_bytes
 from quant_serve.kernels.matmul.frag.q6k import frag6_bytes
 from quant_serve.kernels.matmul.frag.kquant import kquant_bytes, kquant_scales_offsets, pack_sub_codes, pack_superscales
 from quant_serve.kernels.matmul.reference import dequantize_w4, pack_int4_cols, pack_int4_rows
-from quant_serve.kernels.matmul.dispatch import prepare_q5k, prepare_q6k, w8a16_forward
 from quant_serve.kernels.matmul.plan import plan_w8a16
 from quant_serve.kernels.matmul.planes.q5k import pack_q5k, q5k_bytes, q5k_dequantize
 from quant_serve.kernels.matmul.planes.q6k import pack_q6k, q6k_bytes, q6k_dequantize

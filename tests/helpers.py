@@ -1,8 +1,5 @@
-"""Shared test helpers: building engines on the fixture, checking that no KV block leaked, and the fixture
-models the GPU tests run on."""
+"""Shared test helpers: building engines, checking that no KV block leaked, loading bench scripts."""
 import importlib.util
-import json
-import shutil
 from pathlib import Path
 
 from quant_serve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -10,7 +7,7 @@ from quant_serve.engine.load.demo import DEMO_MODEL_DIR
 from quant_serve.engine.llm_engine import LLMEngine
 from quant_serve.kernels.gpu import KernelOptions
 
-from conftest import GPU_PROFILE, REPO, TINY, TINY_AWQ
+from conftest import GPU_PROFILE, REPO, TINY_AWQ, has_weights
 
 
 def make_engine(model, *, num_blocks=256, chunk=2048, prefix_caching=True, max_num_seqs=64, dtype="float32",
@@ -36,17 +33,10 @@ def assert_all_blocks_free(engine: LLMEngine) -> None:
     assert not engine.scheduler.has_unfinished()
 
 
-def _has_weights(model_dir: Path) -> bool:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        return all((model_dir / f).is_file() for f in set(json.loads(index.read_text())["weight_map"].values()))
-    return (model_dir / "model.safetensors").is_file()
-
-
 def awq_model_dir() -> Path:
     """AutoAWQ's tiny-qwen2 checkpoint, or the bundled demo model (our AWQ of the same model) where the fixture
     did not travel (the GPU machine gets only what fits in the working tree)."""
-    return TINY_AWQ if _has_weights(TINY_AWQ) else DEMO_MODEL_DIR
+    return TINY_AWQ if has_weights(TINY_AWQ) else DEMO_MODEL_DIR
 
 
 def bench_script(name: str):
@@ -55,24 +45,3 @@ def bench_script(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def fp16_model_dir(tmp_root: Path) -> Path:
-    """tiny-qwen2 in FP16, or where its 53 MB of weights did not travel, the bundled demo model dequantized by our
-    readers and saved as an FP16 checkpoint (a trained model too, so greedy comparisons stay meaningful)."""
-    if _has_weights(TINY):
-        return TINY
-    out = Path(tmp_root) / "demo-dequantized-fp16"
-    if not (out / "model.safetensors").is_file():
-        from safetensors.torch import save_file
-        weights = bench_script("quant_quality").dense_weights(DEMO_MODEL_DIR)
-        out.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.half().contiguous() for k, v in weights.items()}, str(out / "model.safetensors"))
-        config = json.loads((DEMO_MODEL_DIR / "config.json").read_text())
-        config.pop("quantization_config", None)
-        config["torch_dtype"] = "float16"
-        (out / "config.json").write_text(json.dumps(config, indent=2))
-        for f in DEMO_MODEL_DIR.iterdir():
-            if f.name not in ("config.json", "model.safetensors"):
-                shutil.copy(f, out / f.name)
-    return out

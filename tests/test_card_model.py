@@ -8,9 +8,8 @@ from collections import defaultdict
 import pytest
 
 from quant_serve.engine.plan.card_fit import Observation, fit, predict
-from quant_serve.engine.plan.card_step import CardParams
-from quant_serve.engine.plan.card_model import (kernel_terms, kernel_time, params_for, project, step_time,
-                                                tensor_rate)
+from quant_serve.engine.plan.card_model import (CardParams, kernel_terms, kernel_time, params_for, project, step_time,
+                                           tensor_rate)
 from quant_serve.engine.plan.card_params import FITTED
 from quant_serve.engine.plan.card_refit import fit_all
 from quant_serve.engine.plan.card_step import Kernel, decode_kernels, model_shape
@@ -19,7 +18,7 @@ from quant_serve.kernels.gpu import PROFILES, _caps, resolve_caps
 
 from conftest import REPO
 
-CONFIGS = REPO / "engine" / "load" / "configs"
+CONFIGS = REPO / "engine" / "configs"
 RESULTS = REPO / "bench" / "results"
 # dense FP16 tensor operations per SM-clock: GA102 / AD102 1,024 (FP16 accumulation), GA100 2,048, GH100 4,096
 PER_SM_CLOCK = {(8, 6): 1024, (8, 9): 1024, (8, 0): 2048, (9, 0): 4096}
@@ -161,14 +160,11 @@ def test_step_bytes_are_the_memory_plans():
         assert shape.step_weight_bytes == pytest.approx(plan.weights_bytes - plan.embedding_bytes, rel=1e-3)
 
 
-def test_a_gguf_files_step_reads_what_its_plan_holds(tmp_path):
-    """A GGUF file's own tensor types (tiny-qwen2 as Q4_K_M, a tied head: the FP16 embedding table)."""
-    from conftest import TINY           # here, not at the top: only this test needs the shared model
+def test_a_gguf_files_step_reads_what_its_plan_holds(tmp_path, trained_model):
+    """A GGUF file's own tensor types (the tiny model as Q4_K_M, a tied head: the FP16 embedding table)."""
     from gguf_fixtures import write_gguf
     from quant_serve.engine.plan.card_model import projection_for
-    if not TINY.exists():
-        pytest.skip(f"needs {TINY}")
-    path = write_gguf(TINY, tmp_path / "tiny.gguf", "Q4_K_M")
+    path = write_gguf(trained_model, tmp_path / "tiny.gguf", "Q4_K_M")
     plan = plan_memory(path)
     projection = projection_for(path, PROFILES["l4"])
     assert plan.tied_embeddings

@@ -4,9 +4,9 @@ import json
 
 from quant_serve.server.cli.main import main
 
-from conftest import SHARED
+from conftest import QWEN_7B
 
-QWEN = str(SHARED / "configs" / "qwen2.5-7b-instruct")
+QWEN = str(QWEN_7B)
 
 
 def explain(capsys, gpu: str, *extra: str) -> dict:

@@ -3,10 +3,7 @@ import json
 
 from quant_serve.server.cli.main import main
 
-from conftest import SHARED, TINY
-
-QWEN = SHARED / "configs" / "qwen2.5-7b-instruct"
-LLAMA = SHARED / "configs" / "llama-3.1-8b-instruct"
+from conftest import LLAMA_8B as LLAMA, QWEN_7B as QWEN
 
 
 def _plan(capsys, *args):
@@ -30,9 +27,9 @@ def test_plan_json_llama_gptq_fp16(capsys):
     assert plan["max_model_len_fit"] >= 8192
 
 
-def test_plan_exact_weights_from_headers(capsys):
-    code, plan = _plan(capsys, TINY)
-    total = sum(p.stat().st_size for p in TINY.glob("*.safetensors"))
+def test_plan_exact_weights_from_headers(capsys, random_model):
+    code, plan = _plan(capsys, random_model)
+    total = sum(p.stat().st_size for p in random_model.glob("*.safetensors"))
     assert code == 0 and plan["weights_source"] == "safetensors"
     assert 0 < total - plan["weights_bytes"] < 64 * 1024                # file sizes = tensors + small headers
 

@@ -4,7 +4,7 @@ import json
 import httpx
 
 from quant_serve.engine.load.demo import DEMO_MODEL_DIR
-from test_server_common import running_server
+from server_common import running_server
 
 
 def test_demo_model_is_bundled_awq():

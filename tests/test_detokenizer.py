@@ -3,10 +3,11 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
+from quant_serve.engine.load.demo import DEMO_MODEL_DIR
 from quant_serve.engine.core.detokenizer import IncrementalDetokenizer
 from quant_serve.engine.sampling_params import SamplingParams
 
-MODEL = "/work/shared/models/tiny-qwen2"
+MODEL = DEMO_MODEL_DIR               # tiny-qwen2's tokenizer
 PROMPT = [1, 872, 198]       # "<|im_start|>" + a couple of ordinary tokens
 
 

@@ -3,90 +3,15 @@ models built from each family's transformers config, through our engine against 
 logits of a long prompt (past Gemma's sliding window) and greedy tokens; then the INT4 path, quantized by our RTN
 into AWQ / GPTQ checkpoints, against transformers on the dequantized weights."""
 import json
-import shutil
 
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig, Phi3Config,
-                          Qwen3Config)
+from transformers import Gemma3TextConfig
 
 from quant_serve.engine.sampling_params import SamplingParams
 from helpers import assert_all_blocks_free, make_engine
-
-from conftest import TINY
-
-VOCAB = 4096
-SMALL = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-             max_position_embeddings=1024, bos_token_id=0, eos_token_id=2, pad_token_id=0)
-WINDOW = 24          # Gemma's sliding window here: the 150-token prompt and the 40-token chunks cross it
-
-CONFIGS = {
-    "qwen3": lambda: Qwen3Config(**SMALL, num_hidden_layers=3, head_dim=48, rms_norm_eps=1e-6,
-                                 tie_word_embeddings=False, rope_theta=1000000.0),
-    "gemma2": lambda: Gemma2Config(**SMALL, num_hidden_layers=4, head_dim=64, query_pre_attn_scalar=48,
-                                   sliding_window=WINDOW, attn_logit_softcapping=4.0, final_logit_softcapping=3.0),
-    "gemma3": lambda: Gemma3TextConfig(
-        **SMALL, num_hidden_layers=4, head_dim=64, query_pre_attn_scalar=40, sliding_window=WINDOW,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
-        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
-    "phi3": lambda: Phi3Config(
-        **SMALL, num_hidden_layers=3, original_max_position_embeddings=256, tie_word_embeddings=False,
-        rope_scaling={"type": "longrope", "short_factor": [1.0 + i / 16 for i in range(16)],
-                      "long_factor": [2.0 + i / 4 for i in range(16)]}),
-    "phi4-mini": lambda: Phi3Config(                    # partial rotary (3/4 of head_dim), tied head
-        **SMALL, num_hidden_layers=2, original_max_position_embeddings=256, tie_word_embeddings=True,
-        partial_rotary_factor=0.75, rope_scaling={"type": "longrope", "short_factor": [1.0] * 12,
-                                                  "long_factor": [3.0] * 12}),
-    "llama3.2": lambda: LlamaConfig(
-        **SMALL, num_hidden_layers=2, tie_word_embeddings=True, rope_theta=500000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 64}),
-}
-
-
-def random_model_dir(name: str, path, overrides: dict | None = None):
-    """CONFIGS[name] (with `overrides` set on it) as a seeded random-weight checkpoint with tiny-qwen2's tokenizer
-    in `path`: weights N(0, 0.08), norms around their identity (0 for Gemma's 1 + w, else 1)."""
-    config = CONFIGS[name]()
-    for key, value in (overrides or {}).items():
-        setattr(config, key, value)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.08)
-            elif "norm" in pname:
-                p.normal_(0.0 if "gemma" in name else 1.0, 0.2)
-    model.save_pretrained(str(path))
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(TINY / f, path / f)
-    return path
-
-
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory):
-    """name -> a saved random-weight checkpoint (fp32; norms and biases random too, so that a missed (1 + w) or
-    a dropped norm shows)."""
-    cache = {}
-
-    def get(name: str):
-        if name not in cache:
-            cache[name] = random_model_dir(name, tmp_path_factory.mktemp(name))
-        return cache[name]
-    return get
-
-
-def hf_model(path):
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval()
-
-
-def prompts() -> list[list[int]]:
-    ids = torch.randint(3, VOCAB, (150,), generator=torch.Generator().manual_seed(1)).tolist()
-    return [ids[:5], ids[:77], ids[20:150]]
-
+from random_archs import CONFIGS, WINDOW, hf_model, prompts
 
 def check_against_hf(engine, ref_model, atol=3e-4):
     ids = prompts()[2]
@@ -119,8 +44,8 @@ def plan_weights(path) -> int:
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_logits_and_greedy_match_hf(name, model_dirs):
-    path = model_dirs(name)
+def test_logits_and_greedy_match_hf(name, arch_models):
+    path = arch_models(name)
     assert plan_weights(path) == header_bytes(path)          # norms, q/k norms, fused modules, tied head counted
     engine = make_engine(path, chunk=40)
     cfg = engine.model_config
@@ -151,13 +76,13 @@ INT4_FORMATS = {"qwen3": "awq", "gemma2": "gptq", "gemma3": "awq", "phi3": "gptq
 
 
 @pytest.mark.parametrize("name", list(INT4_FORMATS))
-def test_int4_rtn_checkpoint_matches_hf_on_dequantized_weights(name, model_dirs, tmp_path):
+def test_int4_rtn_checkpoint_matches_hf_on_dequantized_weights(name, arch_models, tmp_path):
     """`quant-serve quantize --method rtn` into AWQ / GPTQ (Phi's fused qkv_proj / gate_up_proj stay fused, as
     AutoAWQ and GPTQModel write them), loaded by our readers and run on the INT4 path, against transformers with
     every linear replaced by its dequantized weights."""
     from quant_serve.quant.layers.linear import QuantLinear
     from quant_serve.quant.quantize import QuantizeConfig, quantize_model
-    src, fmt = model_dirs(name), INT4_FORMATS[name]
+    src, fmt = arch_models(name), INT4_FORMATS[name]
     results = {}
     quantize_model(rtn_source(src), None, QuantizeConfig(method="rtn", group_size=64, format=fmt, sym=fmt == "gptq"),
                    tmp_path / "int4", show_progress=False, results_sink=results)
@@ -179,10 +104,10 @@ def test_int4_rtn_checkpoint_matches_hf_on_dequantized_weights(name, model_dirs,
     check_against_hf(engine, ref)
 
 
-def test_quantize_refuses_calibrated_methods_without_a_forward(model_dirs, tmp_path):
+def test_quantize_refuses_calibrated_methods_without_a_forward(arch_models, tmp_path):
     from quant_serve.quant.quantize import QuantizeConfig, quantize_model
     with pytest.raises(ValueError, match="calibrates on the model's forward.*use --method rtn"):
-        quantize_model(rtn_source(model_dirs("gemma2")), torch.zeros(1, 8, dtype=torch.long),
+        quantize_model(rtn_source(arch_models("gemma2")), torch.zeros(1, 8, dtype=torch.long),
                        QuantizeConfig(method="gptq"), tmp_path / "out", show_progress=False)
 
 

@@ -7,20 +7,18 @@ import pytest
 from quant_serve.engine.sampling_params import SamplingParams
 from helpers import assert_all_blocks_free, make_engine
 
-from conftest import TINY
 
-
-def _copy_config(tmp_path, **changes):
-    config = json.loads((TINY / "config.json").read_text())
+def _copy_config(model, tmp_path, **changes):
+    config = json.loads((model / "config.json").read_text())
     config.update(changes)
     (tmp_path / "config.json").write_text(json.dumps(config))
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(TINY / name, tmp_path / name)
+        shutil.copy(model / name, tmp_path / name)
     return tmp_path
 
 
-def test_model_dir_without_weights(tmp_path):
-    _copy_config(tmp_path)
+def test_model_dir_without_weights(random_model, tmp_path):
+    _copy_config(random_model, tmp_path)
     with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors weights in .*config\.json"):
         make_engine(tmp_path)
 
@@ -30,26 +28,26 @@ def test_missing_model_dir(tmp_path):
         make_engine(tmp_path / "nope")
 
 
-def test_truncated_safetensors(tmp_path):
-    _copy_config(tmp_path)
-    data = (TINY / "model-00001-of-00004.safetensors").read_bytes()
+def test_truncated_safetensors(random_model, tmp_path):
+    _copy_config(random_model, tmp_path)
+    data = next(random_model.glob("*.safetensors")).read_bytes()
     (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(ValueError, match=r"model\.safetensors.*truncated"):
         make_engine(tmp_path)
 
 
-def test_unsupported_architecture(tmp_path):
-    _copy_config(tmp_path, architectures=["GPT2LMHeadModel"], model_type="gpt2")
+def test_unsupported_architecture(random_model, tmp_path):
+    _copy_config(random_model, tmp_path, architectures=["GPT2LMHeadModel"], model_type="gpt2")
     with pytest.raises(ValueError, match="unsupported architecture.*GPT2LMHeadModel.*supported: LlamaForCausalLM.*"
                                          "Qwen3ForCausalLM.*Gemma2ForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM"):
         make_engine(tmp_path)
 
 
-def test_missing_tensor_is_named(tmp_path):
+def test_missing_tensor_is_named(random_model, tmp_path):
     from safetensors.torch import load_file, save_file
-    _copy_config(tmp_path)
+    _copy_config(random_model, tmp_path)
     tensors = {}
-    for f in sorted(TINY.glob("*.safetensors")):
+    for f in sorted(random_model.glob("*.safetensors")):
         tensors.update(load_file(f))
     del tensors["model.layers.3.mlp.up_proj.weight"]
     save_file(tensors, str(tmp_path / "model.safetensors"))
@@ -57,8 +55,8 @@ def test_missing_tensor_is_named(tmp_path):
         make_engine(tmp_path)
 
 
-def test_prompt_longer_than_max_model_len():
-    engine = make_engine(TINY, max_model_len=64)
+def test_prompt_longer_than_max_model_len(random_model):
+    engine = make_engine(random_model, max_model_len=64)
     with pytest.raises(ValueError, match="prompt has 80 tokens, but max_model_len is 64"):
         engine.add_request("long", list(range(3, 83)), SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match="outside the vocabulary"):
@@ -72,13 +70,13 @@ def test_prompt_longer_than_max_model_len():
     assert_all_blocks_free(engine)
 
 
-def test_max_model_len_above_model_limit():
+def test_max_model_len_above_model_limit(random_model):
     with pytest.raises(ValueError, match="exceeds the model.s limit of 2048 tokens"):
-        make_engine(TINY, max_model_len=4096)
+        make_engine(random_model, max_model_len=4096)
 
 
-def test_generation_stops_at_max_model_len():
-    engine = make_engine(TINY, max_model_len=40)
+def test_generation_stops_at_max_model_len(random_model):
+    engine = make_engine(random_model, max_model_len=40)
     out = engine.generate([list(range(3, 33))], SamplingParams(max_tokens=100, ignore_eos=True))[0]
     assert out.outputs[0].finish_reason == "length"
     assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 40

@@ -3,15 +3,15 @@ import pytest
 import torch
 
 from quant_serve.engine.sampling_params import SamplingParams
-from helpers import assert_all_blocks_free, awq_model_dir, fp16_model_dir, make_engine
+from helpers import assert_all_blocks_free, awq_model_dir, make_engine
 
-from conftest import DATA
+from conftest import HELDOUT
 
 pytestmark = pytest.mark.gpu
 
 
 def _prompts(engine, n=8):
-    ids = engine.tokenizer.encode((DATA / "val.txt").read_text()[:20000])
+    ids = engine.tokenizer.encode(HELDOUT.read_text())
     return [ids[i * 211: i * 211 + 7 + 19 * i] for i in range(n)]
 
 
@@ -21,8 +21,8 @@ def _greedy(engine, prompts, logprobs=None):
 
 
 @pytest.mark.parametrize("kind", ["fp16", "awq"])
-def test_cuda_greedy_matches_cpu(kind, tmp_path_factory):
-    model = fp16_model_dir(tmp_path_factory.getbasetemp()) if kind == "fp16" else awq_model_dir()
+def test_cuda_greedy_matches_cpu(kind, trained_model):
+    model = trained_model if kind == "fp16" else awq_model_dir()
     cpu = make_engine(model, dtype="float32")
     gpu = make_engine(model, dtype="float16", device="cuda", chunk=32)
     prompts = _prompts(cpu)
@@ -53,7 +53,7 @@ def test_cuda_graph_decode_matches_eager():
 
     graphs.graphs = Replayed(graphs.graphs)
     short = _prompts(eager, 5)
-    long = short + [eager.tokenizer.encode((DATA / "val.txt").read_text()[:20000])[:1100]]
+    long = short + [eager.tokenizer.encode(HELDOUT.read_text())[:1100]]
     for prompts in (short, long):                      # the 1024-token graphs, then the 2048-token ones
         a = _greedy(eager, prompts, logprobs=1)
         b = _greedy(graphed, prompts, logprobs=1)
@@ -105,7 +105,7 @@ def test_batch_one_folds_the_norms_and_matches_the_plain_path(monkeypatch):
     engine = make_engine(awq_model_dir(), dtype="float16", device="cuda", enforce_eager=True)
     model = engine.runner.model.model
     assert fused_decode.applies(model, torch.zeros(1, 8, device="cuda"))
-    ids = engine.tokenizer.encode((DATA / "val.txt").read_text()[:20000])
+    ids = engine.tokenizer.encode(HELDOUT.read_text())
     prompts = [ids[i * 500: i * 500 + 150 + 60 * i] for i in range(4)]     # 150-330 tokens: split contexts
     params = SamplingParams(max_tokens=16, min_tokens=16, temperature=0.0, logprobs=1)
     inputs, real = [], fused_decode.residual

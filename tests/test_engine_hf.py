@@ -6,14 +6,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from quant_serve.engine.sampling_params import SamplingParams
 from helpers import assert_all_blocks_free, make_engine
 
-from conftest import DATA, TINY
-
 NEW_TOKENS = 12
 
 
-def _prompts(tokenizer) -> list[list[int]]:
+def _prompts(tokenizer, text: str) -> list[list[int]]:
     """8 prompts of very different lengths (3..~150 tokens); two share a long system prompt."""
-    text = (DATA / "val.txt").read_text()[:20000]
     ids = tokenizer.encode(text)
     system = tokenizer.apply_chat_template([{"role": "system", "content": "You are a dictionary. " * 6},
                                             {"role": "user", "content": 'What does "lantern" mean?'}],
@@ -26,19 +23,24 @@ def _prompts(tokenizer) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def hf_model():
-    return AutoModelForCausalLM.from_pretrained(str(TINY), dtype=torch.float32).eval()
+def hf_model(trained_model):
+    return AutoModelForCausalLM.from_pretrained(str(trained_model), dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(str(TINY))
+def tokenizer(trained_model):
+    return AutoTokenizer.from_pretrained(str(trained_model))
 
 
 @pytest.fixture(scope="module")
-def hf_greedy(hf_model, tokenizer):
+def prompts(tokenizer, heldout_text):
+    return _prompts(tokenizer, heldout_text)
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(hf_model, prompts):
     outputs = []
-    for ids in _prompts(tokenizer):
+    for ids in prompts:
         with torch.no_grad():
             out = hf_model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW_TOKENS,
                                     min_new_tokens=NEW_TOKENS, attention_mask=torch.ones(1, len(ids)))
@@ -47,9 +49,8 @@ def hf_greedy(hf_model, tokenizer):
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
-def test_greedy_matches_hf_staggered_chunked(prefix_caching, tokenizer, hf_greedy):
-    engine = make_engine(TINY, chunk=32, prefix_caching=prefix_caching)
-    prompts = _prompts(tokenizer)
+def test_greedy_matches_hf_staggered_chunked(prefix_caching, trained_model, prompts, hf_greedy):
+    engine = make_engine(trained_model, chunk=32, prefix_caching=prefix_caching)
     params = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0.0)
     results: dict[str, list[int]] = {}
     pending = list(enumerate(prompts))
@@ -71,9 +72,9 @@ def test_greedy_matches_hf_staggered_chunked(prefix_caching, tokenizer, hf_greed
     assert_all_blocks_free(engine)
 
 
-def test_full_logits_match_hf(hf_model, tokenizer):
-    engine = make_engine(TINY, chunk=48)
-    ids = _prompts(tokenizer)[3]
+def test_full_logits_match_hf(hf_model, trained_model, prompts):
+    engine = make_engine(trained_model, chunk=48)
+    ids = prompts[3]
     ours = engine.score(ids)
     with torch.no_grad():
         ref = hf_model(torch.tensor([ids])).logits[0].float()
@@ -82,9 +83,8 @@ def test_full_logits_match_hf(hf_model, tokenizer):
     assert_all_blocks_free(engine)
 
 
-def test_generate_blocking_api_and_text(tokenizer, hf_greedy):
-    engine = make_engine(TINY)
-    prompts = _prompts(tokenizer)
+def test_generate_blocking_api_and_text(trained_model, tokenizer, prompts):
+    engine = make_engine(trained_model)
     outs = engine.generate([tokenizer.decode(prompts[6])],
                            SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0.0))
     assert outs[0].finished and outs[0].outputs[0].finish_reason == "length"

@@ -1,14 +1,11 @@
 """A random-weight Llama (untied head, llama3 rope scaling, GQA 4:1) built in the test, against transformers."""
-import shutil
-
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from quant_serve.engine.sampling_params import SamplingParams
+from fixtures import copy_tokenizer
 from helpers import assert_all_blocks_free, make_engine
-
-from conftest import TINY
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +24,7 @@ def llama_dir(tmp_path_factory):
             if p.dim() == 2:
                 p.normal_(0, 0.08)
     model.save_pretrained(str(path), max_shard_size="1MB")   # sharded with an index
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(TINY / name, path / name)
+    copy_tokenizer(path)
     return path
 
 

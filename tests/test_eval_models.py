@@ -2,7 +2,8 @@
 transformers (fp32) on the FP16 model and on INT4 weights dequantized here from the checkpoints' own formulas.
 
 One CLI run (2,048 tokens, 4 items per task) covers: FP16 vs itself, the AutoAWQ and llm-compressor fixtures, and a
-damaged copy of the AWQ model (one layer's scales x4), which must fail the default gate.
+damaged copy of the AWQ model (one layer's scales x4), which must fail the default gate. All of it needs ../shared:
+tiny-qwen2 as trained, its held-out text and the third parties' checkpoints.
 """
 import glob
 import json
@@ -16,7 +17,6 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from conftest import DATA, TINY, TINY_AWQ, TINY_CT
 from quant_serve.server.cli.main import main
 
 MAX_TOKENS, CONTEXT = 2048, 512
@@ -24,14 +24,11 @@ DAMAGED = "model.layers.5.mlp.down_proj"
 AWQ_REVERSE = [0, 4, 1, 5, 2, 6, 3, 7]      # column j of each group of 8 sits in nibble AWQ_REVERSE[j]
 CHROMIUM = "/usr/bin/chromium"
 
-pytestmark = pytest.mark.skipif(not (TINY_AWQ / "config.json").is_file(), reason="shared model fixtures missing")
-
-
 
 @pytest.fixture(scope="module")
-def damaged_dir(tmp_path_factory):
+def damaged_dir(tmp_path_factory, tiny_awq_autoawq):
     out = tmp_path_factory.mktemp("models") / "tiny-qwen2-awq-damaged"
-    shutil.copytree(TINY_AWQ, out)
+    shutil.copytree(tiny_awq_autoawq, out)
     tensors = load_file(out / "model.safetensors")
     tensors[f"{DAMAGED}.scales"] = tensors[f"{DAMAGED}.scales"] * 4
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
@@ -39,11 +36,12 @@ def damaged_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, damaged_dir):
+def run(tmp_path_factory, damaged_dir, tiny_trained, tiny_awq_autoawq, tiny_ct, val_txt):
     """The CLI once over all candidates: (exit code, summary json, report dir)."""
     out = tmp_path_factory.mktemp("report")
-    argv = ["eval", "--reference", str(TINY), "--model", str(TINY), "--model", str(TINY_AWQ), "--model", str(TINY_CT),
-            "--model", str(damaged_dir), "--data", str(DATA / "val.txt"), "--max-tokens", str(MAX_TOKENS),
+    argv = ["eval", "--reference", str(tiny_trained), "--model", str(tiny_trained), "--model", str(tiny_awq_autoawq),
+            "--model", str(tiny_ct), "--model", str(damaged_dir), "--data", str(val_txt),
+            "--max-tokens", str(MAX_TOKENS),
             "--context-len", str(CONTEXT), "--task-limit", "4", "--layer-windows", "1", "--out", str(out)]
     code = main(argv)
     return code, json.loads((out / "report.json").read_text()), out
@@ -88,14 +86,15 @@ def dequantized_state_dict(model_dir) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def hf_logprobs():
+def hf_logprobs(tiny_trained, tiny_awq_autoawq, tiny_ct, val_txt):
     """name -> [scored tokens, vocab] log-probs from transformers, on windows cut independently of eval/."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    ids = AutoTokenizer.from_pretrained(TINY).encode((DATA / "val.txt").read_text())[:MAX_TOKENS]
-    model = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32).eval()
+    ids = AutoTokenizer.from_pretrained(tiny_trained).encode(val_txt.read_text())[:MAX_TOKENS]
+    model = AutoModelForCausalLM.from_pretrained(tiny_trained, dtype=torch.float32).eval()
     reference_state = {k: v.clone() for k, v in model.state_dict().items()}
     out = {}
-    for name, state in (("tiny-qwen2", None), ("tiny-qwen2-awq", TINY_AWQ), ("tiny-qwen2-w4a16-ct", TINY_CT)):
+    for name, state in (("tiny-qwen2", None), ("tiny-qwen2-awq", tiny_awq_autoawq),
+                        ("tiny-qwen2-w4a16-ct", tiny_ct)):
         model.load_state_dict(reference_state if state is None else dequantized_state_dict(state), strict=False)
         rows = []
         with torch.no_grad():

@@ -5,16 +5,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import TINY
 from quant_serve.engine.sampling_params import SamplingParams
 from quant_serve.eval.tasks import GENERATION, Task, choice_scores, load_task, run_generation
 from helpers import make_engine
 
 
-
 @pytest.fixture(scope="module")
-def engine():
-    return make_engine(TINY, prefix_caching=False, max_model_len=512)
+def engine(trained_model):
+    return make_engine(trained_model, prefix_caching=False, max_model_len=512)
 
 
 def scored_alone(engine, context: str, continuation: str) -> float:
@@ -43,14 +41,14 @@ def test_generation_exact_match(engine):
     assert result.correct[:2] == [True, False]
 
 
-def test_lm_eval_adapter_matches_the_engine(engine):
+def test_lm_eval_adapter_matches_the_engine(engine, trained_model):
     pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install lm-eval)")
     from quant_serve.eval.lm_eval_adapter import register
     cls = register()
     assert register() is cls                                                  # idempotent
     from lm_eval.api.registry import get_model
     assert get_model("quant-serve") is cls
-    lm = cls(model=str(TINY), device="cpu", dtype="float32", max_model_len=512)
+    lm = cls(model=str(trained_model), device="cpu", dtype="float32", max_model_len=512)
     context, continuation = "Pyrotartrate (n):", " A salt of pyrotartaric acid."
     [(logprob, greedy)] = lm.loglikelihood([SimpleNamespace(args=(context, continuation))])
     assert logprob == pytest.approx(scored_alone(engine, context, continuation), abs=1e-3) and greedy is False

@@ -5,13 +5,12 @@ plain path. The kernels themselves: tests/test_kernels_w4a16_mma.py (GPU) and te
 import pytest
 import torch
 
+from quant_serve.engine.load.demo import DEMO_MODEL_DIR
 from quant_serve.engine.models import fused_decode
 from quant_serve.engine.sampling_params import SamplingParams
-from helpers import awq_model_dir, make_engine
+from helpers import make_engine
 from quant_serve.kernels.norm_act import rms_norm_ref
 from quant_serve.kernels.matmul.frag.fold import FOLD_TILE, FoldedNorm, folded_norm_ref, residual_ref
-
-from conftest import DATA
 
 
 @pytest.mark.parametrize("n", [256, 200])
@@ -30,11 +29,11 @@ def test_twins_equal_the_norm_they_fold(n):
     assert got.dtype == normed.dtype and (got.float() - normed.float()).abs().max() <= 2e-3 * normed.abs().max()
 
 
-def test_folded_decoder_path_matches_the_plain_one(monkeypatch):
+def test_folded_decoder_path_matches_the_plain_one(monkeypatch, heldout_text):
     """The folded path's order of operations (first layer plain, then residual epilogue -> normed prologue, the final
     norm over the stream) gives the plain path's greedy tokens and scores, run on the twins (CPU, forced)."""
-    engine = make_engine(awq_model_dir(), dtype="float32")
-    ids = engine.tokenizer.encode((DATA / "val.txt").read_text()[:4000])
+    engine = make_engine(DEMO_MODEL_DIR, dtype="float32")                       # INT4 AWQ, a trained model
+    ids = engine.tokenizer.encode(heldout_text[:4000])
     prompts = [ids[i * 97: i * 97 + 9 + 5 * i] for i in range(3)]
     params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0.0, logprobs=2)
     plain = [engine.generate([p], params)[0].outputs[0] for p in prompts]          # batch 1: one token a step
@@ -65,13 +64,13 @@ def test_gpu_fold_kernels_with_gguf_layouts_match_unfused(mode):
     k = n = 512
     if mode == "q4k":
         from quant_serve.kernels.matmul.dispatch import prepare_kernel_weights
-        from tests.test_kernels_w4a16_kquant import q4_k_layer
+        from kernel_helpers import q4_k_layer
         _, dense, qweight, sub, sup = q4_k_layer(k, n)
         fw = prepare_kernel_weights(qweight, sub, None, 32, superscales=sup, scale_dtype=torch.float16)
     else:
         from quant_serve.kernels.matmul.frag.q6k import frag6_dequantize_ref, pack_frag6
         from quant_serve.kernels.matmul.planes.q6k import q6k_codes, q6k_scales
-        from tests.test_kernels_w4a16_frag6 import q6k_layer
+        from kernel_helpers import q6k_layer
         w = q6k_layer(k, n, "cuda")
         fw = pack_frag6(q6k_codes(w), q6k_scales(w))
         dense = frag6_dequantize_ref(fw).float().cpu()

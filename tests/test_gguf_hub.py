@@ -8,7 +8,6 @@ from quant_serve.engine.load.gguf.hub import available_quants, select_gguf_files
 from quant_serve.engine.load.loader import resolve_model_dir
 from quant_serve.engine.sampling_params import SamplingParams
 
-from conftest import TINY
 from gguf_fixtures import write_gguf
 from helpers import make_engine
 
@@ -35,7 +34,7 @@ def test_tags_select_one_file_or_one_split_set():
         select_gguf_files(REPO_FILES[:2], "Q4_K_M")
 
 
-def test_quant_tag_loads_from_the_offline_hub_cache(tmp_path, monkeypatch):
+def test_quant_tag_loads_from_the_offline_hub_cache(tmp_path, monkeypatch, random_model):
     import huggingface_hub.constants as hub
     commit = "0123456789abcdef0123456789abcdef01234567"
     repo_dir = tmp_path / "hub" / "models--someone--tiny-GGUF"
@@ -43,7 +42,7 @@ def test_quant_tag_loads_from_the_offline_hub_cache(tmp_path, monkeypatch):
     snapshot.mkdir(parents=True)
     (repo_dir / "refs").mkdir()
     (repo_dir / "refs" / "main").write_text(commit)
-    original = write_gguf(TINY, tmp_path / "tiny-Q4_0.gguf", "Q4_0")
+    original = write_gguf(random_model, tmp_path / "tiny-Q4_0.gguf", "Q4_0")
     shutil.copy(original, snapshot / "tiny-Q4_0.gguf")
     (snapshot / "tiny-Q8_0.gguf").write_bytes(b"never read")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -1,4 +1,4 @@
-"""GGUF files of tiny-qwen2 (written here, tests/gguf_fixtures.py) load and score like transformers on the
+"""GGUF files of the trained tiny model (written here, tests/gguf_fixtures.py) load and score like transformers on the
 gguf-dequantized weights; one serves through the OpenAI API; llama's q/k permutation is undone; split files,
 errors."""
 import math
@@ -10,10 +10,10 @@ import pytest
 import torch
 from gguf.quants import dequantize
 
-from conftest import DATA, TINY
+from fixtures import copy_tokenizer
 from gguf_fixtures import write_gguf
 from helpers import make_engine
-from test_server_common import running_server
+from server_common import running_server
 
 MIXES = ("Q4_0", "Q4_1", "Q4_K_M", "Q5_K_M")
 MERGED = "merged Q4_K / Q5_K + Q6_K (each run of shards in its own layout, outputs concatenated)"
@@ -24,18 +24,17 @@ NUM_TOKENS = 192
 
 
 @pytest.fixture(scope="module")
-def gguf_dir(tmp_path_factory):
+def gguf_dir(tmp_path_factory, trained_model):
     directory = tmp_path_factory.mktemp("gguf")
     for mix in MIXES:
-        write_gguf(TINY, directory / f"tiny-{mix}.gguf", mix)
+        write_gguf(trained_model, directory / f"tiny-{mix}.gguf", mix)
     return directory
 
 
 @pytest.fixture(scope="module")
-def held_out_ids():
+def held_out_ids(trained_model, heldout_text):
     from transformers import AutoTokenizer
-    text = (DATA / "val.txt").read_text()[:4000]
-    return AutoTokenizer.from_pretrained(str(TINY)).encode(text)[:NUM_TOKENS]
+    return AutoTokenizer.from_pretrained(str(trained_model)).encode(heldout_text[:4000])[:NUM_TOKENS]
 
 
 def _nll(logits: torch.Tensor, ids: list[int]) -> float:
@@ -44,10 +43,10 @@ def _nll(logits: torch.Tensor, ids: list[int]) -> float:
     return float(-logprobs.gather(1, torch.tensor(ids[1:]).unsqueeze(1)).mean())
 
 
-def _transformers_nll(path, ids: list[int]) -> float:
-    """transformers' Qwen2 (the tiny config) on weights that gguf.quants.dequantize gives for every tensor."""
+def _transformers_nll(path, ids: list[int], model_dir) -> float:
+    """transformers' Qwen2 (model_dir's config) on weights that gguf.quants.dequantize gives for every tensor."""
     from transformers import AutoConfig, AutoModelForCausalLM
-    config = AutoConfig.from_pretrained(str(TINY))
+    config = AutoConfig.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     reader = gguf.GGUFReader(str(path))
     tensors = {t.name: t for t in reader.tensors}
@@ -67,13 +66,13 @@ def _transformers_nll(path, ids: list[int]) -> float:
 
 
 @pytest.mark.parametrize("mix", MIXES)
-def test_perplexity_matches_transformers_on_dequantized_weights(gguf_dir, held_out_ids, mix):
+def test_perplexity_matches_transformers_on_dequantized_weights(gguf_dir, held_out_ids, mix, trained_model):
     path = gguf_dir / f"tiny-{mix}.gguf"
     engine = make_engine(path, num_blocks=16, max_model_len=256)
     assert engine.tokenizer.encode("hello world, this is a test") == \
-        [2105, 474, 2002, 14, 638, 347, 261, 1321]                       # the GGUF tokenizer is tiny-qwen2's
+        [2105, 474, 2002, 14, 638, 347, 261, 1321]                       # the GGUF tokenizer is the model's
     ours = _nll(engine.score(held_out_ids), held_out_ids)
-    reference = _transformers_nll(path, held_out_ids)
+    reference = _transformers_nll(path, held_out_ids, trained_model)
     assert abs(math.exp(ours) / math.exp(reference) - 1) < 1e-3, (math.exp(ours), math.exp(reference))
     assert math.exp(ours) < 200                                          # a working model, not noise
     paths = engine.quant_config.describe_paths()
@@ -81,11 +80,11 @@ def test_perplexity_matches_transformers_on_dequantized_weights(gguf_dir, held_o
                      "Q5_K_M": Q5_K_M_PATHS}.get(mix, "32 INT4 (W4A16, float offsets)")
 
 
-def test_split_files_and_directory(gguf_dir, tmp_path):
+def test_split_files_and_directory(gguf_dir, tmp_path, trained_model):
     """A directory holding one model's split parts reads as the single file: the same tensors, bytes and config."""
     from quant_serve.engine.load.gguf.loader import gguf_files, gguf_model_config, open_gguf
     single = open_gguf(gguf_files(gguf_dir / "tiny-Q4_0.gguf"))
-    write_gguf(TINY, tmp_path / "tiny-Q4_0.gguf", "Q4_0", split_max_tensors=60)
+    write_gguf(trained_model, tmp_path / "tiny-Q4_0.gguf", "Q4_0", split_max_tensors=60)
     files = gguf_files(tmp_path)
     assert [p.name for p in files] == ["tiny-Q4_0-00001-of-00002.gguf", "tiny-Q4_0-00002-of-00002.gguf"]
     assert gguf_files(files[1]) == files
@@ -115,7 +114,7 @@ def test_two_models_in_one_directory(gguf_dir):
         make_engine(gguf_dir, num_blocks=8, max_model_len=128)
 
 
-def test_served_through_openai_api(gguf_dir, held_out_ids, tmp_path):
+def test_served_through_openai_api(gguf_dir, held_out_ids, tmp_path, trained_model):
     """The Q4_K_M file behind `quant-serve serve`: echo logprobs give the engine's perplexity; chat uses the
     GGUF's template."""
     import httpx
@@ -134,14 +133,14 @@ def test_served_through_openai_api(gguf_dir, held_out_ids, tmp_path):
         assert chat.status_code == 200, chat.text
         assert chat.json()["usage"]["prompt_tokens"] > 5          # the template's role markers were rendered
         assert Q4_K_M_PATHS in server.log()
-    assert served == pytest.approx(_transformers_nll(path, ids), rel=1e-4)
+    assert served == pytest.approx(_transformers_nll(path, ids, trained_model), rel=1e-4)
 
 
-def test_copy_of_gguf_without_config_is_detected(gguf_dir, tmp_path):
+def test_copy_of_gguf_without_config_is_detected(gguf_dir, tmp_path, random_model):
     shutil.copy(gguf_dir / "tiny-Q4_1.gguf", tmp_path / "model.gguf")
     from quant_serve.engine.load.gguf.loader import gguf_files
     assert gguf_files(tmp_path) == [tmp_path / "model.gguf"]
-    assert gguf_files(TINY) is None                                    # a safetensors directory
+    assert gguf_files(random_model) is None                                    # a safetensors directory
 
 
 def _loaded_bytes(model) -> int:
@@ -186,7 +185,7 @@ def test_plan_counts_gguf_bytes_by_type(gguf_dir, capsys, mix, source):
     assert plan["weights_bytes"] == _loaded_bytes(model)
 
 
-def test_dummy_q4_k_m_mix(tmp_path):
+def test_dummy_q4_k_m_mix(trained_model):
     """--load-format dummy --quantization gguf:Q4_K_M: llama.cpp's type mix on random weights (Q6_K for the v and
     down projections of layers 0, 3, 6, 7 of 8), planned to the byte, and it generates."""
     from quant_serve.engine.plan.memory import plan_memory
@@ -194,7 +193,8 @@ def test_dummy_q4_k_m_mix(tmp_path):
     from quant_serve.quant.layers.linear import QuantLinear
     from quant_serve.quant.layers.parts import PartsLinear
     from quant_serve.quant.layers.w8 import W8Linear
-    engine = make_engine(TINY, num_blocks=8, max_model_len=128, load_format="dummy", quantization="gguf:Q4_K_M",
+    engine = make_engine(trained_model, num_blocks=8, max_model_len=128, load_format="dummy",
+                         quantization="gguf:Q4_K_M",
                          dtype="float16")
     layers = engine.model.model.layers
     w8 = [i for i, layer in enumerate(layers) if isinstance(layer.mlp.down_proj, W8Linear)]
@@ -207,14 +207,14 @@ def test_dummy_q4_k_m_mix(tmp_path):
     assert engine.quant_config.describe_paths() == (
         f"24 INT4 Q4_K (W4A16, two-level scales, 4.625 bits), 4 {MERGED}, 4 Q6_K (6-bit: W4A16 fragment layout, 7 "
         "bits, on CUDA fp16; else W8A16 kernels, planes, 6.5625 bits)")
-    plan = plan_memory(TINY, weights_dtype="float16", quantization="gguf:Q4_K_M")
+    plan = plan_memory(trained_model, weights_dtype="float16", quantization="gguf:Q4_K_M")
     assert plan.weights_source == "gguf: Q4_K x 48, Q6_K x 8"
     assert plan.weights_bytes == _loaded_bytes(engine.model)         # the dummy holds what a file's layers hold
     out = engine.generate(["The"], SamplingParams(max_tokens=4, temperature=0))
     assert len(out[0].outputs[0].token_ids) == 4
 
 
-def test_dummy_q5_k_m_mix():
+def test_dummy_q5_k_m_mix(trained_model):
     """--load-format dummy --quantization gguf:Q5_K_M: Q5_K layers in their 5-bit planes, qkv with a Q6_K v in two
     parts (Q5_K q / k planes beside Q6_K v planes), planned to the byte, weights about N(0, 0.02), and it
     generates."""
@@ -222,7 +222,8 @@ def test_dummy_q5_k_m_mix():
     from quant_serve.engine.sampling_params import SamplingParams
     from quant_serve.quant.layers.parts import PartsLinear
     from quant_serve.quant.layers.w8 import W8Linear
-    engine = make_engine(TINY, num_blocks=8, max_model_len=128, load_format="dummy", quantization="gguf:Q5_K_M",
+    engine = make_engine(trained_model, num_blocks=8, max_model_len=128, load_format="dummy",
+                         quantization="gguf:Q5_K_M",
                          dtype="float16")
     layers = engine.model.model.layers
     q5, q6 = layers[0].self_attn.qkv_proj.parts
@@ -235,7 +236,7 @@ def test_dummy_q5_k_m_mix():
     assert engine.quant_config.describe_paths() == (
         f"4 {MERGED}, 24 {Q5K}, 4 Q6_K (6-bit: W4A16 fragment layout, 7 bits, on CUDA fp16; else W8A16 kernels, "
         "planes, 6.5625 bits)")
-    plan = plan_memory(TINY, weights_dtype="float16", quantization="gguf:Q5_K_M")
+    plan = plan_memory(trained_model, weights_dtype="float16", quantization="gguf:Q5_K_M")
     assert plan.weights_source == "gguf: Q5_K x 48, Q6_K x 8"
     assert plan.weights_bytes == _loaded_bytes(engine.model)
     out = engine.generate(["The"], SamplingParams(max_tokens=4, temperature=0))
@@ -244,7 +245,7 @@ def test_dummy_q5_k_m_mix():
 
 @pytest.mark.parametrize("mix,paths,head", [("Q8_0", "32 8-bit (W8A16)", gguf.GGMLQuantizationType.Q8_0),
                                              ("Q4_0", "32 INT4 (W4A16, float offsets)", gguf.GGMLQuantizationType.Q6_K)])
-def test_dummy_plain_mixes(mix, paths, head):
+def test_dummy_plain_mixes(mix, paths, head, trained_model):
     """--load-format dummy --quantization gguf:Q8_0 / gguf:Q4_0: every linear in the file's type (an untied head in
     Q6_K for Q4_0, in Q8_0 for Q8_0, as llama.cpp writes them), planned to the byte, and it generates."""
     from quant_serve.engine.plan.memory import plan_memory
@@ -253,11 +254,12 @@ def test_dummy_plain_mixes(mix, paths, head):
     type_of = dummy_gguf_config(mix.lower(), 8).type_of
     assert type_of("lm_head") == head and type_of("model.layers.7.mlp.down_proj") == getattr(
         gguf.GGMLQuantizationType, mix)
-    engine = make_engine(TINY, num_blocks=8, max_model_len=128, load_format="dummy", quantization=f"gguf:{mix}",
+    engine = make_engine(trained_model, num_blocks=8, max_model_len=128, load_format="dummy",
+                         quantization=f"gguf:{mix}",
                          dtype="float16")
     assert engine.quant_config.describe_paths() == paths
-    plan = plan_memory(TINY, weights_dtype="float16", quantization=f"gguf:{mix.lower()}")
-    assert plan.weights_source == f"gguf: {mix} x 56"        # tiny-qwen2 ties its head to the embedding
+    plan = plan_memory(trained_model, weights_dtype="float16", quantization=f"gguf:{mix.lower()}")
+    assert plan.weights_source == f"gguf: {mix} x 56"        # the tiny model ties its head to the embedding
     assert plan.weights_bytes == _loaded_bytes(engine.model)
     out = engine.generate(["The"], SamplingParams(max_tokens=4, temperature=0))
     assert len(out[0].outputs[0].token_ids) == 4
@@ -273,8 +275,7 @@ def test_llama_qk_permutation_is_undone(tmp_path):
                          eos_token_id=2, initializer_range=0.2, tie_word_embeddings=False)
     torch.manual_seed(0)
     LlamaForCausalLM(config).to(torch.float16).save_pretrained(src)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(TINY / name, src / name)
+    copy_tokenizer(src)
     ids = [5, 900, 17, 4000, 33, 250, 7, 1200, 64, 3]
     reference = make_engine(src, num_blocks=8, max_model_len=128).score(ids)
     f16 = write_gguf(src, tmp_path / "llama-f16.gguf", "F16", arch="llama")
@@ -297,10 +298,10 @@ def test_eval_names_gguf_files_and_type_mix(gguf_dir):
     assert config.describe() == "gguf (Q4_K x 45, Q6_K x 4; linear layers: 20 INT4, 12 W8)"
 
 
-def test_nan_scale_is_refused(tmp_path):
+def test_nan_scale_is_refused(tmp_path, random_model):
     """A corrupt block scale (NaN) is named at load, as a safetensors checkpoint's NaN is."""
     from quant_serve.engine.load.gguf.loader import gguf_files, gguf_model_config, load_gguf_model, open_gguf
-    path = write_gguf(TINY, tmp_path / "bad.gguf", "Q8_0")
+    path = write_gguf(random_model, tmp_path / "bad.gguf", "Q8_0")
     ckpt = open_gguf(gguf_files(path))
     t = ckpt.tensors["blk.2.ffn_up.weight"]
     offset = t.data_offset + 34 * 5                     # block 5's fp16 scale

@@ -15,7 +15,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from quant_serve.kernels.attention.reference import (build_cos_sin_cache, paged_attention_ref,  # noqa: E402
-                                                     rope_store_kv_ref, store_kv_ref)
+                                               rope_store_kv_ref, store_kv_ref)
 from quant_serve.kernels.attention.triton_kernels import _e4m3_to_f16, _f32_to_e4m3  # noqa: E402
 from quant_serve.kernels.interpret import patch_triton_interpreter  # noqa: E402
 from quant_serve.kernels.attention.paged import (DecodeConfig, NewTokens, paged_attention, paged_decode,  # noqa: E402
@@ -355,7 +355,7 @@ def compile_decode_sm90() -> dict:
     from triton.compiler import ASTSource
 
     from quant_serve.kernels.attention.triton_kernels import _decode_kernel
-    from tests.test_kernels_w4a16_mma import cubin_sass
+    from kernel_helpers import cubin_sass
     sig = dict(q_ptr="*fp16", k_cache="*fp8e4nv", v_cache="*fp8e4nv", tables_ptr="*i32", seq_lens_ptr="*i32",
                qsl_ptr="*i32", out_ptr="*fp16", part_o="*fp32", part_ml="*fp32", k_scale_ptr="*fp32",
                v_scale_ptr="*fp32", k_scale_val="fp32", v_scale_val="fp32", qk_scale="fp32", D="i32", window="i32",
@@ -383,7 +383,7 @@ def compile_decode_sm90() -> dict:
 def test_fp8_decode_widens_before_the_layout_change_on_sm90():
     """Left to Triton, the fp8 tile goes through shared memory to the MMA operand layout as bytes (~100 narrow
     loads a 64-token step) and is widened after; the asm widening keeps the fp16 path's shape."""
-    from tests.test_kernels_w4a16_mma import compiled_in_fresh_process
+    from kernel_helpers import compiled_in_fresh_process
     res = compiled_in_fresh_process("tests.test_kernels_attention", "compile_decode_sm90")
     assert res["True"]["stack"] == 0, res
     assert res["True"]["lds"] * 3 < res["False"]["lds"], res

@@ -8,7 +8,7 @@ import torch
 
 from quant_serve.kernels.gpu import PROFILES, KernelOptions, KernelRuntime, configure, runtime_for
 from quant_serve.kernels.pdl import launch_options, pdl_enabled
-from tests.test_kernels_w4a16 import make_weights
+from kernel_helpers import make_weights
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -15,38 +15,12 @@ from quant_serve.kernels.interpret import patch_triton_interpreter  # noqa: E402
 from quant_serve.kernels.matmul.dispatch import standard_layout, w4a16_forward, w4a16_matmul  # noqa: E402
 from quant_serve.kernels.matmul.rows.layout import prepare_w4a16  # noqa: E402
 from quant_serve.kernels.matmul.rows.gemm import w4a16_dequantize  # noqa: E402
-from quant_serve.kernels.matmul.reference import (dequantize_w4, pack_int4_cols, pack_int4_rows,  # noqa: E402
-                                                  w4a16_matmul_ref)
+from quant_serve.kernels.matmul.reference import dequantize_w4, w4a16_matmul_ref  # noqa: E402
 from quant_serve.kernels.matmul.rules import W4A16Config  # noqa: E402
+from kernel_helpers import make_weights, reference, rel_err  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 patch_triton_interpreter()
-
-
-def make_weights(k, n, group_size, zeros, act_order, dtype, seed=0, device=DEV):
-    g = torch.Generator().manual_seed(seed)
-    gs = k if group_size <= 0 else group_size
-    groups = -(-k // gs)
-    qweight = pack_int4_rows(torch.randint(0, 16, (k, n), generator=g))
-    scales = (torch.rand(groups, n, generator=g) * 0.02 + 0.005).to(dtype)
-    qzeros = None
-    if zeros:
-        z = torch.randint(0, 16, (groups, -(-n // 8) * 8), generator=g)
-        qzeros = pack_int4_cols(z)
-    perm = torch.randperm(k, generator=g) if act_order else None
-    to = lambda t: None if t is None else t.to(device)  # noqa: E731
-    return to(qweight), to(scales), to(qzeros), group_size, to(perm)
-
-
-def reference(x, qweight, scales, qzeros, group_size, perm, bias):
-    """fp32 result of the twin's formula."""
-    return w4a16_matmul_ref(x.cpu().float(), qweight.cpu(), scales.cpu(), None if qzeros is None else qzeros.cpu(),
-                            group_size, None if perm is None else perm.cpu(),
-                            None if bias is None else bias.cpu())
-
-
-def rel_err(y, ref):
-    return ((y.cpu().float() - ref).norm() / ref.norm()).item()
 
 
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}

@@ -7,7 +7,7 @@ import torch
 
 from quant_serve.kernels.matmul.frag.layout import ZP_Q5, frag_words
 from quant_serve.kernels.matmul.frag.q5k import (frag5_bytes, frag5_codes, frag5_dequantize_ref, pack_frag5,
-                                                 pair_scales_offsets, q5k_pairs)
+                                             pair_scales_offsets, q5k_pairs)
 from quant_serve.kernels.matmul.frag.kquant import kquant_scales_offsets, pack_sub_codes, pack_superscales
 from quant_serve.kernels.matmul.planes.q5k import pack_q5k, q5k_codes, q5k_dequantize
 
@@ -110,7 +110,7 @@ def compile_q5_cases() -> dict:
     from quant_serve.kernels.matmul.frag.tiles import _frag_dequant_kernel
     from quant_serve.kernels.matmul.frag.mma import _w4a16_mma_kernel, mma_variant
     from quant_serve.kernels.matmul.plan import mma_config
-    from tests.test_kernels_w4a16_mma import _compile_sm90, mma_signature
+    from kernel_helpers import compile_sm90, mma_signature
     sig = mma_signature("*i32", "*i32")
     out = {}
     for name, m, k, n, wg, silu in (("qkv-1", 1, 3584, 4608, False, False), ("down-1", 1, 18944, 3584, False, False),
@@ -119,20 +119,20 @@ def compile_q5_cases() -> dict:
         cfg = mma_config(m, k, n, ZP_Q5, wg, silu)
         v = mma_variant(m, k, 32, cfg.block_n, cfg.block_k, cfg.split_k, wg, False)
         one = cfg.one_launch and v.splits > 1
-        out[name] = _compile_sm90(_w4a16_mma_kernel, sig, dict(
+        out[name] = compile_sm90(_w4a16_mma_kernel, sig, dict(
             HAS_BIAS=False, SPLIT=v.splits > 1, ONE_LAUNCH=one, GROUP=32, ZP_MODE=ZP_Q5, EVEN_N=True, EVEN_K=True,
             X_SMEM=m > 1 or wg, WGMMA=wg, PDL=True, SCALE_AFTER=False, X_STEPS=v.x_steps, SWIGLU=silu and one,
             A_SMEM=False, X_ONCE=v.x_once, PRELOAD=False, BLOCK_M=min(max(8, 1 << (m - 1).bit_length()), 64),
             BLOCK_N=cfg.block_n, BLOCK_K=v.block_k, num_warps=cfg.num_warps), cfg.num_warps, cfg.max_regs or None)
     sig = dict(w_ptr="*i32", s_ptr="*i32", z_ptr="*i32", out_ptr="*fp16", N="i32", K="i32", KP="i32",
                stride_sg="i32", stride_zg="i32")
-    out["dequant"] = _compile_sm90(_frag_dequant_kernel, sig, dict(GROUP=32, ZP_MODE=ZP_Q5, BLOCK_N=64, BLOCK_K=128,
+    out["dequant"] = compile_sm90(_frag_dequant_kernel, sig, dict(GROUP=32, ZP_MODE=ZP_Q5, BLOCK_N=64, BLOCK_K=128,
                                                                     num_warps=4), 4)
     return out
 
 
 def test_gluon_q5_kernels_compile_for_sm90_without_spills():
-    from tests.test_kernels_w4a16_mma import compiled_in_fresh_process
+    from kernel_helpers import compiled_in_fresh_process
     res = compiled_in_fresh_process("tests.test_kernels_w4a16_frag5", "compile_q5_cases")
     for name, r in res.items():
         assert r["stack"] == 0, (name, r)
@@ -198,7 +198,7 @@ def test_gpu_w8linear_takes_the_fragment_layout(kind):
     from quant_serve.kernels.matmul.probes import frag5_works, frag6_works
     from quant_serve.kernels.matmul.planes.q6k import q6k_dequantize
     from quant_serve.quant.layers.w8 import W8Linear
-    from tests.test_kernels_w4a16_frag6 import q6k_layer
+    from kernel_helpers import q6k_layer
     assert (frag5_works if kind == "q5k" else frag6_works)(torch.device(DEV))
     lin = W8Linear(512, [96], False, torch.float16, DEV, None, 32 if kind == "q5k" else 16)
     if kind == "q5k":

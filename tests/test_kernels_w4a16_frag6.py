@@ -6,18 +6,10 @@ import torch
 
 from quant_serve.kernels.matmul.frag.layout import ZP_Q6
 from quant_serve.kernels.matmul.frag.q6k import frag6_bytes, frag6_codes, frag6_dequantize_ref, pack_frag6
-from quant_serve.kernels.matmul.planes.q6k import pack_q6k, q6k_codes, q6k_dequantize, q6k_scales
+from quant_serve.kernels.matmul.planes.q6k import q6k_codes, q6k_dequantize, q6k_scales
+from kernel_helpers import q6k_layer
 
 DEV = "cuda"
-
-
-def q6k_layer(k: int, n: int, device: str = "cpu", seed: int = 0):
-    """Random Q6_K weights as a file holds them (codes -32..31, int8 sub-scales, fp16 d) -> Q6KWeights."""
-    gen = torch.Generator().manual_seed(seed)
-    codes = torch.randint(-32, 32, (k, n), generator=gen)
-    sub = torch.randint(-60, 61, (k // 16, n), generator=gen).to(torch.int8)
-    d = (torch.rand(-(-k // 256), n, generator=gen) * 1e-3 + 1e-4).half()
-    return pack_q6k(codes, sub, d).to(device) if device != "cpu" else pack_q6k(codes, sub, d)
 
 
 @pytest.mark.parametrize("k,n", [(64, 16), (256, 48), (320, 32), (1024, 80)])
@@ -118,11 +110,11 @@ def test_gpu_frag6_kernels_every_config():
 def compile_q6_cases() -> dict:
     """The Q6_K fragment kernels compiled for sm90 without a GPU: M = 1 (down and the head's shape), M = 16."""
     from quant_serve.kernels.matmul.frag.mma import _w4a16_mma_kernel
-    from tests.test_kernels_w4a16_mma import _compile_sm90, mma_signature
+    from kernel_helpers import compile_sm90, mma_signature
     sig = mma_signature("*fp16", "*i32")
     out = {}
     for name, m, x_steps, wg in (("m1", 1, 16, False), ("m16", 16, 0, False), ("wgmma", 32, 0, True)):
-        out[name] = _compile_sm90(_w4a16_mma_kernel, sig, dict(
+        out[name] = compile_sm90(_w4a16_mma_kernel, sig, dict(
             HAS_BIAS=False, SPLIT=True, ONE_LAUNCH=True, GROUP=16, ZP_MODE=ZP_Q6, EVEN_N=True, EVEN_K=True,
             X_SMEM=m > 1, WGMMA=wg, PDL=True, SCALE_AFTER=False, X_STEPS=x_steps, SWIGLU=False, A_SMEM=False,
             BLOCK_M=8 if m == 1 else m, BLOCK_N=64, BLOCK_K=128, num_warps=4), 4)
@@ -130,7 +122,7 @@ def compile_q6_cases() -> dict:
 
 
 def test_gluon_q6_kernels_compile_for_sm90_without_spills():
-    from tests.test_kernels_w4a16_mma import compiled_in_fresh_process
+    from kernel_helpers import compiled_in_fresh_process
     res = compiled_in_fresh_process("tests.test_kernels_w4a16_frag6", "compile_q6_cases")
     for name, r in res.items():
         assert r["stack"] == 0, (name, r)

@@ -4,7 +4,6 @@ on a GPU), against gguf.quants.dequantize (bit-exact dequant) and a torch matmul
 kernels with the same tensors on the GPU only (`gpu` tests: Gluon does not run in the interpreter)."""
 import os
 
-import numpy as np
 import pytest
 import torch
 
@@ -12,7 +11,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")   # before any kernel module is imported (decoration time)
 
 from gguf import GGMLQuantizationType as T  # noqa: E402
-from gguf.quants import dequantize  # noqa: E402
 
 from quant_serve.kernels.interpret import patch_triton_interpreter  # noqa: E402
 from quant_serve.kernels.triton_compat import interpreting  # noqa: E402
@@ -22,22 +20,12 @@ from quant_serve.kernels.matmul.frag.kquant import kquant_bytes, kquant_scales_o
 from quant_serve.kernels.matmul.rows.layout import prepare_w4a16  # noqa: E402
 from quant_serve.kernels.matmul.rows.gemm import w4a16_dequantize  # noqa: E402
 from quant_serve.kernels.matmul.rules import W4A16Config  # noqa: E402
-from quant_serve.quant.formats.gguf.kquants import quantize  # noqa: E402
-from quant_serve.quant.formats.gguf.types import kquant_layout, read_grouped  # noqa: E402
+from quant_serve.quant.formats.gguf.types import read_grouped  # noqa: E402
+from kernel_helpers import q4_k_layer  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 patch_triton_interpreter()
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
-
-
-def q4_k_layer(k, n, seed=0):
-    """A random Q4_K matrix [N, K] -> (its GGUF bytes, gguf's dequantized W [K, N] fp32, qweight, sub_codes,
-    superscales on DEV)."""
-    w = np.random.default_rng(seed).normal(0, 0.02, (n, k)).astype(np.float32)
-    raw = quantize(w, T.Q4_K)
-    dense = torch.from_numpy(dequantize(raw, T.Q4_K).reshape(n, k)).t().contiguous()
-    qweight, sub, sup = kquant_layout(read_grouped(raw, T.Q4_K, n, k))
-    return raw, dense, qweight.to(DEV), sub.to(DEV), sup.to(DEV)
 
 
 def rel_err(y, ref):
@@ -137,7 +125,8 @@ def test_gpu_planned_kquant_matches_gguf(k, n):
 def test_gpu_kquant_probe_passes_where_the_kernels_are_right():
     """The load-time probe (kernels/matmul/plan.py) must accept the fragment kernels with k-quant scales on sm80+:
     a probe that expects the wrong value sends every Q4_K layer to the row-layout kernels (8x slower on the H200)."""
-    from quant_serve.kernels.matmul.probes import _frag_offsets_work, frag_offsets_work
+    from quant_serve.kernels.matmul.plan import _frag_offsets_work
+    from quant_serve.kernels.matmul.probes import frag_offsets_work
     _frag_offsets_work.cache_clear()
     assert frag_offsets_work(torch.device(DEV), kquant=True)
     assert frag_offsets_work(torch.device(DEV), kquant=False)
@@ -153,7 +142,7 @@ def compile_kquant_cases() -> dict:
     from quant_serve.kernels.matmul.frag.mma import _w4a16_mma_kernel, mma_variant
     from quant_serve.kernels.matmul.rules import select_mma_config
     from quant_serve.kernels.matmul.frag.tma import _w4a16_tma_kernel, register_budget
-    from tests.test_kernels_w4a16_mma import _compile_sm90, mma_signature
+    from kernel_helpers import compile_sm90, mma_signature
     sig = mma_signature("*i16", "*i32")
     out = {}
     for name, m, k, n, wgmma, residual in (("qkv-1", 1, 3584, 4608, False, False),
@@ -163,7 +152,7 @@ def compile_kquant_cases() -> dict:
                                            ("residual-o-1", 1, 3584, 3584, False, True)):
         cfg = select_mma_config(m, k, n, wgmma)
         v = mma_variant(m, k, 32, cfg.block_n, cfg.block_k, cfg.split_k, wgmma, scale_after=False)
-        out[name] = _compile_sm90(_w4a16_mma_kernel, sig, dict(
+        out[name] = compile_sm90(_w4a16_mma_kernel, sig, dict(
             HAS_BIAS=False, SPLIT=v.splits > 1, ONE_LAUNCH=cfg.one_launch, GROUP=32, ZP_MODE=3, EVEN_N=True,
             EVEN_K=True, X_SMEM=m > 1 or wgmma, WGMMA=wgmma, PDL=True, SCALE_AFTER=False, X_STEPS=v.x_steps,
             SWIGLU=False, A_SMEM=False, X_ONCE=v.x_once, PRELOAD=False, RESIDUAL=residual, SS_P2=64,
@@ -171,7 +160,7 @@ def compile_kquant_cases() -> dict:
             num_warps=cfg.num_warps), cfg.num_warps)
     sig = dict(w_ptr="*i32", s_ptr="*i16", z_ptr="*i32", out_ptr="*fp16", N="i32", K="i32", KP="i32",
                stride_sg="i32", stride_zg="i32")
-    out["dequant"] = _compile_sm90(_frag_dequant_kernel, sig, dict(GROUP=32, ZP_MODE=3, BLOCK_N=64, BLOCK_K=128,
+    out["dequant"] = compile_sm90(_frag_dequant_kernel, sig, dict(GROUP=32, ZP_MODE=3, BLOCK_N=64, BLOCK_K=128,
                                                                     num_warps=4), 4)
     consumer_regs, producer_regs, maxnreg = register_budget(1)
     wl = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
@@ -180,7 +169,7 @@ def compile_kquant_cases() -> dict:
                s_ptr="*i16", z_ptr="*i32", out_ptr="*fp16", ws_ptr="*fp32", bias_ptr="*fp16",
                **{a: "i32" for a in ("M", "N", "KP", "m_tiles", "waves", "tail", "p_sk", "max_segs", "stride_om",
                                      "stride_sg", "stride_zg")})
-    out["tma"] = _compile_sm90(_w4a16_tma_kernel, sig, dict(
+    out["tma"] = compile_sm90(_w4a16_tma_kernel, sig, dict(
         HAS_BIAS=False, GROUP=32, ZP_MODE=3, EVEN_N=True, PDL=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, STAGES=4,
         CONSUMERS=1, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, OVERLAP=False), 4, maxnreg)
     return out
@@ -189,7 +178,7 @@ def compile_kquant_cases() -> dict:
 def test_gluon_kquant_kernels_compile_for_sm90_without_spills():
     """Offline (the wheel's ptxas, no GPU): the k-quant mode of every fragment kernel the plan can pick compiles,
     its dequantized words stay the MMA's A operand (the trivial-layout assertion), tensor-core MMAs, no spills."""
-    from tests.test_kernels_w4a16_mma import compiled_in_fresh_process
+    from kernel_helpers import compiled_in_fresh_process
     res = compiled_in_fresh_process("tests.test_kernels_w4a16_kquant", "compile_kquant_cases")
     for name in ("qkv-1", "down-1", "qkv-16", "residual-o-1"):
         assert res[name]["hmma"] and res[name]["stack"] == 0, (name, res[name])

@@ -6,7 +6,8 @@ import torch
 
 from quant_serve.kernels.matmul.frag.layout import frag_codes, frag_standard, frag_words, pick_block_k, prepare_frag
 from quant_serve.kernels.matmul.reference import dequantize_w4
-from tests.test_kernels_w4a16 import make_weights, reference, rel_err
+from kernel_helpers import (compile_sm90, compiled_in_fresh_process, frag_case, make_weights, mma_signature, reference,
+                            rel_err)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -44,15 +45,6 @@ def test_pick_block_k_lines_up_with_groups():
     assert pick_block_k(192, 64, 256) == 64          # 192 has no 128 divisor
     assert pick_block_k(384, 0, 256) == 128          # one group: any divisor of Kp
     assert pick_block_k(384, 32, 256) == 128         # four groups per step
-
-
-def frag_case(k: int, n: int, group_size: int, zeros: bool, m: int):
-    """A random fp16 INT4 layer in the fragment layout, x [m, k] and bias on the GPU, and the exact reference of
-    x @ W + bias -> (fw, x, bias, ref)."""
-    qweight, scales, qzeros, gs, _ = make_weights(k, n, group_size, zeros, False, torch.float16)
-    x = torch.randn(m, k, dtype=torch.float16, device=DEV)
-    bias = torch.randn(n, dtype=torch.float16, device=DEV)
-    return prepare_frag(qweight, scales, qzeros, gs), x, bias, reference(x, qweight, scales, qzeros, gs, None, bias)
 
 
 @pytest.mark.gpu
@@ -323,106 +315,9 @@ def test_gpu_frag_dequantize_exact():
         assert torch.equal(frag_dequantize(prepare_frag(qweight, scales, qzeros, gs)), exact.t())
 
 
-def compiled_in_fresh_process(module: str, function: str) -> dict:
-    """module.function() (compiles kernels for sm90, returns a JSON-able dict) run in a fresh Python without the
-    interpreter: the CPU tests' interpreter mode patches Triton's builder in this one."""
-    import json
-    import os
-    import subprocess
-    import sys
-    code = f"import json; from {module} import {function}; print(json.dumps({function}()))"
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=dict(os.environ, TRITON_INTERPRET="0"),
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
-
-
-def cubin_sass(compiled) -> tuple[int, int, str]:
-    """A kernel compiled by triton.compile -> (registers, spill stack bytes, SASS text), by the wheel's cuobjdump."""
-    import os
-    import re
-    import subprocess
-    import tempfile
-
-    import triton
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
-    regs, stack = map(int, re.search(r"REG:(\d+) STACK:(\d+)", usage).groups())
-    return regs, stack, sass
-
-
-def _compile_sm90(kernel, signature: dict, constexprs: dict, num_warps: int, maxnreg: int | None = None):
-    """Compile a Gluon kernel for sm90 without a GPU (the wheel's ptxas) -> registers, spill bytes and what its SASS
-    holds."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    import inspect
-    fn = getattr(kernel, "fn", kernel)
-    defaults = {name: p.default for name, p in inspect.signature(fn).parameters.items()
-                if p.default is not inspect.Parameter.empty and name not in constexprs}
-    constexprs = dict(defaults, **constexprs)         # Triton 3.9 does not fill a constexpr's default here
-    sig = dict(signature, **{k: "constexpr" for k in constexprs})
-    names = list(sig)
-    # pointers and sizes divisible by 16, as Triton specializes them at launch for the Qwen2.5-7B shapes
-    aligned = {(names.index(a),): [["tt.divisibility", 16]] for a in signature
-               if a not in ("M", "iters_per_split", "n_splits", "eps", "ss_count", "vs_val", "m_tiles", "waves", "tail",
-                            "p_sk", "max_segs")}
-    src = GluonASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=aligned)
-    options = {"num_warps": num_warps} if maxnreg is None else {"num_warps": num_warps, "maxnreg": maxnreg}
-    regs, stack, sass = cubin_sass(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options))
-    return {"regs": regs, "stack": stack, "hmma": "HMMA.16816.F32" in sass, "ldsm": "LDSM" in sass,
-            "hgmma": "HGMMA.64x" in sass,
-            "stg128": "STG.E.128" in sass, "stsm": "STSM" in sass, "setmaxnreg": "USETMAXREG" in sass,
-            "l2_prefetch": "CCTL.E.PF2" in sass,
-            "wide_loads_before_wait": sass.split("ACQBULK")[0].count("LDG.E.128") if "ACQBULK" in sass else -1,
-            "loads_ahead_in_loop": loads_ahead_in_loop(sass), "loop_hmma_bar": loop_hmma_bar(sass)}
-
-
-def loads_ahead_in_loop(sass: str) -> int:
-    """16-byte loads between the first MMA's loop head (the last branch before it) and that MMA: the next step's
-    weight words issued before the step's MMAs."""
-    import re
-    lines = [line for line in sass.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", line)]
-    first = next((i for i, line in enumerate(lines) if "HMMA" in line), None)
-    if first is None:
-        return -1
-    head = max((i for i in range(first) if " BRA " in lines[i]), default=0)
-    return sum("LDG.E.128" in line for line in lines[head:first])
-
-
-def loop_hmma_bar(sass: str) -> tuple[int, int]:
-    """(MMAs, CTA barriers) in the loop (the backward branch's body) that holds the most MMAs."""
-    import re
-    lines = [line for line in sass.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", line)]
-    addr = [int(re.search(r"/\*([0-9a-f]{4,})\*/", line).group(1), 16) for line in lines]
-    best = (0, 0)
-    for i, line in enumerate(lines):
-        jump = re.search(r" BRA (0x[0-9a-f]+)", line)
-        if jump and int(jump.group(1), 16) < addr[i]:
-            body = [x for x, a in zip(lines, addr) if int(jump.group(1), 16) <= a <= addr[i]]
-            best = max(best, (sum("HMMA" in x for x in body), sum("BAR.SYNC" in x for x in body)))
-    return best
-
-
 COMPILE_CASES = [(1, 3584, 37888), (1, 18944, 3584), (16, 3584, 4608), (64, 3584, 3584)]
 # the dispatcher's wgmma tiles: BLOCK_M, BLOCK_N, BLOCK_K, warps
 WGMMA_CASES = [(32, 64, 128, 4), (64, 128, 128, 8), (128, 128, 128, 8)]
-
-
-def mma_signature(s_ptr: str = "*fp16", z_ptr: str = "*i32") -> dict:
-    """_w4a16_mma_kernel's runtime arguments and their types, for _compile_sm90 (scales and zero points by mode:
-    fp16 / int32 packed zeros, int16 / int32 k-quant codes, fp16 / fp16 offsets, fp16 / int32 Q6_K high bits)."""
-    ptrs = dict(x_ptr="*fp16", w_ptr="*i32", s_ptr=s_ptr, z_ptr=z_ptr, out_ptr="*fp16", ws_ptr="*fp32",
-                cnt_ptr="*i32", bias_ptr="*fp16", r_ptr="*fp16", ss_ptr="*fp32", g_ptr="*fp16", eps="fp32",
-                ss_count="i32", ml_ptr="*fp32", sl_ptr="*i32", vs_ptr="*fp32", vs_val="fp32")
-    return dict(ptrs, **{a: "i32" for a in ("M", "N", "K", "KP", "stride_xm", "stride_om", "stride_sg", "stride_zg",
-                                            "iters_per_split", "n_splits")})
 
 
 def compile_cases() -> dict:
@@ -435,24 +330,24 @@ def compile_cases() -> dict:
     for m, k, n in COMPILE_CASES:
         cfg = select_mma_config(m, k, n)
         v = mma_variant(m, k, 128, cfg.block_n, cfg.block_k, cfg.split_k, False)
-        out[f"{m}-{k}-{n}"] = _compile_sm90(_w4a16_mma_kernel, sig, dict(
+        out[f"{m}-{k}-{n}"] = compile_sm90(_w4a16_mma_kernel, sig, dict(
             HAS_BIAS=False, SPLIT=cfg.split_k > 1, ONE_LAUNCH=cfg.one_launch, GROUP=128, ZP_MODE=1,
             EVEN_N=True, EVEN_K=True, X_SMEM=m > 1, WGMMA=False, PDL=True, SCALE_AFTER=v.scale_after,
             X_STEPS=v.x_steps, SWIGLU=False, A_SMEM=False, X_ONCE=v.x_once,
             BLOCK_M=8 if m <= 8 else 16 if m <= 16 else 64,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps), cfg.num_warps)
     for m, bn, bk, nw in WGMMA_CASES:                 # sm90, M = 17..128
-        out[f"wgmma-{m}-{bn}-{bk}-{nw}"] = _compile_sm90(_w4a16_mma_kernel, sig, dict(
+        out[f"wgmma-{m}-{bn}-{bk}-{nw}"] = compile_sm90(_w4a16_mma_kernel, sig, dict(
             HAS_BIAS=True, SPLIT=True, ONE_LAUNCH=False, GROUP=128, ZP_MODE=1, EVEN_N=True, EVEN_K=True,
             X_SMEM=True, WGMMA=True, PDL=True, SCALE_AFTER=False, X_STEPS=0, SWIGLU=False, A_SMEM=m > 64, BLOCK_M=m,
             BLOCK_N=bn, BLOCK_K=bk, num_warps=nw), nw)
     # gate_up at M = 1 with the SwiGLU in the epilogue: 64 columns, one split, x staged
-    out["swiglu"] = _compile_sm90(_w4a16_mma_kernel, sig, dict(
+    out["swiglu"] = compile_sm90(_w4a16_mma_kernel, sig, dict(
         HAS_BIAS=False, SPLIT=False, ONE_LAUNCH=False, GROUP=128, ZP_MODE=1, EVEN_N=True, EVEN_K=True,
         X_SMEM=False, WGMMA=False, PDL=True, SCALE_AFTER=True, X_STEPS=32, SWIGLU=True, A_SMEM=False, BLOCK_M=8,
         BLOCK_N=64, BLOCK_K=128, num_warps=4), 4)
     # the decode step's gate_up at M = 1: 64 columns, two splits, the split with the last ticket applies it
-    out["swiglu_split"] = _compile_sm90(_w4a16_mma_kernel, sig, dict(
+    out["swiglu_split"] = compile_sm90(_w4a16_mma_kernel, sig, dict(
         HAS_BIAS=False, SPLIT=True, ONE_LAUNCH=True, GROUP=128, ZP_MODE=1, EVEN_N=True, EVEN_K=True,
         X_SMEM=False, WGMMA=False, PDL=True, SCALE_AFTER=True, X_STEPS=16, SWIGLU=True, A_SMEM=False, BLOCK_M=8,
         BLOCK_N=64, BLOCK_K=128, num_warps=4), 4)
@@ -462,7 +357,7 @@ def compile_cases() -> dict:
                                    ("norm_qkv", 3584, 4608, False, "NORM"), ("norm_gate_up", 3584, 37888, True, "NORM")):
         cfg = select_mma_config(1, k, n, silu_mul=silu)
         v = mma_variant(1, k, 128, cfg.block_n, cfg.block_k, cfg.split_k, False)
-        out[name] = _compile_sm90(_w4a16_mma_kernel, sig, dict(
+        out[name] = compile_sm90(_w4a16_mma_kernel, sig, dict(
             HAS_BIAS=name == "norm_qkv", SPLIT=v.splits > 1, ONE_LAUNCH=True, GROUP=128, ZP_MODE=1,
             EVEN_N=True, EVEN_K=True, X_SMEM=False, WGMMA=False, PDL=True, SCALE_AFTER=v.scale_after,
             X_STEPS=v.x_steps, SWIGLU=silu, A_SMEM=False, BLOCK_M=8, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
@@ -470,14 +365,14 @@ def compile_cases() -> dict:
             num_warps=cfg.num_warps), cfg.num_warps, cfg.max_regs or None)
     # o at M = 1 merging the batch-1 decode's 16 split partials as it stages x (fp8 KV: the scale by pointer)
     cfg = select_mma_config(1, 3584, 3584)
-    out["merge_o"] = _compile_sm90(_w4a16_mma_kernel, dict(sig, x_ptr="*fp32"), dict(
+    out["merge_o"] = compile_sm90(_w4a16_mma_kernel, dict(sig, x_ptr="*fp32"), dict(
         HAS_BIAS=False, SPLIT=True, ONE_LAUNCH=True, GROUP=128, ZP_MODE=1, EVEN_N=True, EVEN_K=True,
         X_SMEM=False, WGMMA=False, PDL=True, SCALE_AFTER=True, X_STEPS=4, SWIGLU=False, A_SMEM=False, BLOCK_M=8,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, RESIDUAL=True, SS_P2=64, PRELOAD=True, MERGE_SPLITS=16,
         MERGE_SCALE=2, num_warps=cfg.num_warps), cfg.num_warps)
     sig = dict(w_ptr="*i32", s_ptr="*fp16", z_ptr="*i32", out_ptr="*fp16", N="i32", K="i32", KP="i32",
                stride_sg="i32", stride_zg="i32")
-    out["dequant"] = _compile_sm90(_frag_dequant_kernel, sig, dict(GROUP=32, ZP_MODE=1, BLOCK_N=64,
+    out["dequant"] = compile_sm90(_frag_dequant_kernel, sig, dict(GROUP=32, ZP_MODE=1, BLOCK_N=64,
                                                                     BLOCK_K=128, num_warps=4), 4)
     return out
 
@@ -521,7 +416,7 @@ def test_gluon_kernels_compile_for_sm90_without_spills():
 
 def test_layout_probe_failure_falls_back_to_rows_with_a_warning(caplog):
     """A Triton whose Gluon cannot build or run the kernel (here: no GPU at all) must cost speed, not the load."""
-    from quant_serve.kernels.matmul.probes import _mma_kernels_work
+    from quant_serve.kernels.matmul.plan import _mma_kernels_work
     if torch.cuda.is_available():
         assert _mma_kernels_work(torch.cuda.current_device())
         return
@@ -533,7 +428,7 @@ def test_layout_probe_failure_falls_back_to_rows_with_a_warning(caplog):
 def test_wgmma_probe_failure_falls_back_with_a_warning(caplog):
     """The wgmma variant serves only where its probe passes: an sm90 GPU (H100/H200); elsewhere mma.sync and the
     dequantize path serve, and a failed probe says so."""
-    from quant_serve.kernels.matmul.probes import _wgmma_works
+    from quant_serve.kernels.matmul.plan import _wgmma_works
     if torch.cuda.is_available():
         if torch.cuda.get_device_capability() == (9, 0):
             assert _wgmma_works(torch.cuda.current_device())

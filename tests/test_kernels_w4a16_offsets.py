@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 from quant_serve.kernels.gpu import PROFILES, KernelOptions  # noqa: E402
 from quant_serve.kernels.interpret import patch_triton_interpreter  # noqa: E402
 from quant_serve.kernels.matmul.dispatch import (prepare_kernel_weights, standard_layout, w4a16_forward,  # noqa: E402
-                                                 w4a16_matmul)
+                                                w4a16_matmul)
 from quant_serve.kernels.matmul.frag.layout import ZP_OFFSETS, FragWeights, prepare_frag  # noqa: E402
 from quant_serve.kernels.matmul.frag.tiles import _frag_dq_asm  # noqa: E402
 from quant_serve.kernels.matmul.plan import layout_for, plan_w4a16  # noqa: E402
@@ -241,7 +241,7 @@ def compile_offset_cases() -> dict:
     from quant_serve.kernels.matmul.frag.tiles import _frag_dequant_kernel
     from quant_serve.kernels.matmul.frag.mma import _w4a16_mma_kernel, mma_variant
     from quant_serve.kernels.matmul.rules import select_mma_config
-    from tests.test_kernels_w4a16_mma import _compile_sm90, mma_signature
+    from kernel_helpers import compile_sm90, mma_signature
     sig = mma_signature("*fp16", "*fp16")
     out = {}
     for name, m, k, n, wgmma, residual in (("qkv-1", 1, 3584, 4608, False, False),
@@ -251,7 +251,7 @@ def compile_offset_cases() -> dict:
                                            ("residual-o-1", 1, 3584, 3584, False, True)):
         cfg = select_mma_config(m, k, n, wgmma)
         v = mma_variant(m, k, 32, cfg.block_n, cfg.block_k, cfg.split_k, wgmma, scale_after=False)
-        out[name] = _compile_sm90(_w4a16_mma_kernel, sig, dict(
+        out[name] = compile_sm90(_w4a16_mma_kernel, sig, dict(
             HAS_BIAS=False, SPLIT=v.splits > 1, ONE_LAUNCH=cfg.one_launch, GROUP=32, ZP_MODE=2, EVEN_N=True,
             EVEN_K=True, X_SMEM=m > 1 or wgmma, WGMMA=wgmma, PDL=True, SCALE_AFTER=False, X_STEPS=v.x_steps,
             SWIGLU=False, A_SMEM=False, X_ONCE=v.x_once, PRELOAD=False,       # w4a16_mma: none below a step's group
@@ -259,7 +259,7 @@ def compile_offset_cases() -> dict:
             BLOCK_N=cfg.block_n, BLOCK_K=v.block_k, num_warps=cfg.num_warps), cfg.num_warps)
     sig = dict(w_ptr="*i32", s_ptr="*fp16", z_ptr="*fp16", out_ptr="*fp16", N="i32", K="i32", KP="i32",
                stride_sg="i32", stride_zg="i32")
-    out["dequant"] = _compile_sm90(_frag_dequant_kernel, sig, dict(GROUP=32, ZP_MODE=2, BLOCK_N=64, BLOCK_K=128,
+    out["dequant"] = compile_sm90(_frag_dequant_kernel, sig, dict(GROUP=32, ZP_MODE=2, BLOCK_N=64, BLOCK_K=128,
                                                                     num_warps=4), 4)
     return out
 
@@ -267,7 +267,7 @@ def compile_offset_cases() -> dict:
 def test_gluon_offset_kernels_compile_for_sm90_without_spills():
     """Offline (the wheel's ptxas, no GPU): the offset asm assembles, the dequantized words stay the MMA's A operand
     (the trivial-layout assertion), tensor-core MMAs, no spills."""
-    from tests.test_kernels_w4a16_mma import compiled_in_fresh_process
+    from kernel_helpers import compiled_in_fresh_process
     res = compiled_in_fresh_process("tests.test_kernels_w4a16_offsets", "compile_offset_cases")
     for name in ("qkv-1", "down-1", "qkv-16", "residual-o-1"):
         assert res[name]["hmma"] and res[name]["stack"] == 0, (name, res[name])

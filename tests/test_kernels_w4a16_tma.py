@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from quant_serve.kernels.matmul.rules import MMAConfig, TMAConfig, select_tma_config
-from tests.test_kernels_w4a16 import make_weights, reference, rel_err
-from tests.test_kernels_w4a16_mma import compiled_in_fresh_process, frag_case
+from kernel_helpers import make_weights, reference, rel_err
+from kernel_helpers import compiled_in_fresh_process, frag_case
 
 DEV = "cuda"
 QWEN = {"qkv": (3584, 4608), "o": (3584, 3584), "gate_up": (3584, 37888), "down": (18944, 3584)}
@@ -139,7 +139,7 @@ def test_plan_takes_the_tma_tile_where_the_caps_and_options_allow():
 def test_tma_probe_failure_falls_back_with_a_warning(caplog):
     """The TMA kernel serves only where its load probe passes (an sm90 GPU); a failed probe says what serves
     instead."""
-    from quant_serve.kernels.matmul.probes import _tma_works
+    from quant_serve.kernels.matmul.plan import _tma_works
     if torch.cuda.is_available():
         if torch.cuda.get_device_capability() == (9, 0):
             assert _tma_works(torch.cuda.current_device())
@@ -201,7 +201,7 @@ def test_gpu_tma_silu_mul_and_dispatch(monkeypatch):
     from quant_serve.kernels.norm_act import silu_and_mul
     from quant_serve.kernels.matmul.dispatch import w4a16_forward
     from quant_serve.kernels.matmul.frag.layout import prepare_frag
-    from quant_serve.kernels.matmul.probes import _tma_works
+    from quant_serve.kernels.matmul.plan import _tma_works
     from quant_serve.kernels.matmul.frag.tma import w4a16_tma
     assert _tma_works(torch.cuda.current_device())
     qweight, scales, qzeros, gs, _ = make_weights(1024, 512, 128, True, False, torch.float16)
@@ -228,7 +228,7 @@ def compile_tma_cases() -> dict:
     from triton.experimental.gluon import language as gl
 
     from quant_serve.kernels.matmul.frag.tma import _w4a16_tma_kernel, register_budget
-    from tests.test_kernels_w4a16_mma import _compile_sm90
+    from kernel_helpers import compile_sm90
     out = {}
     cases = [(1, 64, 64, False, 64, 4, False), (1, 64, 128, True, 64, 4, True), (2, 128, 256, True, 64, 4, False),
              (2, 128, 64, False, 64, 4, False), (1, 64, 64, False, 128, 4, True), (1, 64, 128, True, 128, 2, False)]
@@ -241,7 +241,7 @@ def compile_tma_cases() -> dict:
                    s_ptr="*fp16", z_ptr="*i32", out_ptr="*fp16", ws_ptr="*fp32", bias_ptr="*fp16",
                    **{a: "i32" for a in ("M", "N", "KP", "m_tiles", "waves", "tail", "p_sk", "max_segs", "stride_om",
                                          "stride_sg", "stride_zg")})
-        out[f"c{cons}-{bn}-{bm}-{bias}-k{bk}-s{stages}-{overlap}"] = _compile_sm90(_w4a16_tma_kernel, sig, dict(
+        out[f"c{cons}-{bn}-{bm}-{bias}-k{bk}-s{stages}-{overlap}"] = compile_sm90(_w4a16_tma_kernel, sig, dict(
             HAS_BIAS=bias, GROUP=128, ZP_MODE=1, EVEN_N=True, PDL=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
             STAGES=stages, CONSUMERS=cons, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
             OVERLAP=overlap), 4, maxnreg)

@@ -13,6 +13,7 @@ if not torch.cuda.is_available():
 from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf.quants import dequantize  # noqa: E402
 
+from helpers import bench_script  # noqa: E402
 from quant_serve.kernels.triton_compat import interpreting  # noqa: E402
 from quant_serve.kernels.matmul.dispatch import w8a16_forward, w8a16_matmul  # noqa: E402
 from quant_serve.kernels.matmul.planes.kernels import w8a16_dequantize  # noqa: E402
@@ -84,8 +85,8 @@ def compile_q5_kernels_sm90() -> dict:
     from triton.compiler import ASTSource
 
     from quant_serve.kernels.matmul.planes.kernels import _w8a16_dequant_kernel, _w8a16_gemv_kernel
-    from tests.test_kernels_w4a16_mma import cubin_sass
-    from tests.test_kernels_w8a16_q6k import constexpr_defaults
+    from kernel_helpers import cubin_sass
+    from kernel_helpers import constexpr_defaults
 
     def build(kernel, sig, constexprs):
         constexprs = dict(constexpr_defaults(kernel), **constexprs)
@@ -111,7 +112,7 @@ def compile_q5_kernels_sm90() -> dict:
 
 
 def test_q5_kernels_compile_for_sm90_without_spills():
-    from tests.test_kernels_w4a16_mma import compiled_in_fresh_process
+    from kernel_helpers import compiled_in_fresh_process
     res = compiled_in_fresh_process("tests.test_kernels_w8a16_q5k", "compile_q5_kernels_sm90")
     assert all(r["stack"] == 0 for r in res.values()), res
     print({name: r["regs"] for name, r in res.items()})
@@ -120,7 +121,8 @@ def test_q5_kernels_compile_for_sm90_without_spills():
 def test_bench_format_gguf_q5_k():
     """bench/kernel_speed.py --weights gguf-q5_k: the layer it times is the loader's layout, its call the planned
     kernel (checked here under the interpreter), its bytes 5.625 bits a weight."""
-    from quant_serve.bench.gguf_kernel_speed import FORMATS, random_layer
+    gguf_kernel_speed = bench_script("gguf_kernel_speed")
+    FORMATS, random_layer = gguf_kernel_speed.FORMATS, gguf_kernel_speed.random_layer
     layer = random_layer("gguf-q5_k", 512, 64, device=DEV)
     x = torch.randn(1, 512, dtype=torch.float16, device=DEV)
     want = x.float() @ layer["dense"].float()

@@ -20,6 +20,7 @@ from quant_serve.kernels.matmul.plan import W8A16Config  # noqa: E402
 from quant_serve.kernels.matmul.planes.q6k import pack_q6k, q6k_bytes, q6k_codes, q6k_dequantize  # noqa: E402
 from quant_serve.quant.formats.gguf.kquants import quantize  # noqa: E402
 from quant_serve.quant.formats.gguf.types import q6k_layout, read_grouped  # noqa: E402
+from kernel_helpers import constexpr_defaults  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -77,13 +78,6 @@ def test_gemv_matches_gguf_matmul(m, dtype, block_m, split_k, one_launch):
         w8a16_forward(x, w, None, None, 16, None, W8A16Config("gemv", block_m, 32, 128, split_k))
 
 
-def constexpr_defaults(kernel) -> dict:
-    """A Triton kernel's constexpr parameters that have defaults -> {name: default}."""
-    import inspect
-    return {name: p.default for name, p in inspect.signature(kernel.fn).parameters.items()
-            if p.default is not inspect.Parameter.empty}
-
-
 def compile_row_kernels_sm90() -> dict:
     """The Triton kernels of the new modes compiled for sm90 without a GPU (the interpreter does not lower them):
     the W8A16 GEMV with Q6_K planes (FMA rows and tl.dot rows) and its dequantize pass, and the row-layout W4A16
@@ -95,7 +89,7 @@ def compile_row_kernels_sm90() -> dict:
     from quant_serve.kernels.matmul.rows.gemm import _w4a16_dequant_kernel, _w4a16_gemm_kernel
     from quant_serve.kernels.matmul.rows.gemv import _w4a16_gemv_kernel
     from quant_serve.kernels.matmul.planes.kernels import _w8a16_dequant_kernel, _w8a16_gemv_kernel
-    from tests.test_kernels_w4a16_mma import cubin_sass
+    from kernel_helpers import cubin_sass
 
     def build(kernel, sig, constexprs, num_warps=4):
         constexprs = dict(constexpr_defaults(kernel), **constexprs)       # modes added later (Q5) left off
@@ -136,7 +130,7 @@ def compile_row_kernels_sm90() -> dict:
 
 
 def test_row_kernels_of_the_new_modes_compile_for_sm90_without_spills():
-    from tests.test_kernels_w4a16_mma import compiled_in_fresh_process
+    from kernel_helpers import compiled_in_fresh_process
     res = compiled_in_fresh_process("tests.test_kernels_w8a16_q6k", "compile_row_kernels_sm90")
     for name, r in res.items():
         # the row-layout GEMM (bf16 models and fallbacks) spills at this tile with float offsets too (592 bytes

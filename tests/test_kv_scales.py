@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from quant_serve.engine.worker.kv_calibration import calibrate_kv_scales
@@ -12,32 +13,30 @@ from quant_serve.engine.worker.kv_scales import (E4M3_MAX, KV_SCALE_MARGIN, pars
                                                  read_kv_scales, resolve_kv_scales, scale_from_amax, write_kv_scales)
 from helpers import assert_all_blocks_free, make_engine
 
-from conftest import DATA, TINY
-
-WINDOW, NUM_WINDOWS = 512, 4
+WINDOW, NUM_WINDOWS = 512, 4       # the eval windows: the first 2,048 tokens of the held-out text
 
 
-
-def linked_copy(path):
-    """The fixture model in a writable directory (files are symlinks), so kv_scales.json can be written beside it."""
+def linked_copy(model, path):
+    """The model in a writable directory (files are symlinks), so kv_scales.json can be written beside it."""
     path.mkdir(exist_ok=True)
-    for f in TINY.iterdir():
+    for f in model.iterdir():
         (path / f.name).symlink_to(f)
     return path
 
 
 @pytest.fixture(scope="module")
-def text_ids():
+def text_ids(trained_model, heldout_text):
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(TINY)).encode((DATA / "val.txt").read_text()[:150000])
+    return AutoTokenizer.from_pretrained(str(trained_model)).encode(heldout_text)
 
 
 @pytest.fixture(scope="module")
-def calibrated(tmp_path_factory, text_ids):
+def calibrated(tmp_path_factory, text_ids, trained_model):
     """(model dir with kv_scales.json calibrated on other text than the eval windows, fp16-KV logits per window)"""
-    model_dir = linked_copy(tmp_path_factory.mktemp("calibrated") / "model")
+    model_dir = linked_copy(trained_model, tmp_path_factory.mktemp("calibrated") / "model")
     engine = make_engine(model_dir, kv_cache_dtype="fp16", chunk=WINDOW)
-    calibration = [text_ids[20000 + i * WINDOW: 20000 + (i + 1) * WINDOW] for i in range(4)]
+    start = NUM_WINDOWS * WINDOW
+    calibration = [text_ids[start + i * WINDOW: start + (i + 1) * WINDOW] for i in range(4)]
     scales = calibrate_kv_scales(engine, calibration)
     assert scales["num_tokens"] == 4 * WINDOW
     write_kv_scales(model_dir, scales)
@@ -72,11 +71,11 @@ def test_fp8_perplexity_with_calibrated_scales(calibrated, text_ids, kv_dtype, m
     assert top1 >= min_top1
 
 
-def test_first_prompt_rule_sets_scales_inside_the_first_forward(text_ids, caplog):
-    prompt = text_ids[5000:5100]
-    fp16 = make_engine(TINY, kv_cache_dtype="fp16")
+def test_first_prompt_rule_sets_scales_inside_the_first_forward(text_ids, caplog, trained_model):
+    prompt = text_ids[4100:4200]
+    fp16 = make_engine(trained_model, kv_cache_dtype="fp16")
     amax = calibrate_kv_scales(fp16, [prompt])["layers"]
-    engine = make_engine(TINY, kv_cache_dtype="fp8_e4m3", kv_scale_source="first-prompt")
+    engine = make_engine(trained_model, kv_cache_dtype="fp8_e4m3", kv_scale_source="first-prompt")
     assert all(float(a.k_scale) == 1.0 for a in engine.model.attention_layers)
     with caplog.at_level(logging.INFO, logger="quant_serve"):
         engine.score(prompt)
@@ -90,7 +89,7 @@ def test_first_prompt_rule_sets_scales_inside_the_first_forward(text_ids, caplog
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     # computed once: a later, different prompt leaves them alone
     before = [float(a.k_scale) for a in layers]
-    engine.score(text_ids[9000:9300])
+    engine.score(text_ids[4200:4500])
     assert [float(a.k_scale) for a in layers] == before
 
 
@@ -102,9 +101,9 @@ def _blow_up_k(engine, layer: int, factor: float) -> None:
     attn.qkv_proj.bias.data[rows] *= factor
 
 
-def test_unscaled_e4m3_with_large_activations_is_detected(text_ids, caplog):
-    prompt = text_ids[7000:7040]
-    engine = make_engine(TINY, kv_cache_dtype="fp8_e4m3", kv_scale_source="unit")
+def test_unscaled_e4m3_with_large_activations_is_detected(text_ids, caplog, trained_model):
+    prompt = text_ids[4300:4340]
+    engine = make_engine(trained_model, kv_cache_dtype="fp8_e4m3", kv_scale_source="unit")
     _blow_up_k(engine, 2, 100.0)                     # |k| of layer 2 goes from ~13 to ~1300, past 448
     with caplog.at_level(logging.WARNING, logger="quant_serve"):
         engine.score(prompt)
@@ -116,7 +115,7 @@ def test_unscaled_e4m3_with_large_activations_is_detected(text_ids, caplog):
 
     # The same model with scales from the first prompt: layer 2 gets a scale that fits, and no warning.
     caplog.clear()
-    scaled = make_engine(TINY, kv_cache_dtype="fp8_e4m3", kv_scale_source="first-prompt")
+    scaled = make_engine(trained_model, kv_cache_dtype="fp8_e4m3", kv_scale_source="first-prompt")
     _blow_up_k(scaled, 2, 100.0)
     with caplog.at_level(logging.WARNING, logger="quant_serve"):
         scaled.score(prompt)
@@ -140,15 +139,15 @@ CHECKPOINT_SCALES = {
 }
 
 
-def test_checkpoint_scale_names_are_read(tmp_path, caplog):
-    model_dir = linked_copy(tmp_path / "model")
+def test_checkpoint_scale_names_are_read(tmp_path, caplog, trained_model):
+    model_dir = linked_copy(trained_model, tmp_path / "model")
     save_file({name: torch.tensor([value] if "layers.6" in name else value, dtype=torch.float32)
                for name, value in CHECKPOINT_SCALES.items()}, str(tmp_path / "kv-scales.safetensors"))
     (model_dir / "kv-scales.safetensors").symlink_to(tmp_path / "kv-scales.safetensors")
-    index = json.loads((TINY / "model.safetensors.index.json").read_text())
-    index["weight_map"].update({name: "kv-scales.safetensors" for name in CHECKPOINT_SCALES})
-    (model_dir / "model.safetensors.index.json").unlink()
-    (model_dir / "model.safetensors.index.json").write_text(json.dumps(index))
+    with safe_open(str(trained_model / "model.safetensors"), "pt") as f:      # one file: an index adds the scales
+        weight_map = {name: "model.safetensors" for name in f.keys()}
+    weight_map.update({name: "kv-scales.safetensors" for name in CHECKPOINT_SCALES})
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
     with caplog.at_level(logging.INFO, logger="quant_serve"):
         engine = make_engine(model_dir, kv_cache_dtype="fp8_e4m3")
@@ -159,7 +158,7 @@ def test_checkpoint_scale_names_are_read(tmp_path, caplog):
     # The weights are untouched by the scale tensors: same logits as the plain fixture (fp16 KV: no fp8 rounding).
     ids = list(range(100, 140))
     torch.testing.assert_close(make_engine(model_dir, kv_cache_dtype="fp16").score(ids),
-                               make_engine(TINY, kv_cache_dtype="fp16").score(ids))
+                               make_engine(trained_model, kv_cache_dtype="fp16").score(ids))
     # Without an fp8 cache the scales are not used (1.0).
     plain = make_engine(model_dir)
     assert all(float(a.k_scale) == 1.0 == float(a.v_scale) for a in plain.model.attention_layers)
@@ -229,13 +228,13 @@ def test_scale_sources_and_file_format(tmp_path, caplog):
             read_kv_scales(tmp_path, 1)
 
 
-def test_calibration_ignores_the_engines_own_cache(text_ids):
-    fp8 = make_engine(TINY, kv_cache_dtype="fp8_e4m3", kv_scale_source="unit")
+def test_calibration_ignores_the_engines_own_cache(text_ids, trained_model):
+    fp8 = make_engine(trained_model, kv_cache_dtype="fp8_e4m3", kv_scale_source="unit")
     caches = [(a.k_cache, a.v_cache) for a in fp8.model.attention_layers]
     batches = [[text_ids[100:160], text_ids[300:333]], text_ids[500:580]]
     from_fp8_engine = calibrate_kv_scales(fp8, batches)
     # a bare model with other weights-identical engine: same K/V, so the same figures, whatever the cache dtype
-    from_model = calibrate_kv_scales(make_engine(TINY, num_blocks=130).model, batches)
+    from_model = calibrate_kv_scales(make_engine(trained_model, num_blocks=130).model, batches)
     assert from_model == from_fp8_engine and from_model["num_tokens"] == 60 + 33 + 80
     assert all(a.k_cache is k and a.v_cache is v for a, (k, v) in zip(fp8.model.attention_layers, caches))
     assert all(float(a.k_scale) == 1.0 for a in fp8.model.attention_layers)

@@ -5,18 +5,15 @@ import torch
 
 from quant_serve.engine.sampling_params import SamplingParams
 from quant_serve.engine.worker.swap import CpuKVTier, block_runs
-from helpers import assert_all_blocks_free, fp16_model_dir, make_engine
-
-from conftest import DATA, TINY
+from helpers import assert_all_blocks_free, make_engine
 
 PARAMS = SamplingParams(max_tokens=16, min_tokens=16, temperature=0.0)
 
 
-
 @pytest.fixture(scope="module")
-def text_ids():
+def text_ids(trained_model, heldout_text):
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(TINY)).encode((DATA / "val.txt").read_text()[:30000])
+    return AutoTokenizer.from_pretrained(str(trained_model)).encode(heldout_text)
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +23,8 @@ def prompts(text_ids):
 
 
 @pytest.fixture(scope="module")
-def reference(prompts):
-    engine = make_engine(TINY, max_model_len=64, chunk=128)
+def reference(prompts, trained_model):
+    engine = make_engine(trained_model, max_model_len=64, chunk=128)
     outs = [o.outputs[0].token_ids for o in engine.generate(prompts, PARAMS)]
     minimal = sum(len(p) + PARAMS.max_tokens - 1 for p in prompts)
     assert engine.runner.num_tokens_forwarded == minimal and engine.scheduler.num_preemptions_total == 0
@@ -65,8 +62,9 @@ def test_block_runs_merge_consecutive_pairs():
 
 @pytest.mark.parametrize("num_cpu_blocks, swaps, prefix_caching", [
     (0, "none", True), (64, "all", True), (2, "some", True), (64, "all", False)])
-def test_small_gpu_pool_gives_identical_greedy_outputs(prompts, reference, num_cpu_blocks, swaps, prefix_caching):
-    engine = make_engine(TINY, max_model_len=64, chunk=128, num_blocks=5, num_cpu_blocks=num_cpu_blocks,
+def test_small_gpu_pool_gives_identical_greedy_outputs(prompts, reference, num_cpu_blocks, swaps, prefix_caching,
+                                                       trained_model):
+    engine = make_engine(trained_model, max_model_len=64, chunk=128, num_blocks=5, num_cpu_blocks=num_cpu_blocks,
                          prefix_caching=prefix_caching)
     outs = [o.outputs[0].token_ids for o in engine.generate(prompts, PARAMS)]
     assert outs == reference
@@ -94,11 +92,11 @@ def _system_prompt_case(text_ids):
     return system, system + text_ids[2000:2008], system + text_ids[3000:3011]
 
 
-def test_prefix_hits_on_shared_system_prompt_skip_recomputation(text_ids):
+def test_prefix_hits_on_shared_system_prompt_skip_recomputation(text_ids, trained_model):
     system, first, second = _system_prompt_case(text_ids)
     params = SamplingParams(max_tokens=4, min_tokens=4, temperature=0.0)
-    expected = make_engine(TINY, prefix_caching=False).generate([second], params)[0].outputs[0].token_ids
-    engine = make_engine(TINY)
+    expected = make_engine(trained_model, prefix_caching=False).generate([second], params)[0].outputs[0].token_ids
+    engine = make_engine(trained_model)
     engine.generate([first], params)
     before, hits = engine.runner.num_tokens_forwarded, engine.block_manager.prefix_hits
     out = engine.generate([second], params)[0]
@@ -109,11 +107,11 @@ def test_prefix_hits_on_shared_system_prompt_skip_recomputation(text_ids):
     assert_all_blocks_free(engine)
 
 
-def test_prefix_block_evicted_to_cpu_tier_is_hit_later(text_ids):
+def test_prefix_block_evicted_to_cpu_tier_is_hit_later(text_ids, trained_model):
     system, first, second = _system_prompt_case(text_ids)
     params = SamplingParams(max_tokens=4, min_tokens=4, temperature=0.0)
-    expected = make_engine(TINY, prefix_caching=False).generate([second], params)[0].outputs[0].token_ids
-    engine = make_engine(TINY, num_blocks=8, max_model_len=128, num_cpu_blocks=16)
+    expected = make_engine(trained_model, prefix_caching=False).generate([second], params)[0].outputs[0].token_ids
+    engine = make_engine(trained_model, num_blocks=8, max_model_len=128, num_cpu_blocks=16)
     engine.generate([first], params)
     engine.generate([text_ids[4000:4110]], params)   # 7 blocks: evicts the system prompt's blocks to the CPU tier
     assert engine.stats.swapped_out_blocks_total >= 3
@@ -127,8 +125,8 @@ def test_prefix_block_evicted_to_cpu_tier_is_hit_later(text_ids):
 
 
 @pytest.mark.gpu
-def test_swaps_on_cuda_give_identical_outputs(prompts, tmp_path_factory):
-    model = fp16_model_dir(tmp_path_factory.getbasetemp())
+def test_swaps_on_cuda_give_identical_outputs(prompts, trained_model):
+    model = trained_model
     ref = make_engine(model, max_model_len=64, chunk=128, device="cuda")
     expected = [o.outputs[0].token_ids for o in ref.generate(prompts, PARAMS)]
     for num_cpu_blocks in (64, 2):

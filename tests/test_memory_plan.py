@@ -8,13 +8,7 @@ from safetensors import safe_open
 
 from quant_serve.engine.plan.memory import format_plan, kv_dtype_bytes, plan_memory
 
-from conftest import SHARED
-
-QWEN = SHARED / "configs" / "qwen2.5-7b-instruct"
-LLAMA = SHARED / "configs" / "llama-3.1-8b-instruct"
-MODELS = SHARED / "models"
-
-pytestmark = pytest.mark.skipif(not QWEN.exists(), reason="shared configs not present")
+from conftest import LLAMA_8B as LLAMA, QWEN_7B as QWEN
 
 
 def _cfg(path: Path) -> dict:
@@ -93,9 +87,10 @@ def test_llama_gptq_weights_match_per_tensor_sum():
     assert 4.6e9 < plan.weights_bytes - 128256 * 4096 * 2 < 4.8e9  # targets.md: 4.7 GB per step
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-qwen2-awq", "tiny-qwen2-w4a16-ct"])
-def test_tiny_weights_exact_from_headers_and_from_config(name):
-    model_dir = MODELS / name
+@pytest.mark.parametrize("fixture", ["random_model", "random_awq", "random_ct", "tiny_awq_autoawq", "tiny_ct"])
+def test_tiny_weights_exact_from_headers_and_from_config(fixture, request):
+    """FP16 and our AWQ and compressed-tensors writers' checkpoints, and AutoAWQ's and llm-compressor's."""
+    model_dir = request.getfixturevalue(fixture)
     expected = _header_bytes(model_dir)
     plan = plan_memory(model_dir)
     assert plan.weights_source == "safetensors"
@@ -104,9 +99,9 @@ def test_tiny_weights_exact_from_headers_and_from_config(name):
     assert plan_memory(_cfg(model_dir)).weights_bytes == expected
 
 
-def test_weights_dtype_override_rescales_float_tensors():
-    assert plan_memory(MODELS / "tiny-qwen2", weights_dtype="float32").weights_bytes == 2 * _header_bytes(
-        MODELS / "tiny-qwen2")  # every tensor there is F16
+def test_weights_dtype_override_rescales_float_tensors(random_model):
+    assert plan_memory(random_model, weights_dtype="float32").weights_bytes == 2 * _header_bytes(
+        random_model)  # every tensor there is F16
 
 
 def test_qwen_fp8_capacity_goal_and_block_budget():

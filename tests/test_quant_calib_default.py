@@ -12,8 +12,6 @@ from quant_serve.quant.calib_data import wordnet_entries
 from quant_serve.server.cli.main import main as cli
 from quant_serve.server.cli.calib import sample_token_windows
 
-from conftest import TINY
-
 # The WordNet 3.0 data-file format (lemma at field 4, part of speech at field 2, gloss after " | ").
 WORDNET_LINES = {
     "noun": "00001740 03 n 01 entity 0 003 ~ 00001930 n 0000 | that which is perceived to have its own existence",
@@ -23,10 +21,10 @@ WORDNET_LINES = {
 }
 
 
-def test_quantize_without_calib_samples_from_the_model(tmp_path, caplog):
+def test_quantize_without_calib_samples_from_the_model(tmp_path, caplog, random_model):
     out = tmp_path / "gptq"
     with caplog.at_level(logging.INFO, logger="quant_serve"):
-        assert cli(["quantize", str(TINY), str(out), "--method", "gptq", "--calib-samples", "2",
+        assert cli(["quantize", str(random_model), str(out), "--method", "gptq", "--calib-samples", "2",
                     "--calib-seq-len", "32", "--device", "cpu"]) == 0
     assert ("calibration: 2 sequences x 32 tokens sampled from the model (seed 0); pass --calib FILE for your own "
             "data") in caplog.text
@@ -34,10 +32,10 @@ def test_quantize_without_calib_samples_from_the_model(tmp_path, caplog):
     assert cli(["generate", "--model", str(out), "--prompt", "The Python", "--max-tokens", "4"]) == 0
 
 
-def test_sampled_windows_are_deterministic():
-    a, tok = sample_token_windows(TINY, 3, 24, seed=5, device="cpu", show_progress=False)
-    b, _ = sample_token_windows(TINY, 2, 24, seed=5, device="cpu", show_progress=False)
-    c, _ = sample_token_windows(TINY, 2, 24, seed=6, device="cpu", show_progress=False)
+def test_sampled_windows_are_deterministic(random_model):
+    a, tok = sample_token_windows(random_model, 3, 24, seed=5, device="cpu", show_progress=False)
+    b, _ = sample_token_windows(random_model, 2, 24, seed=5, device="cpu", show_progress=False)
+    c, _ = sample_token_windows(random_model, 2, 24, seed=6, device="cpu", show_progress=False)
     assert a.shape == (3, 24) and a.dtype == torch.int64
     assert a[:, 0].tolist() == [tok.convert_tokens_to_ids("<|endoftext|>")] * 3   # Qwen: no BOS, the separator
     assert torch.equal(a[:2], b)                              # a window depends on its seed, not on the batch
@@ -45,7 +43,7 @@ def test_sampled_windows_are_deterministic():
     assert len({tuple(w.tolist()) for w in a}) == 3
 
 
-def test_make_calib_is_a_subcommand(tmp_path, capsys):
+def test_make_calib_is_a_subcommand(tmp_path, capsys, random_model):
     wordnet = tmp_path / "wordnet"
     wordnet.mkdir()
     for part, line in WORDNET_LINES.items():
@@ -53,13 +51,14 @@ def test_make_calib_is_a_subcommand(tmp_path, capsys):
                                               encoding="latin-1")
     out = tmp_path / "calib.jsonl"
     assert cli(["make-calib", str(out), "--docstrings", "--max-docs", "5", "--wordnet", str(wordnet),
-                "--chat-model", str(TINY), "--chat-share", "0.5", "--samples-from", str(TINY), "--samples", "2",
+                "--chat-model", str(random_model), "--chat-share", "0.5", "--samples-from", str(random_model),
+                "--samples", "2",
                 "--sample-len", "16", "--device", "cpu"]) == 0
     assert "wrote 11 documents" in capsys.readouterr().out
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert "stdlib docstrings" in rows[0]["source"]
     assert "4 WordNet 3.0 entries (wordnet), 50% as chat turns" in rows[0]["source"]
-    assert "2 samples of 16 tokens from tiny-qwen2" in rows[0]["source"]
+    assert f"2 samples of 16 tokens from {random_model.name}" in rows[0]["source"]
     docs = read_calib_file(out)
     assert len(docs) == 11 and docs[0].startswith("abc")       # 5 docstrings, 2 samples, 4 glosses
     chat_turns = [d for d in docs[7:] if d.startswith('<|im_start|>user\nWhat does "')]
@@ -68,13 +67,13 @@ def test_make_calib_is_a_subcommand(tmp_path, capsys):
     assert ("Able (a): (usually followed by `to') having the necessary means."
             in dict(wordnet_entries(wordnet, 10)).values())
     rtn = tmp_path / "rtn"
-    assert cli(["quantize", str(TINY), str(rtn), "--method", "rtn", "--kv-scales", "--calib", str(out),
+    assert cli(["quantize", str(random_model), str(rtn), "--method", "rtn", "--kv-scales", "--calib", str(out),
                 "--calib-samples", "2", "--calib-seq-len", "64", "--device", "cpu"]) == 0
     assert (rtn / "kv_scales.json").is_file()
 
 
-def test_make_calib_errors(tmp_path, capsys):
+def test_make_calib_errors(tmp_path, capsys, random_model):
     assert cli(["make-calib", str(tmp_path / "x.jsonl"), "--wordnet", str(tmp_path / "nope")]) == 2
     assert "WordNet" in capsys.readouterr().err and not (tmp_path / "x.jsonl").exists()
     with pytest.raises(ValueError, match="at least one window"):
-        sample_token_windows(TINY, 0, 16, device="cpu")
+        sample_token_windows(random_model, 0, 16, device="cpu")

@@ -9,10 +9,10 @@
    we divide by the exact s recovered from the norms (norm_fp16 / norm_awq); for every module we also divide by a
    per-input-channel s fitted by least squares (it absorbs up/down's folding, and cannot undo a permutation of
    output channels, which is what a wrong AWQ interleave is).
+The checkpoints are the third parties' own (../shared), which no tool of ours can stand in for.
 """
 import glob
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,14 +22,11 @@ from quant_serve.quant.formats import load_quant_config
 from quant_serve.quant.layers.dense import DenseLinear
 from quant_serve.quant.layers.linear import QuantLinear
 
-MODELS = Path("/work/shared/models")
 MODULES = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj"]
 PREV_NORM = {"self_attn.q_proj": "input_layernorm", "self_attn.k_proj": "input_layernorm",
              "self_attn.v_proj": "input_layernorm", "mlp.gate_proj": "post_attention_layernorm"}
 AWQ_REVERSE = [0, 4, 1, 5, 2, 6, 3, 7]
-
-pytestmark = pytest.mark.skipif(not (MODELS / "tiny-qwen2-awq").is_dir(), reason="shared model fixtures missing")
 
 
 def read_all(pattern: str) -> dict[str, torch.Tensor]:
@@ -41,13 +38,12 @@ def read_all(pattern: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def fp16():
-    return read_all(MODELS / "tiny-qwen2" / "*.safetensors")
+def fp16(tiny_trained):
+    return read_all(tiny_trained / "*.safetensors")
 
 
-def load_model(name: str):
+def load_model(model_dir):
     """-> (tensors, {prefix: QuantLinear}) for every Linear of the 8 layers, each loaded like the engine does."""
-    model_dir = MODELS / name
     tensors = read_all(model_dir / "*.safetensors")
     qc = load_quant_config(json.loads((model_dir / "config.json").read_text()), model_dir, set(tensors))
     layers = {}
@@ -66,13 +62,13 @@ def load_model(name: str):
 
 
 @pytest.fixture(scope="module")
-def awq():
-    return load_model("tiny-qwen2-awq")
+def awq(tiny_awq_autoawq):
+    return load_model(tiny_awq_autoawq)
 
 
 @pytest.fixture(scope="module")
-def ct():
-    return load_model("tiny-qwen2-w4a16-ct")
+def ct(tiny_ct):
+    return load_model(tiny_ct)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -213,8 +213,8 @@ def test_config_alone_decides_the_head_of_a_dummy_model(quant, int4_head, tmp_pa
     from quant_serve.engine.plan.memory import plan_memory
     from helpers import make_engine
     from quant_serve.quant.formats import ct_quantization_config
+    from quant_serve.engine.load.demo import DEMO_MODEL_DIR
     from quant_serve.quant.layers.dense import DenseLinear
-    from conftest import TINY
     if isinstance(quant, str):
         quant = ct_quantization_config(32, sym=False, ignore=[] if quant == "ct-no-ignore" else ["lm_head"])
     cfg = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128,
@@ -222,7 +222,7 @@ def test_config_alone_decides_the_head_of_a_dummy_model(quant, int4_head, tmp_pa
            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 128, "tie_word_embeddings": False,
            "torch_dtype": "float16", "quantization_config": quant}
     (tmp_path / "config.json").write_text(__import__("json").dumps(cfg))
-    engine = make_engine(tmp_path, load_format="dummy", tokenizer=str(TINY), num_blocks=16)
+    engine = make_engine(tmp_path, load_format="dummy", tokenizer=str(DEMO_MODEL_DIR), num_blocks=16)
     assert isinstance(engine.model.lm_head, QuantLinear if int4_head else DenseLinear)
     dense_head = dict(quant, lm_head=False) if "bits" in quant else dict(quant, ignore=["lm_head"])
     saved = (plan_memory(dict(cfg, quantization_config=dense_head), max_model_len=128).weights_bytes

@@ -12,10 +12,10 @@ from quant_serve.quant.layers.linear import QuantLinear
 from quant_serve.quant.rtn import dequantize_codes, quantize_rtn
 from quant_serve.server.cli.main import build_parser
 
-from conftest import DATA, SHARED
+from conftest import QWEN_7B
 
 
-def test_int4_head_is_the_rtn_of_the_tied_table_and_scores_as_its_dequantized_weights():
+def test_int4_head_is_the_rtn_of_the_tied_table_and_scores_as_its_dequantized_weights(heldout_text):
     fp_head, int4_head = make_engine(DEMO_MODEL_DIR), make_engine(DEMO_MODEL_DIR, quantize_lm_head=True)
     head = int4_head.model.lm_head
     assert fp_head.model.lm_head is None and isinstance(head, QuantLinear)        # tied: the table stays
@@ -24,7 +24,7 @@ def test_int4_head_is_the_rtn_of_the_tied_table_and_scores_as_its_dequantized_we
     q, s, z = quantize_rtn(table.float(), 4, HEAD_GROUP_SIZE, False, scale_dtype=torch.float16)
     rtn = dequantize_codes(q, s.half().float(), z, HEAD_GROUP_SIZE)
     assert torch.equal(head.dequantized_weight(), rtn)
-    ids = fp_head.tokenizer.encode((DATA / "val.txt").read_text()[:4000])[:300]
+    ids = fp_head.tokenizer.encode(heldout_text[:4000])[:300]
     ref = fp_head.score(ids)
     dense = DenseLinear(table.shape[1], [table.shape[0]], False, torch.float32)
     dense.weight.data.copy_(rtn)
@@ -36,13 +36,13 @@ def test_int4_head_is_the_rtn_of_the_tied_table_and_scores_as_its_dequantized_we
 
 
 def test_plan_counts_the_int4_head():
-    qwen = SHARED / "configs" / "qwen2.5-7b-instruct"
+    qwen = QWEN_7B
     v, h = 152064, 3584
     int4 = h * v // 2 + (h // 128) * v * 2 + (h // 128) * v // 2             # codes, fp16 scales, packed zeros
     base, quantized = plan_memory(qwen), plan_memory(qwen, int4_head=True)
     assert base.weights_bytes - quantized.weights_bytes == v * h * 2 - int4     # untied: replaces the FP16 head
     assert quantized.kv_cache_tokens > base.kv_cache_tokens
-    tied = SHARED / "models" / "tiny-qwen2"
+    tied = DEMO_MODEL_DIR                                                       # the tiny model: a tied head
     assert (plan_memory(tied, int4_head=True).weights_bytes - plan_memory(tied).weights_bytes
             == 512 * 8192 // 2 + 4 * 8192 * 2 + 4 * 8192 // 2)                   # tied: an extra copy
     args = build_parser().parse_args(["plan", str(qwen), "--quantize-lm-head"])

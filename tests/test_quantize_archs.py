@@ -12,7 +12,7 @@ from quant_serve.engine.models.dense_calib import dense_logits
 from quant_serve.engine.sampling_params import SamplingParams
 from quant_serve.server.cli.main import main as cli
 from quant_serve.server.cli.quantize import load_source
-from test_engine_archs import CONFIGS, VOCAB, hf_model, model_dirs, prompts, random_model_dir  # noqa: F401 - a fixture
+from random_archs import CONFIGS, VOCAB, hf_model, prompts, random_model_dir
 
 quant_quality = bench_script("quant_quality")
 
@@ -21,10 +21,10 @@ def fp32_weights(path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_dense_forward_matches_hf(name, model_dirs):
+def test_dense_forward_matches_hf(name, arch_models):
     """The calibration forward is the served decoder: logits of a 150-token prompt (past Gemma's 24-token window,
     Phi-3's LongRoPE, partial rotary, soft-caps, q/k norms) equal transformers'."""
-    path = model_dirs(name)
+    path = arch_models(name)
     ids = torch.tensor([prompts()[2]])
     ours = dense_logits(load_model_config(path)[0], fp32_weights(path), ids)[0]
     with torch.no_grad():
@@ -33,11 +33,11 @@ def test_dense_forward_matches_hf(name, model_dirs):
 
 
 @pytest.mark.parametrize("name", ["gemma2", "phi3"])
-def test_awq_folds_keep_the_fp_block(name, model_dirs):
+def test_awq_folds_keep_the_fp_block(name, arch_models):
     """AWQ's scales fold into Gemma's (1 + w) pre-MLP norm and Phi-3's fused v / up rows: the FP block is
     unchanged while every folded tensor changed (MHA here, so the v -> o fold runs too)."""
     from quant_serve.quant.awq import AWQSettings, awq_block
-    path = random_model_dir(name, model_dirs(name).parent / f"{name}-mha", {"num_key_value_heads": 4})
+    path = random_model_dir(name, arch_models(name).parent / f"{name}-mha", {"num_key_value_heads": 4})
     source = load_source(path)
     w = {k.removeprefix("model.layers.0."): source.read(k).float() for k in source.tensor_names
          if k.startswith("model.layers.0.")}
@@ -54,12 +54,12 @@ def test_awq_folds_keep_the_fp_block(name, model_dirs):
 
 @pytest.mark.parametrize("name", ["qwen3", "gemma2", "phi3"])
 @pytest.mark.parametrize("method", ["rtn", "awq", "gptq"])
-def test_cli_quantize_loads_and_generates(name, method, model_dirs, tmp_path):
+def test_cli_quantize_loads_and_generates(name, method, arch_models, tmp_path):
     """`quant-serve quantize` (calibration sampled from the model itself) on a Qwen3 (q/k norms), Gemma 2 (GeGLU,
     sandwich norms, soft-caps, window) or Phi-3 (fused qkv / gate_up) model; the engine runs the INT4 checkpoint
     exactly as the non-paged forward runs its dequantized weights, and generates."""
     out = tmp_path / "int4"
-    assert cli(["quantize", str(model_dirs(name)), str(out), "--method", method, "--group-size", "64",
+    assert cli(["quantize", str(arch_models(name)), str(out), "--method", method, "--group-size", "64",
                 "--calib-samples", "4", "--calib-seq-len", "32", "--device", "cpu"]) == 0    # sampled from the model
     engine = make_engine(out, chunk=40)
     ids = prompts()[2][:64]
@@ -69,8 +69,8 @@ def test_cli_quantize_loads_and_generates(name, method, model_dirs, tmp_path):
     assert len(result.outputs[0].token_ids) == 4
 
 
-def test_calibration_input_errors(model_dirs):
-    model = load_source(model_dirs("qwen3")).model
+def test_calibration_input_errors(arch_models):
+    model = load_source(arch_models("qwen3")).model
     with pytest.raises(ValueError, match="token id 4096 is outside the model's vocabulary of 4096"):
         model.embed(torch.tensor([[1, 4096]]), "cpu")
     with pytest.raises(ValueError, match="windows of 1025 tokens exceed the model's 1024 positions"):

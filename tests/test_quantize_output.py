@@ -19,12 +19,10 @@ from quant_serve.quant import quantize as quantize_mod
 from quant_serve.quant.output import MARKER, OWNER
 from quant_serve.server.cli.main import main as cli
 
-from conftest import TINY
 
-
-def linked_copy(path):
+def linked_copy(model, path):
     path.mkdir(parents=True)
-    for f in TINY.iterdir():
+    for f in model.iterdir():
         (path / f.name).symlink_to(f)
     return path
 
@@ -41,9 +39,9 @@ def one_error_line(capsys) -> str:
     return lines[0]
 
 
-def test_overwrite_replaces_only_our_checkpoints(tmp_path, capsys):
+def test_overwrite_replaces_only_our_checkpoints(tmp_path, capsys, random_model):
     lab = tmp_path / "lab"
-    src = linked_copy(lab / "fp16")
+    src = linked_copy(random_model, lab / "fp16")
     (lab / "other_model").mkdir()
     (lab / "other_model" / "weights.bin").write_bytes(b"w")
     (lab / "README").write_text("notes")
@@ -74,9 +72,10 @@ def test_overwrite_replaces_only_our_checkpoints(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["int4", "lab"]
 
 
-def test_debris_of_killed_runs_is_cleaned(tmp_path):
+def test_debris_of_killed_runs_is_cleaned(tmp_path, trained_model):
     out = tmp_path / "int4"
-    run = subprocess.Popen([sys.executable, "-m", "quant_serve.server.cli.main", "quantize", str(TINY), str(out),
+    # the 27M-parameter model: its run lasts long enough to be killed half-way
+    run = subprocess.Popen([sys.executable, "-m", "quant_serve.server.cli.main", "quantize", str(trained_model), str(out),
                             "--method", "rtn", "--device", "cpu"], stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
@@ -96,16 +95,16 @@ def test_debris_of_killed_runs_is_cleaned(tmp_path):
     other.mkdir()
     (other / OWNER).write_text(killed[0].joinpath(OWNER).read_text())
 
-    assert rtn(TINY, out) == 0
+    assert rtn(trained_model, out) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([".int4.partial-foreign", ".int4.partial-live",
                                                                  ".other.partial-x", "int4"])
 
 
 @pytest.mark.parametrize("umask,dirs,files", [(0o022, 0o755, 0o644), (0o027, 0o750, 0o640)])
-def test_files_get_the_umask_modes(tmp_path, umask, dirs, files):
+def test_files_get_the_umask_modes(tmp_path, umask, dirs, files, random_model):
     old = os.umask(umask)
     try:
-        assert rtn(TINY, tmp_path / "int4") == 0               # was 0700 / 0600, and 0444 for copied files
+        assert rtn(random_model, tmp_path / "int4") == 0       # was 0700 / 0600, and 0444 for copied files
     finally:
         os.umask(old)
     out = tmp_path / "int4"
@@ -132,13 +131,13 @@ def _fail_mkdtemp(prefix=None, dir=None):
     ("ro/out", (output_mod.tempfile, "mkdtemp", _fail_mkdtemp), "read-only file system"),
     ("/sys/x", None, "choose a directory you can write"),
 ], ids=["enospc-weights", "enospc-copy", "read-only", "sys"])
-def test_unwritable_targets_end_in_one_line(tmp_path, monkeypatch, capsys, target, patch, expected):
+def test_unwritable_targets_end_in_one_line(tmp_path, monkeypatch, capsys, target, patch, expected, random_model):
     if target.startswith("/sys") and not os.path.isdir("/sys/kernel"):
         pytest.skip("needs Linux sysfs")
     if patch is not None:
         monkeypatch.setattr(*patch)
     out = tmp_path / target if not target.startswith("/") else target
-    assert rtn(TINY, out) == 2
+    assert rtn(random_model, out) == 2
     line = one_error_line(capsys)
     assert f"cannot write the quantized checkpoint {out}" in line and expected in line, line
     if not target.startswith("/"):

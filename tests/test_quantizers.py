@@ -1,7 +1,6 @@
 """Quantizers end to end on a small random Llama (MHA, untied head, outlier channels): every format written by our
 quantizers reads back bit-exactly, act-order checkpoints run the same through the permuted and the g_idx path,
 interrupted runs leave nothing behind, AWQ and GPTQ never lose to RTN; plus calibration input and the CLI."""
-import importlib.util
 import json
 import math
 
@@ -9,7 +8,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from helpers import make_engine
+from helpers import bench_script, make_engine
+from quant_serve.engine.load.demo import DEMO_MODEL_DIR
 from quant_serve.kernels.matmul.reference import unpack_int4_cols, unpack_int4_rows
 from quant_serve.quant import quantize as quantize_mod
 from quant_serve.engine.models.dense_calib import dense_logits
@@ -20,12 +20,7 @@ from quant_serve.quant.rtn import dequantize_codes
 from quant_serve.server.cli.main import main as cli
 from quant_serve.server.cli.quantize import load_source
 
-from conftest import REPO, TINY
-
-_spec = importlib.util.spec_from_file_location("quant_quality", REPO / "bench" / "quant_quality.py")
-quant_quality = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(quant_quality)
-dense_weights = quant_quality.dense_weights            # any checkpoint -> fp32 weights, through our readers
+dense_weights = bench_script("quant_quality").dense_weights      # any checkpoint -> fp32 weights, through our readers
 
 H, I, LAYERS, HEADS, VOCAB, GS = 256, 512, 2, 4, 512, 64
 OUTLIERS = [3, 77, 200]
@@ -119,7 +114,7 @@ def test_rtn_codes_are_the_formula(source, tmp_path):
 
 def test_act_order_permuted_path_equals_g_idx_indexing(source, llama_dir, tmp_path):
     out = quantize(source, tmp_path / "ao", method="gptq", sym=False, gptq=GPTQSettings(act_order=True))
-    engine = make_engine(out, tokenizer=str(TINY), num_blocks=64)
+    engine = make_engine(out, tokenizer=str(DEMO_MODEL_DIR), num_blocks=64)
     assert engine.model.model.layers[0].mlp.down_proj.perm is not None      # the kernel path gathers x[:, perm]
     ids = tokens(7, 1, 96)[0]
     permuted = engine.score(ids.tolist())                                      # [96, V]
@@ -210,7 +205,8 @@ def test_quantized_lm_head_writes_loads_and_scores(fmt, sym, source, tmp_path):
     res = sink["lm_head"]
     head = dequantize_codes(res.q, res.scales.half().float(), res.zeros, GS, None)
     assert torch.equal(weights["lm_head.weight"], head)
-    quant_engine, dense_engine = (make_engine(d, tokenizer=str(TINY), num_blocks=64) for d in (with_head, without))
+    quant_engine, dense_engine = (make_engine(d, tokenizer=str(DEMO_MODEL_DIR), num_blocks=64)
+                                  for d in (with_head, without))
     assert isinstance(quant_engine.model.lm_head, QuantLinear)
     assert isinstance(dense_engine.model.lm_head, DenseLinear)
     ids = tokens(5, n=1, length=48)[0].tolist()
@@ -271,9 +267,9 @@ def test_calibration_files(tmp_path):
         calib_tokens(["ab"], lambda s: [1, 2], 4, 512)
 
 
-def test_cli_quantize_then_generate(tmp_path, capsys):
+def test_cli_quantize_then_generate(tmp_path, capsys, random_model):
     out = tmp_path / "tiny-rtn"
-    assert cli(["quantize", str(TINY), str(out), "--method", "rtn", "--device", "cpu"]) == 0
+    assert cli(["quantize", str(random_model), str(out), "--method", "rtn", "--device", "cpu"]) == 0
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"] == {"quant_method": "awq", "bits": 4, "group_size": 128,
                                              "zero_point": True, "version": "gemm", "modules_to_not_convert": None}
@@ -282,5 +278,6 @@ def test_cli_quantize_then_generate(tmp_path, capsys):
     capsys.readouterr()
     assert cli(["generate", "--model", str(out), "--prompt", "The Python", "--max-tokens", "4"]) == 0
     assert capsys.readouterr().out.strip()
-    assert cli(["quantize", str(TINY), str(tmp_path / "y"), "--method", "gptq", "--asym", "--format", "gptq"]) == 2
+    assert cli(["quantize", str(random_model), str(tmp_path / "y"), "--method", "gptq", "--asym",
+                "--format", "gptq"]) == 2
     assert "gptq_v2" in capsys.readouterr().err and not (tmp_path / "y").exists()

@@ -4,33 +4,23 @@ Calibration is 32 documents of 256 tokens sampled from the FP16 model itself (`q
 --samples-from`), never val.txt; 16 eval windows of 512 keep this fast. The full targets.md protocol (32,768 tokens)
 is bench/quant_quality.py, whose figures are in bench/results/quant-quality-tiny-qwen2.json. Also: the plain-torch
 forward the quantizers and the bench use matches the engine, and the bundled demo model (our AWQ) beats RTN too.
+The quality comparisons need tiny-qwen2's own FP16 weights (../shared): the demo model's are on an INT4 grid already.
 """
-import importlib.util
-
 import pytest
 import torch
 
 from quant_serve.engine.load.demo import DEMO_MODEL_DIR
-from helpers import make_engine
-from quant_serve.quant.awq import AWQSettings
+from helpers import bench_script, make_engine
+from quant_serve.engine.load.loader import load_model_config
 from quant_serve.engine.models.dense_calib import dense_logits
+from quant_serve.quant.awq import AWQSettings
 from quant_serve.quant.calib import calib_tokens
 from quant_serve.quant.gptq import GPTQSettings
 from quant_serve.quant.quantize import QuantizeConfig, quantize_model
 from quant_serve.server.cli.calib import model_samples
 from quant_serve.server.cli.quantize import load_source
 
-from conftest import REPO, TINY
-
-
-def _bench(name):
-    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-quant_quality = _bench("quant_quality")
+quant_quality = bench_script("quant_quality")
 WINDOWS = 16
 CONFIGS = {
     "rtn": QuantizeConfig(method="rtn", sym=False),
@@ -39,20 +29,20 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(scope="session")
-def source():
-    return load_source(TINY)
+@pytest.fixture(scope="module")
+def source(tiny_trained):
+    return load_source(tiny_trained)
 
 
-@pytest.fixture(scope="session")
-def quality(source, tmp_path_factory):
+@pytest.fixture(scope="module")
+def quality(source, tmp_path_factory, tiny_trained, val_txt):
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(str(TINY))
-    docs = model_samples(str(TINY), 32, 256, device="cpu")
+    tok = AutoTokenizer.from_pretrained(str(tiny_trained))
+    docs = model_samples(str(tiny_trained), 32, 256, device="cpu")
     calib = calib_tokens(docs, lambda t: tok.encode(t, add_special_tokens=False), 32, 256,
                          [tok.convert_tokens_to_ids("<|endoftext|>")])
-    windows = quant_quality.val_windows(TINY, WINDOWS * 512)
-    ref = quant_quality.reference_logprobs(source.model.config, quant_quality.dense_weights(TINY), windows)
+    windows = torch.tensor(tok.encode(val_txt.read_text(), add_special_tokens=False)[:WINDOWS * 512]).view(-1, 512)
+    ref = quant_quality.reference_logprobs(source.model.config, quant_quality.dense_weights(tiny_trained), windows)
     out = {}
     for name, cfg in CONFIGS.items():
         path = quantize_model(source, calib, cfg, tmp_path_factory.mktemp("q") / name, show_progress=False)
@@ -81,8 +71,8 @@ def test_demo_model_is_our_awq_and_beats_rtn(quality):
     assert quality["demo"]["kld"] < quality["rtn"]["kld"], quality
 
 
-def test_plain_forward_matches_the_engine(source):
-    ids = quant_quality.val_windows(TINY, 512)[0, :160]
-    ours = dense_logits(source.model.config, quant_quality.dense_weights(TINY), ids[None])[0]
-    engine = make_engine(TINY, num_blocks=32, chunk=64, max_model_len=512).score(ids.tolist())
-    torch.testing.assert_close(ours, engine, rtol=1e-3, atol=1e-3)
+def test_plain_forward_matches_the_engine(trained_model, heldout_text):
+    engine = make_engine(trained_model, num_blocks=32, chunk=64, max_model_len=512)
+    ids = torch.tensor(engine.tokenizer.encode(heldout_text)[:160])
+    ours = dense_logits(load_model_config(trained_model)[0], quant_quality.dense_weights(trained_model), ids[None])[0]
+    torch.testing.assert_close(ours, engine.score(ids.tolist()), rtol=1e-3, atol=1e-3)

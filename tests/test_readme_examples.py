@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from quant_serve.server.cli.main import main as cli
-from test_server_common import REPO, running_server
+from conftest import REPO
+from server_common import running_server
 
 README = (REPO / "README.md").read_text()
 

@@ -9,18 +9,18 @@ from fastapi.testclient import TestClient
 
 import quant_serve.server.cli.main
 import quant_serve.server.cli.engine_args
-from conftest import TINY, TINY_AWQ
 from helpers import assert_all_blocks_free, make_engine
+from quant_serve.engine.load.demo import DEMO_MODEL_DIR
 from quant_serve.server.app import build_app
 from quant_serve.server.cli.serve import startup_report
-from test_server_common import assert_error_shape, running_server, wait_until
+from server_common import assert_error_shape, running_server, wait_until
 
 LONG = {"prompt": "Once upon a time", "max_tokens": 240, "ignore_eos": True, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def queue_server(tmp_path_factory):
-    args = [str(TINY), "--num-gpu-blocks-override", "64", "--max-model-len", "256", "--max-num-seqs", "1",
+def queue_server(tmp_path_factory, trained_model):
+    args = [str(trained_model), "--num-gpu-blocks-override", "64", "--max-model-len", "256", "--max-num-seqs", "1",
             "--max-queued-requests", "2", "--dtype", "float32"]
     with running_server(args, tmp_path_factory.mktemp("queue") / "server.log") as s:
         yield s
@@ -52,8 +52,8 @@ def test_full_waiting_queue_is_503_with_retry_after(queue_server):
 
 
 @pytest.fixture(scope="module")
-def engine(one_torch_thread):
-    return make_engine(TINY, num_blocks=64, max_model_len=256, max_num_seqs=8)
+def engine(one_torch_thread, trained_model):
+    return make_engine(trained_model, num_blocks=64, max_model_len=256, max_num_seqs=8)
 
 
 def _completion(client, prompt: str, max_tokens: int, **kw):
@@ -158,7 +158,7 @@ def test_serve_without_a_model_fails_clearly(monkeypatch, capsys):
 
 
 def test_startup_report_names_the_quantization(one_torch_thread):
-    engine = make_engine(TINY_AWQ, num_blocks=64, max_model_len=256, dtype="auto")
+    engine = make_engine(DEMO_MODEL_DIR, num_blocks=64, max_model_len=256, dtype="auto")      # our AWQ g128
     loaded, memory, kv = startup_report(engine)
     assert "awq" in loaded and "4-bit" in loaded and "group 128" in loaded
     assert "weights" in memory and "KV cache 8.0 MiB" in memory

@@ -9,9 +9,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import quant_serve.server.cli.main as cli
-from conftest import SHARED, TINY
-from test_server_common import (KEY, assert_error_shape, chat_messages, client, post, shared_server,  # noqa: F401
-                                wait_until)
+from conftest import QWEN_7B
+from server_common import KEY, assert_error_shape, chat_messages, post, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +117,7 @@ def test_plan_takes_gpu_memory_gb_like_every_command():
 
 
 def test_plan_memory_defaults_to_24_gib_or_the_cards(capsys):
-    qwen = str(SHARED / "configs" / "qwen2.5-7b-instruct")
+    qwen = str(QWEN_7B)
     for extra, gib in (([], 24), (["--gpu", "a100"], 80), (["--gpu", "a10", "--gpu-memory-gb", "20"], 20)):
         cli.main(["plan", qwen, "--kv-cache-dtype", "fp8", "--max-model-len", "4096", "--json", *extra])
         plan = json.loads(capsys.readouterr().out)
@@ -126,8 +125,8 @@ def test_plan_memory_defaults_to_24_gib_or_the_cards(capsys):
         assert ("projection" in plan) == bool(extra)
 
 
-def test_bench_offline_prints_a_summary_and_json(capsys, one_torch_thread):
-    code = cli.main(["--log-level", "warning", "bench", "offline", "--model", str(TINY), "--device", "cpu",
+def test_bench_offline_prints_a_summary_and_json(capsys, one_torch_thread, random_model):
+    code = cli.main(["--log-level", "warning", "bench", "offline", "--model", str(random_model), "--device", "cpu",
                      "--dtype", "float32", "--num-gpu-blocks-override", "64", "--max-model-len", "128",
                      "--num-prompts", "2", "--input-len", "8", "--output-len", "4"])
     out, err = capsys.readouterr()

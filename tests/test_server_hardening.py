@@ -12,9 +12,8 @@ import httpx
 import pytest
 
 import quant_serve.server.cli.main as cli
-from conftest import TINY
 from quant_serve.server.cli.serve import resolve_api_key
-from test_server_common import KEY, assert_error_shape, chat_messages, post, running_server, shared_server  # noqa
+from server_common import KEY, assert_error_shape, chat_messages, post, running_server
 
 HARD_KEY = "sk-from-the-environment"
 IM_START, IM_END = 1, 2          # tiny-qwen2's <|im_start|> and <|im_end|>
@@ -27,10 +26,10 @@ def server(shared_server):
 
 
 @pytest.fixture(scope="module")
-def hard(tmp_path_factory):
+def hard(tmp_path_factory, trained_model):
     """Client templates allowed, small limits and short timeouts, the key from the environment. Its last test sends
     it SIGTERM."""
-    args = [str(TINY), "--num-gpu-blocks-override", "128", "--max-model-len", "512", "--dtype", "float32",
+    args = [str(trained_model), "--num-gpu-blocks-override", "128", "--max-model-len", "512", "--dtype", "float32",
             "--served-model-name", "tiny", "--allow-client-chat-template", "--chat-template-timeout", "1",
             "--max-request-bytes", "65536", "--body-read-timeout", "1", "--header-read-timeout", "1",
             "--shutdown-timeout", "1"]
@@ -143,7 +142,7 @@ def test_unpaired_surrogates_are_400_and_the_connection_lives(server, path, body
 
 
 def test_tokenizing_a_large_prompt_does_not_block_the_event_loop(server):
-    prompt = " ".join(["alpha", "lantern", "river", "stone"] * 75_000)         # 1.9 MB: seconds to tokenize
+    prompt = " ".join(["alpha", "lantern", "river", "stone"] * 75_000)         # 1.9 MB: about a second to tokenize
     result = {}
     worker = threading.Thread(target=lambda: result.update(r=post(server, "/tokenize", {"prompt": prompt})))
     started = time.monotonic()
@@ -156,7 +155,8 @@ def test_tokenizing_a_large_prompt_does_not_block_the_event_loop(server):
         time.sleep(0.02)
     took = time.monotonic() - started
     assert result["r"].status_code == 200 and result["r"].json()["count"] > 400_000
-    assert took > 1.0 and slowest < 0.3, (took, slowest)
+    # a blocked loop answers /health only after the tokenizer: its slowest ping would be about the whole request
+    assert slowest < min(0.3, took / 2), (took, slowest)
 
 
 def test_request_body_limit_is_413(hard, server):
@@ -225,17 +225,17 @@ def test_api_key_sources(tmp_path):
         resolve_api_key(args(api_key="a", api_key_file=str(tmp_path / "key")), {})
 
 
-def test_a_model_without_tokenizer_files_fails_at_start(tmp_path, capsys, one_torch_thread):
+def test_a_model_without_tokenizer_files_fails_at_start(tmp_path, capsys, one_torch_thread, random_model):
     model = tmp_path / "no-tokenizer"
     model.mkdir()
-    for f in TINY.iterdir():
+    for f in random_model.iterdir():
         if f.suffix == ".safetensors" or f.name in ("config.json", "model.safetensors.index.json"):
             (model / f.name).symlink_to(f)
     assert cli.main(["serve", str(model), "--port", "1"]) == 2
     err = capsys.readouterr().err
     assert "no usable tokenizer" in err and str(model) in err and "--tokenizer" in err
     from helpers import make_engine
-    engine = make_engine(model, num_blocks=16, max_model_len=64, tokenizer=str(TINY))    # --tokenizer DIR works
+    engine = make_engine(model, num_blocks=16, max_model_len=64, tokenizer=str(random_model))    # --tokenizer DIR works
     assert engine.tokenizer.encode("hello world")
 
 

@@ -8,9 +8,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from conftest import TINY
-from test_server_common import (KEY, assert_error_shape, chat_messages, client, post,  # noqa: F401 (fixtures)
-                                shared_server, wait_until)
+from server_common import KEY, assert_error_shape, chat_messages, post, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -19,8 +17,8 @@ def server(shared_server):
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(TINY)
+def tokenizer(trained_model):
+    return AutoTokenizer.from_pretrained(trained_model)
 
 
 def test_api_key(server):

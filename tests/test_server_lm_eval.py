@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import DATA, TINY
 from quant_serve.engine.sampling_params import SamplingParams
+from quant_serve.eval.tasks import load_task
 from helpers import make_engine
-from test_server_common import running_server
+from server_common import running_server
 
 TASKS = Path(__file__).parent / "lm_eval_tasks"
 NUM_MC_DOCS, NUM_GEN_DOCS, MAX_MODEL_LEN = 40, 8, 512
@@ -22,15 +22,17 @@ def lm_eval():
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    args = [str(TINY), "--num-gpu-blocks-override", "256", "--max-model-len", str(MAX_MODEL_LEN),
+def server(tmp_path_factory, trained_model):
+    args = [str(trained_model), "--num-gpu-blocks-override", "256", "--max-model-len", str(MAX_MODEL_LEN),
             "--dtype", "float32", "--served-model-name", "tiny"]
     with running_server(args, tmp_path_factory.mktemp("lm_eval") / "server.log") as s:
         yield s
 
 
 def write_docs(directory: Path) -> tuple[list[dict], list[dict]]:
-    rows = [json.loads(line) for line in (DATA / "val_definitions.jsonl").read_text().splitlines() if line]
+    # held-out dictionary entries: the shipped definitions task's words and right answers
+    rows = [{"word": item["context"].rsplit(" (", 1)[0], "definition": item["choices"][item["answer"]].strip()}
+            for item in load_task("definitions").items]
     rng = random.Random(1234)
     picked = rng.sample(rows, NUM_MC_DOCS + NUM_GEN_DOCS)
     mc_docs = []
@@ -58,7 +60,8 @@ def offline_loglikelihood(engine, context: str, continuation: str) -> float:
     return logprobs[positions - 1, torch.tensor(whole)[positions]].sum().item()
 
 
-def test_lm_eval_local_completions_matches_the_engine(lm_eval, server, tmp_path, monkeypatch, one_torch_thread):
+def test_lm_eval_local_completions_matches_the_engine(lm_eval, server, tmp_path, monkeypatch, one_torch_thread,
+                                                     trained_model):
     monkeypatch.chdir(tmp_path)          # the task YAMLs name their data files relative to the working directory
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -74,7 +77,7 @@ def test_lm_eval_local_completions_matches_the_engine(lm_eval, server, tmp_path,
         model=lm, tasks=["qs_definitions", "qs_definitions_gen"], log_samples=True,
         task_manager=TaskManager(include_path=str(TASKS), include_defaults=False))
 
-    engine = make_engine(TINY, num_blocks=64, max_model_len=MAX_MODEL_LEN)
+    engine = make_engine(trained_model, num_blocks=64, max_model_len=MAX_MODEL_LEN)
     samples = sorted(results["samples"]["qs_definitions"], key=lambda s: s["doc_id"])
     assert len(samples) == NUM_MC_DOCS
     correct = 0

@@ -5,7 +5,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from test_server_common import chat_messages, client, post, shared_server  # noqa: F401 (fixtures)
+from server_common import chat_messages, post
 
 GREEDY = {"temperature": 0.0}
 LONG = {"ignore_eos": True}      # extra_body: keeps the token count fixed

@@ -5,7 +5,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from test_server_common import assert_error_shape, chat_messages, client, post, shared_server  # noqa: F401
+from server_common import assert_error_shape, chat_messages, post
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 

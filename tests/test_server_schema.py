@@ -3,8 +3,7 @@ no 5xx, every 4xx is an OpenAI error object (never FastAPI's 422), and invalid b
 import pytest
 import requests
 
-from conftest import TINY
-from test_server_common import running_server
+from server_common import running_server
 
 schemathesis = pytest.importorskip("schemathesis", reason="schemathesis is not installed (it is in the `test` extra)")
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
@@ -14,9 +13,9 @@ MAX_EXAMPLES = {GenerationMode.POSITIVE: 30, GenerationMode.NEGATIVE: 20}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    # A short context and few sequences keep the fuzzed generations cheap.
-    args = [str(TINY), "--num-gpu-blocks-override", "64", "--max-model-len", "48", "--max-num-seqs", "4",
+def server(tmp_path_factory, random_model):
+    # A short context, few sequences and a small random model keep the fuzzed generations cheap.
+    args = [str(random_model), "--num-gpu-blocks-override", "64", "--max-model-len", "48", "--max-num-seqs", "4",
             "--dtype", "float32"]
     with running_server(args, tmp_path_factory.mktemp("schema") / "server.log") as s:
         yield s

@@ -8,7 +8,7 @@ from typing import Literal
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from test_server_common import assert_error_shape, chat_messages, client, post, shared_server  # noqa: F401
+from server_common import assert_error_shape, chat_messages, post
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 from conftest import REPO
-from test_server_common import free_port
+from server_common import free_port
 
 
 def test_soak_script_short_run_passes(tmp_path):

@@ -8,8 +8,8 @@ from quant_serve.engine.sampling_params import SamplingParams
 from quant_serve.engine.spec.ngram import propose_ngram
 from quant_serve.engine.spec.verify import accept_greedy, accept_sampled
 
-from conftest import TINY
-from helpers import assert_all_blocks_free, make_engine
+from conftest import QWEN_7B
+from helpers import assert_all_blocks_free, bench_script, make_engine
 
 
 def test_propose_ngram_exact_cases():
@@ -65,8 +65,8 @@ def test_rejection_sampler_keeps_the_target_distribution(draft_kind):
 
 
 def _requests():
-    copy = ("Copy this exactly: the quick brown fox jumps over the lazy dog, then the quick brown fox jumps over the "
-            "lazy dog again. Copy: the quick brown fox")
+    # a line the trained model copies (the tiny model's Python documentation): prompt lookup proposes it
+    copy = "Copy this exactly: list.append(x): Add an item to the end of the list.\nCopy: list.append(x): Add an item"
     return [
         ("copy", copy, SamplingParams(max_tokens=20, temperature=0)),
         ("count", "1, 2, 3, 4, 5, 6, 7,", SamplingParams(max_tokens=7, temperature=0)),      # ends mid-run
@@ -91,12 +91,12 @@ def _run(engine) -> dict[str, tuple]:
 
 
 @pytest.fixture(scope="module")
-def plain_results():
-    return _run(make_engine(TINY, max_model_len=256))
+def plain_results(trained_model):
+    return _run(make_engine(trained_model, max_model_len=256))
 
 
-def test_ngram_speculation_is_exact_under_greedy(plain_results):
-    engine = make_engine(TINY, max_model_len=256, speculative=SpeculativeConfig(
+def test_ngram_speculation_is_exact_under_greedy(plain_results, trained_model):
+    engine = make_engine(trained_model, max_model_len=256, speculative=SpeculativeConfig(
         num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3, disable_by_batch_size=8))
     got = _run(engine)
     for rid in ("copy", "count", "stop", "penalty"):
@@ -110,18 +110,15 @@ def test_ngram_speculation_is_exact_under_greedy(plain_results):
 
 
 @pytest.fixture(scope="module")
-def two_layer_draft(tmp_path_factory):
-    """tiny-qwen2 cut to its first 2 layers: the same tokenizer, proposals that are often wrong (rollbacks)."""
-    import importlib.util
-    from conftest import REPO
-    spec = importlib.util.spec_from_file_location("spec_decode_bench", REPO / "bench" / "spec_decode.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench.truncated_model(TINY, 2, tmp_path_factory.mktemp("draft") / "tiny-2-layers")
+def two_layer_draft(tmp_path_factory, trained_model):
+    """The trained model cut to its first 2 layers: the same tokenizer, proposals that are often wrong
+    (rollbacks)."""
+    out = tmp_path_factory.mktemp("draft") / "tiny-2-layers"
+    return bench_script("spec_decode").truncated_model(trained_model, 2, out)
 
 
-def test_draft_model_speculation_is_exact_under_greedy(plain_results, two_layer_draft):
-    engine = make_engine(TINY, max_model_len=256, speculative=SpeculativeConfig(
+def test_draft_model_speculation_is_exact_under_greedy(plain_results, two_layer_draft, trained_model):
+    engine = make_engine(trained_model, max_model_len=256, speculative=SpeculativeConfig(
         method="draft_model", model=str(two_layer_draft), num_speculative_tokens=3, disable_by_batch_size=8))
     got = _run(engine)
     for rid in ("copy", "count", "stop", "penalty"):
@@ -133,15 +130,15 @@ def test_draft_model_speculation_is_exact_under_greedy(plain_results, two_layer_
     assert not draft.shadows and draft.block_manager.num_free_blocks == draft.block_manager.num_blocks
 
 
-def test_speculation_turns_off_above_the_batch_size():
-    engine = make_engine(TINY, max_model_len=256, speculative=SpeculativeConfig(
+def test_speculation_turns_off_above_the_batch_size(trained_model):
+    engine = make_engine(trained_model, max_model_len=256, speculative=SpeculativeConfig(
         num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3, disable_by_batch_size=2))
     outs = engine.generate(["1, 2, 3, 4, 5, 6, 7,"] * 3, SamplingParams(max_tokens=8, temperature=0))
     assert engine.spec_stats.num_drafts == 0 and all(len(o.outputs[0].token_ids) == 8 for o in outs)
     assert_all_blocks_free(engine)
 
 
-def test_draft_model_with_another_tokenizer_is_refused(tmp_path, two_layer_draft):
+def test_draft_model_with_another_tokenizer_is_refused(tmp_path, two_layer_draft, trained_model):
     import json
     import shutil
     other = tmp_path / "other"
@@ -152,13 +149,13 @@ def test_draft_model_with_another_tokenizer_is_refused(tmp_path, two_layer_draft
     vocab[first + "_changed"] = vocab.pop(first)
     (other / "tokenizer.json").write_text(json.dumps(tok))
     with pytest.raises(ValueError, match="different tokenizer"):
-        make_engine(TINY, max_model_len=256, speculative=SpeculativeConfig(
+        make_engine(trained_model, max_model_len=256, speculative=SpeculativeConfig(
             method="draft_model", model=str(other), num_speculative_tokens=2))
 
 
 def test_memory_plan_counts_the_draft_model(two_layer_draft):
     from quant_serve.engine.plan.memory import plan_memory
-    config = TINY.parent.parent / "configs" / "qwen2.5-7b-instruct"
+    config = QWEN_7B
     alone = plan_memory(config, gpu_mem_gb=24.0, max_model_len=4096)
     both = plan_memory(config, gpu_mem_gb=24.0, max_model_len=4096, draft_model=two_layer_draft)
     draft_kv_per_token = 2 * 2 * 2 * 64 * 2            # K and V, 2 layers, 2 KV heads, head_dim 64, fp16
@@ -169,14 +166,14 @@ def test_memory_plan_counts_the_draft_model(two_layer_draft):
     assert both.num_blocks == free // ((both.kv_bytes_per_token + draft_kv_per_token) * both.block_size)
 
 
-def test_stop_token_inside_an_accepted_run_ends_there(plain_results):
+def test_stop_token_inside_an_accepted_run_ends_there(plain_results, trained_model):
     """A stop token (handled like EOS) among the accepted tokens of a verification ends the sequence at it; the
     tokens verified after it vanish."""
     rid, prompt, params = _requests()[0]
     plain = plain_results[rid][0]
 
     def spec_run(stop_token_ids):
-        engine = make_engine(TINY, max_model_len=256, speculative=SpeculativeConfig(
+        engine = make_engine(trained_model, max_model_len=256, speculative=SpeculativeConfig(
             num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3))
         verified = []
         apply = engine.scheduler._apply_verified
@@ -198,12 +195,11 @@ def test_stop_token_inside_an_accepted_run_ends_there(plain_results):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_cuda_speculation_under_graphs(method, tmp_path_factory):
+def test_cuda_speculation_under_graphs(method, trained_model):
     """On the GPU (fp16, decode graphs for the target and the draft): greedy tokens agree with the plain engine up
     to fp16 near-ties (verification runs the prefill path, decode the graphs), the tiny model as its own draft is
     nearly always accepted, and every block of both pools comes back."""
-    from helpers import fp16_model_dir
-    model = fp16_model_dir(tmp_path_factory.getbasetemp())
+    model = trained_model
     spec = SpeculativeConfig(method=method, model=str(model) if method == "draft_model" else None,
                              num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3,
                              disable_by_batch_size=8)
@@ -224,8 +220,8 @@ def test_cuda_speculation_under_graphs(method, tmp_path_factory):
     assert_all_blocks_free(engine)
 
 
-def test_abort_while_speculating_frees_both_pools(two_layer_draft):
-    engine = make_engine(TINY, max_model_len=256, speculative=SpeculativeConfig(
+def test_abort_while_speculating_frees_both_pools(two_layer_draft, trained_model):
+    engine = make_engine(trained_model, max_model_len=256, speculative=SpeculativeConfig(
         method="draft_model", model=str(two_layer_draft), num_speculative_tokens=3))
     for rid, prompt, sp in _requests()[:2]:
         engine.add_request(rid, prompt, sp)
@@ -267,10 +263,10 @@ def test_backoff_after_verifications_that_accept_nothing():
     assert Backoff(after=0).allow(seq)
 
 
-def test_draft_catch_up_stays_within_the_step_budget(plain_results, two_layer_draft):
+def test_draft_catch_up_stays_within_the_step_budget(plain_results, two_layer_draft, trained_model):
     """A first proposal forwards the prompt through the draft in chunks of at most max_num_batched_tokens (its warmup
     and the memory plan size activations for that), not all prompts at once; the greedy tokens stay exact."""
-    engine = make_engine(TINY, max_model_len=256, chunk=16, speculative=SpeculativeConfig(
+    engine = make_engine(trained_model, max_model_len=256, chunk=16, speculative=SpeculativeConfig(
         method="draft_model", model=str(two_layer_draft), num_speculative_tokens=3, disable_by_batch_size=8))
     sizes = []
     forward = engine.proposer.runner.forward

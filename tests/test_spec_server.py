@@ -9,12 +9,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from quant_serve.engine.sampling_params import SamplingParams
 from quant_serve.server.cli.engine_args import ArgumentParser, add_engine_args, speculative_config_from_args
 
-from conftest import TINY
-from helpers import make_engine
-from test_server_common import running_server
+from helpers import bench_script, make_engine
+from server_common import running_server
 
-PROMPT = ("Copy this exactly: the quick brown fox jumps over the lazy dog, then the quick brown fox jumps over the "
-          "lazy dog again. Copy: the quick brown fox")
+PROMPT = "Copy this exactly: list.append(x): Add an item to the end of the list.\nCopy: list.append(x): Add an item"
 
 
 def test_speculative_flags_like_vllm():
@@ -39,24 +37,20 @@ def test_speculative_flags_like_vllm():
             raise AssertionError(f"accepted {bad}")
 
 
-def _draft(tmp_path):
-    import importlib.util
-    from conftest import REPO
-    spec = importlib.util.spec_from_file_location("spec_decode_bench", REPO / "bench" / "spec_decode.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench.truncated_model(TINY, 2, tmp_path / "tiny-2-layers")
+def _draft(tmp_path, trained_model):
+    return bench_script("spec_decode").truncated_model(trained_model, 2, tmp_path / "tiny-2-layers")
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_speculation_through_the_openai_api(method, tmp_path):
-    expected = make_engine(TINY, max_model_len=512).generate(PROMPT, SamplingParams(max_tokens=24, temperature=0))
+def test_speculation_through_the_openai_api(method, tmp_path, trained_model):
+    engine = make_engine(trained_model, max_model_len=512)
+    expected = engine.generate(PROMPT, SamplingParams(max_tokens=24, temperature=0))
     if method == "ngram":
         spec = ["--speculative-config", json.dumps(
             {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3})]
     else:
-        spec = ["--speculative-model", str(_draft(tmp_path)), "--num-speculative-tokens", "3"]
-    args = [str(TINY), "--num-gpu-blocks-override", "64", "--max-model-len", "512", "--dtype", "float32",
+        spec = ["--speculative-model", str(_draft(tmp_path, trained_model)), "--num-speculative-tokens", "3"]
+    args = [str(trained_model), "--num-gpu-blocks-override", "64", "--max-model-len", "512", "--dtype", "float32",
             "--served-model-name", "tiny", *spec]
     with running_server(args, tmp_path / "server.log") as server:
         r = httpx.post(server.url + "/v1/completions", timeout=120, json={

@@ -19,7 +19,7 @@ from quant_serve.engine.core.sequence import Sequence
 from quant_serve.engine.sample.structured import GrammarCompiler, StructuredOutputsParams, StructuredOutputsUnavailable
 from quant_serve.engine.sample.structured_mask import GrammarMasks, allowed_tokens, apply_bitmask
 
-from helpers import assert_all_blocks_free, fp16_model_dir, make_engine
+from helpers import assert_all_blocks_free, make_engine
 
 VOCAB = 8192          # the demo model's
 EOS = 2
@@ -168,8 +168,8 @@ def _run(engine) -> dict:
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_engine_requests_validate_with_n_stop_strings_prefix_caching_and_async_scheduling(tmp_path_factory, device):
-    model = fp16_model_dir(tmp_path_factory.mktemp("fp16"))
+def test_engine_requests_validate_with_n_stop_strings_prefix_caching_and_async_scheduling(trained_model, device):
+    model = trained_model
     # prefix caching is on; on CUDA the decode graphs run (the constrained rows' logits come out of them)
     ahead = make_engine(model, async_scheduling=True, max_model_len=256, device=device)
     results = _run(ahead)
@@ -188,8 +188,8 @@ def test_engine_requests_validate_with_n_stop_strings_prefix_caching_and_async_s
     assert _run(ahead) == results and ahead.block_manager.prefix_hits > hits
 
 
-def test_engine_refuses_a_constraint_that_cannot_compile(tmp_path_factory):
-    engine = make_engine(fp16_model_dir(tmp_path_factory.mktemp("fp16")), max_model_len=128)
+def test_engine_refuses_a_constraint_that_cannot_compile(trained_model):
+    engine = make_engine(trained_model, max_model_len=128)
     with pytest.raises(ValueError, match="cannot be compiled"):
         engine.add_request("bad", "hi", SamplingParams(structured_outputs={"json": {"type": "objekt"}}))
     assert not engine.has_unfinished_requests()
@@ -201,11 +201,11 @@ def test_without_the_grammar_library_the_error_names_it(tokenizer, monkeypatch):
         GrammarCompiler(tokenizer, VOCAB, (EOS,)).compile(StructuredOutputsParams(regex="a+"))
 
 
-def test_bench_offline_constrains_every_request(tmp_path_factory):
+def test_bench_offline_constrains_every_request(trained_model):
     import llguidance
 
     from quant_serve.server.cli.bench_offline import BENCH_JSON_SCHEMA, run_offline
-    engine = make_engine(fp16_model_dir(tmp_path_factory.mktemp("fp16")), max_model_len=128)
+    engine = make_engine(trained_model, max_model_len=128)
     constraint = StructuredOutputsParams(json=BENCH_JSON_SCHEMA)
     finished, step = [], engine.step
     engine.step = lambda: [o for o in step() if not o.finished or finished.append(o) or True]

@@ -13,7 +13,7 @@ from quant_serve.engine.sampling_params import SamplingParams
 from quant_serve.engine.sample.structured import GrammarCompiler, StructuredOutputsParams
 from quant_serve.engine.sample.structured_limits import StructuredLimits, has_finite_instance
 
-from test_server_common import KEY, running_server
+from server_common import KEY, running_server
 
 OPTIONAL_PROPERTIES = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(10_000)}}
 RECURSIVE_REQUIRED = {"type": "object", "properties": {"child": {"$ref": "#"}}, "required": ["child"]}

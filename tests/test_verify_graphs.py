@@ -19,8 +19,8 @@ from quant_serve.engine.spec.graphs import VerifyGraphs, VerifyInputs, VerifyRow
 from quant_serve.kernels.gpu import KernelOptions  # noqa: E402
 from quant_serve.kernels.interpret import patch_triton_interpreter  # noqa: E402
 
-from conftest import GPU_PROFILE, TINY  # noqa: E402
-from helpers import assert_all_blocks_free, make_engine  # noqa: E402
+from conftest import GPU_PROFILE  # noqa: E402
+from helpers import assert_all_blocks_free, bench_script, make_engine  # noqa: E402
 
 patch_triton_interpreter()
 
@@ -175,7 +175,7 @@ def _run(engine) -> dict:
 
 
 @pytest.mark.parametrize("as_rows", [False, True], ids=["prefill-kernel", "decode-rows"])
-def test_graph_inputs_give_the_eager_verification_tokens(as_rows):
+def test_graph_inputs_give_the_eager_verification_tokens(as_rows, trained_model):
     """Verification steps through the packed inputs (several buckets, entries with fewer proposals than k, plain
     decodes beside them, the padding sequence or padding rows) and the graph's all-row logits give the eager
     engine's tokens, random sampling included."""
@@ -183,7 +183,7 @@ def test_graph_inputs_give_the_eager_verification_tokens(as_rows):
                              disable_by_batch_size=4)
     results, stats = [], []
     for graphed in (False, True):
-        engine = make_engine(TINY, max_model_len=128, speculative=spec)
+        engine = make_engine(trained_model, max_model_len=128, speculative=spec)
         replays = _with_eager_verify_graphs(engine, 3, as_rows) if graphed else []
         paths, diffs = [], []
         real = engine.runner.step_path
@@ -209,13 +209,12 @@ def _gpu_engine(model, **kw):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("as_rows", [False, True], ids=["prefill-kernel", "decode-rows"])
-def test_cuda_verify_graph_logits_match_eager(as_rows, tmp_path_factory):
+def test_cuda_verify_graph_logits_match_eager(as_rows, trained_model):
     """One verification step (entries of 5, 3 and 1 tokens: bucket 4 with a padding sequence, or 9 rows in the row
     bucket of 16) through the captured graph and eagerly over the same cache: the same logits up to fp16 rounding (the matmuls see 20 rows, not 9),
     the same argmax wherever it is not a near-tie."""
-    from helpers import fp16_model_dir
     from quant_serve.engine.core.scheduler import SchedulerOutput
-    engine = _gpu_engine(fp16_model_dir(tmp_path_factory.getbasetemp()))
+    engine = _gpu_engine(trained_model)
     runner, bm = engine.runner, engine.block_manager
     # the kind the test names, whichever KernelOptions.verify_rows the engine took (rows of 1..20 tokens in the
     # decode graphs' pool, or batch buckets 1, 2, 4 of 5 tokens a sequence through the prefill kernel)
@@ -250,12 +249,11 @@ def test_cuda_verify_graph_logits_match_eager(as_rows, tmp_path_factory):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("as_rows", [False, True], ids=["prefill-kernel", "decode-rows"])
-def test_cuda_verify_graphs_match_eager_and_plain(as_rows, tmp_path_factory):
+def test_cuda_verify_graphs_match_eager_and_plain(as_rows, trained_model):
     """On the GPU (fp16), greedy: the engine with verify graphs, the same engine with verification forced eager,
     and no speculation agree up to fp16 near-ties (verification runs the prefill kernel over 5 rows a sequence,
     decode the decode graphs over one)."""
-    from helpers import fp16_model_dir
-    model = fp16_model_dir(tmp_path_factory.getbasetemp())
+    model = trained_model
     prompts = [prompt for _, prompt, _ in _requests()[:2]] + ["water " * 40]
     params = SamplingParams(max_tokens=32, temperature=0)
 
@@ -284,11 +282,7 @@ def test_cuda_verify_graphs_match_eager_and_plain(as_rows, tmp_path_factory):
 
 
 def test_bench_projection_prefers_the_graphed_verify_cost():
-    import importlib.util
-    from conftest import REPO
-    spec = importlib.util.spec_from_file_location("spec_decode_bench", REPO / "bench" / "spec_decode.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = bench_script("spec_decode")
     cost = {"decode_graph_ms": 1.6, "verify_1_over_decode": 1.9, "verify_2_over_decode": 2.0,
             "verify_4_over_decode": 2.2, "verify_graph_2_over_decode": 1.1, "verify_graph_4_over_decode": 1.2,
             "verify_graph_4_ms": 1.92}
@@ -298,25 +292,25 @@ def test_bench_projection_prefers_the_graphed_verify_cost():
     assert bench.interpolate(rows, 3) == pytest.approx(1.02)                 # the default verification graphs
 
 
-def test_memory_plan_counts_the_verify_logits():
+def test_memory_plan_counts_the_verify_logits(trained_model):
     import json
     from quant_serve.engine.config import EngineConfig, SchedulerConfig
     from quant_serve.engine.worker.kv_pool import verify_rows
     from quant_serve.engine.plan.memory import plan_memory
-    config = json.loads((TINY / "config.json").read_text())
+    config = json.loads((trained_model / "config.json").read_text())
     base, spec = plan_memory(config, max_model_len=256), plan_memory(config, max_model_len=256, verify_rows=20)
     assert spec.cuda_graph_bytes - base.cuda_graph_bytes == 20 * config["vocab_size"] * 4
     assert plan_memory(config, max_model_len=256, verify_rows=20, enforce_eager=True).cuda_graph_bytes == 0
-    engine = EngineConfig(model=str(TINY), scheduler=SchedulerConfig(max_num_seqs=3),
+    engine = EngineConfig(model=str(trained_model), scheduler=SchedulerConfig(max_num_seqs=3),
                           speculative=SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=8))
-    assert verify_rows(engine) == 3 * 5 and verify_rows(EngineConfig(model=str(TINY))) == 0
+    assert verify_rows(engine) == 3 * 5 and verify_rows(EngineConfig(model=str(trained_model))) == 0
 
 
-def test_dropped_proposals_are_no_backoff_miss():
+def test_dropped_proposals_are_no_backoff_miss(trained_model):
     """A step budget of one token: the scheduler drops every proposal (it never preempts for them), so none is
     verified and the back-off records none (before, each dropped proposal counted as a miss when the token decoded
     in its place differed)."""
-    engine = make_engine(TINY, chunk=1, max_model_len=128, speculative=SpeculativeConfig(
+    engine = make_engine(trained_model, chunk=1, max_model_len=128, speculative=SpeculativeConfig(
         num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3, backoff_after=1))
     engine.add_request("r", "1, 2, 3, 4, 5, 6, 7, 1, 2, 3,", SamplingParams(max_tokens=8, temperature=0))
     records, proposed = engine.proposer.backoff.records, 0

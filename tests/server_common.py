@@ -1,4 +1,5 @@
-"""Shared by the server tests (no tests here): run `quant-serve serve` as a real process on 127.0.0.1."""
+"""Shared by the server tests: run `quant-serve serve` as a real process on 127.0.0.1 (conftest.shared_server is
+the one most of them share)."""
 import contextlib
 import os
 import shutil
@@ -9,11 +10,9 @@ import time
 from pathlib import Path
 
 import httpx
-import openai
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import REPO, TINY
+from conftest import REPO
 
 KEY = "sk-test-key"
 
@@ -119,32 +118,6 @@ def assert_error_shape(response: httpx.Response, status: int, code: str | None =
         assert error["code"] == code, body
     return error
 
-
-
-_shared: list[ServerProcess] = []
-
-
-@pytest.fixture(scope="session")
-def shared_server(tmp_path_factory):
-    """The server that most server test modules share: API key (from a file), two names, 256 blocks. Each module
-    that imports this fixture gets its own fixture instance, so the process itself is cached here."""
-    if _shared:
-        yield _shared[0]
-        return
-    directory = tmp_path_factory.mktemp("server")
-    (directory / "api-key").write_text(KEY + "\n")
-    args = [str(TINY), "--num-gpu-blocks-override", "256", "--max-model-len", "512", "--max-num-seqs", "16",
-            "--dtype", "float32", "--served-model-name", "tiny", "tiny-alias", "--api-key-file",
-            str(directory / "api-key")]
-    with running_server(args, directory / "server.log") as server:
-        _shared.append(server)
-        yield server
-        _shared.clear()
-
-
-@pytest.fixture(scope="session")
-def client(shared_server):
-    return openai.OpenAI(base_url=shared_server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
 
 
 def post(server, path: str, body: dict, key: str | None = KEY, timeout: float = 120) -> httpx.Response:
