@@ -37,8 +37,8 @@ TINY_CT = SHARED / "models" / "tiny-qwen2-w4a16-ct"
 DATA = SHARED / "data"
 # The published configs (no weights) the package ships, with a typical INT4 quantization_config: memory and kernel
 # plans on them speak for the real deployments.
-QWEN_7B = REPO / "engine" / "configs" / "qwen2.5-7b-instruct"
-LLAMA_8B = REPO / "engine" / "configs" / "llama-3.1-8b-instruct"
+QWEN_7B = REPO / "engine" / "load" / "configs" / "qwen2.5-7b-instruct"
+LLAMA_8B = REPO / "engine" / "load" / "configs" / "llama-3.1-8b-instruct"
 HELDOUT = TESTS / "data" / "heldout.txt"
 
 

@@ -14,11 +14,12 @@ from quant_serve.engine.plan.card_params import FITTED
 from quant_serve.engine.plan.card_refit import fit_all
 from quant_serve.engine.plan.card_step import Kernel, decode_kernels, model_shape
 from quant_serve.engine.plan.memory import plan_memory
+from quant_serve.engine.load.loader import BUNDLED_CONFIGS
 from quant_serve.kernels.gpu import PROFILES, _caps, resolve_caps
 
 from conftest import REPO
 
-CONFIGS = REPO / "engine" / "configs"
+CONFIGS = BUNDLED_CONFIGS
 RESULTS = REPO / "bench" / "results"
 # dense FP16 tensor operations per SM-clock: GA102 / AD102 1,024 (FP16 accumulation), GA100 2,048, GH100 4,096
 PER_SM_CLOCK = {(8, 6): 1024, (8, 9): 1024, (8, 0): 2048, (9, 0): 4096}
