@@ -125,7 +125,7 @@ def test_gpu_planned_kquant_matches_gguf(k, n):
 def test_gpu_kquant_probe_passes_where_the_kernels_are_right():
     """The load-time probe (kernels/matmul/plan.py) must accept the fragment kernels with k-quant scales on sm80+:
     a probe that expects the wrong value sends every Q4_K layer to the row-layout kernels (8x slower on the H200)."""
-    from quant_serve.kernels.matmul.plan import _frag_offsets_work
+    from quant_serve.kernels.matmul.probes import _frag_offsets_work
     from quant_serve.kernels.matmul.probes import frag_offsets_work
     _frag_offsets_work.cache_clear()
     assert frag_offsets_work(torch.device(DEV), kquant=True)

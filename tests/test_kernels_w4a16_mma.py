@@ -416,7 +416,7 @@ def test_gluon_kernels_compile_for_sm90_without_spills():
 
 def test_layout_probe_failure_falls_back_to_rows_with_a_warning(caplog):
     """A Triton whose Gluon cannot build or run the kernel (here: no GPU at all) must cost speed, not the load."""
-    from quant_serve.kernels.matmul.plan import _mma_kernels_work
+    from quant_serve.kernels.matmul.probes import _mma_kernels_work
     if torch.cuda.is_available():
         assert _mma_kernels_work(torch.cuda.current_device())
         return
@@ -428,7 +428,7 @@ def test_layout_probe_failure_falls_back_to_rows_with_a_warning(caplog):
 def test_wgmma_probe_failure_falls_back_with_a_warning(caplog):
     """The wgmma variant serves only where its probe passes: an sm90 GPU (H100/H200); elsewhere mma.sync and the
     dequantize path serve, and a failed probe says so."""
-    from quant_serve.kernels.matmul.plan import _wgmma_works
+    from quant_serve.kernels.matmul.probes import _wgmma_works
     if torch.cuda.is_available():
         if torch.cuda.get_device_capability() == (9, 0):
             assert _wgmma_works(torch.cuda.current_device())

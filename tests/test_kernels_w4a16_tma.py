@@ -139,7 +139,7 @@ def test_plan_takes_the_tma_tile_where_the_caps_and_options_allow():
 def test_tma_probe_failure_falls_back_with_a_warning(caplog):
     """The TMA kernel serves only where its load probe passes (an sm90 GPU); a failed probe says what serves
     instead."""
-    from quant_serve.kernels.matmul.plan import _tma_works
+    from quant_serve.kernels.matmul.probes import _tma_works
     if torch.cuda.is_available():
         if torch.cuda.get_device_capability() == (9, 0):
             assert _tma_works(torch.cuda.current_device())
@@ -201,7 +201,7 @@ def test_gpu_tma_silu_mul_and_dispatch(monkeypatch):
     from quant_serve.kernels.norm_act import silu_and_mul
     from quant_serve.kernels.matmul.dispatch import w4a16_forward
     from quant_serve.kernels.matmul.frag.layout import prepare_frag
-    from quant_serve.kernels.matmul.plan import _tma_works
+    from quant_serve.kernels.matmul.probes import _tma_works
     from quant_serve.kernels.matmul.frag.tma import w4a16_tma
     assert _tma_works(torch.cuda.current_device())
     qweight, scales, qzeros, gs, _ = make_weights(1024, 512, 128, True, False, torch.float16)

@@ -18,7 +18,7 @@ from quant_serve.kernels.matmul.plan import plan_w4a16  # noqa: E402
 from quant_serve.kernels.matmul.int8.quant import frag_k_order, quantize_act, quantize_act_ref  # noqa: E402
 from quant_serve.kernels.matmul.reference_int8 import quantize_activations, w4a8_matmul_ref  # noqa: E402
 from quant_serve.kernels.matmul.int8.rules import W4A8_AUTO_M, W4A8Config, select_w4a8_config  # noqa: E402
-from tests.test_kernels_w4a16 import make_weights, rel_err  # noqa: E402
+from kernel_helpers import make_weights, rel_err  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 patch_triton_interpreter()
@@ -164,7 +164,7 @@ def test_gpu_dispatcher_runs_the_int8_plan_and_its_probe():
 def compile_cases() -> dict:
     """The W4A8 kernel's plan tiles compiled for sm86, sm89 and sm90 (run in a fresh process)."""
     import re
-    from tests.test_kernels_w4a16_mma import cubin_sass
+    from kernel_helpers import cubin_sass
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -195,7 +195,7 @@ def compile_cases() -> dict:
 
 
 def test_w4a8_kernel_compiles_to_integer_mmas_without_spills():
-    from tests.test_kernels_w4a16_mma import compiled_in_fresh_process
+    from kernel_helpers import compiled_in_fresh_process
     res = compiled_in_fresh_process("tests.test_kernels_w4a8", "compile_cases")
     for name, r in res.items():
         # 128 x 128 tiles, 8 warps: 64 m16n8k32 a warp and step, three steps unrolled; int32 -> fp32 by adding bits
