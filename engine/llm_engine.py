@@ -26,6 +26,7 @@ from quant_serve.engine.startup import log_engine, start_kernels
 from quant_serve.engine.structured import GrammarCompiler
 from quant_serve.engine.structured_mask import GrammarMasks
 from quant_serve.kernels.gpu import configure
+from quant_serve.quant.activations import check_activation_device, plan_activations
 
 logger = logging.getLogger("quant_serve")
 
@@ -44,6 +45,7 @@ class LLMEngine:
         self.max_model_len = resolve_max_model_len(self.model_config, config.max_model_len)
         config.scheduler.max_model_len = self.max_model_len
         torch.manual_seed(config.seed)
+        check_activation_device(config.kernels, self.device)
         if self.device != "cpu":            # before any weight is prepared: the layouts follow the runtime's caps
             configure(torch.device(self.device), config.kernels)
         start = time.perf_counter()
@@ -52,6 +54,7 @@ class LLMEngine:
                                                    config.load_format, config.quantization, show_progress,
                                                    config.seed, config.quantize_lm_head)
         logger.info("weights loaded and prepared in %.1f s", time.perf_counter() - start)
+        self.activations = plan_activations(self.model, config.kernels, self.device)
         num_blocks, self.memory_plan = kv_pool.num_gpu_blocks(config, self.model_config, self.model_dir,
                                                               self.device, self.dtype, self.max_model_len)
         num_cpu_blocks = kv_pool.num_cpu_blocks(config, self.model_config, self.dtype)

@@ -50,6 +50,7 @@ def log_engine(engine, num_blocks: int, num_cpu_blocks: int) -> None:
     logger.info("model %s: %s, %s on %s; %s", engine.model_dir, engine.model_config.architecture,
                 str(engine.dtype).replace("torch.", ""), engine.device,
                 engine.quant_config.describe() if engine.quant_config else "unquantized")
+    logger.info(engine.activations.describe())
     logger.info("KV cache: %d blocks = %d tokens, max concurrency %.1f at max_model_len %d",
                 num_blocks, num_blocks * block_size, num_blocks * block_size / engine.max_model_len,
                 engine.max_model_len)

@@ -64,7 +64,7 @@ def run_offline_cmd(args) -> int:
     engine = LLMEngine(engine_config_from_args(args))
     result = {"metadata": _metadata(args), "model": engine.config.model,
               "quantization": engine.quant_config.describe() if engine.quant_config else "none",
-              "kv_cache_dtype": engine.config.cache.kv_cache_dtype,
+              "kv_cache_dtype": engine.config.cache.kv_cache_dtype, "activations": engine.activations.to_json(),
               "kv_cache_tokens": engine.block_manager.num_blocks * engine.config.cache.block_size}
     structured = None
     if args.structured_outputs == "json-schema":
