@@ -103,7 +103,10 @@ def measure(name: str, model: Path, work: Path, max_tokens: int) -> dict:
                         max_tokens)
     by_path = {c["activations"]["resolved"]: c for c in vs_fp16["candidates"]}
     own = {c["activations"]["resolved"]: c for c in vs_w4a16["candidates"]}
+    layers = by_path["int8/group"]["activations"]["layers"]
     row = {"format": vs_fp16["candidates"][0]["format"], "fp16_perplexity": vs_fp16["reference"]["perplexity"],
+           "weight_formats": sorted({f for layer in layers for f in layer["format"].split(" + ")}),
+           "num_tokens": vs_fp16["protocol"]["num_scored_tokens"],
            "vs_fp16": {key: metrics(by_path[path]) for key, path in PATHS.items()},
            "vs_w4a16": {key: metrics(own[path]) for key, path in PATHS.items() if key != "w4a16"}}
     row["gate"] = {key: m["ppl_change_pct"] <= GATE_PPL_PCT and m["kld"] <= GATE_KLD
