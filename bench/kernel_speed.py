@@ -45,7 +45,7 @@ from quant_serve.kernels.paged_attention import DecodeConfig, paged_decode  # no
 from quant_serve.kernels.gpu import PROFILE_NAMES, KernelOptions, configure, runtime_for  # noqa: E402
 from quant_serve.kernels.pdl import pdl_enabled  # noqa: E402
 from quant_serve.kernels.w4a16.dispatch import prepare_kernel_weights, w4a16_forward  # noqa: E402
-from quant_serve.kernels.w4a16.frag import FragWeights, prepare_frag  # noqa: E402
+from quant_serve.kernels.w4a16.frag import FragWeights  # noqa: E402
 from quant_serve.kernels.w4a16.frag_tiles import frag_dequantize  # noqa: E402
 from quant_serve.kernels.w4a16.plan import plan_w4a16, probed_runtime  # noqa: E402
 from quant_serve.kernels.w4a16.reference import dequantize_w4  # noqa: E402
@@ -216,27 +216,6 @@ def rotated(w, k, n):
     return [w] + [clone(w) for _ in range(copies(nbytes(0, k, n)) - 1)]
 
 
-def frag_layer(k, n):
-    """The experiments' layer [K, N]: (exact dequantized W [K, N] fp32, rotated fragment-layout copies, rotated
-    FP16 weights of the same shape for cuBLAS, the raw (qweight, scales, qzeros))."""
-    raw = random_int4(k, n)
-    dense = [torch.randn(k, n, dtype=torch.float16, device=DEV) * 0.02 for _ in range(copies(k * n * 2))]
-    return dequantize_w4(*raw, GS, torch.float32), rotated(prepare_frag(*raw, GS), k, n), dense, raw
-
-
-def checked_us(fn, fws, ref, cfg: dict) -> dict:
-    """One candidate of an experiment sweep: fn(weights, **cfg) checked against ref [M, N] fp32 on the first weight
-    copy, graph-timed over all copies where it is right -> {"config", "rel_err", "us"} or {"config", "error"}."""
-    try:
-        y = fn(fws[0], **cfg)
-        entry = {"config": cfg, "rel_err": ((y.float() - ref).norm() / ref.norm()).item()}
-        if entry["rel_err"] < 2e-3:
-            entry["us"] = graph_us([lambda f=f: fn(f, **cfg) for f in fws])
-    except Exception as e:                        # a config that does not compile or launch
-        entry = {"config": cfg, "error": repr(e)[:400]}
-    return entry
-
-
 def bench_linear(name, k, n, awq, tune, deadline, log):
     qweight, scales, qzeros = random_int4(k, n)
     ws = rotated(prepare_kernel_weights(qweight, scales, qzeros, GS), k, n)   # what the engine loads
@@ -399,7 +378,7 @@ def summarize_decode(decode) -> dict:
 
 def bench_gguf_formats(formats: list[str], shapes: dict, result: dict, sms: int, out: str, log) -> None:
     """--weights: each GGUF format's planned kernel against FP16 cuBLAS on SHAPES x MS, saved after each format."""
-    from quant_serve.bench.gguf_kernel_speed import FORMATS, bench_format, summarize
+    from gguf_kernel_speed import FORMATS, bench_format, summarize   # a sibling script (bench/ is on sys.path)
     unknown = [f for f in formats if f not in FORMATS]
     if unknown:
         raise SystemExit(f"unknown --weights {unknown}: choose from awq, {', '.join(FORMATS)}")

@@ -60,10 +60,6 @@ class BlockManager:
     def usage(self) -> float:
         return 1.0 - self.gpu.num_free / self.num_blocks if self.num_blocks else 0.0
 
-    @property
-    def cpu_usage(self) -> float:
-        return 1.0 - self.cpu.num_free / self.num_cpu_blocks if self.cpu else 0.0
-
     # ---- the prefix cache and the GPU pool ---------------------------------------------------------------
     def get_computed_blocks(self, seq: Sequence) -> list[int | CpuHit]:
         """The longest cached prefix of full blocks: GPU block ids, or CpuHit where only the CPU tier holds one."""

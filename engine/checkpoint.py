@@ -20,6 +20,10 @@ _CONFIG_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", 
                 "head_dim", "max_position_embeddings")
 _HF_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
              "num_kv_heads": "num_key_value_heads"}
+# the config.json sizes the engine divides by or sizes tensors with; the optional ones may be null
+HF_SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "max_position_embeddings")
+_OPTIONAL_SIZES = ("num_key_value_heads", "head_dim")
 
 
 def read_json_object(path: Path) -> dict:
@@ -50,15 +54,21 @@ def check_raw_config(raw: dict, config_file: Path) -> None:
     archs = raw.get("architectures")
     if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
         raise ValueError(f"{config_file}: architectures must be a list of names, found {_short(archs)}")
+    for key in HF_SIZE_FIELDS:          # before transformers, whose errors for these span many lines
+        if key in raw and not (raw[key] is None and key in _OPTIONAL_SIZES):
+            check_size(key, raw[key], config_file)
+
+
+def check_size(name: str, value, config_file: Path) -> None:
+    """A count or size (heads, layers, hidden size, vocabulary...) must be a positive integer."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{config_file}: {name} must be a positive integer, got {_short(value)}")
 
 
 def check_model_config(cfg, config_file: Path, head_dim_given: bool) -> None:
     """Values no decoder can have (a ModelConfig built from config_file)."""
     for field in _CONFIG_INTS:
-        value = getattr(cfg, field)
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{config_file}: {_HF_NAMES.get(field, field)} must be a positive integer, got "
-                             f"{value!r}")
+        check_size(_HF_NAMES.get(field, field), getattr(cfg, field), config_file)
     if cfg.num_heads % cfg.num_kv_heads:
         raise ValueError(f"{config_file}: num_attention_heads {cfg.num_heads} is not a multiple of "
                          f"num_key_value_heads {cfg.num_kv_heads}")

@@ -6,7 +6,8 @@ import numpy as np
 
 
 def metadata(reader) -> dict:
-    """GGUFReader fields -> {key: value}, the tokenizer's arrays left out."""
+    """The fields of a GGUFFile (engine/gguf_file.py) or GGUFReader -> {key: value}, the tokenizer's arrays left
+    out."""
     out = {}
     for key, field in reader.fields.items():
         if key.startswith("tokenizer.ggml.") and key not in ("tokenizer.ggml.model", "tokenizer.ggml.pre"):

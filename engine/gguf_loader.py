@@ -1,7 +1,7 @@
 """GGUF checkpoints (llama.cpp, Ollama, LM Studio): a .gguf file, a directory holding one, or split files
-`NAME-00001-of-0000N.gguf`. Tensors are read with the `gguf` package's GGUFReader (memory-mapped) and converted
-to the internal layouts without re-quantizing (quant/formats/gguf_types.py); config, tokenizer and chat template
-come from the GGUF metadata through transformers' GGUF support."""
+`NAME-00001-of-0000N.gguf`. The file is read with engine/gguf_file.py (tensors memory-mapped) and its tensors
+converted to the internal layouts without re-quantizing (quant/formats/gguf_types.py); config, tokenizer and chat
+template come from the GGUF metadata through transformers' GGUF support (engine/gguf_cache.py keeps them)."""
 import functools
 import logging
 import re
@@ -11,7 +11,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from quant_serve.engine.checkpoint import check_size
 from quant_serve.engine.config import ModelConfig
+from quant_serve.engine.gguf_cache import DEFAULT_ROOT, cached
 
 logger = logging.getLogger("quant_serve")
 
@@ -25,7 +27,7 @@ _SPLIT = re.compile(r"^(?P<stem>.+)-(?P<part>\d{5})-of-(?P<total>\d{5})\.gguf$")
 class GGUFCheckpoint:
     files: list[Path]
     arch: str                                   # GGUF general.architecture
-    tensors: dict                               # GGUF tensor name -> gguf.ReaderTensor
+    tensors: dict                               # GGUF tensor name -> gguf.ReaderTensor (engine/gguf_file.py)
     metadata: dict                              # GGUF key -> value (engine/gguf_hparams.py; no vocabulary)
     end_of_generation: list[int] = field(default_factory=list)   # stop ids beside eos (end_of_generation_ids)
 
@@ -74,23 +76,20 @@ def _split_set(folder: Path, stem: str, total: int) -> list[Path]:
 
 
 def open_gguf(files: list[Path]) -> GGUFCheckpoint:
-    """The checkpoint of `files`; read once per file version (GGUFReader parses every metadata field, the
-    vocabulary included: ~1 s for a 150k-token one) although config, tokenizer and weights each ask for it."""
+    """The checkpoint of `files`; read once per file version although config, tokenizer and weights each ask for
+    it."""
     key = tuple((str(Path(f).resolve()), Path(f).stat().st_mtime_ns, Path(f).stat().st_size) for f in files)
     return _open_gguf(key)
 
 
 @functools.lru_cache(maxsize=2)
 def _open_gguf(key: tuple) -> GGUFCheckpoint:
-    from gguf import GGUFReader
-    files = [Path(path) for path, _, _ in key]
+    from quant_serve.engine.gguf_file import read_gguf
     from quant_serve.engine.gguf_hparams import end_of_generation_ids, metadata
+    files = [Path(path) for path, _, _ in key]
     tensors, arch, meta, stops = {}, None, {}, None
     for file in files:
-        try:
-            reader = GGUFReader(str(file))
-        except Exception as e:             # the reader raises ValueError / struct errors for a damaged file
-            raise ValueError(f"cannot read {file} as GGUF: {type(e).__name__}: {e}") from e
+        reader = read_gguf(file)                          # ValueError naming what is damaged
         meta = meta or metadata(reader)                   # split parts after the first hold no hyper-parameters
         stops = end_of_generation_ids(reader) if stops is None else stops
         arch = arch or meta.get("general.architecture")
@@ -106,15 +105,23 @@ def _open_gguf(key: tuple) -> GGUFCheckpoint:
     return GGUFCheckpoint(list(files), arch, tensors, meta, stops)
 
 
-def gguf_hf_config(ckpt: GGUFCheckpoint):
-    """transformers' config of the GGUF, completed from the metadata it does not map (engine/gguf_hparams.py)."""
+def gguf_hf_config(ckpt: GGUFCheckpoint, cache_root: Path = DEFAULT_ROOT):
+    """transformers' config of the GGUF (cached: engine/gguf_cache.py), completed from the metadata it does not
+    map (engine/gguf_hparams.py)."""
     from transformers import AutoConfig
 
     from quant_serve.engine.gguf_hparams import apply_gguf_hparams
-    try:
-        hf = AutoConfig.from_pretrained(str(ckpt.first.parent), gguf_file=ckpt.first.name)
-    except Exception as e:
-        raise ValueError(f"cannot read the config of {ckpt.first} with transformers: {type(e).__name__}: {e}") from e
+
+    def build():
+        try:
+            return AutoConfig.from_pretrained(str(ckpt.first.parent), gguf_file=ckpt.first.name)
+        except Exception as e:
+            raise ValueError(f"cannot read the config of {ckpt.first} with transformers: {type(e).__name__}: "
+                             f"{e}") from e
+    hf = cached(ckpt.first, "config", build, lambda hf, d: hf.save_pretrained(d),
+                lambda d: AutoConfig.from_pretrained(str(d)), cache_root)
+    for field, key in (("hidden_size", "embedding_length"), ("num_attention_heads", "attention.head_count")):
+        check_size(f"{ckpt.arch}.{key}", getattr(hf, field, None), ckpt.first)   # apply_gguf_hparams divides
     apply_gguf_hparams(hf, ckpt.arch, ckpt.metadata, ckpt.tensors)
     return hf
 
@@ -130,13 +137,18 @@ def gguf_model_config(ckpt: GGUFCheckpoint) -> ModelConfig:
                    quantization_config={"quant_method": "gguf", "types": ckpt.type_mix()})
 
 
-def gguf_tokenizer(ckpt: GGUFCheckpoint):
+def gguf_tokenizer(ckpt: GGUFCheckpoint, cache_root: Path = DEFAULT_ROOT):
+    """The tokenizer of the GGUF's vocabulary (cached: engine/gguf_cache.py)."""
     from transformers import AutoTokenizer
-    try:
-        return AutoTokenizer.from_pretrained(str(ckpt.first.parent), gguf_file=ckpt.first.name)
-    except Exception as e:
-        raise ValueError(f"cannot build a tokenizer from {ckpt.first}: {type(e).__name__}: {e} (pass --tokenizer "
-                         "DIR with the original model's tokenizer files)") from e
+
+    def build():
+        try:
+            return AutoTokenizer.from_pretrained(str(ckpt.first.parent), gguf_file=ckpt.first.name)
+        except Exception as e:
+            raise ValueError(f"cannot build a tokenizer from {ckpt.first}: {type(e).__name__}: {e} (pass "
+                             "--tokenizer DIR with the original model's tokenizer files)") from e
+    return cached(ckpt.first, "tokenizer", build, lambda tok, d: tok.save_pretrained(d),
+                  lambda d: AutoTokenizer.from_pretrained(str(d)), cache_root)
 
 
 def _name_map(ckpt: GGUFCheckpoint, num_layers: int):

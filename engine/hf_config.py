@@ -4,7 +4,7 @@ from pathlib import Path
 
 import torch
 
-from quant_serve.engine.checkpoint import check_model_config, read_json_object
+from quant_serve.engine.checkpoint import check_model_config, check_size, read_json_object
 from quant_serve.engine.config import ModelConfig
 
 DTYPES = {"float16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
@@ -17,6 +17,12 @@ def model_config_from_hf(hf, arch: str, raw: dict, config_file: Path, model_dir:
     local_rope = rope.get("sliding_attention")          # Gemma 3: one rope per layer type
     rope = dict(rope.get("full_attention", rope))
     theta, scaling = _rope(rope, getattr(hf, "rope_theta", 10000.0), getattr(hf, "rope_scaling", None))
+    # a GGUF's metadata reaches here unchecked; 0 must not fall back to a default (`or`) or divide below
+    for name in ("hidden_size", "num_attention_heads"):
+        check_size(name, getattr(hf, name, None), config_file)
+    for name in ("num_key_value_heads", "head_dim"):
+        if getattr(hf, name, None) is not None:
+            check_size(name, getattr(hf, name), config_file)
     num_heads = hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
     partial = rope.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", None)) or 1.0

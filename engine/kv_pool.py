@@ -1,10 +1,14 @@
 """How many KV blocks the engine allocates: on the GPU (an exact count, the memory plan on CUDA, or a fixed pool
 size) and in the CPU tier."""
+import logging
+
 import torch
 
 from quant_serve.engine.config import EngineConfig, ModelConfig
 from quant_serve.engine.loader import resolve_model_dir
 from quant_serve.engine.memory import MemoryPlan, kv_dtype_bytes, plan_memory
+
+logger = logging.getLogger("quant_serve")
 
 
 def _bytes_per_block(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> int:
@@ -37,9 +41,11 @@ def _draft_bytes_per_block(config: EngineConfig, dtype: torch.dtype) -> int:
 
 
 def num_gpu_blocks(config: EngineConfig, model_config: ModelConfig, model_dir, device: str, dtype: torch.dtype,
-                   max_model_len: int) -> tuple[int, MemoryPlan | None]:
-    """(blocks, the memory plan when one was made). Exact count when given; on CUDA the memory plan (same function
-    as `quant-serve plan`); else a pool of kv_cache_memory_gb (1 GiB by default)."""
+                   max_model_len: int) -> tuple[int, MemoryPlan | None, int]:
+    """(blocks, the memory plan when one was made, max_model_len). Exact count when given; on CUDA the memory plan
+    (same function as `quant-serve plan`); else a pool of kv_cache_memory_gb (1 GiB by default). On the CPU path a
+    max_model_len the user did not ask for (the model's full context) is lowered to what the pool holds, as vLLM
+    does when --max-model-len is not given; an explicit one that does not fit stays an error."""
     cache = config.cache
     plan = None
     if cache.num_gpu_blocks is not None:
@@ -51,11 +57,16 @@ def num_gpu_blocks(config: EngineConfig, model_config: ModelConfig, model_dir, d
         num_blocks = int((cache.kv_cache_memory_gb or 1.0) * 2**30) // (
             _bytes_per_block(config, model_config, dtype) + _draft_bytes_per_block(config, dtype))
     fit = num_blocks * cache.block_size
+    if fit < max_model_len and device == "cpu" and config.max_model_len is None and fit > 0:
+        logger.warning("max_model_len lowered from the model's %d to %d tokens, all that the KV cache (%d blocks) "
+                       "holds; give it more memory (--kv-cache-memory-gb) for a longer context", max_model_len, fit,
+                       num_blocks)
+        return num_blocks, plan, fit
     if fit < max_model_len:
         raise ValueError(f"KV cache holds {fit} tokens ({num_blocks} blocks), fewer than one sequence at "
                          f"max_model_len {max_model_len}; lower --max-model-len to at most {fit} or "
                          "give the cache more memory")
-    return num_blocks, plan
+    return num_blocks, plan, max_model_len
 
 
 def num_cpu_blocks(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> int:

@@ -21,8 +21,9 @@ from quant_serve.engine.sampling_params import SamplingParams
 from quant_serve.engine.requests import check_request, encode_prompt
 from quant_serve.engine.scheduler import Scheduler, SchedulerOutput
 from quant_serve.engine.sequence import Sequence
+from quant_serve.engine.spec.proposer import DraftTarget, make_proposer
 from quant_serve.engine.spec.runtime import Speculation
-from quant_serve.engine.startup import log_engine, start_kernels
+from quant_serve.engine.startup import device_name, start_kernels
 from quant_serve.engine.structured import GrammarCompiler
 from quant_serve.engine.structured_mask import GrammarMasks
 from quant_serve.kernels.gpu import configure
@@ -49,14 +50,15 @@ class LLMEngine:
         if self.device != "cpu":            # before any weight is prepared: the layouts follow the runtime's caps
             configure(torch.device(self.device), config.kernels)
         start = time.perf_counter()
-        logger.info("config, tokenizer and GPU ready in %.1f s", start - begin)
+        logger.info("config, tokenizer and device (%s) ready in %.1f s", device_name(self.device), start - begin)
         self.model, self.quant_config = load_model(self.model_dir, self.model_config, self.dtype, self.device,
                                                    config.load_format, config.quantization, show_progress,
                                                    config.seed, config.quantize_lm_head)
         logger.info("weights loaded and prepared in %.1f s", time.perf_counter() - start)
         self.activations = plan_activations(self.model, config.kernels, self.device)
-        num_blocks, self.memory_plan = kv_pool.num_gpu_blocks(config, self.model_config, self.model_dir,
-                                                              self.device, self.dtype, self.max_model_len)
+        num_blocks, self.memory_plan, self.max_model_len = kv_pool.num_gpu_blocks(
+            config, self.model_config, self.model_dir, self.device, self.dtype, self.max_model_len)
+        config.scheduler.max_model_len = self.max_model_len
         num_cpu_blocks = kv_pool.num_cpu_blocks(config, self.model_config, self.dtype)
         self.runner = ModelRunner(self.model, self.model_config, config.cache, num_blocks, self.device, self.dtype,
                                   config.seed, num_cpu_blocks)
@@ -64,7 +66,7 @@ class LLMEngine:
             config.cache.kv_scale_source, self.runner.kv_dtype, self.model_dir,
             getattr(self.model, "checkpoint_kv_scales", {}), self.model_config.num_layers))
         if self.device != "cpu":                # the CPU path runs the torch twins: nothing to compile
-            start_kernels(self, config, show_progress)
+            start_kernels(self.runner, self.model, config, self.max_model_len, show_progress)
         # structured outputs: grammars compile against the tokenizer (lazily, on the first constrained request) and
         # the sampler masks the constrained rows of each step
         self.grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
@@ -78,8 +80,9 @@ class LLMEngine:
         self._pending: list[tuple[Sequence, int]] = []   # tokens of the last step, not yet detokenized
         self._inflight: tuple[SchedulerOutput, LaunchedStep] | None = None   # launched, not yet resolved
         self.stats = EngineStats()
-        self.speculation = Speculation(config.speculative, self)
-        log_engine(self, num_blocks, num_cpu_blocks)
+        self.speculation = Speculation(config.speculative, self.scheduler, self.runner,
+                                       make_proposer(config.speculative, self.draft_target()))
+        self._log_ready(num_blocks, num_cpu_blocks)
 
     # ---- requests ----------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
@@ -132,54 +135,69 @@ class LLMEngine:
         scheduling the step stays in flight when the call returns: the next call schedules and launches the
         following step on the in-flight one's pending tokens (their values gathered on the device) before waiting
         for it, so the host's bookkeeping between two steps no longer leaves the GPU idle."""
-        prev = self._inflight
-        self._inflight = None
-        if self.speculation.active(self):
-            outputs = self._emit_pending()     # stop strings end their sequences before any proposal
-            if prev is not None:        # proposals need the last tokens on the host: resolve the step in flight
-                self.scheduler.advance(prev[0])
-                self._apply(*prev)
-                return outputs
-            if self.speculation.propose_and_verify(self):
-                return outputs
-            prev, mode = None, "none"        # nothing to verify: an ordinary step
+        prev, self._inflight = self._inflight, None
+        if self.speculation.active():
+            return self._speculative_step(prev)
+        if prev is None:
+            launched = self._schedule_and_launch(None)
+            outputs = self._emit_pending()
         else:
-            mode = self._look_ahead_mode(prev[0]) if prev is not None else "none"
-            outputs = []
-        # _emit_pending always runs before the next _apply: a stop string it finds ends the sequence before any
-        # later token of it is applied.
-        if mode == "launch":
+            launched, outputs = self._step_behind(prev)
+        self._keep_in_flight(launched)
+        return outputs
+
+    def _speculative_step(self, prev) -> list[RequestOutput]:
+        """A step while speculation is on: proposals need the last tokens on the host, so a step in flight is
+        resolved first; then a verification step, or an ordinary one where nothing was proposed."""
+        outputs = self._emit_pending()         # stop strings end their sequences before any proposal
+        if prev is not None:
             self.scheduler.advance(prev[0])
+            self._apply(*prev)
+            return outputs
+        if self.speculation.propose_and_verify(self.schedule_step, self.accept_tokens):
+            return outputs
+        launched = self._schedule_and_launch(None)
+        outputs += self._emit_pending()
+        self._keep_in_flight(launched)
+        return outputs
+
+    def _step_behind(self, prev) -> tuple:
+        """The next step, launched as far as it may go before prev's tokens reach the host (_look_ahead_mode).
+        _emit_pending always runs before the next _apply: a stop string it finds ends the sequence before any later
+        token of it is applied. -> (the launched step or None, outputs)."""
+        mode = self._look_ahead_mode(prev[0])
+        if mode == "sync":
+            outputs = self._emit_pending()
+            self.scheduler.advance(prev[0])
+            self._apply(*prev)
+            return self._schedule_and_launch(None), outputs
+        self.scheduler.advance(prev[0])
+        if mode == "launch":
             launched = self._schedule_and_launch(prev[1].carry(prev[0]))
             outputs = self._emit_pending()
             self._apply(*prev)
-        elif mode == "forward":    # the forward goes ahead; its sampling waits for prev's tokens on the host
-            self.scheduler.advance(prev[0])
-            forwarded = self._schedule_and_launch(prev[1].carry(prev[0]), sample=False)
-            outputs = self._emit_pending()
-            self._apply(*prev)
-            launched = None if forwarded is None else (forwarded[0], self.runner.sample(forwarded[1]))
-        elif mode == "sync":
-            outputs = self._emit_pending()
-            self.scheduler.advance(prev[0])
-            self._apply(*prev)
-            launched = self._schedule_and_launch(None)
-        else:
-            launched = self._schedule_and_launch(None)
-            outputs += self._emit_pending()
-        if launched is not None:
-            if self.config.async_scheduling:
-                self._inflight = launched      # resolved by the next call, after it launched the following step
-            else:
-                self.scheduler.advance(launched[0])
-                self._apply(*launched)
-        return outputs
+            return launched, outputs
+        # "forward": the forward goes ahead; its sampling waits for prev's tokens on the host
+        forwarded = self._schedule_and_launch(prev[1].carry(prev[0]), sample=False)
+        outputs = self._emit_pending()
+        self._apply(*prev)
+        return (None if forwarded is None else (forwarded[0], self.runner.sample(forwarded[1]))), outputs
 
-    def _schedule(self) -> SchedulerOutput | None:
+    def _keep_in_flight(self, launched) -> None:
+        """With async scheduling a launched step is resolved by the next call; without, now."""
+        if launched is None:
+            return
+        if self.config.async_scheduling:
+            self._inflight = launched
+        else:
+            self.scheduler.advance(launched[0])
+            self._apply(*launched)
+
+    def schedule_step(self) -> SchedulerOutput | None:
         """The next step's SchedulerOutput; None (its transfers done) when it schedules no sequence."""
         out = self.scheduler.schedule()
         self.stats.num_preemptions_total += len(out.preempted)
-        self._count_transfers(out)
+        self.count_transfers(out)
         if not out.scheduled:
             self.runner.apply_transfers(out)   # a step that only swapped out must still move the blocks
             return None
@@ -193,18 +211,22 @@ class LLMEngine:
     def _schedule_and_launch(self, carry: Carry | None, sample: bool = True) -> \
             tuple[SchedulerOutput, LaunchedStep | ForwardStep] | None:
         """Schedules the next step and queues it on the device: forward and sampling, or the forward alone."""
-        out = self._schedule()
+        out = self.schedule_step()
         if out is None:
             return None
         return out, (self.runner.launch(out, carry) if sample else self.runner.launch_forward(out, carry))
 
     def _apply(self, out: SchedulerOutput, launched: LaunchedStep) -> None:
         """Waits for an advanced step and applies its tokens; their text is made by the next _emit_pending."""
-        sampled, logprobs = launched.resolve()
+        self.accept_tokens(out, *launched.resolve())
+
+    def accept_tokens(self, out: SchedulerOutput, tokens: list, logprobs: list) -> None:
+        """An advanced step's tokens (a list per entry for a verification step) and logprobs, applied to its
+        sequences; their text is made by the next step's _emit_pending."""
         for item, lp in zip(out.scheduled, logprobs):
             if lp is not None and item.advanced and not item.seq.is_finished:
                 item.seq.output_logprobs.append(lp)
-        self._pending += self.scheduler.apply_tokens(out, sampled)
+        self._pending += self.scheduler.apply_tokens(out, tokens)
 
     def _look_ahead_mode(self, out: SchedulerOutput) -> str:
         """How far the step after `out` goes before `out`'s tokens reach the host: "launch" (forward and sampling),
@@ -262,7 +284,8 @@ class LLMEngine:
             touched[request.request_id] = request
         return [self._make_output(r, deltas, now) for r in touched.values()]
 
-    def _count_transfers(self, out: SchedulerOutput) -> None:
+    def count_transfers(self, out: SchedulerOutput) -> None:
+        """A step's KV block moves between the tiers, in the engine's statistics."""
         stats = self.stats
         stats.swapped_out_blocks_total += len(out.blocks_to_swap_out)
         stats.swapped_in_blocks_total += len(out.blocks_to_swap_in)
@@ -279,6 +302,24 @@ class LLMEngine:
                 self._seq_owner.pop(seq.request_id, None)
             self.stats.requests_finished_total += 1
         return output
+
+    def draft_target(self) -> DraftTarget:
+        """What a draft model must match and share: the target's tokenizer, limits, dtype, device and pool size."""
+        return DraftTarget(self.tokenizer, self.max_model_len, self.config, self.dtype, self.device,
+                           self.runner.num_blocks)
+
+    def _log_ready(self, num_blocks: int, num_cpu_blocks: int) -> None:
+        """The engine's model, KV cache and CPU tier, once it is ready."""
+        block_size = self.config.cache.block_size
+        logger.info("model %s: %s, %s on %s; %s", self.model_dir, self.model_config.architecture,
+                    str(self.dtype).replace("torch.", ""), self.device,
+                    self.quant_config.describe() if self.quant_config else "unquantized")
+        logger.info(self.activations.describe())
+        logger.info("KV cache: %d blocks = %d tokens, max concurrency %.1f at max_model_len %d",
+                    num_blocks, num_blocks * block_size, num_blocks * block_size / self.max_model_len,
+                    self.max_model_len)
+        if num_cpu_blocks:
+            logger.info("KV CPU tier: %d blocks = %d tokens", num_cpu_blocks, num_cpu_blocks * block_size)
 
     # ---- offline -----------------------------------------------------------------------------------------
     def generate(self, prompts: list[str | list[int]] | str, params: SamplingParams | list[SamplingParams] | None

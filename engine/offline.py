@@ -49,7 +49,7 @@ def score(engine, token_ids: list[int]) -> torch.Tensor:
             swap_in, swap_out = engine.block_manager.take_swaps()      # prefix blocks evicted to the CPU tier
             out = SchedulerOutput([ScheduledSeq(seq, n)], n, [], engine.block_manager.take_copies(), swap_in,
                                   swap_out)
-            engine._count_transfers(out)
+            engine.count_transfers(out)
             pieces.append(engine.runner.compute_all_logits(out).cpu())
             seq.num_computed_tokens += n
     finally:

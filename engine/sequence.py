@@ -68,10 +68,5 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
-    @property
-    def in_prefill(self) -> bool:
-        """True while prompt tokens (or tokens to recompute after preemption) remain uncomputed."""
-        return self.num_computed_tokens < self.num_tokens - 1 or self.num_output_tokens == 0
-
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

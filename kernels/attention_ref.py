@@ -37,14 +37,6 @@ def store_kv_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, 
     v_flat[slots] = quantize_to_cache(value[valid], v_cache.dtype, v_scale)
 
 
-def gather_kv(cache: torch.Tensor, block_table: list[int], length: int) -> torch.Tensor:
-    """The first `length` cached tokens of one sequence: [length, Hkv, D] in the cache dtype."""
-    block_size = cache.shape[1]
-    num_blocks = (length + block_size - 1) // block_size
-    blocks = cache[torch.tensor(block_table[:num_blocks], dtype=torch.long, device=cache.device)]
-    return blocks.reshape(num_blocks * block_size, *cache.shape[2:])[:length]
-
-
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                         softmax_scale: float, k_scale=1.0, v_scale=1.0, window: int = 0,

@@ -33,6 +33,12 @@ class GPUCaps:
     pdl: bool                      # programmatic dependent launch (sm90+)
     fp8_cvt: bool                  # hardware fp8 <-> fp16 conversion (cvt.*.e4m3x2: sm89+)
     profile: str = "this"          # the named profile these caps came from, or "this" (the device itself)
+    # The card model's rates (engine/card_model.py), datasheet dense (non-sparse) figures; 0 = unknown / none.
+    boost_mhz: int = 0             # boost clock
+    fp16_f32acc_tflops: float = 0.0    # FP16 tensor cores, FP32 accumulation (our kernels, cuBLAS)
+    fp16_tflops: float = 0.0       # FP16 tensor cores, FP16 accumulation
+    int8_tops: float = 0.0         # INT8 tensor cores (int32 accumulation)
+    fp8_tflops: float = 0.0        # FP8 tensor cores, FP32 accumulation (0: the card has none)
 
     @property
     def family(self) -> str:
@@ -44,30 +50,50 @@ class GPUCaps:
         return self.arch >= (8, 0)
 
 
-def _caps(name, arch, sms, smem_kb, l2_mb, gbs, gib, profile) -> GPUCaps:
+def _caps(name, arch, sms, smem_kb, l2_mb, gbs, gib, profile, rates: tuple = (0, 0.0, 0.0, 0.0, 0.0)) -> GPUCaps:
+    """rates: (boost MHz, FP16 TFLOPS with FP32 accumulation, FP16 TFLOPS with FP16 accumulation, INT8 TOPS,
+    FP8 TFLOPS), as in GPUCaps."""
     hopper = arch >= (9, 0)
+    mhz, f16_f32, f16, i8, f8 = rates
     return GPUCaps(name, arch, sms, smem_kb * KB, l2_mb * KB * KB, gbs, gib, tma=hopper, wgmma=arch == (9, 0),
-                   pdl=hopper, fp8_cvt=arch >= (8, 9), profile=profile)
+                   pdl=hopper, fp8_cvt=arch >= (8, 9), profile=profile, boost_mhz=mhz, fp16_f32acc_tflops=f16_f32,
+                   fp16_tflops=f16, int8_tops=i8, fp8_tflops=f8)
 
 
 # Datasheet figures of the cards our users own (and the ones we measure on). smem: the per-block opt-in maximum
-# (sm86 / sm89: 99 KB, sm80: 163 KB, sm90: 227 KB).
+# (sm86 / sm89: 99 KB, sm80: 163 KB, sm90: 227 KB). rates (the card model's): boost MHz, then dense tensor rates
+# FP16 with FP32 accumulation, FP16 with FP16 accumulation, INT8, FP8 (0: none). GeForce cards run FP16 with FP32
+# accumulation at half the FP16-accumulate rate; the data-centre cards run both at full rate. Each rate is
+# SMs x boost x the architecture's dense ops per SM-clock (1,024 FP16 on sm86 / sm89, 2,048 on sm80; H100 / H200's
+# 989 TFLOPS is 4,096 at 1,830 MHz, below the 1,980 MHz boost).
+#   A10: NVIDIA A10 datasheet (FP16 tensor 125 TF, INT8 250 TOPS dense; 600 GB/s); 72 SMs, 1,695 MHz.
+#   RTX 3090: NVIDIA Ampere GA102 whitepaper, table "GeForce RTX 3090" (FP16 tensor 142 TF FP16 acc. / 71 TF FP32
+#     acc., INT8 284 TOPS dense; 936 GB/s; 82 SMs, 1,695 MHz).
+#   RTX 4090: NVIDIA Ada Lovelace (AD102) whitepaper, table "GeForce RTX 4090" (FP16 tensor 330.3 / 165.2 TF, FP8
+#     330.3 TF FP32 acc., INT8 660.6 TOPS dense; 1,008 GB/s; 128 SMs, 2,520 MHz).
+#   L4: NVIDIA L4 datasheet (FP16 242 / FP8 485 / INT8 485 with sparsity: 121 / 242.5 / 242.5 dense; 300 GB/s);
+#     58 SMs, 2,040 MHz.
+#   A100 SXM4 80GB: NVIDIA A100 datasheet (FP16 312 TF, INT8 624 TOPS dense; 2,039 GB/s); 108 SMs, 1,410 MHz.
+#   H100 SXM5 / H200: NVIDIA H100 and H200 datasheets (FP16 989 TF, FP8 and INT8 1,979 dense; 3.35 / 4.8 TB/s);
+#     132 SMs, 1,980 MHz.
 PROFILES: dict[str, GPUCaps] = {
-    "a10": _caps("NVIDIA A10", (8, 6), 72, 99, 6, 600, 24, "a10"),
-    "3090": _caps("NVIDIA GeForce RTX 3090", (8, 6), 82, 99, 6, 936, 24, "3090"),
-    "4090": _caps("NVIDIA GeForce RTX 4090", (8, 9), 128, 99, 72, 1008, 24, "4090"),
-    "l4": _caps("NVIDIA L4", (8, 9), 58, 99, 48, 300, 24, "l4"),
-    "a100": _caps("NVIDIA A100-SXM4-80GB", (8, 0), 108, 163, 40, 2039, 80, "a100"),
-    "h100": _caps("NVIDIA H100 80GB HBM3", (9, 0), 132, 227, 50, 3350, 80, "h100"),
-    "h200": _caps("NVIDIA H200", (9, 0), 132, 227, 60, 4800, 141, "h200"),
+    "a10": _caps("NVIDIA A10", (8, 6), 72, 99, 6, 600, 24, "a10", (1695, 125.0, 125.0, 250.0, 0.0)),
+    "3090": _caps("NVIDIA GeForce RTX 3090", (8, 6), 82, 99, 6, 936, 24, "3090", (1695, 71.0, 142.0, 284.0, 0.0)),
+    "4090": _caps("NVIDIA GeForce RTX 4090", (8, 9), 128, 99, 72, 1008, 24, "4090",
+                  (2520, 165.2, 330.3, 660.6, 330.3)),
+    "l4": _caps("NVIDIA L4", (8, 9), 58, 99, 48, 300, 24, "l4", (2040, 121.0, 121.0, 242.5, 242.5)),
+    "a100": _caps("NVIDIA A100-SXM4-80GB", (8, 0), 108, 163, 40, 2039, 80, "a100", (1410, 312.0, 312.0, 624.0, 0.0)),
+    "h100": _caps("NVIDIA H100 80GB HBM3", (9, 0), 132, 227, 50, 3350, 80, "h100",
+                  (1980, 989.4, 989.4, 1978.9, 1978.9)),
+    "h200": _caps("NVIDIA H200", (9, 0), 132, 227, 60, 4800, 141, "h200", (1980, 989.4, 989.4, 1978.9, 1978.9)),
 }
 PROFILE_NAMES = ("this", *PROFILES)
 ACTIVATION_DTYPES = ("auto", "fp16", "int8")
 
 
 def caps_of_device(index: int) -> GPUCaps:
-    """The capability record of a CUDA device, read off the device (bandwidth from the closest profile of its
-    architecture, which the device does not report)."""
+    """The capability record of a CUDA device, read off the device (bandwidth, clock and tensor rates from the
+    closest profile of its architecture, which the device does not report)."""
     props = torch.cuda.get_device_properties(index)
     arch = (props.major, props.minor)
     smem = getattr(props, "shared_memory_per_block_optin", 0) or 48 * KB
@@ -75,8 +101,10 @@ def caps_of_device(index: int) -> GPUCaps:
     known = [c for c in PROFILES.values() if c.arch == arch and c.name == props.name] or \
             [c for c in PROFILES.values() if c.arch == arch]
     gbs = known[0].bandwidth_gbs if known else 0.0
+    rates = (known[0].boost_mhz, known[0].fp16_f32acc_tflops, known[0].fp16_tflops, known[0].int8_tops,
+             known[0].fp8_tflops) if known else (0, 0.0, 0.0, 0.0, 0.0)
     return _caps(props.name, arch, props.multi_processor_count, smem // KB, l2 // (KB * KB), gbs,
-                 props.total_memory / KB ** 3, "this")
+                 props.total_memory / KB ** 3, "this", rates)
 
 
 @dataclass(frozen=True)
@@ -175,14 +203,6 @@ def runtime_for(device: torch.device | int) -> KernelRuntime:
 def options_for(device: torch.device) -> KernelOptions:
     """The kernel options a tensor's device runs under (the defaults off the GPU)."""
     return runtime_for(device).options if device.type == "cuda" else KernelOptions()
-
-
-def reset_runtime(device: torch.device | int | None = None) -> None:
-    """Forget the configured runtime(s) (tests, benchmarks that switch profiles in one process)."""
-    if device is None:
-        _RUNTIMES.clear()
-    else:
-        _RUNTIMES.pop(_index(device), None)
 
 
 def _index(device: torch.device | int) -> int:

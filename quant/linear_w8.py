@@ -158,9 +158,6 @@ class W8Linear(nn.Module):
             return
         self.qweight, self.scales, self.superscales, self.offsets = w.planes, w.sub_scales, w.d, None
 
-    def _q6k(self) -> Q6KWeights:
-        return Q6KWeights(self.qweight, self.scales, self.superscales)
-
     def _set_q5k(self, w: Q5KWeights) -> None:
         w = prepare_q5k(w, self.dtype)
         if isinstance(w, FragWeights):

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from quant_serve.engine.llm_engine import LLMEngine
+from quant_serve.engine.long_text import encode_long
 from quant_serve.server.async_engine import AsyncEngine
 from quant_serve.server.chat_template import ChatEncoder
 from quant_serve.server.error_handlers import install_error_handlers
@@ -144,7 +145,7 @@ def build_app(engine: LLMEngine, served_model_names: list[str], options: ServerO
             if body.add_special_tokens:      # what the tokenizer puts around any text (a BOS), as vLLM does
                 ids = tokenizer.encode("", add_special_tokens=True) + ids
         else:
-            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+            ids = encode_long(tokenizer, body.prompt, add_special_tokens=body.add_special_tokens is not False)
         return JSONResponse({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
                              "token_strs": tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None})
 

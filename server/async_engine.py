@@ -139,7 +139,7 @@ class AsyncEngine:
     def num_open_requests(self) -> int:
         return len(self._streams)
 
-    def _close_stream(self, request_id: str, finished: bool) -> None:
+    def close_stream(self, request_id: str, finished: bool) -> None:
         with self._lock:
             self._streams.pop(request_id, None)
         if not finished:
@@ -286,4 +286,4 @@ class RequestStream:
             return
         self._closed = True
         for request_id in self.request_ids:
-            self._engine._close_stream(request_id, finished=request_id not in self._unfinished)
+            self._engine.close_stream(request_id, finished=request_id not in self._unfinished)

@@ -12,8 +12,12 @@ def register(sub) -> None:
                                  "qwen2.5-7b-instruct, llama-3.1-8b-instruct")
     from quant_serve.kernels.gpu import PROFILES
     p.add_argument("--gpu", default=None, choices=sorted(PROFILES),
-                   help="the card: its memory (unless --gpu-memory-gb) and a projected decode speed (tok/s at batch "
-                        "1 and 32, from the efficiency measured on an H200 under that card's kernel profile)")
+                   help="the card: its memory (unless --gpu-memory-gb) and projected speeds from the card model "
+                        "(engine/card_model.py: each kernel of a step timed from the card's bandwidth and tensor "
+                        "rates with efficiencies fitted on H100 / H200 runs): decode tok/s at batch 1 and 32, "
+                        "prefill tok/s of 512- and 4096-token prompts")
+    p.add_argument("--context", type=int, default=1024,
+                   help="--gpu: tokens of context each decoding sequence holds (default 1024)")
     p.add_argument("--gpu-memory-gb", type=float, default=None,
                    help="card memory in GiB (as serve --gpu-memory-gb; default: the --gpu card's, else 24)")
     p.add_argument("--gpu-mem-gb", dest="gpu_memory_gb", type=float, default=argparse.SUPPRESS,
@@ -40,7 +44,7 @@ def register(sub) -> None:
 def run(args) -> int:
     from quant_serve.engine.loader import resolve_model_dir
     from quant_serve.engine.memory import format_plan, plan_memory
-    from quant_serve.engine.projection import project_decode
+    from quant_serve.engine.card_model import projection_for
     from quant_serve.kernels.gpu import PROFILES
     caps = PROFILES[args.gpu] if args.gpu else None
     memory_gb = args.gpu_memory_gb or (caps.memory_gib if caps else 24.0)
@@ -51,18 +55,40 @@ def run(args) -> int:
                        enforce_eager=args.enforce_eager, weights_dtype=args.dtype, int4_head=args.quantize_lm_head,
                        quantization=args.quantization,
                        draft_model=resolve_model_dir(args.speculative_model, config_only=True) if args.speculative_model else None)
-    projection = project_decode(plan, caps) if caps else None
+    projection = projection_for(model_dir, caps, args.quantization, args.kv_cache_dtype, args.quantize_lm_head,
+                                args.context, args.max_num_batched_tokens) if caps else None
     if args.json:
         json.dump({**plan.to_dict(), **({"projection": projection} if projection else {})}, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         print(format_plan(plan))
         if projection:
-            print(f"projected decode on {projection['gpu']} ({projection['bandwidth_gbs']:.0f} GB/s, "
-                  f"{projection['context']:,}-token contexts): batch 1 {projection['batch1_tok_s']:.0f} tok/s, "
-                  f"batch 32 {projection['batch32_tok_s']:.0f} tok/s  (a projection: efficiency "
-                  f"{projection['efficiency']}, {projection['source']})")
+            print(format_projection(projection))
     if not plan.fits:
         print(f"error: {plan.error_message()}", file=sys.stderr)
         return 1
     return 0
+
+
+def format_projection(pr: dict) -> str:
+    """The three figures and the model's inputs (engine/card_model.py project)."""
+    i = pr["inputs"]
+    rates = ", ".join(f"{d} {v:g}" for d, v in i["tensor_tflops"].items() if v)
+    lines = [f"projected on {pr['gpu']} (a projection from the card model, not a measurement):"]
+    for d in pr["decode"]:
+        lines.append(f"  decode batch {d['batch']:>2}: {d['tok_s']:>8,.0f} tok/s  ({d['context']:,}-token contexts; "
+                     f"{d['bytes'] / 1e9:.2f} GB a step, {d['launches']} launches, bound by {d['binds']})")
+    for f in pr["prefill"]:
+        lines.append(f"  prefill {f['prompt']:>5,} tokens: {f['tok_s']:>8,.0f} tok/s  ({f['chunks']} chunk(s) of <= "
+                     f"{f['chunk']:,}; {f['tensor_ops'] / 1e12:.1f} T tensor ops, bound by {f['binds']})")
+    lines += [f"  inputs: {i['bandwidth_gbs']:g} GB/s, {i['sms']} SMs at {i['boost_mhz']} MHz, tensor TFLOPS/TOPS "
+              f"{rates}; weights {i['weight_bytes_per_step'] / 1e9:.2f} GB a step, KV "
+              f"{i['kv_bytes_per_token']:,} B/token",
+              f"  fitted ({i['constants']}): eta_mem {i['eta_mem']:.3f}, eta_tc {i['eta_tc']['fp16_f32acc']:.3f}, "
+              f"launch {i['launch_us']:.2f} us, small launch {i['small_us']:.2f} us, step {i['step_us']:.1f} us; "
+              f"SM bytes/clock {_short(i['sm_bytes_per_clock'])}; SM tensor ops/clock {_short(i['sm_ops_per_clock'])}"]
+    return "\n".join(lines)
+
+
+def _short(d: dict) -> str:
+    return ", ".join(f"{k} {v:.3g}" for k, v in d.items())

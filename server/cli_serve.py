@@ -1,5 +1,7 @@
 """`quant-serve serve [MODEL]`: the OpenAI-compatible HTTP server, with vLLM's flag names."""
+import errno
 import logging
+import socket
 import sys
 
 from quant_serve.server import cli_args
@@ -21,6 +23,7 @@ def cmd_serve(args) -> int:
         return 2
     if args.replicas < 0:
         raise ValueError(f"--replicas must be >= 0, got {args.replicas}")
+    check_port_free(args.host, args.port)       # before the model loads (and Ray starts) rather than after
     if args.replicas > 0:
         from quant_serve.server.cluster import serve_local
         return serve_local(args)
@@ -42,3 +45,20 @@ def cmd_serve(args) -> int:
         app.state.async_engine, args.shutdown_timeout)
     server.run()
     return 0
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Bind every address host:port names, as uvicorn (and Ray Serve's proxy) will, and let go again: ValueError
+    naming the address when one is taken or cannot be had."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror} (--host)") from e
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn: a port in TIME_WAIT is free
+            try:
+                sock.bind(address)
+            except OSError as e:
+                hint = " (another server listens there? pick another --port)" if e.errno == errno.EADDRINUSE else ""
+                raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}{hint}") from e

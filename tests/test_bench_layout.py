@@ -1,5 +1,5 @@
 """bench/ is a suite of benchmarks, not a lab: no experiment scripts or their results in the tree, nothing outside
-bench/ imports it, and every result README.md or docs/kernels.md names exists where they say (in bench/results/, or
+bench/ imports it, and every result README.md or docs/*.md names exists where they say (in bench/results/, or
 in git history at the archive tag)."""
 import ast
 import re
@@ -11,7 +11,7 @@ import pytest
 from conftest import REPO
 
 TAG = "lab-archive-2026-12"
-DOCS = {"README.md": REPO / "README.md", "docs/kernels.md": REPO / "docs" / "kernels.md"}
+DOCS = {"README.md": REPO / "README.md", **{f"docs/{p.name}": p for p in sorted((REPO / "docs").glob("*.md"))}}
 # bench/results/NAME.json, optionally as REV:bench/results/NAME.json (a file in git history)
 PATH_REF = re.compile(r"(?:([\w.-]+):)?bench/results/([a-z0-9][a-z0-9.-]*\.json)")
 # a result named alone, in backticks: results are lowercase-hyphenated (e2e-h200.json); config.json and

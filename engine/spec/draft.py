@@ -29,32 +29,32 @@ def check_same_tokenizer(target_tokenizer, draft_tokenizer, draft_dir) -> None:
 
 
 class DraftProposer:
-    def __init__(self, config: SpeculativeConfig, engine):
+    def __init__(self, config: SpeculativeConfig, target):
         self.config = config
-        self.max_model_len = engine.max_model_len
-        self.max_num_batched_tokens = engine.config.scheduler.max_num_batched_tokens
+        self.max_model_len = target.max_model_len
+        self.max_num_batched_tokens = target.config.scheduler.max_num_batched_tokens
         self.model_dir = resolve_model_dir(config.model)
         self.model_config, _ = load_model_config(self.model_dir)
-        check_same_tokenizer(engine.tokenizer, load_tokenizer(str(self.model_dir)), self.model_dir)
-        if self.model_config.max_position_embeddings < engine.max_model_len:
+        check_same_tokenizer(target.tokenizer, load_tokenizer(str(self.model_dir)), self.model_dir)
+        if self.model_config.max_position_embeddings < target.max_model_len:
             raise ValueError(f"draft model {self.model_dir} has {self.model_config.max_position_embeddings} "
-                             f"positions, fewer than max_model_len {engine.max_model_len}")
-        self.model, _ = load_model(self.model_dir, self.model_config, engine.dtype, engine.device,
-                                   engine.config.load_format, None, False, engine.config.seed)
-        num_blocks = engine.runner.num_blocks
-        cache = CacheConfig(block_size=engine.config.cache.block_size, kv_cache_dtype="auto")
-        self.runner = ModelRunner(self.model, self.model_config, cache, num_blocks, engine.device, engine.dtype,
-                                  engine.config.seed)
+                             f"positions, fewer than max_model_len {target.max_model_len}")
+        self.model, _ = load_model(self.model_dir, self.model_config, target.dtype, target.device,
+                                   target.config.load_format, None, False, target.config.seed)
+        num_blocks = target.num_blocks
+        cache = CacheConfig(block_size=target.config.cache.block_size, kv_cache_dtype="auto")
+        self.runner = ModelRunner(self.model, self.model_config, cache, num_blocks, target.device, target.dtype,
+                                  target.config.seed)
         self.block_manager = BlockManager(num_blocks, cache.block_size, enable_prefix_caching=False)
         self.shadows: dict[str, Sequence] = {}
         self.synced: dict[str, int] = {}        # request id -> target tokens the shadow was last synced with
         self.backoff = Backoff(config.backoff_after)
-        if engine.device != "cpu":       # compile before the first request; decode graphs for proposals 2..k
-            sched = engine.config.scheduler
-            if not engine.config.enforce_eager:
-                self.runner.plan_decode_graphs(min(sched.max_num_seqs, 512), engine.max_model_len)
-            warm_up(self.runner, sched.max_num_batched_tokens, sched.max_num_seqs, engine.max_model_len)
-            if not engine.config.enforce_eager:
+        if target.device != "cpu":       # compile before the first request; decode graphs for proposals 2..k
+            sched = target.config.scheduler
+            if not target.config.enforce_eager:
+                self.runner.plan_decode_graphs(min(sched.max_num_seqs, 512), target.max_model_len)
+            warm_up(self.runner, sched.max_num_batched_tokens, sched.max_num_seqs, target.max_model_len)
+            if not target.config.enforce_eager:
                 self.runner.capture_decode_graphs()
         logger.info("draft model %s: %d KV blocks", self.model_dir, num_blocks)
 

@@ -1,9 +1,23 @@
 """Proposers: where the k tokens a speculating sequence verifies come from."""
-from quant_serve.engine.config import SpeculativeConfig
+from dataclasses import dataclass
+
+from quant_serve.engine.config import EngineConfig, SpeculativeConfig
 from quant_serve.engine.sequence import Sequence
 from quant_serve.engine.spec.backoff import Backoff
 from quant_serve.engine.spec.ngram import propose_ngram
 from quant_serve.engine.spec.step import num_to_propose
+
+
+@dataclass(frozen=True)
+class DraftTarget:
+    """The target model's side of a proposer: the tokenizer a draft must share, the limits and the device it runs
+    under, and the KV pool size its shadow sequences mirror."""
+    tokenizer: object
+    max_model_len: int
+    config: EngineConfig
+    dtype: object
+    device: str
+    num_blocks: int
 
 
 class NgramProposer:
@@ -27,8 +41,8 @@ class NgramProposer:
         self.backoff.release(request_id)
 
 
-def make_proposer(config: SpeculativeConfig, engine):
+def make_proposer(config: SpeculativeConfig, target: DraftTarget):
     if config.method == "ngram":
-        return NgramProposer(config, engine.max_model_len)
+        return NgramProposer(config, target.max_model_len)
     from quant_serve.engine.spec.draft import DraftProposer
-    return DraftProposer(config, engine)
+    return DraftProposer(config, target)
