@@ -9,6 +9,7 @@ from quant_serve.kernels.matmul.frag.layout import FragWeights
 from quant_serve.kernels.matmul.frag.kquant import kquant_scales_offsets, pack_sub_codes, pack_superscales
 from quant_serve.kernels.matmul.reference import dequantize_w4, pack_int4_cols, pack_int4_rows, w4a16_matmul_ref
 from quant_serve.kernels.matmul.rows.layout import W4A16Weights
+from quant_serve.kernels.matmul.reference_int8 import act_group_size, w4a8_matmul_ref
 from quant_serve.quant.layers.dense import DenseLinear, check_float
 from quant_serve.quant.rtn import quantize_rtn
 
@@ -39,6 +40,7 @@ class QuantLinear(nn.Module):
             self.register_buffer(name, None)
         self.dummy_two_level = False       # init_dummy: GGUF Q4_K's two-level scales (set by GGUFConfig)
         self.packed: W4A16Weights | FragWeights | None = None   # the kernels' layout on CUDA (repacked at load)
+        self.act_scale: str | None = None  # None: activations in the model dtype; "token" / "group": int8 (W4A8)
 
     def load_shard(self, shard_id: int, tensors: dict[str, torch.Tensor], prefix: str) -> None:
         if not 0 <= shard_id < len(self.output_sizes):
@@ -209,13 +211,17 @@ class QuantLinear(nn.Module):
         scales, offsets = self.scales, self.offsets
         if self.superscales is not None:          # the CPU twin of Q4_K's two-level scales: their fp32 products
             scales, offsets = kquant_scales_offsets(scales, self.superscales)
+        if self.act_scale is not None:
+            return w4a8_matmul_ref(x, self.qweight, scales, self.qzeros, self.group_size,
+                                   act_group_size(self.act_scale, self.in_features, self.group_size), self.perm,
+                                   self.bias, offsets)
         return w4a16_matmul_ref(x, self.qweight, scales, self.qzeros, self.group_size, self.perm, self.bias, offsets)
 
     def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """As DenseLinear.forward_silu_mul; on the kernel layout the GEMV's split-K reduce applies it (one launch
         fewer per layer at decode)."""
         hooked = self._forward_hooks or self._forward_pre_hooks      # eval's per-layer error hooks see [T, N]
-        if self.parts is None and self.packed is not None and not hooked:
+        if self.parts is None and self.packed is not None and not hooked and self.act_scale is None:
             return w4a16_matmul(x, self.packed, bias=self.bias, silu_mul=True)
         return silu_and_mul(self(x))
 
