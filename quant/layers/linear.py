@@ -6,7 +6,8 @@ from torch import nn
 from quant_serve.kernels.norm_act import silu_and_mul
 from quant_serve.kernels.matmul.dispatch import prepare_kernel_weights, twin_args, w4a16_matmul
 from quant_serve.kernels.matmul.frag.layout import FragWeights
-from quant_serve.kernels.matmul.frag.kquant import kquant_scales_offsets, pack_sub_codes, pack_superscales
+from quant_serve.kernels.matmul.frag.kquant import (kquant_scales_offsets, merge_two_level, pack_sub_codes,
+                                                   pack_superscales)
 from quant_serve.kernels.matmul.reference import dequantize_w4, pack_int4_cols, pack_int4_rows, w4a16_matmul_ref
 from quant_serve.kernels.matmul.rows.layout import W4A16Weights
 from quant_serve.kernels.matmul.reference_int8 import act_group_size, w4a8_matmul_ref
@@ -92,18 +93,9 @@ class QuantLinear(nn.Module):
         self._shards = None
 
     def _set(self, shards: list) -> None:
-        """Concatenate converted shards along N into the layer's buffers. GGUF Q4_K shards keep their two-level
-        scales when all shards have them (the kernels read them; the CPU twin their fp32 products); a Q4_K shard
-        merged with another INT4 type becomes fp32 products."""
-        self.superscales = None
-        if any(s.superscales is not None for s in shards):
-            if all(s.superscales is not None for s in shards):
-                self.superscales = torch.cat([s.superscales for s in shards], dim=1)          # [G/8, N] int32
-            else:
-                for s in shards:
-                    if s.superscales is not None:
-                        s.scales, s.offsets = kquant_scales_offsets(s.scales, s.superscales)
-                        s.superscales = None
+        """Concatenate converted shards along N into the layer's buffers (GGUF Q4_K's two-level scales:
+        merge_two_level)."""
+        self.superscales = merge_two_level(shards)                                   # [G/8, N] int32 or None
         dtypes = {s.scales.dtype for s in shards}
         sdtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
         self.qweight = torch.cat([s.qweight for s in shards], dim=1)                 # [K/8, N]
