@@ -1,4 +1,4 @@
-"""Kernel benchmarks on one GPU, anchors measured in the same run (see ../shared/docs/targets.md).
+"""Kernel benchmarks on one GPU, anchors measured in the same run (the targets and how they are measured: docs/performance.md).
 
 W4A16 (g128, zero points) on the Qwen2.5-7B layer shapes: FP16 cuBLAS, our dispatcher, torch tinygemm int4 and
 AutoAWQ 0.2.9's Triton GEMM (imported by file path from the sdist given with --awq-sdist). Paged decode attention:

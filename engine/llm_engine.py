@@ -29,6 +29,7 @@ from quant_serve.engine.sample.structured import GrammarCompiler
 from quant_serve.engine.sample.structured_mask import GrammarMasks
 from quant_serve.engine.structured_outcomes import append_forced, end_failed_grammars
 from quant_serve.kernels.gpu import configure
+from quant_serve.quant.activations import check_activation_device, plan_activations
 
 logger = logging.getLogger("quant_serve")
 
@@ -47,6 +48,7 @@ class LLMEngine:
         self.max_model_len = resolve_max_model_len(self.model_config, config.max_model_len)
         config.scheduler.max_model_len = self.max_model_len
         torch.manual_seed(config.seed)
+        check_activation_device(config.kernels, self.device)
         if self.device != "cpu":            # before any weight is prepared: the layouts follow the runtime's caps
             configure(torch.device(self.device), config.kernels)
         start = time.perf_counter()
@@ -55,6 +57,7 @@ class LLMEngine:
                                                    config.load_format, config.quantization, show_progress,
                                                    config.seed, config.quantize_lm_head)
         logger.info("weights loaded and prepared in %.1f s", time.perf_counter() - start)
+        self.activations = plan_activations(self.model, config.kernels, self.device)
         num_blocks, self.memory_plan, self.max_model_len = kv_pool.num_gpu_blocks(
             config, self.model_config, self.model_dir, self.device, self.dtype, self.max_model_len)
         config.scheduler.max_model_len = self.max_model_len
@@ -347,6 +350,7 @@ class LLMEngine:
         logger.info("model %s: %s, %s on %s; %s", self.model_dir, self.model_config.architecture,
                     str(self.dtype).replace("torch.", ""), self.device,
                     self.quant_config.describe() if self.quant_config else "unquantized")
+        logger.info(self.activations.describe())
         logger.info("KV cache: %d blocks = %d tokens, max concurrency %.1f at max_model_len %d",
                     num_blocks, num_blocks * block_size, num_blocks * block_size / self.max_model_len,
                     self.max_model_len)

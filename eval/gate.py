@@ -7,6 +7,9 @@
 
   [kv_cache]                   # optional: overrides for candidates that differ from the reference only in KV dtype
   max_ppl_increase_pct = 0.5
+
+  [activations]                # optional: overrides for candidates that differ only in the activation path
+  max_ppl_increase_pct = 0.2   # (the reference's own weights with int8 activations against its fp16 path)
 """
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -33,6 +36,7 @@ class Gate:
     weights: Thresholds
     kv_cache: Thresholds
     source: str
+    activations: Thresholds = field(default_factory=Thresholds)
 
 
 @dataclass
@@ -67,7 +71,8 @@ def _thresholds(table: dict, where: str, base: Thresholds | None = None) -> Thre
     values = dict(vars(base)) if base else {}
     for key, value in table.items():
         if key not in known:
-            raise ValueError(f"{where}: unknown gate key {key!r} (known: {', '.join(sorted(known))}, [kv_cache])")
+            raise ValueError(f"{where}: unknown gate key {key!r} (known: {', '.join(sorted(known))}, [kv_cache], "
+                             "[activations])")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{where}: {key} must be a number, got {value!r}")
         if key in FRACTION_KEYS and not 0 <= value <= 1:
@@ -84,11 +89,13 @@ def load_gate(path: str | Path | None = None) -> Gate:
         raise FileNotFoundError(f"gate file {path} does not exist") from None
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{path}: invalid TOML: {e}") from e
-    kv_table = data.pop("kv_cache", {})
-    if not isinstance(kv_table, dict):
-        raise ValueError(f"{path}: kv_cache must be a table")
+    kv_table, act_table = data.pop("kv_cache", {}), data.pop("activations", {})
+    for name, table in (("kv_cache", kv_table), ("activations", act_table)):
+        if not isinstance(table, dict):
+            raise ValueError(f"{path}: {name} must be a table")
     weights = _thresholds(data, str(path))
-    return Gate(weights, _thresholds(kv_table, f"{path} [kv_cache]", weights), str(path))
+    return Gate(weights, _thresholds(kv_table, f"{path} [kv_cache]", weights), str(path),
+                _thresholds(act_table, f"{path} [activations]", weights))
 
 
 def check_gate(gate: Gate, summary: dict) -> GateResult:
@@ -96,7 +103,7 @@ def check_gate(gate: Gate, summary: dict) -> GateResult:
     result = GateResult()
     ref_tasks = summary["reference"].get("tasks", {})
     for cand in summary["candidates"]:
-        limits = gate.kv_cache if cand.get("kv_only") else gate.weights
+        limits = gate.kv_cache if cand.get("kv_only") else gate.activations if cand.get("act_only") else gate.weights
         name = cand["name"]
 
         def check(label: str, value: float, limit: float | None, too_high: bool, detail: str = "") -> None:

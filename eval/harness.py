@@ -9,6 +9,7 @@ import torch
 
 from quant_serve.engine.config import HEAD_GROUP_SIZE, CacheConfig, EngineConfig, SchedulerConfig
 from quant_serve.engine.llm_engine import LLMEngine
+from quant_serve.kernels.gpu import KernelOptions
 from quant_serve.eval.compare import ReferenceStore, TokenStats
 from quant_serve.eval.data import load_tokens, make_windows
 from quant_serve.eval.layer_error import LayerError, layer_errors
@@ -38,6 +39,10 @@ class EvalConfig:
     dtype: str = "auto"
     work_dir: str | None = None              # where the reference log-probs are spilled (default: the temp dir)
     quantize_lm_head: bool = False           # each --model also with the engine's --quantize-lm-head
+    # activation paths each candidate runs (one candidate per path): auto / fp16 / int8, int8 and auto at each of
+    # act_scales; without --model, the non-fp16 paths run on the reference's own weights (against its fp16 path)
+    activation_dtypes: list[str] = field(default_factory=lambda: ["auto"])
+    act_scales: list[str] = field(default_factory=lambda: ["group"])
 
 
 @dataclass
@@ -47,6 +52,9 @@ class Candidate:
     kv_cache_dtype: str = "auto"
     kv_only: bool = False                    # same weights as the reference, only the KV cache dtype differs
     int4_head: bool = False                  # loaded with --quantize-lm-head
+    activation_dtype: str = "auto"
+    act_scale: str = "group"
+    act_only: bool = False                   # same weights as the reference, only the activation path differs
 
 
 @dataclass
@@ -62,6 +70,8 @@ class ModelResult:
     tasks: dict[str, TaskResult] = field(default_factory=dict)
     layers: list[LayerError] = field(default_factory=list)
     kv_scales: dict | None = None
+    activations: dict | None = None          # quant.activations.ActivationPlan.to_json(): the path each layer ran
+    act_only: bool = False
 
 
 @dataclass
@@ -82,31 +92,56 @@ def kv_label(kv_cache_dtype: str) -> str:
     return "fp8_e4m3" if kv_cache_dtype == "fp8" else kv_cache_dtype
 
 
+def activation_paths(cfg: EvalConfig) -> list[tuple[str, str]]:
+    """(activation dtype, act scale) pairs in the order asked: fp16 once, auto and int8 at each scale."""
+    paths = []
+    for dtype in dict.fromkeys(cfg.activation_dtypes):
+        for scale in ([cfg.act_scales[0]] if dtype == "fp16" else dict.fromkeys(cfg.act_scales)):
+            paths.append((dtype, scale))
+    return paths
+
+
+def path_label(dtype: str, scale: str) -> str:
+    return "fp16" if dtype == "fp16" else f"{dtype}/{scale}"
+
+
 def plan_candidates(cfg: EvalConfig) -> list[Candidate]:
     names: dict[str, int] = {}
     out = []
+    paths = activation_paths(cfg)
     for model in cfg.models:
         base = Path(model).name or model
         names[base] = names.get(base, 0) + 1
         name = base if names[base] == 1 else f"{base}#{names[base]}"
-        out.append(Candidate(name, model))
+        for dtype, scale in paths:
+            label = name if len(paths) == 1 else f"{name} a={path_label(dtype, scale)}"
+            out.append(Candidate(label, model, activation_dtype=dtype, act_scale=scale))
         if cfg.quantize_lm_head:             # the head's own cost: the same weights with and without it
             out.append(Candidate(f"{name} +int4 head", model, int4_head=True))
+    if not cfg.models:                       # the reference's own weights: int8 against its fp16 activations
+        for dtype, scale in paths:
+            if dtype != "fp16" and cfg.activation_dtypes != ["auto"]:
+                out.append(Candidate(f"{Path(cfg.reference).name} a={path_label(dtype, scale)}", cfg.reference,
+                                     activation_dtype=dtype, act_scale=scale, act_only=True))
     if cfg.kv_cache_dtype and cfg.kv_cache_dtype != "auto":
         out.append(Candidate(f"{Path(cfg.reference).name} kv={kv_label(cfg.kv_cache_dtype)}", cfg.reference,
-                             cfg.kv_cache_dtype, kv_only=True))
+                             cfg.kv_cache_dtype, kv_only=True, activation_dtype="fp16"))
     if not out:
-        raise ValueError("nothing to compare: give at least one --model, or --kv-cache-dtype fp8")
+        raise ValueError("nothing to compare: give at least one --model, --kv-cache-dtype fp8 or "
+                         "--activation-dtype int8")
     return out
 
 
-def make_engine(model: str, cfg: EvalConfig, kv_cache_dtype: str = "auto", int4_head: bool = False) -> LLMEngine:
+def make_engine(model: str, cfg: EvalConfig, kv_cache_dtype: str = "auto", int4_head: bool = False,
+                activation_dtype: str = "fp16", act_scale: str = "group") -> LLMEngine:
+    """An engine for one model of the comparison; the reference runs fp16 activations."""
     max_len = max(cfg.context_len, MIN_MODEL_LEN)
     cache = CacheConfig(num_gpu_blocks=max(4 * math.ceil(max_len / 16), 512), kv_cache_dtype=kv_cache_dtype,
                         enable_prefix_caching=False)   # prefix hits would skip prompt logprobs
     if cfg.kv_scale_source is not None:
         cache.kv_scale_source = cfg.kv_scale_source
     config = EngineConfig(model=model, dtype=cfg.dtype, device=cfg.device, cache=cache, quantize_lm_head=int4_head,
+                          kernels=KernelOptions(activation_dtype=activation_dtype, act_scale=act_scale),
                           scheduler=SchedulerConfig(max_num_seqs=TASK_BATCH, max_model_len=max_len,
                                                     max_num_batched_tokens=max(2048, cfg.context_len)))
     engine = LLMEngine(config, show_progress=True)
@@ -170,14 +205,17 @@ def run_eval(cfg: EvalConfig) -> EvalResult:
         logger.info("reference log-probs: %.2f GiB on disk", store.num_bytes / 2**30)
         ref_result = ModelResult(ref_name, cfg.reference, KV_NAMES[reference.runner.kv_dtype], False,
                                  describe(reference), model_hash(reference.model_dir), dtype_name(reference),
-                                 store.fill(reference, ref_name), run_tasks(reference, tasks, ref_name))
+                                 store.fill(reference, ref_name), run_tasks(reference, tasks, ref_name),
+                                 activations=reference.activations.to_json())
         results = []
         for cand in candidates:
-            engine = make_engine(cand.model_dir, cfg, cand.kv_cache_dtype, cand.int4_head)
+            engine = make_engine(cand.model_dir, cfg, cand.kv_cache_dtype, cand.int4_head, cand.activation_dtype,
+                                 cand.act_scale)
             check_same_tokenizer(reference, engine, cand.name)
             result = ModelResult(cand.name, cand.model_dir, KV_NAMES[engine.runner.kv_dtype], cand.kv_only,
                                  describe(engine), model_hash(engine.model_dir), dtype_name(engine),
-                                 store.compare(engine, cand.name))
+                                 store.compare(engine, cand.name), activations=engine.activations.to_json(),
+                                 act_only=cand.act_only)
             result.kv_scales = kv_scales(engine)     # after the first forward: first-prompt scales are set by then
             result.tasks = run_tasks(engine, tasks, cand.name)
             result.layers = layer_errors(reference, engine, windows[:cfg.layer_windows], cand.name)

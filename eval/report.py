@@ -11,7 +11,8 @@ TOP_LAYERS = 10           # per-layer rows listed per candidate in the summary a
 
 def _model_json(m: ModelResult) -> dict:
     out = {"name": m.name, "model_dir": m.model_dir, "hash": m.hash, "format": m.format, "dtype": m.dtype,
-           "kv_cache_dtype": m.kv_cache_dtype, "kv_only": m.kv_only}
+           "kv_cache_dtype": m.kv_cache_dtype, "kv_only": m.kv_only, "act_only": m.act_only,
+           "activations": m.activations or {"resolved": "-"}}
     out.update(m.stats.summary())
     out["tasks"] = {name: t.summary() for name, t in m.tasks.items()}
     if m.kv_scales:
@@ -56,6 +57,14 @@ def layer_note(cand: dict, proto: dict) -> str:
     return note
 
 
+def activations_label(m: dict) -> str:
+    """The activation path a model ran, with the request where auto resolved it."""
+    act = m.get("activations") or {"resolved": "-"}
+    if act.get("requested") == "auto" and act["resolved"] != "-":
+        return f"{act['resolved']} (auto)"
+    return act["resolved"]
+
+
 def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
@@ -73,17 +82,21 @@ def markdown(summary: dict, gate_source: str | None = None) -> str:
             lines += [f"Thresholds from `{gate_source}`; {len(gate['checked'])} checks.", ""]
         lines += [f"- FAILED {f['message']}" for f in gate["failed"]] + ([""] if gate["failed"] else [])
     lines += ["## Perplexity and logit comparison", "",
-              "| config | KV | perplexity | change | KLD | KLD p99 | top-1 | mean abs dp | p99 abs dp |",
-              "|---|---|---|---|---|---|---|---|---|",
-              f"| {ref['name']} (reference) | {ref['kv_cache_dtype']} | {ref['perplexity']:.3f} "
-              f"+- {ref['perplexity_stderr']:.3f} | - | - | - | - | - | - |"]
+              "| config | KV | activations | perplexity | change | KLD | KLD p99 | top-1 | mean abs dp | p99 abs dp |",
+              "|---|---|---|---|---|---|---|---|---|---|",
+              f"| {ref['name']} (reference) | {ref['kv_cache_dtype']} | {activations_label(ref)} "
+              f"| {ref['perplexity']:.3f} +- {ref['perplexity_stderr']:.3f} | - | - | - | - | - | - |"]
     for c in cands:
-        lines.append(f"| {c['name']} | {c['kv_cache_dtype']} | {c['perplexity']:.3f} +- {c['perplexity_stderr']:.3f} "
+        lines.append(f"| {c['name']} | {c['kv_cache_dtype']} | {activations_label(c)} "
+                     f"| {c['perplexity']:.3f} +- {c['perplexity_stderr']:.3f} "
                      f"| {c['ppl_change_pct']:+.2f}% +- {c['ppl_change_pct_stderr']:.2f} "
                      f"| {c['kld']:.4f} +- {c['kld_stderr']:.4f} | {c['kld_p99']:.3f} "
                      f"| {_pct(c['top1'])} | {_pct(c['abs_delta_p_mean'])} | {_pct(c['abs_delta_p_p99'])} |")
     lines += ["", "KLD: mean KL(reference || candidate) per token in nats. dp: p_candidate - p_reference of the "
-              "correct token. +- one standard error (the change in perplexity paired over the same tokens).", ""]
+              "correct token. +- one standard error (the change in perplexity paired over the same tokens). "
+              "activations: the path the quantized layers ran (fp16: W4A16 / W8A16 in the model's dtype; "
+              "int8/token, int8/group: quantized on the fly per token or per token and weight group), as "
+              "--activation-dtype resolved it.", ""]
     task_names = list(ref["tasks"])
     if task_names:
         lines += ["## Tasks", "", "| config | " + " | ".join(

@@ -3,7 +3,7 @@ from html import escape
 from pathlib import Path
 
 from quant_serve.eval import plots
-from quant_serve.eval.report import TOP_LAYERS, layer_note
+from quant_serve.eval.report import TOP_LAYERS, activations_label, layer_note
 
 CSS = """body{font-family:system-ui,sans-serif;max-width:1150px;margin:1.5em auto;padding:0 1em;color:#222}
 table{border-collapse:collapse;margin:.6em 0;font-size:14px}th,td{border:1px solid #ccc;padding:3px 8px;
@@ -43,17 +43,18 @@ def html_report(summary: dict, abs_delta_p: dict, gate_source: str | None = None
         if gate["failed"]:
             parts.append("<ul>" + "".join(f"<li class='fail'>{escape(f['message'])}</li>" for f in gate["failed"])
                          + "</ul>")
-    rows = [[f"{ref['name']} (reference)", ref["kv_cache_dtype"],
+    rows = [[f"{ref['name']} (reference)", ref["kv_cache_dtype"], activations_label(ref),
              f"{ref['perplexity']:.3f} ± {ref['perplexity_stderr']:.3f}", "-", "-", "-", "-", "-", "-"]]
     for c in cands:
-        rows.append([c["name"], c["kv_cache_dtype"], f"{c['perplexity']:.3f} ± {c['perplexity_stderr']:.3f}",
+        rows.append([c["name"], c["kv_cache_dtype"], activations_label(c),
+                     f"{c['perplexity']:.3f} ± {c['perplexity_stderr']:.3f}",
                      f"{c['ppl_change_pct']:+.2f}% ± {c['ppl_change_pct_stderr']:.2f}",
                      f"{c['kld']:.4f} ± {c['kld_stderr']:.4f}",
                      f"{c['kld_p99']:.3f}", _pct(c["top1"]), _pct(c["abs_delta_p_mean"]),
                      _pct(c["abs_delta_p_p99"])])
     parts += ["<h2>Perplexity and logit comparison</h2>",
-              _table(["config", "KV", "perplexity", "change", "KLD", "KLD p99", "top-1", "mean |Δp|", "p99 |Δp|"],
-                     rows),
+              _table(["config", "KV", "activations", "perplexity", "change", "KLD", "KLD p99", "top-1", "mean |Δp|",
+                      "p99 |Δp|"], rows),
               "<p class='small'>KLD: mean KL(reference ‖ candidate) per token in nats. Δp: p<sub>candidate</sub> "
               "− p<sub>reference</sub> of the correct token. ± one standard error (the change in perplexity paired "
               "over "

@@ -10,8 +10,7 @@ Differences from AutoAWQ, each so that the search optimizes what the checkpoint 
 
 The next block is calibrated on the FP block's output, as AutoAWQ does: AWQ's statistics (mean |x| per channel)
 and targets (the FP module output) describe the FP model, and unlike GPTQ it has no error compensation that
-quantized inputs would feed. (Measured on tiny-qwen2, full targets.md protocol: perplexity +1.12% vs +1.49%
-with the quantized output propagated, KLD 0.0279 either way.)
+quantized inputs would feed (measured on tiny-qwen2: docs/kernels.md, "AWQ propagation").
 """
 import logging
 from dataclasses import dataclass
@@ -35,6 +34,16 @@ class AWQSettings:
     search_tokens: int = 8192         # tokens (whole sequences) for the attention / MLP output losses
     propagate: str = "fp"             # next block's input: the FP block's output (AutoAWQ) or "quantized"
     chunk: int = 8                    # sequences per forward chunk (bounds activation memory)
+
+
+# The scale search runs every candidate's attention and MLP on its tokens, most of AWQ's time on a CPU; a quarter of
+# the tokens scored as well on the fixture (bench/results/default-calib-cpu-tiny-qwen2.json). CUDA keeps 8192.
+CPU_SEARCH_TOKENS = 2048
+
+
+def default_search_tokens(device: str) -> int:
+    """AWQSettings.search_tokens for `quant-serve quantize` without --awq-search-tokens."""
+    return AWQSettings.search_tokens if torch.device(device).type == "cuda" else CPU_SEARCH_TOKENS
 
 
 @torch.no_grad()

@@ -1,6 +1,6 @@
 """Calibration text that needs no download: Python standard-library docstrings and WordNet glosses, and the JSONL
 file `quant-serve make-calib` writes (one {"text": ...} row per document, the first row naming its sources in
-"source"). Text sampled from the model itself is server/cli/calib.py's (it needs the engine).
+"source"). Text sampled from the model itself is engine/calib_samples.py's (it needs the engine).
 
 Neither source can contain a held-out document of the fixture: val.txt is a split of its training corpus (the
 Python documentation sources, fortunes, GCIDE), and the docstrings and WordNet are other texts.

@@ -84,21 +84,28 @@ def search_clip(weight: torch.Tensor, blocks: torch.Tensor, group_size: int, sym
     Asymmetric ranges may shrink min and max independently (two_d: a grid over scale and zero point).
     -> (ratios [2, N, G] for (min, max), error relative to the unclipped range)."""
     n, k = weight.shape
-    ng = blocks.shape[0]
+    grouped, ng = _grouped(weight.float(), group_size)
+    grouped = grouped.transpose(0, 1).contiguous()            # [G, N, gs]: one batched matmul with the blocks
+    wmin, wmax = grouped.amin(dim=-1), grouped.amax(dim=-1)   # [G, N], computed once for every candidate
     pairs = [(lo, hi) for lo in ratios for hi in ratios] if two_d and not sym else [(r, r) for r in ratios]
-    best = torch.ones(2, n, ng, device=weight.device)
-    best_err = torch.full((n, ng), float("inf"), device=weight.device)
+    best = torch.ones(2, ng, n, device=weight.device)
+    best_err = torch.full((ng, n), float("inf"), device=weight.device)
+    diff, prod = torch.empty_like(grouped), torch.empty_like(grouped)
     base = None
     for lo, hi in pairs:
-        clip = torch.tensor([lo, hi], device=weight.device).view(2, 1, 1).expand(2, n, ng)
-        diff, _ = _grouped(fake_quantize(weight, group_size, sym, clip) - weight, group_size)   # [N, G, gs]
-        err = (torch.einsum("ngi,gij->ngj", diff, blocks) * diff).sum(-1)                   # [N, G]
+        # fake_quantize's arithmetic, in place: the candidates are many and the weight tensors large
+        scale, zero = group_params(wmin * lo, wmax * hi, sym, torch.float16)
+        scale, zero = scale[..., None], zero[..., None]
+        torch.div(grouped, scale, out=diff)
+        diff.round_().add_(zero).clamp_(0, MAXQ).sub_(zero).mul_(scale).sub_(grouped)
+        err = torch.bmm(diff, blocks, out=prod).mul_(diff).sum(-1)                        # [G, N]
         if lo == hi == 1:
             base = float(err.sum())
         better = err < best_err
         best_err = torch.where(better, err, best_err)
-        best = torch.where(better, clip, best)
-    return best, float(best_err.sum()) / max(base or 0.0, 1e-30)
+        best[0].masked_fill_(better, lo)
+        best[1].masked_fill_(better, hi)
+    return best.transpose(1, 2).contiguous(), float(best_err.sum()) / max(base or 0.0, 1e-30)
 
 
 def _clipped_range(grouped: torch.Tensor, clip: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

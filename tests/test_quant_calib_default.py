@@ -1,16 +1,19 @@
 """Calibration without a file: `quant-serve quantize --method awq|gptq` samples its calibration text from the model
-itself (deterministic per --calib-seed) and says so; `quant-serve make-calib` (shipped with the package, no longer
-only bench/make_calib.py) writes the README's calibration file from docstrings, WordNet and model samples."""
+itself (engine/calib_samples.py; deterministic per --calib-seed; fewer, shorter windows on the CPU) and says so
+before it starts; `quant-serve make-calib` (shipped with the package, no longer only bench/make_calib.py) writes the
+README's calibration file from docstrings, WordNet and model samples."""
 import json
 import logging
 
 import pytest
 import torch
 
+from quant_serve.engine.calib_samples import CalibWindows, default_windows, sample_token_windows
+from quant_serve.quant.awq import AWQSettings, default_search_tokens
 from quant_serve.quant.calib import read_calib_file
 from quant_serve.quant.calib_data import wordnet_entries
+from quant_serve.server.cli import quantize as cli_quantize
 from quant_serve.server.cli.main import main as cli
-from quant_serve.server.cli.calib import sample_token_windows
 
 # The WordNet 3.0 data-file format (lemma at field 4, part of speech at field 2, gloss after " | ").
 WORDNET_LINES = {
@@ -21,13 +24,22 @@ WORDNET_LINES = {
 }
 
 
-def test_quantize_without_calib_samples_from_the_model(tmp_path, caplog, random_model):
+def test_quantize_without_calib_samples_from_the_model(tmp_path, caplog, monkeypatch, random_model):
+    log_at_sampling = []
+
+    def sample(*args, **kwargs):
+        log_at_sampling.append(caplog.text)
+        return sample_token_windows(*args, **kwargs)
+
+    monkeypatch.setattr(cli_quantize, "sample_token_windows", sample)
     out = tmp_path / "gptq"
     with caplog.at_level(logging.INFO, logger="quant_serve"):
         assert cli(["quantize", str(random_model), str(out), "--method", "gptq", "--calib-samples", "2",
                     "--calib-seq-len", "32", "--device", "cpu"]) == 0
+    # said before the sampling starts, which is the slow part on a CPU
+    assert len(log_at_sampling) == 1
     assert ("calibration: 2 sequences x 32 tokens sampled from the model (seed 0); pass --calib FILE for your own "
-            "data") in caplog.text
+            "data") in log_at_sampling[0]
     assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "gptq"
     assert cli(["generate", "--model", str(out), "--prompt", "The Python", "--max-tokens", "4"]) == 0
 
@@ -41,6 +53,55 @@ def test_sampled_windows_are_deterministic(random_model):
     assert torch.equal(a[:2], b)                              # a window depends on its seed, not on the batch
     assert not torch.equal(a[:2], c)
     assert len({tuple(w.tolist()) for w in a}) == 3
+
+
+def test_sampling_progress_counts_tokens(capsys, random_model):
+    sample_token_windows(random_model, 2, 24, device="cpu", show_progress=True)
+    err = capsys.readouterr().err
+    assert "Sampling calibration: 100%" in err and "46/46" in err and "tok/s" in err     # 2 x 23 sampled tokens
+
+
+def test_shorter_windows_are_prefixes(random_model):
+    long, _ = sample_token_windows(random_model, 3, 40, seed=2, device="cpu", show_progress=False)
+    short, _ = sample_token_windows(random_model, 2, 17, seed=2, device="cpu", show_progress=False)
+    assert torch.equal(long[:2, :17], short)                   # bench/default_calib.py compares sizes on this
+
+
+class Sampled(Exception):
+    """Stops `quant-serve quantize` once it asked for its calibration windows."""
+
+
+def test_default_windows_by_device(tmp_path, monkeypatch, random_model):
+    assert default_windows("cpu") == CalibWindows(64, 128)     # bench/results/default-calib-cpu-tiny-qwen2.json
+    assert default_windows("cuda") == default_windows("cuda:1") == CalibWindows(128, 512)
+    asked = []
+
+    def sample(model_dir, count, length, seed, device):
+        asked.append((count, length))
+        raise Sampled
+
+    monkeypatch.setattr(cli_quantize, "sample_token_windows", sample)
+    for flags in ([], ["--calib-samples", "3"], ["--calib-seq-len", "48"]):
+        with pytest.raises(Sampled):
+            cli(["quantize", str(random_model), str(tmp_path / "q"), "--method", "awq", "--device", "cpu", *flags])
+    assert asked == [(64, 128), (3, 128), (64, 48)]
+
+
+def test_awq_search_tokens_by_device(tmp_path, monkeypatch, random_model):
+    assert default_search_tokens("cpu") == 2048 and default_search_tokens("cuda") == AWQSettings().search_tokens
+    searched = []
+
+    def quantize(source, calib, cfg, out_dir, **kwargs):
+        searched.append(cfg.awq.search_tokens)
+        raise Sampled
+
+    monkeypatch.setattr(cli_quantize, "sample_token_windows", lambda *args: (torch.zeros(2, 16, dtype=torch.int64),
+                                                                             None))
+    monkeypatch.setattr(cli_quantize, "quantize_model", quantize)
+    for flags in ([], ["--awq-search-tokens", "4096"]):
+        with pytest.raises(Sampled):
+            cli(["quantize", str(random_model), str(tmp_path / "q"), "--method", "awq", "--device", "cpu", *flags])
+    assert searched == [2048, 4096]
 
 
 def test_make_calib_is_a_subcommand(tmp_path, capsys, random_model):

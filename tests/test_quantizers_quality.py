@@ -13,11 +13,11 @@ from quant_serve.engine.load.demo import DEMO_MODEL_DIR
 from helpers import bench_script, make_engine
 from quant_serve.engine.load.loader import load_model_config
 from quant_serve.engine.models.dense_calib import dense_logits
+from quant_serve.engine.calib_samples import model_samples
 from quant_serve.quant.awq import AWQSettings
 from quant_serve.quant.calib import calib_tokens
 from quant_serve.quant.gptq import GPTQSettings
 from quant_serve.quant.quantize import QuantizeConfig, quantize_model
-from quant_serve.server.cli.calib import model_samples
 from quant_serve.server.cli.quantize import load_source
 
 quant_quality = bench_script("quant_quality")

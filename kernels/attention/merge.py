@@ -4,7 +4,7 @@ paged_decode splits a short batch's contexts across programs; each split leaves 
 (o [B, Hq, S, D] fp32, its running max and sum in ml [B, Hq, S, 2], exp2 domain). merge_partials merges them in a
 kernel of its own (attention_triton._decode_reduce_kernel). In the batch-1 decode step the merge is instead read by
 o_proj's x staging (_merged_x inside kernels/matmul/frag/mma.py:_w4a16_mma_kernel): one launch and one grid wait a layer
-fewer (bench/NOTES-kernels.md entry 24). merge_partials_ref is the torch twin of both.
+fewer (lab log entry 24). merge_partials_ref is the torch twin of both.
 """
 from dataclasses import dataclass
 

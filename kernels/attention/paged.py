@@ -76,17 +76,16 @@ def decode_config(is_fp8: bool, programs: int, max_ctx: int, wide_table: bool = 
     slower on long contexts).
     wide_table (a CUDA graph's table, sized for max_model_len, not for the contexts it will hold): the split count
     cannot follow the contexts, and fine splits over a wide table cost short contexts more than they give long
-    ones (batch-1 decode step 1.937 -> 2.006 ms over a 4,096-token table, bench/results/decode-rule-ab-h200.json):
+    ones (docs/kernels.md, "wide_table"):
     2 programs an SM, 256-token splits. engine/worker/cuda_graph.py captures such graphs only above FEW_PROGRAMS
     (decode_graph_contexts).
     early_tile (64-token tiles of few programs; the 128-token fp8 tile held across the wait spills): each program
-    reads its first K/V tile before the PDL wait, overlapping the qkv matmul's tail (batch-1 step 1.903 -> 1.876 ms
-    with fp8 KV, 1.890 -> 1.877 with fp16: bench/results/exp-m1-splits-h200.json)."""
+    reads its first K/V tile before the PDL wait, overlapping the qkv matmul's tail (docs/kernels.md, "early_tile")."""
     if wide_table:
         return DecodeConfig(block_n=128) if is_fp8 else DecodeConfig()
     few = programs <= FEW_PROGRAMS
     if is_fp8:
-        if programs <= 8 and max_ctx <= 1024:     # a tile or two a program: batch 1 x 512 tokens 5.9 -> 4.5 us
+        if programs <= 8 and max_ctx <= 1024:     # a tile or two a program (docs/kernels.md, "fp8_asm")
             return DecodeConfig(block_n=64, waves=8.0, min_split_tokens=64, fp8_asm=True, early_tile=True)
         if few:
             return DecodeConfig(block_n=128, waves=4.0, min_split_tokens=128, fp8_asm=max_ctx <= 1024)

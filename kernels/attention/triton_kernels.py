@@ -121,7 +121,7 @@ def _decode_kernel(q_ptr, k_cache, v_cache, tables_ptr, seq_lens_ptr, qsl_ptr, o
     (whole BLOCK_N tiles), not the table width the grid was sized for, so a short context in a CUDA graph captured
     for long ones still spreads over programs; splits past the end store an empty partial (merged by
     _decode_reduce_kernel: a merge by the last split to finish, ticket as in the matmul, made the batch-1 step
-    slower, 1.973 -> 2.083 ms, bench/NOTES-kernels.md entry 15).
+    slower: docs/kernels.md, "decode reduce").
     ROPE (the decode step's RoPE + KV store folded in, one launch less per layer): q, k and v are the new tokens
     before RoPE; every program rotates q in registers, and the split holding the new token (position
     seq_len - 1) rotates its k, stores k and v by slot (-1: not stored) and attends to them from registers, as

@@ -121,7 +121,8 @@ def call_plan(x: torch.Tensor, w: "W4A16Weights | FragWeights", silu_mul: bool =
     runtime = probed_runtime(x.device)
     m, k = x.shape
     if isinstance(w, FragWeights):
-        options = runtime.options
+        options = runtime.options if w.activation_dtype is None else \
+            replace(runtime.options, activation_dtype=w.activation_dtype)
         plan = plan_w4a16(m, k, w.out_features, runtime.caps, options, "frag", x.dtype, silu_mul,
                           tma_works_for(x, w), w.zp_mode, w.group_size)
         if plan.kernel == "w4a8" and not w4a8_works(x.device):     # its probe failed: x stays fp16

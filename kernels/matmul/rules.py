@@ -1,6 +1,6 @@
 """Measured W4A16 dispatch: which path and tile per (M, K, N), per GPU family.
 
-Tables come from bench/kernel_speed.py --tune on the GPU named in each entry (see bench/NOTES-kernels.md); shapes not
+Tables come from bench/kernel_speed.py --tune on the GPU named in each entry (see docs/kernels.md); shapes not
 in a table use the family's heuristic, whose constants were measured on the same runs.
 """
 from dataclasses import dataclass
@@ -24,7 +24,7 @@ def _c(path, bm=16, bn=128, sk=1, nw=4, ns=3, **variant) -> W4A16Config:
 
 
 # family -> heuristic constants and per-(K, N) lists of (largest M, config), M ascending. sm90: measured on an
-# H200 (bench/results/kernels-tune-h200.json, graph-timed sweep; bench/NOTES-kernels.md): the winners of every
+# H200 (bench/results/kernels-tune-h200.json, graph-timed sweep; docs/kernels.md): the winners of every
 # tuned point of the Qwen2.5-7B shapes (M in 1, 4, 16, 32, 64, 128, 256); the M=1 rows come from the later
 # single-launch / pipelined gemv sweep (bench/results/kernels-tune-gemv-h200.json, 379 candidates per shape).
 _SM90 = {

@@ -6,9 +6,11 @@ from torch import nn
 from quant_serve.kernels.norm_act import silu_and_mul
 from quant_serve.kernels.matmul.dispatch import prepare_kernel_weights, twin_args, w4a16_matmul
 from quant_serve.kernels.matmul.frag.layout import FragWeights
-from quant_serve.kernels.matmul.frag.kquant import kquant_scales_offsets, pack_sub_codes, pack_superscales
+from quant_serve.kernels.matmul.frag.kquant import (kquant_scales_offsets, merge_two_level, pack_sub_codes,
+                                                   pack_superscales)
 from quant_serve.kernels.matmul.reference import dequantize_w4, pack_int4_cols, pack_int4_rows, w4a16_matmul_ref
 from quant_serve.kernels.matmul.rows.layout import W4A16Weights
+from quant_serve.kernels.matmul.reference_int8 import act_group_size, w4a8_matmul_ref
 from quant_serve.quant.layers.dense import DenseLinear, check_float
 from quant_serve.quant.rtn import quantize_rtn
 
@@ -39,6 +41,7 @@ class QuantLinear(nn.Module):
             self.register_buffer(name, None)
         self.dummy_two_level = False       # init_dummy: GGUF Q4_K's two-level scales (set by GGUFConfig)
         self.packed: W4A16Weights | FragWeights | None = None   # the kernels' layout on CUDA (repacked at load)
+        self.act_scale: str | None = None  # None: activations in the model dtype; "token" / "group": int8 (W4A8)
 
     def load_shard(self, shard_id: int, tensors: dict[str, torch.Tensor], prefix: str) -> None:
         if not 0 <= shard_id < len(self.output_sizes):
@@ -90,18 +93,9 @@ class QuantLinear(nn.Module):
         self._shards = None
 
     def _set(self, shards: list) -> None:
-        """Concatenate converted shards along N into the layer's buffers. GGUF Q4_K shards keep their two-level
-        scales when all shards have them (the kernels read them; the CPU twin their fp32 products); a Q4_K shard
-        merged with another INT4 type becomes fp32 products."""
-        self.superscales = None
-        if any(s.superscales is not None for s in shards):
-            if all(s.superscales is not None for s in shards):
-                self.superscales = torch.cat([s.superscales for s in shards], dim=1)          # [G/8, N] int32
-            else:
-                for s in shards:
-                    if s.superscales is not None:
-                        s.scales, s.offsets = kquant_scales_offsets(s.scales, s.superscales)
-                        s.superscales = None
+        """Concatenate converted shards along N into the layer's buffers (GGUF Q4_K's two-level scales:
+        merge_two_level)."""
+        self.superscales = merge_two_level(shards)                                   # [G/8, N] int32 or None
         dtypes = {s.scales.dtype for s in shards}
         sdtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
         self.qweight = torch.cat([s.qweight for s in shards], dim=1)                 # [K/8, N]
@@ -209,13 +203,17 @@ class QuantLinear(nn.Module):
         scales, offsets = self.scales, self.offsets
         if self.superscales is not None:          # the CPU twin of Q4_K's two-level scales: their fp32 products
             scales, offsets = kquant_scales_offsets(scales, self.superscales)
+        if self.act_scale is not None:
+            return w4a8_matmul_ref(x, self.qweight, scales, self.qzeros, self.group_size,
+                                   act_group_size(self.act_scale, self.in_features, self.group_size), self.perm,
+                                   self.bias, offsets)
         return w4a16_matmul_ref(x, self.qweight, scales, self.qzeros, self.group_size, self.perm, self.bias, offsets)
 
     def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """As DenseLinear.forward_silu_mul; on the kernel layout the GEMV's split-K reduce applies it (one launch
         fewer per layer at decode)."""
         hooked = self._forward_hooks or self._forward_pre_hooks      # eval's per-layer error hooks see [T, N]
-        if self.parts is None and self.packed is not None and not hooked:
+        if self.parts is None and self.packed is not None and not hooked and self.act_scale is None:
             return w4a16_matmul(x, self.packed, bias=self.bias, silu_mul=True)
         return silu_and_mul(self(x))
 

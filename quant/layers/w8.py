@@ -11,9 +11,12 @@ from quant_serve.kernels.matmul.dispatch import w4a16_matmul
 from quant_serve.kernels.matmul.frag.layout import ZP_Q5, FragWeights
 from quant_serve.kernels.matmul.frag.q5k import frag5_dequantize_ref
 from quant_serve.kernels.matmul.frag.q6k import frag6_dequantize_ref
+from quant_serve.kernels.matmul.frag.kquant import kquant_scales_offsets
+from quant_serve.kernels.matmul.reference_int8_codes import w8_act_group_size, w8a8_matmul_ref
 from quant_serve.kernels.matmul.dispatch import prepare_q5k, prepare_q6k, w8a16_matmul
-from quant_serve.kernels.matmul.planes.q5k import Q5_GROUP, Q5KWeights, concat_q5k, pack_q5k, q5k_dequantize
-from quant_serve.kernels.matmul.planes.q6k import Q6_GROUP, Q6KWeights, concat_q6k, pack_q6k, q6k_dequantize
+from quant_serve.kernels.matmul.planes.q5k import Q5_GROUP, Q5KWeights, concat_q5k, pack_q5k, q5k_codes, q5k_dequantize
+from quant_serve.kernels.matmul.planes.q6k import (Q6_GROUP, Q6KWeights, concat_q6k, pack_q6k, q6k_codes, q6k_dequantize,
+                                           q6k_scales)
 from quant_serve.kernels.matmul.reference_planes import dequantize_w8
 from quant_serve.quant.layers.linear import gguf_kernel_scale_dtype, scale_dtype
 
@@ -59,6 +62,7 @@ class W8Linear(nn.Module):
         self.q6k_planes = False
         self.q5k_planes = False
         self.frag: FragWeights | None = None
+        self.act_scale: str | None = None     # None: activations in the model dtype; "token" / "group": int8 (W8A8)
         for name in ("qweight", "scales", "offsets", "superscales", "bias"):
             self.register_buffer(name, None)
 
@@ -183,6 +187,8 @@ class W8Linear(nn.Module):
         return dequantize_w8(self.qweight, self.scales, self.offsets, self.group_size).t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act_scale is not None:
+            return self._forward_int8(x)
         if self.frag is not None:
             return w4a16_matmul(x, self.frag, bias=self.bias)
         if self.superscales is not None:
@@ -191,6 +197,22 @@ class W8Linear(nn.Module):
 
     def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         return silu_and_mul(self(x))
+
+    def _forward_int8(self, x: torch.Tensor) -> torch.Tensor:
+        """The W8A8 twin over the layer's integer codes (Q5_K / Q6_K planes unpacked each call)."""
+        if self.frag is not None:
+            raise ValueError("int8 activations: no twin over the W4A16 fragment layout (CUDA); use the CPU path")
+        if self.superscales is None:
+            codes, scales, offsets, group = self.qweight, self.scales, self.offsets, self.group_size
+        elif self.q5k_planes:
+            w = self._native()
+            codes, group = q5k_codes(w), Q5_GROUP
+            scales, offsets = kquant_scales_offsets(w.sub_codes, w.superscales)
+        else:
+            w = self._native()
+            codes, scales, offsets, group = q6k_codes(w), q6k_scales(w), None, Q6_GROUP
+        act_group = w8_act_group_size(self.act_scale, self.in_features, group)
+        return w8a8_matmul_ref(x, codes, scales, offsets, group, act_group, self.bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, output_sizes={self.output_sizes}, group_size={self.group_size}, "

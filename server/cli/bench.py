@@ -74,7 +74,7 @@ def run_offline_cmd(args) -> int:
     engine = LLMEngine(config)
     result = {"metadata": _metadata(args), "model": engine.config.model,
               "quantization": engine.quant_config.describe() if engine.quant_config else "none",
-              "kv_cache_dtype": engine.config.cache.kv_cache_dtype,
+              "kv_cache_dtype": engine.config.cache.kv_cache_dtype, "activations": engine.activations.to_json(),
               "kv_cache_tokens": engine.block_manager.num_blocks * engine.config.cache.block_size}
     schemas = ["free-text", "fixed-keys"] if args.json_schema == "both" else [args.json_schema]
     if args.structured_outputs == "json-schema":

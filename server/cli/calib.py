@@ -1,19 +1,14 @@
 """Calibration text without a download: `quant-serve make-calib OUT.jsonl` writes a calibration file (stdlib
-docstrings, WordNet glosses, text sampled from a model), and `sample_token_windows` is `quant-serve quantize`'s
-default calibration: token windows sampled from the FP16 model itself ("self-calibration", no corpus needed)."""
-import gc
-import logging
+docstrings, WordNet glosses, text sampled from a model: engine/calib_samples.py, which also holds `quant-serve
+quantize`'s default calibration)."""
 import random
 import sys
 from pathlib import Path
 
 import torch
 
+from quant_serve.engine.calib_samples import model_samples
 from quant_serve.quant.calib_data import docstring_documents, wordnet_entries, write_calib_jsonl
-
-logger = logging.getLogger("quant_serve")
-
-EOT = "<|endoftext|>"
 
 
 def register(subparsers) -> None:
@@ -69,49 +64,3 @@ def chat_renderer(model_dir: str):
     tok = load_tokenizer(model_dir)
     return lambda q, a: tok.apply_chat_template([{"role": "user", "content": q},
                                                  {"role": "assistant", "content": a}], tokenize=False)
-
-
-def start_token(tok) -> int:
-    """Where a sampled document starts: BOS (Llama), else the document separator <|endoftext|> (Qwen), else EOS."""
-    if tok.bos_token_id is not None:
-        return tok.bos_token_id
-    if EOT in tok.get_vocab():
-        return tok.convert_tokens_to_ids(EOT)
-    if tok.eos_token_id is not None:
-        return tok.eos_token_id
-    raise ValueError("the tokenizer has no BOS, <|endoftext|> or EOS token to start sampled calibration text "
-                     "from; pass --calib FILE")
-
-
-def sample_token_windows(model_dir: str | Path, count: int, length: int, seed: int = 0, device: str = "auto",
-                         show_progress: bool = True) -> tuple[torch.Tensor, object]:
-    """count windows of `length` token ids: the start token, then length - 1 tokens sampled from the model at
-    temperature 1 (no top-k / top-p, EOS ignored), each window with its own seed drawn from `seed`.
-    -> ([count, length] int64, tokenizer). Deterministic for a given seed, torch build and device."""
-    from quant_serve.engine.config import BLOCK_SIZE, CacheConfig, EngineConfig, SchedulerConfig
-    from quant_serve.engine.llm_engine import LLMEngine
-    from quant_serve.engine.sampling_params import SamplingParams
-    if count < 1 or length < 2:
-        raise ValueError(f"calibration needs at least one window of two tokens, got {count} x {length}")
-    blocks = count * -(-length // BLOCK_SIZE)
-    engine = LLMEngine(EngineConfig(model=str(model_dir), device=device, enforce_eager=True, max_model_len=length,
-                                    cache=CacheConfig(num_gpu_blocks=blocks),
-                                    scheduler=SchedulerConfig(max_num_seqs=count)), show_progress=False)
-    tok = engine.tokenizer
-    start = start_token(tok)
-    rng = random.Random(seed)
-    params = [SamplingParams(max_tokens=length - 1, temperature=1.0, seed=rng.randrange(2**31), ignore_eos=True)
-              for _ in range(count)]
-    outputs = engine.generate([[start]] * count, params, use_tqdm=show_progress)
-    windows = torch.tensor([[start, *o.outputs[0].token_ids] for o in outputs], dtype=torch.int64)
-    del engine, outputs
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()            # the FP16 model and its KV cache go back before quantizing
-    return windows, tok
-
-
-def model_samples(model_dir: str, count: int, length: int, seed: int = 0, device: str = "auto") -> list[str]:
-    """Documents sampled from the model, decoded with their special tokens (make-calib --samples-from)."""
-    windows, tok = sample_token_windows(model_dir, count, length + 1, seed, device)
-    return [tok.decode(w[1:].tolist(), skip_special_tokens=False) for w in windows]

@@ -6,6 +6,14 @@ import json
 
 from quant_serve.engine.config import (OFFLINE_BATCHED_TOKENS, SERVE_BATCHED_TOKENS, SPEC_DISABLE_BATCH_SIZE,
                                        CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig)
+from quant_serve.kernels.gpu import ACTIVATION_DTYPES, KernelOptions
+from quant_serve.kernels.matmul.reference_int8 import ACT_SCALES
+
+ACTIVATION_HELP = ("activations of the quantized layers: fp16 (W4A16 / W8A16), int8 (quantized on the fly: W4A8 / "
+                   "W8A8; for now on the CPU path's torch twins only), auto (int8 only where the weight format met "
+                   "the accuracy gate of kernels/matmul/int8/eligibility.py); the start-up log names what each layer runs")
+ACT_SCALE_HELP = ("int8 activations: one scale per token (token) or per token and weight group (group: finer, "
+                  "GGUF's groups of 32 as llama.cpp's Q8_1)")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -63,6 +71,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
                    help="fraction of the card's memory the engine may plan for")
     p.add_argument("--kv-cache-dtype", default="auto",
                    choices=["auto", "fp16", "bf16", "fp8", "fp8_e4m3", "fp8_e5m2"])
+    p.add_argument("--activation-dtype", default="auto", choices=ACTIVATION_DTYPES, help=ACTIVATION_HELP)
+    p.add_argument("--act-scale", default="group", choices=ACT_SCALES, help=ACT_SCALE_HELP)
     p.add_argument("--gpu-memory-gb", type=float, default=None,
                    help="plan for (and cap the allocator at) a card of this many GiB, e.g. 24 to emulate a 24 GB card")
     p.add_argument("--kv-cache-memory-gb", type=float, default=None,
@@ -153,4 +163,5 @@ def engine_config_from_args(args) -> EngineConfig:
                           kv_scale_source=args.kv_scale_source, cpu_kv_gb=args.cpu_kv_gb),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=batched_tokens(args),
                                   enable_chunked_prefill=args.enable_chunked_prefill),
+        kernels=KernelOptions(activation_dtype=args.activation_dtype, act_scale=args.act_scale),
         speculative=speculative_config_from_args(args))

@@ -13,13 +13,21 @@ EPILOG = """examples:
   quant-serve eval --reference FP16_DIR --model AWQ_DIR --model GPTQ_DIR --data heldout.txt --out report/
   quant-serve eval --reference FP16_DIR --kv-cache-dtype fp8 --data heldout.txt --json
   quant-serve eval --reference AWQ_DIR --kv-cache-dtype fp8 --data heldout.txt   # FP8 KV on the INT4 weights
+  quant-serve eval --reference FP16_DIR --model AWQ_DIR --activation-dtype fp16 int8 --act-scale token group \
+      --data heldout.txt --device cpu      # W4A16 against int8 activations per token / per group, same weights
+  quant-serve eval --reference AWQ_DIR --activation-dtype int8 --data heldout.txt --device cpu
 --kv-cache-dtype adds one candidate: the reference's own weights with that KV cache, so the comparison isolates
 the KV cache (pass a quantized model as --reference to measure FP8 KV on its weights).
+--activation-dtype runs each --model once per activation path; without --model the reference's own weights run
+its int8 paths against the reference's fp16 activations (the gate's [activations] limits; the reference always
+runs fp16 activations). int8 activations run on the CPU path (torch twins of the W4A8 / W8A8 kernels).
 The text in --data must be held out from calibration and training. The reference's log-probabilities of every
 scored token are spilled to a temporary file (tokens x vocab x 4 bytes; --work-dir picks where)."""
 
 
 def register(subparsers) -> None:
+    from quant_serve.kernels.gpu import ACTIVATION_DTYPES
+    from quant_serve.kernels.matmul.reference_int8 import ACT_SCALES
     p = subparsers.add_parser("eval", help="compare quantized models with a reference: perplexity, KLD, tasks",
                               description=__doc__, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", action="append", default=[], metavar="DIR",
@@ -42,6 +50,12 @@ def register(subparsers) -> None:
     p.add_argument("--stride", type=int, default=None, help="window start spacing (default: the context length)")
     p.add_argument("--layer-windows", type=int, default=4,
                    help="windows of activations for the per-layer error (0 skips it; default 4)")
+    p.add_argument("--activation-dtype", nargs="+", default=["auto"], choices=ACTIVATION_DTYPES, metavar="DTYPE",
+                   help="activation paths to evaluate each candidate under (auto, fp16, int8; several give one "
+                        "candidate each, e.g. fp16 int8); the report names what each candidate's layers ran "
+                        "(default: auto)")
+    p.add_argument("--act-scale", nargs="+", default=["group"], choices=ACT_SCALES, metavar="SCALE",
+                   help="int8 activation scales: token, group, or both for one candidate each (default: group)")
     p.add_argument("--quantize-lm-head", action="store_true",
                    help="also evaluate each --model with serve's --quantize-lm-head (an INT4 g128 head at load)")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
@@ -61,7 +75,8 @@ def config_from_args(args):
                       kv_cache_dtype=args.kv_cache_dtype, kv_scale_source=args.kv_scale_source, tasks=tasks,
                       task_limit=args.task_limit, max_tokens=args.max_tokens, context_len=args.context_len,
                       stride=args.stride or args.context_len, layer_windows=args.layer_windows, device=args.device,
-                      dtype=args.dtype, work_dir=args.work_dir, quantize_lm_head=args.quantize_lm_head)
+                      dtype=args.dtype, work_dir=args.work_dir, quantize_lm_head=args.quantize_lm_head,
+                      activation_dtypes=list(args.activation_dtype), act_scales=list(args.act_scale))
 
 
 def command_args(cfg, args) -> list[str]:
@@ -77,6 +92,8 @@ def command_args(cfg, args) -> list[str]:
         out += ["--task-limit", str(cfg.task_limit)]
     if cfg.quantize_lm_head:
         out += ["--quantize-lm-head"]
+    if cfg.activation_dtypes != ["auto"] or cfg.act_scales != ["group"]:
+        out += ["--activation-dtype", *cfg.activation_dtypes, "--act-scale", *cfg.act_scales]
     out += ["--max-tokens", str(cfg.max_tokens), "--context-len", str(cfg.context_len), "--stride", str(cfg.stride),
             "--layer-windows", str(cfg.layer_windows), "--device", cfg.device, "--dtype", cfg.dtype]
     if args.gate:

@@ -7,15 +7,15 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from quant_serve.engine.calib_samples import CPU_WINDOWS, GPU_WINDOWS, default_windows, sample_token_windows
 from quant_serve.engine.load.checkpoint import INDEX, check_finite, list_weight_files, read_tensor_names
 from quant_serve.engine.load.loader import load_model_config
 from quant_serve.engine.models.dense_calib import DenseCalibModel
-from quant_serve.quant.awq import AWQSettings
+from quant_serve.quant.awq import CPU_SEARCH_TOKENS, AWQSettings, default_search_tokens
 from quant_serve.quant.calib import EOT, calib_tokens, read_calib_file
 from quant_serve.quant.gptq import GPTQSettings
 from quant_serve.quant.output import check_output_dir
 from quant_serve.quant.quantize import FORMATS, METHODS, QuantizeConfig, SourceModel, quantize_model
-from quant_serve.server.cli.calib import sample_token_windows
 
 logger = logging.getLogger("quant_serve")
 
@@ -25,6 +25,7 @@ CALIB_HELP = ("plain text (documents separated by blank lines or <|endoftext|>) 
               "e.g. from `quant-serve make-calib calib.jsonl`; default: --calib-samples sequences of --calib-seq-len "
               "tokens sampled from the model itself (temperature 1, --calib-seed); quant-serve never downloads "
               "calibration data")
+FILE_WINDOWS = (128, 512)           # windows cut from a --calib file when --calib-samples / --calib-seq-len are unset
 
 
 def register(subparsers) -> None:
@@ -41,10 +42,18 @@ def register(subparsers) -> None:
     p.add_argument("--format", choices=FORMATS, default=None,
                    help="checkpoint format (default: awq for asym rtn/awq, gptq for sym, gptq_v2 for asym gptq)")
     p.add_argument("--calib", default=None, metavar="FILE", help="calibration text (awq, gptq): " + CALIB_HELP)
-    p.add_argument("--calib-samples", type=int, default=128, help="calibration windows")
-    p.add_argument("--calib-seq-len", type=int, default=512, help="tokens per calibration window")
+    p.add_argument("--calib-samples", type=int, default=None,
+                   help=f"calibration windows (default: {FILE_WINDOWS[0]} from --calib; sampled from the model: "
+                        f"{GPU_WINDOWS.count} on CUDA, {CPU_WINDOWS.count} on the CPU)")
+    p.add_argument("--calib-seq-len", type=int, default=None,
+                   help=f"tokens per calibration window (default: {FILE_WINDOWS[1]} from --calib; sampled from the "
+                        f"model: {GPU_WINDOWS.length} on CUDA, {CPU_WINDOWS.length} on the CPU)")
     p.add_argument("--calib-seed", type=int, default=0, help="seed of the calibration text sampled from the model "
                                                              "(without --calib)")
+    p.add_argument("--awq-search-tokens", type=int, default=None,
+                   help="awq: calibration tokens (whole windows) each candidate scale is scored on through the "
+                        f"attention and the MLP (default: {AWQSettings.search_tokens} on CUDA, {CPU_SEARCH_TOKENS} "
+                        "on the CPU)")
     p.add_argument("--act-order", action="store_true", help="gptq: quantize columns by descending Hessian diagonal")
     p.add_argument("--static-groups", action="store_true",
                    help="gptq --act-order: keep groups in the original order (g_idx = k // G; vLLM-friendly)")
@@ -64,8 +73,9 @@ def register(subparsers) -> None:
 
 def cmd_quantize(args) -> int:
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    search_tokens = default_search_tokens(device) if args.awq_search_tokens is None else args.awq_search_tokens
     cfg = QuantizeConfig(method=args.method, group_size=args.group_size, sym=args.sym, format=args.format,
-                         device=device, awq=AWQSettings(), lm_head=args.lm_head,
+                         device=device, awq=AWQSettings(search_tokens=search_tokens), lm_head=args.lm_head,
                          gptq=GPTQSettings(damp_percent=args.damp_percent, act_order=args.act_order,
                                            static_groups=args.static_groups))
     sym, fmt = cfg.resolved()
@@ -77,12 +87,16 @@ def cmd_quantize(args) -> int:
     calib = None
     if args.method != "rtn" or args.kv_scales:
         if args.calib is None:
-            calib, _ = sample_token_windows(model_dir, args.calib_samples, args.calib_seq_len, args.calib_seed,
-                                            device)
+            default = default_windows(device)
+            count = default.count if args.calib_samples is None else args.calib_samples
+            length = default.length if args.calib_seq_len is None else args.calib_seq_len
             logger.info("calibration: %d sequences x %d tokens sampled from the model (seed %d); pass --calib FILE "
-                        "for your own data", calib.shape[0], calib.shape[1], args.calib_seed)
+                        "for your own data", count, length, args.calib_seed)
+            calib, _ = sample_token_windows(model_dir, count, length, args.calib_seed, device)
         else:
-            calib = tokenize_calib(model_dir, args.calib, args.calib_samples, args.calib_seq_len)
+            calib = tokenize_calib(model_dir, args.calib,
+                                   FILE_WINDOWS[0] if args.calib_samples is None else args.calib_samples,
+                                   FILE_WINDOWS[1] if args.calib_seq_len is None else args.calib_seq_len)
             logger.info("calibration: %d windows of %d tokens from %s", calib.shape[0], calib.shape[1], args.calib)
     logger.info("quantizing %s with %s (%s, group %d) on %s into %s format", model_dir, args.method,
                 "sym" if sym else "asym", args.group_size, device, fmt)

@@ -46,6 +46,21 @@ def kquant_scales_offsets(sub_codes: torch.Tensor, superscales: torch.Tensor) ->
     return d * (codes & 0xFF).float(), -(dmin * ((codes >> 8) & 0xFF).float())
 
 
+def merge_two_level(shards: list) -> torch.Tensor | None:
+    """The super-scales of a merged layer's shards (objects with scales, offsets, superscales): concatenated
+    along N [G/8, N] where every shard is Q4_K (the kernels read them), else None, and each Q4_K shard's scales and
+    offsets become their fp32 products in place (merged with another INT4 type)."""
+    if all(s.superscales is None for s in shards):
+        return None
+    if all(s.superscales is not None for s in shards):
+        return torch.cat([s.superscales for s in shards], dim=1)
+    for s in shards:
+        if s.superscales is not None:
+            s.scales, s.offsets = kquant_scales_offsets(s.scales, s.superscales)
+            s.superscales = None
+    return None
+
+
 def check_kquant(sub_codes: torch.Tensor, superscales: torch.Tensor) -> None:
     if sub_codes.dtype != torch.int16 or superscales.dtype != torch.int32:
         raise ValueError(f"k-quant scales must be int16 sub-codes and int32 super-scales, got {sub_codes.dtype} "

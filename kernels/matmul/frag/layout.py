@@ -58,6 +58,9 @@ class FragWeights:
     superscales: torch.Tensor | None = None   # int32 [G/8, N] (Q4_K's d | dmin); scales are then int16 sub-codes
     hi: torch.Tensor | None = None            # int32 [N/16, Kp/64 * 64]: Q6_K's top 2 bits (frag6.py); Q5_K's
     #                                           top bit [N/16, Kp/64 * 32] with int32 (s, o) scales (frag5.py)
+    # this layer's activation choice where it differs from KernelOptions.activation_dtype: "fp16" where its weight
+    # format has not met the int8 accuracy gate (quant/activations.py), None: the runtime's options
+    activation_dtype: str | None = None
 
     @property
     def zp_mode(self) -> int:

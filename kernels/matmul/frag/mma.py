@@ -63,7 +63,7 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
     PDL (kernels/pdl.py): the first step's weights (two steps with wgmma) are requested before the previous kernel
     has finished; x, the workspace and the counters only after the wait. The next kernel is let in after the main
     loop: let in at the top, a matmul's successors launched ahead and competed with it for DRAM (entry 13 of
-    bench/NOTES-kernels.md, as did prefetching more steps into the L2).
+    the lab log, as did prefetching more steps into the L2).
     RESIDUAL (the decode step's RMSNorm folded into its neighbours, `w4a16_mma`): out = round(y) + r, rounded as
     torch's add, and ss[m, pid_n] = the tile's sum of out^2 (fp32). NORM (M = 1, x staged): x is such a sum's
     stream h; the staged x is RMSNorm(h) * g with the variance summed from ss[0, :ss_count]. MERGE_SPLITS (M = 1,
@@ -108,7 +108,7 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
             x_flat = gl.allocate_shared_memory(gl.float16, [X_STEPS * BLOCK_K], _ROW1)
         # the weight loads of a step (words, scales, zero points; DRAM) are issued one step ahead of their use, so
         # the dequant and MMA of step i overlap the memory latency of step i + 1 (the last step loads itself again;
-        # two steps ahead measured no faster: bench/NOTES-kernels.md entry 12); x (small, cache-resident) is staged
+        # two steps ahead measured no faster: lab log entry 12); x (small, cache-resident) is staged
         # once (M = 1, 64 columns), copied two steps ahead (M > 1) or loaded at the top of its own step
         s_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
         if SWIGLU:
@@ -121,7 +121,7 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
                         GROUP, ZP_MODE, EVEN_N, SCALE_AFTER, BLOCK_K)
         if PRELOAD:
             # a split of at most four steps (qkv and o at M = 1): all its weights are requested before the wait,
-            # while the previous kernel finishes (batch-1 step -1.2%, bench/NOTES-kernels.md entry 23; the first
+            # while the previous kernel finishes (batch-1 step -1.2%, lab log entry 23; the first
             # four of longer splits, down and gate_up, took registers enough to cost them their one wave: +4-6%)
             p1 = _mma_load(gl.minimum(it0 + 1, it1 - 1), w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,
                            s_rows, stride_sg, stride_zg, GROUP, ZP_MODE, EVEN_N, SCALE_AFTER, BLOCK_K)
@@ -151,7 +151,7 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, bias
                     xv = _rms_normed(xv, gamma, ss_ptr, ss_count, eps, K, SS_P2, num_warps)
                 x_flat.store(xv)
             # one barrier here, or Triton's membar analysis puts one into every step of the loop (the store's
-            # pending write joins the loop header): batch-1 step 1.713 -> 1.700 ms, five rounds (entry 24);
+            # pending write joins the loop header; docs/kernels.md, "one x barrier");
             # X_ONCE False keeps the per-step one (mma_variant: long K)
             if X_ONCE:
                 _cta_barrier()
@@ -290,7 +290,7 @@ def w4a16_mma(x: torch.Tensor, fw: FragWeights, bias: torch.Tensor | None = None
     """x fp16 [M, K] (already permuted for act-order; M <= 64, any M with wgmma: 128-row tiles) -> [M, N], or
     [M, N/2] = silu(gate) * up. wgmma needs block_n % (16 * num_warps) == 0 with 4 or 8 warps (64 rows per
     warpgroup). scale_after (mma.sync, where a step lies inside one scale group): scales multiply each step's fp32
-    partial, not each weight (M=1 gate_up 25.2 -> 23.0 us, bench/results/exp-mma-variants-h200.json).
+    partial, not each weight (faster at M = 1: docs/kernels.md, "scale_after").
     The decode step's RMSNorm folded into its neighbours (M = 1): residual [M, N] -> (h, ss): h = y + residual
     rounded as the unfused pair rounds, ss [M, tiles] fp32 its sums of squares by output tile; norm (x is such an h,
     x staged: M = 1 and 64-column tiles): the matmul of RMSNorm(x) * norm.weight. max_regs: ptxas's register cap

@@ -1,10 +1,9 @@
 """The mma.sync steps of the Gluon W4A16 matmul (kernels/matmul/frag/mma.py): a step's weight loads, its dequant + MMA,
 and the M > 1 loop over x tiles copied into three shared buffers.
 
-Measured and not kept (bench/results/exp-ring-ab-h200.json): the M > 1 loop with its load pointers carried from
-step to step and its unrolled steps unconditional. Offline it ran 153 instructions a step at M = 16 (161 here) in
-78 registers (96), but its weight loads had to go after the step's barrier (before it, ptxas hoists them a step
-further: 138 registers), and the M = 2..16 sums ran 13-19% slower (M = 16: 68.7 against 57.7 us).
+Measured and not kept (docs/kernels.md, "carried load pointers"): the M > 1 loop with its load pointers carried
+from step to step and its unrolled steps unconditional: fewer instructions and registers, but its weight loads had
+to go after the step's barrier, and it ran slower at M = 2..16.
 """
 from quant_serve.kernels.triton_compat import gl, gluon, async_copy, mma_v2
 from quant_serve.kernels.matmul.frag.tiles import _dequant_step, _load_step

@@ -10,12 +10,12 @@ consumer, two programs share an SM (128 registers a thread); with two, one progr
 consumer may overlap (`overlap`): each step's dequant runs beside the previous step's wgmma, whose A tile stays
 live in a second register set until a wait(1) retires it (ptxas keeps the wgmmas asynchronous there; in a
 consumer that is a worker partition, as the second of two is, it serializes them for want of registers, C7512).
-Why this shape (bench/NOTES-kernels.md entries 12, 15, 17): the register-fed loop of w4a16_mma had one DRAM round
+Why this shape (lab log entries 12, 15, 17): the register-fed loop of w4a16_mma had one DRAM round
 trip a step in its critical path (latency-bound at 128 rows); the older warp-specialized kernel copied x by cp.async
 from four producer warps, whose copies for every narrow tile bound it. Here a copy is one instruction, as many steps
 ahead as the ring has stages, and the scales (one row a group) are the only loads the consumers issue, two steps
 ahead.
-The grid is persistent (stream-K, bench/NOTES-kernels.md entry 26): whole tiles in waves of the resident programs,
+The grid is persistent (stream-K, lab log entry 26): whole tiles in waves of the resident programs,
 then the tiles of the last, partial wave cut by K steps over all of them (equal ranges a tile where that fills the
 SMs, else even spans across tiles; kernels/matmul/streamk.py), their fp32 partials summed in fixed order. A grid of
 one program a tile left a quarter to half of the SMs idle in its last wave (gate_up at M = 64: 59 us; 41 now).
@@ -107,7 +107,7 @@ def _tma_step(acc, g, it, r, k1, w_ring, x_ring, ready, empty, s_ptr, z_ptr, n_l
               BLOCK_K: gl.constexpr, STAGES: gl.constexpr, A_L: gl.constexpr, WL: gl.constexpr, SL: gl.constexpr):
     """Step `it`, its wgmma waited for at once, its stage freed. -> (acc, the group rows of step it + 2).
     Without the overlap the other warpgroup, or the SM's other program, fills the tensor cores during a dequant.
-    (The A tile through a shared double buffer measured slower at every shape: bench/NOTES-kernels.md entry 25;
+    (The A tile through a shared double buffer measured slower at every shape: lab log entry 25;
     the two consumers' wgmmas in turn, by mbarriers, slower at 19 of 20 points: exp-tma-pingpong-h200.json.)"""
     acc, a, g = _tma_issue(acc, g, it, r, k1, w_ring, x_ring, ready, s_ptr, z_ptr, n_lo, n_hi, k_in, stride_sg,
                            stride_zg, WG, GROUP, ZP_MODE, HALF, BLOCK_K, STAGES, A_L, WL, SL)
@@ -153,7 +153,7 @@ def _consume(tile, k0, k1, r, seg, nseg, t_sk, w_ring, x_ring, ready, empty, s_p
     acc = gl.zeros([HALF, BLOCK_M], gl.float32, MMA)
     # two sets of scale / zero rows (the loop unrolled twice), each loaded two steps before its use into the
     # registers its last use just freed: a loop carrying one set would move it at the step's end, and the move
-    # waits for the load (a round trip a step; four sets measured the same as two: bench/NOTES-kernels.md entry 25)
+    # waits for the load (a round trip a step; four sets measured the same as two: lab log entry 25)
     g_even = _load_group(k0 * BLOCK_K, s_ptr, z_ptr, n_lo, n_hi, k_in, stride_sg, stride_zg, GROUP, ZP_MODE)
     g_odd = _load_group(gl.minimum(k0 + 1, k1 - 1) * BLOCK_K, s_ptr, z_ptr, n_lo, n_hi, k_in, stride_sg, stride_zg,
                         GROUP, ZP_MODE)

@@ -33,8 +33,7 @@ def _wgmma_steps(acc, x_ptrs, m_mask, it0, it1, w_ptr, s_ptr, z_ptr, offs, w_mas
     A_SMEM (above 64 rows of x): the dequantized tile through a shared double buffer, so wgmma(i) runs during
     step i + 1's dequant (each warpgroup writes and reads only its own 64 rows: its own wait(1) frees its half);
     x^T in a triple buffer (x(i + 1) is copied while the other warpgroup's wgmma(i - 1) may still read x(i - 1)).
-    64 KB of shared memory and the stores: faster at M = 128 (gate_up 116 -> 109 us, down 59 -> 52), slower at
-    M <= 64 (gate_up 62.5 -> 67.5; bench/results/exp-mma-ss-h200.json)."""
+    64 KB of shared memory and the stores: faster at M = 128, slower at M <= 64 (docs/kernels.md, "A_SMEM")."""
     p0 = _load_step(it0 * BLOCK_K, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in, stride_sg, stride_zg, GROUP,
                     ZP_MODE, EVEN_N)
     p1 = _load_step(gl.minimum(it0 + 1, it1 - 1) * BLOCK_K, w_ptr, s_ptr, z_ptr, offs, w_mask, n_lo, n_hi, k_in,

@@ -12,10 +12,10 @@ from quant_serve.kernels.matmul.frag.layout import ZP_INT4, ZP_NONE
 # the fragment layout, groups a multiple of 64 rows (or one group)
 W4A8_ZP_MODES = {ZP_INT4: "INT4 zero points (AWQ, GPTQ, compressed-tensors)", ZP_NONE: "symmetric INT4"}
 
-# THE ACCURACY GATE: the weight formats whose int8-activation accuracy passed (eval against the fp16-activation
-# path), the only ones `activation_dtype="auto"` gives int8 activations. "int8" runs any format in W4A8_ZP_MODES.
-# INT4 zero points / symmetric with per-group activation scales: provisional, pending the accuracy report.
-W4A8_AUTO_FORMATS: frozenset[int] = frozenset({ZP_INT4, ZP_NONE})
+# The accuracy half of "auto" is kernels/matmul/int8/eligibility.py, per weight format: quant/activations.py sets
+# FragWeights.activation_dtype = "fp16" on the layers whose format has not met the gate, so that this plan sees
+# "auto" only where int8 activations are accurate enough and decides by speed alone. "int8" runs any format in
+# W4A8_ZP_MODES.
 
 # GPU family -> the M band (lo, hi) where "auto" takes W4A8, from bench/w4a8_speed.py readings only. Families
 # without an entry never take it on "auto". Empty: no GPU run of the W4A8 kernels exists yet.
@@ -73,7 +73,7 @@ def select_w4a8_config(m: int, k: int, n: int, sms: int, act_scale: str = "group
 def plan_w4a8(m: int, k: int, n: int, caps: GPUCaps, options: KernelOptions, zp_mode: int,
               group_size: int) -> tuple[W4A8Config | None, str]:
     """(the tile, why) where this call's x goes to int8 (options.activation_dtype "int8" wherever the kernel reads
-    the weights; "auto" in W4A8_AUTO_M's band for formats in W4A8_AUTO_FORMATS), else (None, why not where "int8"
+    the weights; "auto" in W4A8_AUTO_M's band), else (None, why not where "int8"
     was asked for, or "")."""
     if options.activation_dtype == "fp16":
         return None, ""
@@ -85,9 +85,9 @@ def plan_w4a8(m: int, k: int, n: int, caps: GPUCaps, options: KernelOptions, zp_
         why = "activation_dtype int8"
     else:
         band = W4A8_AUTO_M.get(caps.family)
-        if why_not or band is None or zp_mode not in W4A8_AUTO_FORMATS or not band[0] <= m <= band[1]:
+        if why_not or band is None or not band[0] <= m <= band[1]:
             return None, ""
-        why = f"M >= {band[0]} on {caps.family}: int8 tensor cores beat fp16 ones (w4a8.rules W4A8_AUTO_M)"
+        why = f"M >= {band[0]} on {caps.family}: int8 tensor cores beat fp16 ones (int8/rules.py W4A8_AUTO_M)"
     cfg = select_w4a8_config(m, k, n, caps.sms, options.act_scale)
     return cfg, (f"{why}: x quantized to int8 (a scale per {options.act_scale}), int8 mma.sync over the fragment "
                  f"layout, {cfg.split_k} K split(s) for {caps.sms} SMs")
