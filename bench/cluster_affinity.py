@@ -1,5 +1,5 @@
 """Prefix-cache hit rate with prefix-affinity routing against round-robin when each replica's KV cache holds only
-its share of the system prompts (tests/test_cluster.py measures the case where every cache holds them all). A local
+its share of the system prompts (tests/server/cluster/test_cluster.py measures the case where every cache holds them all). A local
 Ray instance, the demo model on CPU; P system prompts x U users in a shuffled order, one request at a time; the hit
 rate is over the prompt tokens that could hit (each system prompt's shared full blocks, in every request after its
 first).

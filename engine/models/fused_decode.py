@@ -13,7 +13,7 @@ A Llama-style layer (ModelConfig.llama_block) at one token a step reads, per lay
 Against DecoderModel.forward's path this is two norm launches and one merge launch a layer fewer, with the same
 roundings (the variance is summed in another order, fp32). The kernels are kernels/matmul/frag/fold.py's launchers of the
 mma kernel; on CPU, or where a layer's layout cannot fold, their torch twins run, so the order of operations is
-testable anywhere (tests/test_fold_norm.py). QuantLinear knows nothing of this: it loads and does a plain forward.
+testable anywhere (tests/kernels/test_fold_norm.py). QuantLinear knows nothing of this: it loads and does a plain forward.
 """
 import weakref
 

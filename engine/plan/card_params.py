@@ -1,5 +1,5 @@
 """The card model's fitted constants (engine/plan/card_model.py), written by
-`python -m quant_serve.engine.plan.card_refit bench/results --write`; tests/test_card_model.py refits them
+`python -m quant_serve.engine.plan.card_refit bench/results --write`; tests/engine/plan/test_card_model.py refits them
 from the committed runs named in each `source`."""
 from quant_serve.engine.plan.card_step import CardParams
 

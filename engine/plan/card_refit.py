@@ -112,7 +112,7 @@ def _fmt(p: CardParams) -> str:
 def params_source(fits: dict) -> str:
     body = ",\n".join(f'    "{plan}": {_fmt(p)}' for plan, (p, _, _) in fits.items())
     return (f'"""The card model\'s fitted constants (engine/plan/card_model.py), written by\n'
-            f'`python -m quant_serve.engine.plan.card_refit bench/results --write`; tests/test_card_model.py refits them\n'
+            f'`python -m quant_serve.engine.plan.card_refit bench/results --write`; tests/engine/plan/test_card_model.py refits them\n'
             f'from the committed runs named in each `source`."""\n'
             f"from quant_serve.engine.plan.card_step import CardParams\n\n"
             f"FITTED = {{\n{body},\n}}\n")

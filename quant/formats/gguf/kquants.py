@@ -1,6 +1,6 @@
 """A small quantizer for the GGUF K-quants Q4_K, Q5_K and Q6_K (the `gguf` package dequantizes them but does not
 quantize): round-to-nearest per sub-block, sub-scales rounded against the super-block's fp16 scale. It writes the
-exact byte layout llama.cpp reads (checked against gguf.quants.dequantize in tests/test_gguf_types.py); it does
+exact byte layout llama.cpp reads (checked against gguf.quants.dequantize in tests/quant/test_gguf_types.py); it does
 not search scales as llama.cpp's quantizer does, so its error is somewhat larger. For fixtures and dummy weights."""
 import numpy as np
 from gguf import GGMLQuantizationType as T

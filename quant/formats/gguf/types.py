@@ -14,7 +14,7 @@ group of the internal layouts (groups along K, one per output column n):
   Q6_K  (256: 128 B low, 64 B high, 16 int8 scales, fp16 d)  W = (d sc) (q - 32) per 16 -> W8, group 16
   F32 / F16 / BF16                               dense
 Each product d * sc and each q * scale is exact in fp32 (at most 21 significant bits), so W = q * s + o rounds once,
-as gguf.quants.dequantize does: the conversion is bit-exact on the dequantized weights (tests/test_gguf_types.py).
+as gguf.quants.dequantize does: the conversion is bit-exact on the dequantized weights (tests/quant/test_gguf_types.py).
 """
 from dataclasses import dataclass
 

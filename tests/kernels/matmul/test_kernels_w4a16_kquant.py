@@ -179,7 +179,7 @@ def test_gluon_kquant_kernels_compile_for_sm90_without_spills():
     """Offline (the wheel's ptxas, no GPU): the k-quant mode of every fragment kernel the plan can pick compiles,
     its dequantized words stay the MMA's A operand (the trivial-layout assertion), tensor-core MMAs, no spills."""
     from kernel_helpers import compiled_in_fresh_process
-    res = compiled_in_fresh_process("tests.test_kernels_w4a16_kquant", "compile_kquant_cases")
+    res = compiled_in_fresh_process("tests.kernels.matmul.test_kernels_w4a16_kquant", "compile_kquant_cases")
     for name in ("qkv-1", "down-1", "qkv-16", "residual-o-1"):
         assert res[name]["hmma"] and res[name]["stack"] == 0, (name, res[name])
     assert res["wgmma-32"]["hgmma"] and res["wgmma-32"]["stack"] == 0, res["wgmma-32"]

@@ -113,7 +113,7 @@ def compile_q5_kernels_sm90() -> dict:
 
 def test_q5_kernels_compile_for_sm90_without_spills():
     from kernel_helpers import compiled_in_fresh_process
-    res = compiled_in_fresh_process("tests.test_kernels_w8a16_q5k", "compile_q5_kernels_sm90")
+    res = compiled_in_fresh_process("tests.kernels.matmul.test_kernels_w8a16_q5k", "compile_q5_kernels_sm90")
     assert all(r["stack"] == 0 for r in res.values()), res
     print({name: r["regs"] for name, r in res.items()})
 

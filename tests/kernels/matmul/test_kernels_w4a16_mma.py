@@ -383,7 +383,7 @@ def test_gluon_kernels_compile_for_sm90_without_spills():
     trivial-layout assertion holds), tensor-core MMAs, no spills, ldmatrix for x (staged in shared memory at M = 1
     with 64-column tiles, a tile per step above M = 1; the weights never go through shared memory), 16-byte stores
     of the dense rows in the dequantize kernel."""
-    res = compiled_in_fresh_process("tests.test_kernels_w4a16_mma", "compile_cases")
+    res = compiled_in_fresh_process("tests.kernels.matmul.test_kernels_w4a16_mma", "compile_cases")
     for m, k, n in COMPILE_CASES:
         r = res[f"{m}-{k}-{n}"]
         assert r["hmma"] and r["stack"] == 0 and r["ldsm"], (m, k, n, r)

@@ -8,7 +8,7 @@ import yaml
 
 from quant_serve.server.cluster.deploy import args_from_config
 
-CONFIG = Path(__file__).resolve().parents[1] / "docs" / "cluster.yaml"
+CONFIG = Path(__file__).resolve().parents[3] / "docs" / "cluster.yaml"
 
 
 def test_the_documented_config_reads_as_serve_flags():

@@ -131,7 +131,7 @@ def compile_row_kernels_sm90() -> dict:
 
 def test_row_kernels_of_the_new_modes_compile_for_sm90_without_spills():
     from kernel_helpers import compiled_in_fresh_process
-    res = compiled_in_fresh_process("tests.test_kernels_w8a16_q6k", "compile_row_kernels_sm90")
+    res = compiled_in_fresh_process("tests.kernels.matmul.test_kernels_w8a16_q6k", "compile_row_kernels_sm90")
     for name, r in res.items():
         # the row-layout GEMM (bf16 models and fallbacks) spills at this tile with float offsets too (592 bytes
         # against 656 here, Triton 3.9): compiled is what is checked there

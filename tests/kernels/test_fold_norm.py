@@ -1,7 +1,7 @@
 """The decode step's RMSNorms folded into the INT4 matmuls around them (batch 1 on CUDA): o_proj / down_proj add the
 residual and leave the stream's sums of squares by 64 columns, qkv_proj / gate_up_proj normalize the stream as they
 stage it. On CPU: the twins against rms_norm_ref, and the decoder's folded path (forced, on the twins) against its
-plain path. The kernels themselves: tests/test_kernels_w4a16_mma.py (GPU) and tests/test_engine_gpu.py."""
+plain path. The kernels themselves: tests/kernels/matmul/test_kernels_w4a16_mma.py (GPU) and tests/engine/worker/test_engine_gpu.py."""
 import pytest
 import torch
 

@@ -252,7 +252,7 @@ def test_tma_kernel_compiles_for_sm90_without_spills():
     """Partitions with their own register budgets (setmaxnreg), wgmma with A from registers, 16-byte output stores
     (the epilogue through shared memory), no spills at the 128 registers that let two one-consumer programs share
     an SM: checked on any machine with the wheel's ptxas."""
-    res = compiled_in_fresh_process("tests.test_kernels_w4a16_tma", "compile_tma_cases")
+    res = compiled_in_fresh_process("tests.kernels.matmul.test_kernels_w4a16_tma", "compile_tma_cases")
     for name, r in res.items():
         assert r["hgmma"] and r["setmaxnreg"] and r["stack"] == 0 and not r["ldsm"], (name, r)
         assert r["stg128"], (name, r)

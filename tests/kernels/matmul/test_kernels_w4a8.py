@@ -196,7 +196,7 @@ def compile_cases() -> dict:
 
 def test_w4a8_kernel_compiles_to_integer_mmas_without_spills():
     from kernel_helpers import compiled_in_fresh_process
-    res = compiled_in_fresh_process("tests.test_kernels_w4a8", "compile_cases")
+    res = compiled_in_fresh_process("tests.kernels.matmul.test_kernels_w4a8", "compile_cases")
     for name, r in res.items():
         # 128 x 128 tiles, 8 warps: 64 m16n8k32 a warp and step, three steps unrolled; int32 -> fp32 by adding bits
         assert r["stack"] == 0 and r["hmma"] == 0 and r["i2f"] == 0, (name, r)

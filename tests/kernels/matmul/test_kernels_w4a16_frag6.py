@@ -123,7 +123,7 @@ def compile_q6_cases() -> dict:
 
 def test_gluon_q6_kernels_compile_for_sm90_without_spills():
     from kernel_helpers import compiled_in_fresh_process
-    res = compiled_in_fresh_process("tests.test_kernels_w4a16_frag6", "compile_q6_cases")
+    res = compiled_in_fresh_process("tests.kernels.matmul.test_kernels_w4a16_frag6", "compile_q6_cases")
     for name, r in res.items():
         assert r["stack"] == 0, (name, r)
         assert r["hgmma"] if name == "wgmma" else r["hmma"], (name, r)

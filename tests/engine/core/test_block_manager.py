@@ -10,7 +10,7 @@ from quant_serve.engine.core.block_manager import BlockManager, hash_block
 from quant_serve.engine.sampling_params import SamplingParams
 from quant_serve.engine.core.sequence import Sequence
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def make_seq(tokens, rid="r", **params) -> Sequence:

@@ -384,7 +384,7 @@ def test_fp8_decode_widens_before_the_layout_change_on_sm90():
     """Left to Triton, the fp8 tile goes through shared memory to the MMA operand layout as bytes (~100 narrow
     loads a 64-token step) and is widened after; the asm widening keeps the fp16 path's shape."""
     from kernel_helpers import compiled_in_fresh_process
-    res = compiled_in_fresh_process("tests.test_kernels_attention", "compile_decode_sm90")
+    res = compiled_in_fresh_process("tests.kernels.test_kernels_attention", "compile_decode_sm90")
     assert res["True"]["stack"] == 0, res
     assert res["True"]["lds"] * 3 < res["False"]["lds"], res
 

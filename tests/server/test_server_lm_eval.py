@@ -12,7 +12,7 @@ from quant_serve.eval.tasks import load_task
 from helpers import make_engine
 from server_common import running_server
 
-TASKS = Path(__file__).parent / "lm_eval_tasks"
+TASKS = Path(__file__).parents[1] / "lm_eval_tasks"
 NUM_MC_DOCS, NUM_GEN_DOCS, MAX_MODEL_LEN = 40, 8, 512
 
 

@@ -268,7 +268,7 @@ def test_gluon_offset_kernels_compile_for_sm90_without_spills():
     """Offline (the wheel's ptxas, no GPU): the offset asm assembles, the dequantized words stay the MMA's A operand
     (the trivial-layout assertion), tensor-core MMAs, no spills."""
     from kernel_helpers import compiled_in_fresh_process
-    res = compiled_in_fresh_process("tests.test_kernels_w4a16_offsets", "compile_offset_cases")
+    res = compiled_in_fresh_process("tests.kernels.matmul.test_kernels_w4a16_offsets", "compile_offset_cases")
     for name in ("qkv-1", "down-1", "qkv-16", "residual-o-1"):
         assert res[name]["hmma"] and res[name]["stack"] == 0, (name, res[name])
     # M = 1 without the PDL preload at groups of 32 (78 registers with Triton 3.9; 185 with it)
