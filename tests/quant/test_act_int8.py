@@ -166,9 +166,3 @@ def test_bad_values_exit_2_naming_the_choices(argv, message, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "choose from" in err
-
-
-def test_int8_on_cuda_is_refused_before_any_weight_loads(capsys):
-    rc = main(["generate", "--prompt", "x", "--device", "cuda", "--activation-dtype", "int8"])
-    assert rc == 2
-    assert "--activation-dtype int8 runs on the CPU path" in capsys.readouterr().err

@@ -155,8 +155,8 @@ def test_tokenizing_a_large_prompt_does_not_block_the_event_loop(server):
         time.sleep(0.02)
     took = time.monotonic() - started
     assert result["r"].status_code == 200 and result["r"].json()["count"] > 400_000
-    # a blocked loop answers /health only after the tokenizer: its slowest ping would be about the whole request
-    assert slowest < min(0.3, took / 2), (took, slowest)
+    # a blocked loop answers /health only after the tokenizer: its slowest ping would take about the whole request
+    assert slowest < took / 3, (took, slowest)
 
 
 def test_request_body_limit_is_413(hard, server):
