@@ -119,6 +119,17 @@ class AsyncEngine:
         self._wake.set()
         return RequestStream(self, [request_id for request_id, _, _ in prompts], queue)
 
+    async def call(self, fn: Callable[[], object]):
+        """fn() on the engine thread between two steps (loading a LoRA adapter: no step reads the slots while they
+        change); -> its result, or raises its exception. Call from the event loop."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._lock:
+            self._inbox.append(("call", None, fn, loop, future))
+        self.start()
+        self._wake.set()
+        return await future
+
     def abort(self, request_id: str) -> None:
         with self._lock:
             self._inbox.append(("abort", request_id))
@@ -174,6 +185,13 @@ class AsyncEngine:
                         self.engine.add_request(request_id, token_ids, params, arrival_time=arrival_time, n=n)
                     except Exception as e:   # validated by the server already; anything left fails this request
                         self._fail(request_id, e)
+                elif kind == "call":
+                    fn, loop, future = args
+                    try:
+                        result, error = fn(), None
+                    except Exception as e:
+                        result, error = None, e
+                    loop.call_soon_threadsafe(_settle, future, result, error)
                 else:
                     self._abort_now(request_id)
             self._num_pending_adds = self._num_pending_seqs = 0
@@ -289,3 +307,8 @@ class RequestStream:
         self._closed = True
         for request_id in self.request_ids:
             self._engine.close_stream(request_id, finished=request_id not in self._unfinished)
+
+
+def _settle(future: asyncio.Future, result, error: Exception | None) -> None:
+    if not future.done():                  # the caller may have gone away
+        future.set_exception(error) if error is not None else future.set_result(result)
