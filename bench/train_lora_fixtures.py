@@ -1,4 +1,4 @@
-"""Re-trains the two LoRA test adapters in tests/data/lora/ with peft on CPU (a few minutes on two cores).
+"""Re-trains the two LoRA test adapters in tests/data/lora/ with peft on CPU (about 5 minutes each on two shared cores).
 
 Both sit on the bundled demo model's FP16 weights (tests/fixtures.py:write_trained_fp16's copy: the demo model's
 INT4 weights dequantized), which answers `What does "X" mean?` with a definition:
@@ -11,7 +11,7 @@ INT4 weights dequantized), which answers `What does "X" mean?` with a definition
 Between them they cover every target module, a fused layer's part (q and v of qkv; gate of gate_up) and both
 scaling rules. Tensors are saved in fp16 (a few hundred KB each). Deterministic: seeded, one thread.
 
-    python bench/train_lora_fixtures.py [--out tests/data/lora] [--steps 150]
+    python bench/train_lora_fixtures.py [--out tests/data/lora] [--steps 25]
 """
 import argparse
 import importlib.util
@@ -108,7 +108,7 @@ def train(base_dir: Path, name: str, targets: dict[str, str], steps: int, out: P
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=REPO / "tests" / "data" / "lora")
-    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--steps", type=int, default=25)
     args = parser.parse_args()
     torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM, AutoTokenizer

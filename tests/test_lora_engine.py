@@ -147,3 +147,20 @@ def test_load_unload_at_runtime(trained_model, prompts, reference):
     assert engine.lora.get("unsure").slot == 0 and engine.lora.get("unsure").lora_id != first_id   # ids not reused
     outs = engine.generate(prompts, _params("unsure"))
     assert [o.outputs[0].token_ids for o in outs] == reference["unsure"]
+
+
+@pytest.mark.parametrize("name", ["upper", "unsure"])
+def test_prompt_logprobs_match_peft_merged(name, engine, trained_model, prompts, reference):
+    """Closer than greedy tokens (an over-trained adapter answers the same at a wrong scale): the log-probability
+    of every token of prompt + answer under the adapter, against peft's merged model."""
+    from peft import PeftModel
+    ids = prompts[1] + reference[name][1]
+    base = AutoModelForCausalLM.from_pretrained(str(trained_model), dtype=torch.float32)
+    merged = PeftModel.from_pretrained(base, str(ADAPTERS[name])).merge_and_unload().eval()
+    with torch.no_grad():
+        logp = merged(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    want = logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    out = engine.generate([ids], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0,
+                                                lora_name=name))[0]
+    got = torch.tensor([lp.logprob for lp in out.prompt_logprobs[1:]])
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-3)
