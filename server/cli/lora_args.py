@@ -42,7 +42,7 @@ def lora_config_from_args(args) -> LoRAConfig:
     if getattr(args, "lora", None):                  # generate --lora PATH: one adapter, used for the prompt
         enable, modules = True, {**modules, "lora": args.lora}
     try:
-        return LoRAConfig(enable_lora=enable, max_loras=max(getattr(args, "max_loras", 1), len(modules)),
+        return LoRAConfig(enable_lora=enable, max_loras=getattr(args, "max_loras", 1),
                           max_lora_rank=getattr(args, "max_lora_rank", 16), lora_modules=modules)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
