@@ -164,3 +164,29 @@ def test_prompt_logprobs_match_peft_merged(name, engine, trained_model, prompts,
                                                 lora_name=name))[0]
     got = torch.tensor([lp.logprob for lp in out.prompt_logprobs[1:]])
     torch.testing.assert_close(got, want, rtol=0, atol=2e-3)
+
+
+@pytest.fixture(scope="module")
+def gguf_dir(trained_model, tmp_path_factory):
+    from gguf_fixtures import write_gguf
+    directory = tmp_path_factory.mktemp("lora-gguf")
+    return {mix: write_gguf(trained_model, directory / f"tiny-{mix}.gguf", mix) for mix in ("F16", "Q4_K_M")}
+
+
+def test_adapter_on_a_gguf_base(gguf_dir, trained_model, prompts, reference):
+    """GGUF F16 (the trained model's own weights): the prompt logprobs under `unsure` equal peft's merged model;
+    Q4_K_M (K-quant layers, the 6-bit ones included): `upper` still answers in upper case."""
+    from peft import PeftModel
+    engine = lora_engine(gguf_dir["F16"])
+    ids = prompts[2] + reference["unsure"][2]
+    base = AutoModelForCausalLM.from_pretrained(str(trained_model), dtype=torch.float32)
+    merged = PeftModel.from_pretrained(base, str(ADAPTERS["unsure"])).merge_and_unload().eval()
+    with torch.no_grad():
+        want = merged(torch.tensor([ids])).logits[0].log_softmax(-1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    out = engine.generate([ids], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0,
+                                                lora_name="unsure"))[0]
+    torch.testing.assert_close(torch.tensor([lp.logprob for lp in out.prompt_logprobs[1:]]), want, rtol=0,
+                               atol=2e-3)
+    engine = lora_engine(gguf_dir["Q4_K_M"])
+    text = engine.generate([prompts[0]], _params("upper"))[0].outputs[0].text
+    assert text == text.upper() and sum(c.isalpha() for c in text) > 10, text
