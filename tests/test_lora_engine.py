@@ -190,3 +190,15 @@ def test_adapter_on_a_gguf_base(gguf_dir, trained_model, prompts, reference):
     engine = lora_engine(gguf_dir["Q4_K_M"])
     text = engine.generate([prompts[0]], _params("upper"))[0].outputs[0].text
     assert text == text.upper() and sum(c.isalpha() for c in text) > 10, text
+
+
+def test_adapters_under_ngram_speculation(trained_model, prompts, reference):
+    """A verification step (k + 1 token rows per sequence) gives every row its sequence's adapter."""
+    from quant_serve.engine.config import SpeculativeConfig
+    engine = lora_engine(trained_model, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4,
+                                                                      prompt_lookup_min=1))
+    names = ["upper", None, "unsure"]
+    outs = engine.generate(prompts, [_params(n) for n in names])
+    assert [o.outputs[0].token_ids for o in outs] == [reference[n][i] for i, n in enumerate(names)]
+    assert engine.spec_stats.num_draft_tokens > 0          # proposals were verified
+    assert_all_blocks_free(engine)
