@@ -12,7 +12,7 @@ from quant_serve.engine.core.block_manager import BlockManager
 from quant_serve.engine.config import EngineConfig, resolve_max_model_len
 from quant_serve.engine.core.detokenizer import IncrementalDetokenizer
 from quant_serve.engine.worker.kv_scales import resolve_kv_scales
-from quant_serve.engine.lora.manager import LoRAManager
+from quant_serve.engine.lora import manager as lora
 from quant_serve.engine.load.loader import (default_device, load_model, load_model_config, load_tokenizer, pick_dtype,
                                             resolve_model_dir)
 from quant_serve.engine.worker.model_runner import ModelRunner
@@ -59,7 +59,7 @@ class LLMEngine:
                                                    config.seed, config.quantize_lm_head)
         logger.info("weights loaded and prepared in %.1f s", time.perf_counter() - start)
         self.activations = plan_activations(self.model, config.kernels, self.device)
-        self.lora = self._start_lora(config) if config.lora.enable_lora else None
+        self.lora = lora.start(self.model, config, self.dtype, self.device) if config.lora.enable_lora else None
         num_blocks, self.memory_plan, self.max_model_len = kv_pool.num_gpu_blocks(
             config, self.model_config, self.model_dir, self.device, self.dtype, self.max_model_len)
         config.scheduler.max_model_len = self.max_model_len
@@ -103,7 +103,7 @@ class LLMEngine:
         check_request(len(ids), params, self.max_model_len, self.model_config.vocab_size)
         if params.structured_outputs is not None:      # a constraint that cannot compile is refused here
             self.grammar_compiler.compile(params.structured_outputs)
-        lora_id = self._lora_id(params.lora_name)
+        lora_id = lora.lora_id(self.lora, params.lora_name)
         now = time.time() if arrival_time is None else arrival_time
         seqs, detoks = [], []
         for i in range(n):
@@ -121,43 +121,15 @@ class LLMEngine:
             self.scheduler.add_sequence(seq)
         self.stats.prompt_tokens_total += len(ids) * n
 
-    # ---- LoRA adapters (engine/lora/) ------------------------------------------------------------------------
-    def _start_lora(self, config: EngineConfig) -> LoRAManager:
-        """Wraps the model's linear layers (after load and the activation plan, which see the base layers) and loads
-        --lora-modules. Decode graphs are off: a captured graph would freeze the rows' adapter slots."""
-        if not config.enforce_eager:
-            logger.info("--enable-lora: CUDA graphs off (steps run eagerly)")
-            config.enforce_eager = True
-        manager = LoRAManager(self.model, config.lora.max_loras, config.lora.max_lora_rank, self.dtype, self.device)
-        for name, path in config.lora.lora_modules.items():
-            loaded = manager.load(name, path)
-            logger.info("LoRA adapter %s (rank %d) from %s in slot %d", name, loaded.rank, path, loaded.slot)
-        return manager
-
-    def _lora_id(self, name: str | None) -> int:
-        if not name:
-            return 0
-        if self.lora is None:
-            raise ValueError(f"LoRA adapter {name!r} requested, but this engine serves none (start it with "
-                             "--enable-lora)")
-        return self.lora.get(name).lora_id
-
+    # ---- LoRA adapters (engine/lora/manager.py) -----------------------------------------------------------
     def load_lora_adapter(self, name: str, path: str) -> None:
-        """Loads an adapter into a free slot (ValueError naming the problem: no --enable-lora, name taken, no free
-        slot, a tensor that does not fit)."""
-        if self.lora is None:
-            raise ValueError("cannot load a LoRA adapter: this engine was started without --enable-lora")
-        self.lora.load(name, path)
+        """Loads an adapter into a free slot (ValueError naming the problem)."""
+        lora.require(self.lora, "load").load(name, path)
 
     def unload_lora_adapter(self, name: str) -> None:
         """Frees an adapter's slot; refused while an unfinished request uses it."""
-        if self.lora is None:
-            raise ValueError("cannot unload a LoRA adapter: this engine was started without --enable-lora")
-        users = [r.request_id for r in self.requests.values() if r.params.lora_name == name]
-        self.lora.get(name)
-        if users:
-            raise ValueError(f"LoRA adapter {name!r} is in use by {len(users)} unfinished request(s)")
-        self.lora.unload(name)
+        users = sum(r.params.lora_name == name for r in self.requests.values())
+        lora.require(self.lora, "unload").unload(name, users)
 
     def abort(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)

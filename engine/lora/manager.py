@@ -4,6 +4,7 @@ each token row of a step (the LoRABatch every LoRALinear of the model reads).
 An adapter's id is never reused (1, 2, ...; 0 is the base): the prefix cache keys blocks by it, so blocks written
 under an unloaded adapter can never be hit by a later one loaded into the same slot.
 """
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from quant_serve.engine.lora.adapter import load_adapter
 from quant_serve.engine.worker.transfer import to_device
 from quant_serve.quant.layers.lora import LoRABatch, LoRALinear
 
+logger = logging.getLogger("quant_serve")
 WRAPPED = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
@@ -59,8 +61,11 @@ class LoRAManager:
         self.adapters[name] = loaded
         return loaded
 
-    def unload(self, name: str) -> None:
+    def unload(self, name: str, users: int = 0) -> None:
+        """users: unfinished requests that run under it (refused while there are any)."""
         loaded = self.get(name)
+        if users:
+            raise ValueError(f"LoRA adapter {name!r} is in use by {users} unfinished request(s)")
         for layer in self.layers.values():
             layer.clear_slot(loaded.slot)
         self._slots[loaded.slot] = None
@@ -86,6 +91,36 @@ class LoRAManager:
             slot = slot_of[item.seq.lora_id] if item.seq.lora_id else -1
             rows += [slot] * item.num_new_tokens
         return to_device(rows, torch.int32, self.device)
+
+
+def start(model, config, dtype: torch.dtype, device) -> LoRAManager:
+    """An engine's LoRA (EngineConfig with lora.enable_lora): the model's layers wrapped (after load and the
+    activation plan, which see the base layers), --lora-modules loaded. CUDA graphs go off: a captured graph would
+    freeze the rows' adapter slots."""
+    if not config.enforce_eager:
+        logger.info("--enable-lora: CUDA graphs off (steps run eagerly)")
+        config.enforce_eager = True
+    manager = LoRAManager(model, config.lora.max_loras, config.lora.max_lora_rank, dtype, device)
+    for name, path in config.lora.lora_modules.items():
+        loaded = manager.load(name, path)
+        logger.info("LoRA adapter %s (rank %d) from %s in slot %d", name, loaded.rank, path, loaded.slot)
+    return manager
+
+
+def require(manager: LoRAManager | None, verb: str) -> LoRAManager:
+    if manager is None:
+        raise ValueError(f"cannot {verb} a LoRA adapter: this engine was started without --enable-lora")
+    return manager
+
+
+def lora_id(manager: LoRAManager | None, name: str | None) -> int:
+    """The id a request's lora_name runs under (0: the base)."""
+    if not name:
+        return 0
+    if manager is None:
+        raise ValueError(f"LoRA adapter {name!r} requested, but this engine serves none (start it with "
+                         "--enable-lora)")
+    return manager.get(name).lora_id
 
 
 def wrap_model(model, max_loras: int, max_rank: int, batch: LoRABatch, dtype, device) -> dict[str, LoRALinear]:
