@@ -195,3 +195,25 @@ def test_engine_prefix_cache_hits_only_under_the_same_adapter(trained_model):
     assert engine.generate(prompt, params[None])[0].num_cached_tokens == 0
     cached = engine.generate(prompt, params["upper"])[0].num_cached_tokens
     assert cached >= 32 and cached % 16 == 0
+
+
+def test_scheduler_runs_at_most_max_loras_adapters():
+    """FIFO admission stops at a sequence whose adapter would make max_loras + 1 distinct ones among the running;
+    the base's sequences never count."""
+    from quant_serve.engine.config import SchedulerConfig
+    from quant_serve.engine.core.scheduler import Scheduler
+    bm = BlockManager(num_blocks=32, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=256, max_loras=1), bm)
+    seqs = [Sequence(f"s{i}", [5, 6, 7], SamplingParams(), lora_id=lora) for i, lora in enumerate([1, 0, 1, 2, 0])]
+    for seq in seqs:
+        sched.add_sequence(seq)
+    out = sched.schedule()
+    assert [item.seq.request_id for item in out.scheduled] == ["s0", "s1", "s2"]   # s3 (adapter 2) waits, s4 behind
+    assert [s.request_id for s in sched.waiting] == ["s3", "s4"]
+    for seq in seqs[:3]:
+        sched.finish(seq, "stop")
+    out = sched.schedule()
+    assert [item.seq.request_id for item in out.scheduled] == ["s3", "s4"]
+    for seq in seqs[3:]:
+        sched.finish(seq, "stop")
+    assert bm.num_free_blocks == 32

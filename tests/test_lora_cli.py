@@ -28,7 +28,7 @@ def test_engine_config_from_lora_flags():
         (True, 3, 32, {"a": "/x", "b": "/y"})
     with pytest.raises(SystemExit, match="--lora-modules needs --enable-lora"):
         engine_config_from_args(build_parser().parse_args(["serve", "--lora-modules", "a=/x"]))
-    with pytest.raises(SystemExit, match="2 --lora-modules do not fit --max-loras 1"):
+    with pytest.raises(SystemExit, match=r"2 --lora-modules do not fit --max-cpu-loras 1 \(default: --max-loras\)"):
         engine_config_from_args(build_parser().parse_args(["serve", "--enable-lora", "--lora-modules", "a=/x",
                                                            "b=/y"]))
 

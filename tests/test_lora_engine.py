@@ -136,7 +136,7 @@ def test_load_unload_at_runtime(trained_model, prompts, reference):
     engine = make_engine(trained_model, lora=LoRAConfig(enable_lora=True, max_loras=1, max_lora_rank=8))
     engine.load_lora_adapter("upper", str(ADAPTERS["upper"]))
     first_id = engine.lora.get("upper").lora_id
-    with pytest.raises(ValueError, match=r"all 1 slots \(--max-loras\) hold adapters \(upper\)"):
+    with pytest.raises(ValueError, match=r"1 adapters are loaded \(upper\), the most --max-cpu-loras allows"):
         engine.load_lora_adapter("unsure", str(ADAPTERS["unsure"]))
     engine.add_request("busy", prompts[0], _params("upper"))
     with pytest.raises(ValueError, match="in use by 1 unfinished request"):
@@ -201,4 +201,26 @@ def test_adapters_under_ngram_speculation(trained_model, prompts, reference):
     outs = engine.generate(prompts, [_params(n) for n in names])
     assert [o.outputs[0].token_ids for o in outs] == [reference[n][i] for i, n in enumerate(names)]
     assert engine.spec_stats.num_draft_tokens > 0          # proposals were verified
+    assert_all_blocks_free(engine)
+
+
+def test_more_adapters_than_slots_swap_in_lru(trained_model, prompts, reference, monkeypatch):
+    """--max-loras 1 --max-cpu-loras 2: both adapters stay loaded in host memory; the scheduler runs one adapter's
+    sequences (with the base's) at a time and the slot takes the other when its turn comes."""
+    engine = make_engine(trained_model, lora=LoRAConfig(
+        enable_lora=True, max_loras=1, max_cpu_loras=2, max_lora_rank=8,
+        lora_modules={k: str(v) for k, v in ADAPTERS.items()}))
+    assert engine.lora.get("upper").slot == 0 and engine.lora.get("unsure").slot is None
+    steps = []
+    step_slots = engine.lora.step_slots
+    monkeypatch.setattr(engine.lora, "step_slots", lambda scheduled: steps.append(
+        {item.seq.lora_id for item in scheduled}) or step_slots(scheduled))
+    names = ["unsure", "upper", None, "unsure", "upper", None]
+    jobs = [(i % len(prompts), name) for i, name in enumerate(names)]
+    outs = engine.generate([prompts[i] for i, _ in jobs], [_params(n) for _, n in jobs])
+    assert [o.outputs[0].token_ids for o in outs] == [reference[n][i] for i, n in jobs]
+    assert all(len(ids - {0}) <= 1 for ids in steps)                   # never two adapters in one step
+    ran = set().union(*steps)
+    assert {engine.lora.get(n).lora_id for n in ADAPTERS} <= ran and 0 in ran
+    assert engine.lora.num_slot_loads >= 3         # upper at load, then unsure, then upper again
     assert_all_blocks_free(engine)

@@ -56,7 +56,7 @@ def test_load_use_and_unload_at_run_time(server, client):
     # both slots hold adapters now
     error = assert_error_shape(post(server, "/v1/load_lora_adapter", {"lora_name": "third",
                                                                      "lora_path": str(LORA / "upper")}), 400)
-    assert "all 2 slots" in error["message"]
+    assert "2 adapters are loaded (upper, unsure), the most --max-cpu-loras allows" in error["message"]
     assert post(server, "/v1/unload_lora_adapter", {"lora_name": "unsure"}).status_code == 200
     with pytest.raises(openai.NotFoundError):
         _answer(client, "unsure")

@@ -1,16 +1,23 @@
-"""The adapters an engine serves: their names and ids, the --max-loras device slots they occupy, and the slot of
-each token row of a step (the LoRABatch every LoRALinear of the model reads).
+"""The adapters an engine serves: their names and ids, the --max-loras device slots, and the slot of each token row
+of a step (the LoRABatch every LoRALinear of the model reads).
+
+Loaded adapters (--max-cpu-loras of them, --max-loras by default) keep their checked tensors in host memory; a step
+places the ones its rows need into slots, evicting the least recently used adapter that the step does not need. The
+scheduler admits at most --max-loras distinct adapters among the running sequences (SchedulerConfig.max_loras), so a
+step's adapters always fit. On CUDA the copies into a slot are queued behind the forwards already launched, which
+read the adapter they replace.
 
 An adapter's id is never reused (1, 2, ...; 0 is the base): the prefix cache keys blocks by it, so blocks written
-under an unloaded adapter can never be hit by a later one loaded into the same slot.
+under an unloaded adapter can never be hit by a later one of the same name or slot.
 """
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from quant_serve.engine.lora.adapter import load_adapter
+from quant_serve.engine.lora.adapter import LoRAAdapter, load_adapter
 from quant_serve.engine.worker.transfer import to_device
 from quant_serve.quant.layers.lora import LoRABatch, LoRALinear
 
@@ -23,42 +30,47 @@ class LoadedAdapter:
     name: str
     path: str
     lora_id: int
-    slot: int
     rank: int
+    weights: LoRAAdapter                  # checked tensors, in host memory
+    slot: int | None = None               # its device slot, None while only the host holds it
 
 
 class LoRAManager:
-    def __init__(self, model, max_loras: int, max_lora_rank: int, dtype: torch.dtype, device):
+    def __init__(self, model, max_loras: int, max_lora_rank: int, dtype: torch.dtype, device,
+                 max_cpu_loras: int | None = None):
+        max_cpu_loras = max_loras if max_cpu_loras is None else max_cpu_loras
         if max_loras < 1:
             raise ValueError(f"--max-loras must be at least 1, got {max_loras}")
         if max_lora_rank < 1:
             raise ValueError(f"--max-lora-rank must be at least 1, got {max_lora_rank}")
-        self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
+        if max_cpu_loras < max_loras:
+            raise ValueError(f"--max-cpu-loras ({max_cpu_loras}) must be at least --max-loras ({max_loras})")
+        self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
         self.device = torch.device(device)
         self.fused_checkpoint = model.config.fused_checkpoint
         self.batch = LoRABatch()
         self.layers: dict[str, LoRALinear] = wrap_model(model, max_loras, max_lora_rank, self.batch, dtype, device)
         self.adapters: dict[str, LoadedAdapter] = {}
         self._slots: list[str | None] = [None] * max_loras
+        self._lru: OrderedDict[str, None] = OrderedDict()     # adapters in slots, least recently used first
         self._next_id = 1
+        self.num_slot_loads = 0                                # adapters copied into a slot (swaps in)
 
     def load(self, name: str, path: str | Path) -> LoadedAdapter:
-        """Reads, checks and places an adapter in a free slot (ValueError naming the problem otherwise)."""
+        """Reads and checks an adapter (ValueError naming the problem), placed in a slot if one is free."""
         if not name or name in self.adapters:
             raise ValueError(f"LoRA adapter {name!r} is already loaded" if name else "a LoRA adapter needs a name")
-        if None not in self._slots:
-            raise ValueError(f"cannot load LoRA adapter {name!r}: all {self.max_loras} slots (--max-loras) hold "
-                             f"adapters ({', '.join(self.adapters)}); unload one first")
+        if len(self.adapters) >= self.max_cpu_loras:
+            raise ValueError(f"cannot load LoRA adapter {name!r}: {len(self.adapters)} adapters are loaded "
+                             f"({', '.join(self.adapters)}), the most --max-cpu-loras allows (default: "
+                             "--max-loras); unload one first")
         shapes = {key: (layer.in_features, layer.output_sizes) for key, layer in self.layers.items()}
-        adapter = load_adapter(name, path, self.max_lora_rank, self.fused_checkpoint, shapes, self.device)
-        slot = self._slots.index(None)
-        for key, layer in self.layers.items():
-            parts = adapter.modules.get(key, {})
-            layer.set_slot(slot, [parts.get(i) for i in range(len(layer.output_sizes))])
-        self._slots[slot] = name
-        loaded = LoadedAdapter(name, str(path), self._next_id, slot, adapter.rank)
+        weights = load_adapter(name, path, self.max_lora_rank, self.fused_checkpoint, shapes, "cpu")
+        loaded = LoadedAdapter(name, str(path), self._next_id, weights.rank, weights)
         self._next_id += 1
         self.adapters[name] = loaded
+        if None in self._slots:
+            self._place(loaded, self._slots.index(None))
         return loaded
 
     def unload(self, name: str, users: int = 0) -> None:
@@ -66,9 +78,11 @@ class LoRAManager:
         loaded = self.get(name)
         if users:
             raise ValueError(f"LoRA adapter {name!r} is in use by {users} unfinished request(s)")
-        for layer in self.layers.values():
-            layer.clear_slot(loaded.slot)
-        self._slots[loaded.slot] = None
+        if loaded.slot is not None:
+            for layer in self.layers.values():
+                layer.clear_slot(loaded.slot)
+            self._slots[loaded.slot] = None
+            self._lru.pop(name)
         del self.adapters[name]
 
     def get(self, name: str) -> LoadedAdapter:
@@ -77,18 +91,41 @@ class LoRAManager:
             raise ValueError(f"LoRA adapter {name!r} is not loaded (loaded: {known})")
         return self.adapters[name]
 
-    def slot_of_id(self) -> dict[int, int]:
-        return {a.lora_id: a.slot for a in self.adapters.values()}
+    def _place(self, loaded: LoadedAdapter, slot: int) -> None:
+        old = self._slots[slot]
+        if old is not None:
+            self.adapters[old].slot = None
+            self._lru.pop(old)
+        for key, layer in self.layers.items():
+            parts = loaded.weights.modules.get(key, {})
+            layer.set_slot(slot, [parts.get(i) for i in range(len(layer.output_sizes))])
+        self._slots[slot], loaded.slot = loaded.name, slot
+        self._lru[loaded.name] = None
+        self.num_slot_loads += 1
+
+    def _make_resident(self, names: set[str]) -> None:
+        """Every adapter in names in a slot: a free one, else the least recently used one outside names."""
+        if len(names) > self.max_loras:
+            raise RuntimeError(f"a step needs {len(names)} LoRA adapters, more than --max-loras {self.max_loras} "
+                               "(the scheduler admits no more)")
+        for name in names:
+            if self.adapters[name].slot is None:
+                free = [i for i, held in enumerate(self._slots) if held is None]
+                slot = free[0] if free else self.adapters[next(n for n in self._lru if n not in names)].slot
+                self._place(self.adapters[name], slot)
+            self._lru.move_to_end(name)
 
     def step_slots(self, scheduled) -> torch.Tensor | None:
         """The slot of each token row of a step (its entries in order, num_new_tokens rows each): [T] int32 on the
-        device, or None when no entry has an adapter. The runner sets it as batch.slots right before the forward."""
+        device, or None when no entry has an adapter; the adapters it needs are placed first. The runner sets it as
+        batch.slots right before the forward."""
         if not any(item.seq.lora_id for item in scheduled):
             return None
-        slot_of = self.slot_of_id()
+        by_id = {a.lora_id: a for a in self.adapters.values()}
+        self._make_resident({by_id[item.seq.lora_id].name for item in scheduled if item.seq.lora_id})
         rows = []
         for item in scheduled:
-            slot = slot_of[item.seq.lora_id] if item.seq.lora_id else -1
+            slot = by_id[item.seq.lora_id].slot if item.seq.lora_id else -1
             rows += [slot] * item.num_new_tokens
         return to_device(rows, torch.int32, self.device)
 
@@ -100,10 +137,13 @@ def start(model, config, dtype: torch.dtype, device) -> LoRAManager:
     if not config.enforce_eager:
         logger.info("--enable-lora: CUDA graphs off (steps run eagerly)")
         config.enforce_eager = True
-    manager = LoRAManager(model, config.lora.max_loras, config.lora.max_lora_rank, dtype, device)
+    manager = LoRAManager(model, config.lora.max_loras, config.lora.max_lora_rank, dtype, device,
+                          config.lora.max_cpu_loras)
+    config.scheduler.max_loras = config.lora.max_loras       # distinct adapters among the running sequences
     for name, path in config.lora.lora_modules.items():
         loaded = manager.load(name, path)
-        logger.info("LoRA adapter %s (rank %d) from %s in slot %d", name, loaded.rank, path, loaded.slot)
+        logger.info("LoRA adapter %s (rank %d) from %s, %s", name, loaded.rank, path,
+                    "host memory only" if loaded.slot is None else f"slot {loaded.slot}")
     return manager
 
 

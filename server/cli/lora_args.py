@@ -1,5 +1,5 @@
 """The LoRA flags, named as vLLM's: --enable-lora, --lora-modules name=path ... (or vLLM's JSON form
-'{"name": ..., "path": ...}'), --max-loras, --max-lora-rank."""
+'{"name": ..., "path": ...}'), --max-loras, --max-lora-rank, --max-cpu-loras."""
 import argparse
 import json
 
@@ -13,6 +13,9 @@ def add_lora_args(p: argparse.ArgumentParser) -> None:
                    help='PEFT adapters to load at start: name=path, or JSON \'{"name": ..., "path": ...}\'')
     p.add_argument("--max-loras", type=int, default=1, help="adapters on the device at once (a step may mix them)")
     p.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank the slots take")
+    p.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters loaded in host memory, swapped into the --max-loras slots as steps need them "
+                        "(least recently used out; default: --max-loras)")
 
 
 def parse_lora_modules(values: list[str] | None) -> dict[str, str]:
@@ -43,6 +46,7 @@ def lora_config_from_args(args) -> LoRAConfig:
         enable, modules = True, {**modules, "lora": args.lora}
     try:
         return LoRAConfig(enable_lora=enable, max_loras=getattr(args, "max_loras", 1),
-                          max_lora_rank=getattr(args, "max_lora_rank", 16), lora_modules=modules)
+                          max_lora_rank=getattr(args, "max_lora_rank", 16), lora_modules=modules,
+                          max_cpu_loras=getattr(args, "max_cpu_loras", None))
     except ValueError as e:
         raise SystemExit(f"error: {e}")
