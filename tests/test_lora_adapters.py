@@ -217,3 +217,14 @@ def test_scheduler_runs_at_most_max_loras_adapters():
     for seq in seqs[3:]:
         sched.finish(seq, "stop")
     assert bm.num_free_blocks == 32
+
+
+def test_memory_plan_counts_the_adapter_slots(engine, trained_model):
+    """slot_bytes (what the CUDA memory plan reserves for --enable-lora) is the bytes of the slots' buffers."""
+    from quant_serve.engine.lora.manager import slot_bytes
+    from quant_serve.engine.plan.memory import plan_memory
+    held = sum(b.numel() * b.element_size() for layer in engine.lora.layers.values() for b in layer.buffers())
+    assert slot_bytes(engine.model_config, engine.config.lora, engine.dtype) == held
+    plain, with_lora = (plan_memory(trained_model, gpu_mem_gb=4.0, max_model_len=512, lora_bytes=n)
+                        for n in (0, held))
+    assert with_lora.weights_bytes == plain.weights_bytes + held and with_lora.num_blocks < plain.num_blocks

@@ -163,6 +163,17 @@ def lora_id(manager: LoRAManager | None, name: str | None) -> int:
     return manager.get(name).lora_id
 
 
+def slot_bytes(cfg, lora_config, dtype: torch.dtype) -> int:
+    """Device bytes of the adapters' slots (LoRALinear's stacks), from the model config: for the memory plan."""
+    q, kv, hidden, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size, \
+        cfg.intermediate_size
+    qkv_parts, gate_up_parts = (1, 1) if cfg.fused_checkpoint else (3, 2)
+    a_rows_by_k = qkv_parts * hidden + q + gate_up_parts * hidden + inter      # sum over layers' A of parts * K
+    b_rows = (q + 2 * kv) + hidden + 2 * inter + hidden                        # sum of N
+    per_layer = lora_config.max_loras * lora_config.max_lora_rank * (a_rows_by_k + b_rows)
+    return cfg.num_layers * per_layer * dtype.itemsize
+
+
 def wrap_model(model, max_loras: int, max_rank: int, batch: LoRABatch, dtype, device) -> dict[str, LoRALinear]:
     """Swaps every decoder layer's qkv, o, gate_up and down projection for a LoRALinear around it (after load and
     the activation plan, which see the base layers). -> the wrappers by module name."""
