@@ -137,7 +137,7 @@ class LoRAConfig:
     enable_lora: bool = False
     max_loras: int = 1                      # adapters on the device at once (one step may mix them all)
     max_lora_rank: int = 16
-    max_cpu_loras: int | None = None        # adapters loaded (in host memory), swapped into the slots LRU; None: max_loras
+    max_cpu_loras: int | None = None       # adapters held in host memory, swapped into the slots (LRU); None: max_loras
     lora_modules: dict[str, str] = field(default_factory=dict)   # name -> adapter dir, loaded at start
 
     def __post_init__(self):
