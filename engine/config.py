@@ -83,6 +83,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = SERVE_BATCHED_TOKENS
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
+    max_loras: int = 0                     # distinct LoRA adapters among the running sequences (0: no limit)
 
 
 SPEC_METHODS = ("ngram", "draft_model")
@@ -130,6 +131,25 @@ HEAD_GROUP_SIZE = 128                     # inputs per scale of the --quantize-l
 
 
 @dataclass
+class LoRAConfig:
+    """LoRA adapters served per request (vLLM's --enable-lora flags). Adapters live in max_loras device slots,
+    zero-padded to max_lora_rank."""
+    enable_lora: bool = False
+    max_loras: int = 1                      # adapters on the device at once (one step may mix them all)
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None       # adapters held in host memory, swapped into the slots (LRU); None: max_loras
+    lora_modules: dict[str, str] = field(default_factory=dict)   # name -> adapter dir, loaded at start
+
+    def __post_init__(self):
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
+        places = self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+        if self.enable_lora and len(self.lora_modules) > places:
+            raise ValueError(f"{len(self.lora_modules)} --lora-modules do not fit --max-cpu-loras {places} "
+                             "(default: --max-loras)")
+
+
+@dataclass
 class EngineConfig:
     model: str
     tokenizer: str | None = None
@@ -150,6 +170,7 @@ class EngineConfig:
     # structured outputs: tokens a grammar forces in a row (the keys of a JSON schema) are appended without a forward
     # each, up to this many at a time (jump-forward); 0 samples every token
     structured_forced_tokens: int = 32
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
 
 def resolve_max_model_len(model: ModelConfig, wanted: int | None) -> int:

@@ -12,6 +12,7 @@ from quant_serve.engine.core.block_manager import BlockManager
 from quant_serve.engine.config import EngineConfig, resolve_max_model_len
 from quant_serve.engine.core.detokenizer import IncrementalDetokenizer
 from quant_serve.engine.worker.kv_scales import resolve_kv_scales
+from quant_serve.engine.lora import manager as lora
 from quant_serve.engine.load.loader import (default_device, load_model, load_model_config, load_tokenizer, pick_dtype,
                                             resolve_model_dir)
 from quant_serve.engine.worker.model_runner import ModelRunner
@@ -58,12 +59,14 @@ class LLMEngine:
                                                    config.seed, config.quantize_lm_head)
         logger.info("weights loaded and prepared in %.1f s", time.perf_counter() - start)
         self.activations = plan_activations(self.model, config.kernels, self.device)
+        self.lora = lora.start(self.model, config, self.dtype, self.device) if config.lora.enable_lora else None
         num_blocks, self.memory_plan, self.max_model_len = kv_pool.num_gpu_blocks(
             config, self.model_config, self.model_dir, self.device, self.dtype, self.max_model_len)
         config.scheduler.max_model_len = self.max_model_len
         num_cpu_blocks = kv_pool.num_cpu_blocks(config, self.model_config, self.dtype)
         self.runner = ModelRunner(self.model, self.model_config, config.cache, num_blocks, self.device, self.dtype,
                                   config.seed, num_cpu_blocks)
+        self.runner.lora = self.lora
         self.runner.set_kv_scales(resolve_kv_scales(
             config.cache.kv_scale_source, self.runner.kv_dtype, self.model_dir,
             getattr(self.model, "checkpoint_kv_scales", {}), self.model_config.num_layers))
@@ -100,12 +103,14 @@ class LLMEngine:
         check_request(len(ids), params, self.max_model_len, self.model_config.vocab_size)
         if params.structured_outputs is not None:      # a constraint that cannot compile is refused here
             self.grammar_compiler.compile(params.structured_outputs)
+        lora_id = lora.lora_id(self.lora, params.lora_name)
         now = time.time() if arrival_time is None else arrival_time
         seqs, detoks = [], []
         for i in range(n):
             child = params if n == 1 or params.seed is None else dataclasses.replace(params, seed=params.seed + i)
             seq_id = request_id if n == 1 else f"{request_id}#{i}"
-            seq = Sequence(seq_id, ids, child, arrival_time=now, eos_token_ids=self.model_config.eos_token_ids)
+            seq = Sequence(seq_id, ids, child, arrival_time=now, eos_token_ids=self.model_config.eos_token_ids,
+                           lora_id=lora_id)
             seqs.append(seq)
             detoks.append(IncrementalDetokenizer(self.tokenizer, ids, child))
         request = Request(request_id, text, ids, params, seqs, detoks, RequestMetrics(arrival_time=now),
@@ -115,6 +120,16 @@ class LLMEngine:
             self._seq_owner[seq.request_id] = (request, i)
             self.scheduler.add_sequence(seq)
         self.stats.prompt_tokens_total += len(ids) * n
+
+    # ---- LoRA adapters (engine/lora/manager.py) -----------------------------------------------------------
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Loads an adapter into a free slot (ValueError naming the problem)."""
+        lora.require(self.lora, "load").load(name, path)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Frees an adapter's slot; refused while an unfinished request uses it."""
+        users = sum(r.params.lora_name == name for r in self.requests.values())
+        lora.require(self.lora, "unload").unload(name, users)
 
     def abort(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)

@@ -29,6 +29,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit before sampling (clamped to +-100)
     # the output follows this grammar (JSON schema, regex, choice, Lark/GBNF); a dict of its fields is accepted
     structured_outputs: StructuredOutputsParams | None = None
+    lora_name: str | None = None         # a loaded LoRA adapter to generate with (--enable-lora); None = the base
 
     def __post_init__(self):
         if isinstance(self.stop, str):

@@ -23,6 +23,7 @@ from quant_serve.server.protocol import (APIError, ChatCompletionRequest, Comple
 from quant_serve.server.serving import ServingContext
 from quant_serve.server.serving_chat import create_chat_completion
 from quant_serve.server.serving_completion import create_completion
+from quant_serve.server.serving_lora import adapter_cards, install_lora_routes
 from quant_serve.server.template_sandbox import TemplateSandbox
 
 logger = logging.getLogger("quant_serve.server")
@@ -108,13 +109,17 @@ def build_app(engine: LLMEngine, served_model_names: list[str], options: ServerO
 
     @app.get("/v1/models")
     async def list_models():
-        return {"object": "list", "data": [model_card(name) for name in served_model_names]}
+        return {"object": "list", "data": [model_card(name) for name in served_model_names] +
+                adapter_cards(ctx, created)}
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str):
-        if model_id not in served_model_names:
+        adapter = [card for card in adapter_cards(ctx, created) if card["id"] == model_id]
+        if model_id not in served_model_names and not adapter:
             raise APIError(404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
-        return model_card(model_id)
+        return adapter[0] if adapter else model_card(model_id)
+
+    install_lora_routes(app, ctx)
 
     @app.get("/version")
     async def version():

@@ -119,6 +119,18 @@ class AsyncEngine:
         self._wake.set()
         return RequestStream(self, [request_id for request_id, _, _ in prompts], queue)
 
+    async def call(self, fn: Callable[[], object]):
+        """fn() on the engine thread between two steps (a LoRA adapter's load: no step reads the slots meanwhile);
+        -> its result, or raises its exception. Call from the event loop."""
+        if self.started and not self.is_alive:
+            raise EngineRequestError("the engine loop is not running; see the server log")
+        future = asyncio.get_running_loop().create_future()
+        with self._lock:
+            self._inbox.append(("call", None, fn, future.get_loop(), future))
+        self.start()
+        self._wake.set()
+        return await future
+
     def abort(self, request_id: str) -> None:
         with self._lock:
             self._inbox.append(("abort", request_id))
@@ -174,6 +186,8 @@ class AsyncEngine:
                         self.engine.add_request(request_id, token_ids, params, arrival_time=arrival_time, n=n)
                     except Exception as e:   # validated by the server already; anything left fails this request
                         self._fail(request_id, e)
+                elif kind == "call":
+                    _run_call(*args)
                 else:
                     self._abort_now(request_id)
             self._num_pending_adds = self._num_pending_seqs = 0
@@ -289,3 +303,13 @@ class RequestStream:
         self._closed = True
         for request_id in self.request_ids:
             self._engine.close_stream(request_id, finished=request_id not in self._unfinished)
+
+
+def _run_call(fn, loop: asyncio.AbstractEventLoop, future: asyncio.Future) -> None:
+    """AsyncEngine.call's fn, on the engine thread; its result or exception settles the caller's future."""
+    try:
+        result, error = fn(), None
+    except Exception as e:
+        result, error = None, e
+    loop.call_soon_threadsafe(lambda: future.done() or (future.set_exception(error) if error else
+                                                         future.set_result(result)))

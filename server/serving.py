@@ -75,11 +75,18 @@ class ServingContext:
         return self.engine.max_model_len
 
     def check_model(self, model: str | None) -> str:
+        """The model a request names: a served name of the base, or a loaded LoRA adapter's (lora_name)."""
         if model is None or model == "":
             return self.served_model_names[0]
-        if model not in self.served_model_names:
+        if model not in self.served_model_names and self.lora_name(model) is None:
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
         return model
+
+    def lora_name(self, model: str) -> str | None:
+        """The LoRA adapter a checked model name selects, None for the base."""
+        lora = self.engine.lora
+        return model if lora is not None and model not in self.served_model_names and model in lora.adapters \
+            else None
 
     def check_n(self, n: int, param: str = "n") -> None:
         limit = self.engine.config.scheduler.max_num_seqs
@@ -170,7 +177,8 @@ def parse_logit_bias(logit_bias: dict[str, float] | None, vocab_size: int) -> di
 
 def make_sampling_params(req: SamplingRequest, max_tokens: int, vocab_size: int, logprobs: int | None = None,
                          prompt_logprobs: int | None = None,
-                         structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
+                         structured_outputs: StructuredOutputsParams | None = None,
+                         lora_name: str | None = None) -> SamplingParams:
     logit_bias = parse_logit_bias(req.logit_bias, vocab_size)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     try:
@@ -183,7 +191,7 @@ def make_sampling_params(req: SamplingRequest, max_tokens: int, vocab_size: int,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
-            logit_bias=logit_bias, structured_outputs=structured_outputs)
+            logit_bias=logit_bias, structured_outputs=structured_outputs, lora_name=lora_name)
     except ValueError as e:
         # SamplingParams messages start with the field name
         name = str(e).split(" ", 1)[0]

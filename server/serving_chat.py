@@ -31,7 +31,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     max_tokens = ctx.resolve_max_tokens(requested, len(token_ids), "messages")
     num_top = req.top_logprobs or 0
     params = make_sampling_params(req, max_tokens, ctx.vocab_size, logprobs=num_top if req.logprobs else None,
-                                  structured_outputs=constraint)
+                                  structured_outputs=constraint, lora_name=ctx.lora_name(model))
     request_id = random_id("chatcmpl")
     stream = ctx.submit([(request_id, token_ids, params)], req.n, arrival, "n")
     parse = plan if plan is not None and plan.parse else None

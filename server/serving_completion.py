@@ -82,7 +82,8 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     for p in prompts:
         # The engine generates at least one token; for max_tokens=0 it is dropped from the answer.
         max_tokens = ctx.resolve_max_tokens(1 if scoring_only else req.max_tokens, len(p.token_ids), "prompt")
-        params = make_sampling_params(req, max_tokens, ctx.vocab_size, logprobs, prompt_logprobs, constraint)
+        params = make_sampling_params(req, max_tokens, ctx.vocab_size, logprobs, prompt_logprobs, constraint,
+                                      lora_name=ctx.lora_name(model))
         submissions.append((p.request_id, p.token_ids, params))
     stream = ctx.submit(submissions, best_of, arrival, "best_of" if req.best_of else "n")
     builder = _ChoiceBuilder(ctx, req, prompts, n, scoring_only)

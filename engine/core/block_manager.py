@@ -23,6 +23,12 @@ def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((parent_hash, token_ids))
 
 
+def root_hash(lora_id: int) -> int | None:
+    """The parent hash of a sequence's first block: None for the base model, a key of its own per LoRA adapter, so
+    that a chain (and the parent check of a hit) differs by adapter from the first block on."""
+    return None if not lora_id else hash(("lora", lora_id))
+
+
 @dataclass(frozen=True)
 class CpuHit:
     """A prefix-cache hit held only by the CPU tier: allocate_slots copies it back into a GPU block."""
@@ -67,7 +73,7 @@ class BlockManager:
             return []
         bs = self.block_size
         hit: list[int | CpuHit] = []
-        parent = None
+        parent = root_hash(seq.lora_id)
         # The last token is always computed so that the step has logits to sample from.
         for i in range((seq.num_tokens - 1) // bs):
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
@@ -131,7 +137,7 @@ class BlockManager:
         i = num_full
         while i > 0 and self.blocks[table[i - 1]].hash is None:
             i -= 1
-        parent = self.blocks[table[i - 1]].hash if i > 0 else None
+        parent = self.blocks[table[i - 1]].hash if i > 0 else root_hash(seq.lora_id)
         for j in range(i, num_full):
             tokens = tuple(seq.token_ids[j * bs:(j + 1) * bs])
             h = hash_block(parent, tokens)

@@ -124,7 +124,7 @@ class Scheduler:
             num_new = min(remaining, budget)
             if not self.config.enable_chunked_prefill and num_new < remaining:
                 break
-            if not bm.swap_in(seq, num_new):
+            if not self._lora_fits(seq) or not bm.swap_in(seq, num_new):
                 break
             self.swapped.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -136,6 +136,8 @@ class Scheduler:
         while (not preempted and not self.swapped and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
+            if not self._lora_fits(seq):        # FIFO: it waits for an adapter's sequences to finish
+                break
             computed = bm.get_computed_blocks(seq)
             num_computed = len(computed) * bm.block_size
             remaining = seq.num_tokens - num_computed
@@ -161,6 +163,14 @@ class Scheduler:
             blocks_to_swap_in=swap_in,
             blocks_to_swap_out=swap_out,
         )
+
+    def _lora_fits(self, seq: Sequence) -> bool:
+        """Running it keeps the running sequences within max_loras distinct LoRA adapters (the device slots)."""
+        limit = self.config.max_loras
+        if not limit or not seq.lora_id:
+            return True
+        active = {s.lora_id for s in self.running if s.lora_id}
+        return seq.lora_id in active or len(active) < limit
 
     def _ends_with_pending_token(self, seq: Sequence) -> bool:
         """A token still in flight reaches max_tokens or max_model_len: the sequence ends when it lands, so a

@@ -43,6 +43,9 @@ class Sequence:
     num_pending_tokens: int = 0
     # Proposed by speculative decoding for the next step to verify: scheduled after token_ids, not part of them.
     spec_token_ids: list[int] = field(default_factory=list)
+    # The LoRA adapter it runs under (engine/lora/manager.py's id, never reused); 0 = the base model. Part of its
+    # blocks' prefix-cache keys: two adapters never share K/V.
+    lora_id: int = 0
 
     def __post_init__(self):
         if not self.token_ids:

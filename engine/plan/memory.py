@@ -280,7 +280,7 @@ def plan_memory(model_dir_or_config: str | Path | dict, gpu_mem_gb: float = 24.0
                 max_model_len: int | None = None, max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
                 block_size: int = 16, enforce_eager: bool = False, weights_dtype: str = "auto",
                 int4_head: bool = False, draft_model: str | Path | dict | None = None,
-                quantization: str | None = None, verify_rows: int = 0) -> MemoryPlan:
+                quantization: str | None = None, verify_rows: int = 0, lora_bytes: int = 0) -> MemoryPlan:
     """int4_head: the engine's --quantize-lm-head (engine/load/loader.py quantize_head). draft_model: a speculative
     decoding draft: its weights, and its KV cache (as many blocks as the target's, in the weights' dtype), share
     the card with the target's. quantization: gguf:MIX plans dummy weights of that GGUF type mix (a GGUF file's
@@ -318,6 +318,7 @@ def plan_memory(model_dir_or_config: str | Path | dict, gpu_mem_gb: float = 24.0
         # the draft's activations come and go between the target's: the target's (larger) reserve covers them
         draft_kv_per_token = 2 * d.layers * d.kv_heads * d.head_dim * d_float_b
         weights += draft_weights
+    weights += lora_bytes            # --enable-lora: the adapters' device slots (engine/lora/manager.py:slot_bytes)
 
     gpu_mem = int(gpu_mem_gb * GiB)
     usable = int(gpu_mem * gpu_memory_utilization)

@@ -6,6 +6,7 @@ import torch
 
 from quant_serve.engine.config import EngineConfig, ModelConfig
 from quant_serve.engine.load.loader import resolve_model_dir
+from quant_serve.engine.lora.manager import slot_bytes
 from quant_serve.engine.plan.memory import MemoryPlan, kv_dtype_bytes, plan_memory
 
 logger = logging.getLogger("quant_serve")
@@ -51,7 +52,7 @@ def num_gpu_blocks(config: EngineConfig, model_config: ModelConfig, model_dir, d
     if cache.num_gpu_blocks is not None:
         num_blocks = cache.num_gpu_blocks
     elif device != "cpu" and cache.kv_cache_memory_gb is None:
-        plan = _plan(config, model_dir, device, dtype, max_model_len)
+        plan = _plan(config, model_dir, device, dtype, max_model_len, model_config)
         num_blocks = plan.num_blocks
     else:
         num_blocks = int((cache.kv_cache_memory_gb or 1.0) * 2**30) // (
@@ -75,7 +76,8 @@ def num_cpu_blocks(config: EngineConfig, model_config: ModelConfig, dtype: torch
     return int(config.cache.cpu_kv_gb * 2**30) // _bytes_per_block(config, model_config, dtype)
 
 
-def _plan(config: EngineConfig, model_dir, device: str, dtype: torch.dtype, max_model_len: int) -> MemoryPlan:
+def _plan(config: EngineConfig, model_dir, device: str, dtype: torch.dtype, max_model_len: int,
+          model_config: ModelConfig) -> MemoryPlan:
     cache, sched = config.cache, config.scheduler
     dev = torch.device(device)
     index = dev.index if dev.index is not None else torch.cuda.current_device()
@@ -90,7 +92,8 @@ def _plan(config: EngineConfig, model_dir, device: str, dtype: torch.dtype, max_
                        weights_dtype=str(dtype).replace("torch.", ""), int4_head=config.quantize_lm_head,
                        quantization=config.quantization, verify_rows=verify_rows(config),
                        draft_model=None if _draft_model(config) is None else
-                       resolve_model_dir(_draft_model(config)))
+                       resolve_model_dir(_draft_model(config)),
+                       lora_bytes=slot_bytes(model_config, config.lora, dtype) if config.lora.enable_lora else 0)
     if not plan.fits:
         raise ValueError(plan.error_message())
     return plan

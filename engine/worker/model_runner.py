@@ -48,6 +48,7 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         self.verify_graphs: VerifyGraphs | VerifyRowGraphs | None = None
         self.cpu_tier = CpuKVTier(self.k_caches + self.v_caches, num_cpu_blocks) if num_cpu_blocks else None
+        self.lora = None                     # engine/lora/manager.py's LoRAManager with --enable-lora
 
     def plan_decode_graphs(self, max_batch: int, max_model_len: int) -> DecodeGraphs:
         """The decode graphs this engine will capture (CUDA only); capture_decode_graphs captures them."""
@@ -133,7 +134,7 @@ class ModelRunner:
         """How a step runs, chosen here only: "verify graph" (verify: every entry's inputs on the host, each at most
         k + 1 tokens, few enough entries), "decode graph" (one token per sequence) or "eager" (anything else, and
         any forward whose K/V go to an observer: calibration runs outside graphs)."""
-        if observer is not None:
+        if observer is not None or self.lora is not None:     # graphs would freeze the rows' adapter slots
             return "eager"
         lengths = [item.num_new_tokens for item in out.scheduled]
         if verify and carry is None and self.verify_graphs is not None and self.verify_graphs.can_run(lengths):
@@ -173,6 +174,8 @@ class ModelRunner:
             prepared.input_ids, prepared.positions, prepared.meta, prepared.starts, prepared.fill = \
                 eager_inputs(out, carry_rows, self.block_size, self.device)
             prepared.meta.kv_observer = observer
+            if self.lora is not None:
+                prepared.lora_slots = self.lora.step_slots(out.scheduled)
         return prepared
 
     def run_forward(self, prepared: PreparedForward, carried: torch.Tensor | None = None
@@ -195,6 +198,8 @@ class ModelRunner:
             if prepared.fill is not None:
                 at, rows = prepared.fill
                 prepared.input_ids[at] = carried[rows]
+            if self.lora is not None:
+                self.lora.batch.slots = prepared.lora_slots
             hidden = self.model(prepared.input_ids, prepared.positions, prepared.meta)
         first = prepared.first_observer
         if first is not None:

@@ -35,6 +35,7 @@ class PreparedForward:
     positions: torch.Tensor | None = None
     meta: Any = None
     fill: tuple[torch.Tensor, torch.Tensor] | None = None    # eager: (input positions, rows of the carried samples)
+    lora_slots: Any = None               # eager: each row's LoRA slot [T] int32 (-1: base); None: no adapter
 
 
 @dataclass

@@ -8,6 +8,7 @@ from quant_serve.engine.config import (OFFLINE_BATCHED_TOKENS, SERVE_BATCHED_TOK
                                        CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig)
 from quant_serve.kernels.gpu import ACTIVATION_DTYPES, KernelOptions
 from quant_serve.kernels.matmul.reference_int8 import ACT_SCALES
+from quant_serve.server.cli.lora_args import add_lora_args, lora_config_from_args
 
 ACTIVATION_HELP = ("activations of the quantized layers: fp16 (W4A16 / W8A16), int8 (quantized on the fly: W4A8 / "
                    "W8A8; for now on the CPU path's torch twins only), auto (int8 only where the weight format met "
@@ -103,6 +104,7 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--speculative-disable-batch-size", type=int, default=None,
                    help=f"speculation off while more sequences than this are unfinished "
                         f"(default: {SPEC_DISABLE_BATCH_SIZE}, from bench/spec_decode.py verify-cost)")
+    add_lora_args(p)
 
 
 def batched_tokens(args) -> int:
@@ -164,4 +166,4 @@ def engine_config_from_args(args) -> EngineConfig:
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=batched_tokens(args),
                                   enable_chunked_prefill=args.enable_chunked_prefill),
         kernels=KernelOptions(activation_dtype=args.activation_dtype, act_scale=args.act_scale),
-        speculative=speculative_config_from_args(args))
+        speculative=speculative_config_from_args(args), lora=lora_config_from_args(args))

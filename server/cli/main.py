@@ -16,7 +16,8 @@ def cmd_generate(args) -> int:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                                       add_generation_prompt=True)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.sampling_seed, stop=args.stop or [])
+                            top_k=args.top_k, seed=args.sampling_seed, stop=args.stop or [],
+                            lora_name="lora" if args.lora else None)
     output = engine.generate([prompt], params)[0]
     sys.stdout.write(output.outputs[0].text + "\n")
     sys.stdout.flush()
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.add_argument("--stop", action="append")
     gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to the prompt")
+    gen.add_argument("--lora", default=None, metavar="PATH", help="generate with this PEFT LoRA adapter")
     gen.set_defaults(func=cmd_generate)
 
     from quant_serve.server.cli import bench as cli_bench
