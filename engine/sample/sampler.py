@@ -68,7 +68,8 @@ def _has_logit_bias(seq: Sequence) -> bool:
 
 
 def _min_tokens_active(seq: Sequence) -> bool:
-    return seq.num_output_tokens < seq.params.min_tokens
+    # the tokens the sequence has: under async scheduling the token being sampled is already counted as pending
+    return len(seq.token_ids) - seq.num_prompt_tokens < seq.params.min_tokens
 
 
 def _constrained(seq: Sequence) -> bool:

@@ -164,3 +164,18 @@ def test_look_ahead_forwards_no_token_past_max_tokens(min_tokens):
         minimal = sum(len(o.prompt_token_ids) + params.max_tokens - 1 for o in outs)
         assert engine.runner.num_tokens_forwarded == minimal
         assert_all_blocks_free(engine)
+
+
+def test_min_tokens_holds_eos_back_as_long_under_async_scheduling():
+    """The row sampled behind its step (min_tokens needs its known tokens) has that step's token pending already:
+    min_tokens counts the tokens the sequence has, not the one being sampled, so EOS comes as late as in sync."""
+    prompt = 'What does "harbor" mean?'
+    sync = make_engine(DEMO_MODEL_DIR, async_scheduling=False, max_model_len=256)
+    natural = sync.generate([prompt], SamplingParams(max_tokens=64, temperature=0))[0].outputs[0].token_ids
+    assert len(natural) < 60                                  # the answer ends with EOS by itself
+    ahead = make_engine(DEMO_MODEL_DIR, async_scheduling=True, max_model_len=256)
+    for m in (len(natural) - 1, len(natural), len(natural) + 3):
+        sp = SamplingParams(max_tokens=len(natural) + 12, temperature=0, min_tokens=m)
+        want = sync.generate([prompt], sp)[0].outputs[0].token_ids
+        got = ahead.generate([prompt], sp)[0].outputs[0].token_ids
+        assert len(want) > m and got == want, (m, len(want), len(got))
