@@ -6,15 +6,16 @@ import torch
 
 from quant_serve.engine.config import EngineConfig, ModelConfig
 from quant_serve.engine.load.loader import resolve_model_dir
-from quant_serve.engine.plan.memory import MemoryPlan, kv_dtype_bytes, plan_memory
+from quant_serve.engine.plan.memory import MemoryPlan, kv_head_token_bytes, plan_memory
 
 logger = logging.getLogger("quant_serve")
 
 
 def _bytes_per_block(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> int:
     cache, cfg = config.cache, model_config
-    kv_bytes = kv_dtype_bytes(cache.kv_cache_dtype, dtype)
-    return 2 * cfg.num_layers * cache.block_size * cfg.num_kv_heads * cfg.head_dim * kv_bytes
+    kv_bytes = kv_head_token_bytes(cache.kv_cache_dtype, dtype, cfg.head_dim, cache.kv_group_size,
+                                   cache.kv_zero_point)
+    return 2 * cfg.num_layers * cache.block_size * cfg.num_kv_heads * kv_bytes
 
 
 def _draft_model(config: EngineConfig) -> str | None:

@@ -15,18 +15,24 @@ from quant_serve.engine.worker.steps import Carry, ForwardStep, LaunchedStep, Pr
 from quant_serve.engine.worker.swap import CpuKVTier
 from quant_serve.engine.worker.transfer import to_device
 from quant_serve.kernels.gpu import options_for
+from quant_serve.kernels.attention.kv_int import alloc_int_cache, hadamard, int_kv_format
 
 KV_CACHE_DTYPES = {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16,
                    "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
                    "fp8_e5m2": torch.float8_e5m2, "float32": torch.float32}
 
 
+INT_KV_CODES = {"int8": torch.int8, "int4": torch.uint8}      # integer caches: their codes' dtype
+
+
 def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     if kv_cache_dtype == "auto":
         return model_dtype
+    if kv_cache_dtype in INT_KV_CODES:
+        return INT_KV_CODES[kv_cache_dtype]
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"unsupported kv cache dtype {kv_cache_dtype!r} "
-                         f"(supported: auto, {', '.join(KV_CACHE_DTYPES)})")
+                         f"(supported: auto, {', '.join([*KV_CACHE_DTYPES, *INT_KV_CODES])})")
     return KV_CACHE_DTYPES[kv_cache_dtype]
 
 
@@ -40,6 +46,9 @@ class ModelRunner:
         self.dtype = dtype
         self.num_blocks = num_blocks
         self.kv_dtype = kv_cache_torch_dtype(cache_config.kv_cache_dtype, dtype)
+        self.kv_format = int_kv_format(cache_config.kv_cache_dtype, model_config.head_dim,
+                                       cache_config.kv_group_size, cache_config.kv_zero_point,
+                                       cache_config.kv_rotate)
         self.sampler = Sampler(seed=seed)
         self.num_tokens_forwarded = 0        # tokens run through the model (prefix hits are not)
         self.kv_observer = None              # sees every layer's new K/V before the store (calibration)
@@ -47,7 +56,7 @@ class ModelRunner:
         self._allocate_kv_cache()
         self.decode_graphs: DecodeGraphs | None = None
         self.verify_graphs: VerifyGraphs | VerifyRowGraphs | None = None
-        self.cpu_tier = CpuKVTier(self.k_caches + self.v_caches, num_cpu_blocks) if num_cpu_blocks else None
+        self.cpu_tier = CpuKVTier(self.block_tensors, num_cpu_blocks) if num_cpu_blocks else None
 
     def plan_decode_graphs(self, max_batch: int, max_model_len: int) -> DecodeGraphs:
         """The decode graphs this engine will capture (CUDA only); capture_decode_graphs captures them."""
@@ -100,18 +109,31 @@ class ModelRunner:
         self._first_forward_observer = KVRangeObserver(layers, set_scales_for=fp8_max if scales is None else None)
 
     def _allocate_kv_cache(self) -> None:
+        """K and V per layer; an integer cache also gets per-block scales tensors (indexed by the same block ids),
+        which take the place of the layer's fp8 k_scale / v_scale."""
         cfg = self.model_config
         shape = (self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.k_caches, self.v_caches = [], []
+        self.k_caches, self.v_caches, self.kv_scale_blocks = [], [], []
         for attn in self.model.attention_layers:
-            attn.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-            attn.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            if self.kv_format is not None:
+                attn.k_cache, attn.k_scale = alloc_int_cache(self.kv_format, *shape, self.device)
+                attn.v_cache, attn.v_scale = alloc_int_cache(self.kv_format, *shape, self.device)
+                self.kv_scale_blocks += [attn.k_scale, attn.v_scale]
+                if self.kv_format.rotate:
+                    attn.kv_rotation = hadamard(cfg.head_dim, self.device)
+            else:
+                attn.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+                attn.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
             self.k_caches.append(attn.k_cache)
             self.v_caches.append(attn.v_cache)
 
+    @property
+    def block_tensors(self) -> list[torch.Tensor]:
+        """Every tensor indexed by KV block id ([num_blocks, ...]): what a block copy or swap moves."""
+        return self.k_caches + self.v_caches + self.kv_scale_blocks
+
     def kv_bytes_per_block(self) -> int:
-        cfg = self.model_config
-        return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * self.kv_dtype.itemsize
+        return sum(t[0].numel() * t.element_size() for t in self.block_tensors)
 
     def apply_transfers(self, out: SchedulerOutput) -> None:
         """Swaps and copies of a step; before the forward that reads them, and also when nothing is scheduled."""
@@ -125,7 +147,7 @@ class ModelRunner:
             return
         src = to_device([s for s, _ in pairs], torch.long, self.device)
         dst = to_device([d for _, d in pairs], torch.long, self.device)
-        for cache in (*self.k_caches, *self.v_caches):
+        for cache in self.block_tensors:
             cache[dst] = cache[src]
 
     def step_path(self, out: SchedulerOutput, carry: "Carry | None" = None, verify: bool = False,
