@@ -145,8 +145,9 @@ def int_kv_format(kv_cache_dtype: str, head_dim: int, group: int | None = None, 
     if kv_cache_dtype not in INT_KV_DEFAULTS:
         return None
     dg, dz, dr = INT_KV_DEFAULTS[kv_cache_dtype]
-    group = dg if group is None else group
-    group = head_dim if group == 0 or head_dim % group else group
+    if group is None:           # the default falls back to the whole head; an explicit group must divide it
+        group = head_dim if dg == 0 or head_dim % dg else dg
+    group = group or head_dim
     rotate = (dr and head_dim & (head_dim - 1) == 0) if rotate is None else rotate
     fmt = IntKVFormat(8 if kv_cache_dtype == "int8" else 4, group, dz if zero_point is None else zero_point, rotate)
     fmt.validate(head_dim)
