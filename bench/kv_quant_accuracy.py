@@ -5,7 +5,7 @@ the CPU path (the torch twins: kernels/attention/kv_int.py). The prompt's own K/
 every scored position sees quantized keys and values.
 
     python bench/kv_quant_accuracy.py [--data tests/data/heldout.txt] [--max-tokens 32768] [--context-len 512]
-                                      [--out bench/results/kv-quant-accuracy-demo-cpu.json]
+                                      [--dtype float16] [--out bench/results/kv-quant-accuracy-demo-cpu.json]
 
 Goal of the issue: int4 within +1.0% perplexity and top-1 >= 97% against the FP16 cache.
 """
@@ -45,13 +45,13 @@ VARIANTS = {
 
 
 def make_engine(kv_cache_dtype: str, group: int | None, zero_point: bool | None, rotate: bool | None,
-                context_len: int) -> LLMEngine:
+                context_len: int, dtype: str) -> LLMEngine:
     cache = CacheConfig(num_gpu_blocks=4 * math.ceil(max(context_len, 1024) / 16), kv_cache_dtype=kv_cache_dtype,
                         kv_group_size=group, kv_zero_point=zero_point, kv_rotate=rotate,
                         enable_prefix_caching=False)
     if kv_cache_dtype.startswith("fp8"):
         cache.kv_scale_source = "first-prompt"
-    config = EngineConfig(model=str(DEMO_MODEL_DIR), device="cpu", cache=cache,
+    config = EngineConfig(model=str(DEMO_MODEL_DIR), device="cpu", dtype=dtype, cache=cache,
                           scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=max(context_len, 1024),
                                                     max_num_batched_tokens=max(2048, context_len)))
     return LLMEngine(config, show_progress=False)
@@ -68,25 +68,27 @@ def main(argv=None) -> int:
     p.add_argument("--data", action="append", default=None)
     p.add_argument("--max-tokens", type=int, default=32768)
     p.add_argument("--context-len", type=int, default=512)
+    p.add_argument("--dtype", default="float16", help="model dtype (the reference cache's dtype)")
     p.add_argument("--only", nargs="*", default=None, help="variant names to run (default: all)")
     p.add_argument("--out", default=str(REPO / "bench/results/kv-quant-accuracy-demo-cpu.json"))
     args = p.parse_args(argv)
     data = args.data or [str(REPO / "tests/data/heldout.txt")]
     torch.set_num_threads(2)
     t0 = time.time()
-    ref = make_engine("auto", None, None, None, args.context_len)
+    ref = make_engine("auto", None, None, None, args.context_len, args.dtype)
+    ref_kv = str(ref.runner.kv_dtype).replace("torch.", "")
     ids = load_tokens(data, ref.tokenizer, args.max_tokens)
     windows = make_windows(ids, args.context_len, args.context_len)
     rows = []
     with ReferenceStore(windows, ref.model_config.vocab_size) as store:
-        ref_stats = store.fill(ref, "fp16 cache").summary()
-        print(f"reference (fp16 cache): ppl {ref_stats['perplexity']:.4f} on {ref_stats['num_tokens']} tokens",
+        ref_stats = store.fill(ref, f"{ref_kv} cache").summary()
+        print(f"reference ({ref_kv} cache): ppl {ref_stats['perplexity']:.4f} on {ref_stats['num_tokens']} tokens",
               flush=True)
         del ref
         for name, (dtype, group, zp, rot) in VARIANTS.items():
             if args.only and name not in args.only:
                 continue
-            engine = make_engine(dtype, group, zp, rot, args.context_len)
+            engine = make_engine(dtype, group, zp, rot, args.context_len, args.dtype)
             s = store.compare(engine, name).summary()
             bytes_tok = engine.runner.kv_bytes_per_block() // engine.runner.block_size
             row = {"name": name, "kv_cache_dtype": dtype, "group": group, "zero_point": zp, "rotate": rot,
@@ -102,7 +104,8 @@ def main(argv=None) -> int:
               "commit": git_commit(), "hardware": f"{platform.processor() or platform.machine()} CPU, "
               f"{torch.get_num_threads()} threads, torch {torch.__version__}",
               "model": "engine/load/demo_model (INT4 AWQ Qwen2, 27M, head_dim 64)", "data": data,
-              "context_len": args.context_len, "reference": {"kv_cache_dtype": "fp16", **ref_stats},
+              "context_len": args.context_len, "model_dtype": args.dtype,
+              "reference": {"kv_cache_dtype": ref_kv, **ref_stats},
               "goal": {"ppl_delta_pct_max": GOAL_PPL_PCT, "top1_min": GOAL_TOP1}, "variants": rows,
               "seconds": round(time.time() - t0, 1)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
