@@ -1,5 +1,7 @@
 """Integer KV cache (issue #56): the format and torch twin (kernels/attention/kv_int.py), the engine's cache,
 block copies and CPU tier carrying the scales, the plan's bytes and the CLI's errors."""
+import json
+
 import pytest
 import torch
 
@@ -78,3 +80,19 @@ def test_engine_cache_scales_ride_with_block_copies_and_swaps(trained_model):
     assert all(torch.equal(c[1], t[3]) for c, t in zip(tier.cpu_caches, runner.block_tensors))
     tier.issue([], [(1, 7)])
     assert all(torch.equal(t[7], t[3]) for t in runner.block_tensors)
+
+
+def test_cli_plan_int4_and_errors(capsys):
+    from quant_serve.server.cli.main import main
+    from quant_serve.engine.worker.model_runner import kv_cache_torch_dtype
+    assert main(["plan", str(QWEN_7B), "--kv-cache-dtype", "int4", "--max-model-len", "32768", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["kv_bytes_per_token"] == 17920 and plan["kv_cache_dtype"] == "int4"
+    with pytest.raises(SystemExit):
+        main(["plan", str(QWEN_7B), "--kv-cache-dtype", "int3"])
+    assert "invalid choice: 'int3'" in capsys.readouterr().err
+    assert main(["plan", str(QWEN_7B), "--gpu", "a10", "--kv-cache-dtype", "int4"]) != 0
+    assert "error: plan --gpu: the card model has no measurements of --kv-cache-dtype int4" in \
+        capsys.readouterr().err
+    with pytest.raises(ValueError, match="supported: auto, .*int8, int4"):
+        kv_cache_torch_dtype("int2", torch.float16)
