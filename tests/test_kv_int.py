@@ -41,7 +41,8 @@ def test_int4_packing_order_and_zero_groups():
 def test_formats_and_errors():
     assert int_kv_format("fp8", 128) is None
     assert int_kv_format("int8", 128) == IntKVFormat(8, 128, False, False)
-    assert int_kv_format("int4", 80).group == 80 and not int_kv_format("int4", 80).rotate   # 32 does not divide 80
+    assert int_kv_format("int4", 128) == IntKVFormat(4, 16, True, True)
+    assert int_kv_format("int4", 72).group == 72 and not int_kv_format("int4", 72).rotate   # 16 does not divide 72
     with pytest.raises(ValueError, match="group 48 must divide head_dim 64"):
         int_kv_format("int4", 64, group=48)
     with pytest.raises(ValueError, match="int8 is symmetric"):
@@ -54,12 +55,13 @@ def test_formats_and_errors():
 
 def test_plan_counts_codes_and_scales():
     assert kv_head_token_bytes("int8", "float16", 128) == 128 + 2
-    assert kv_head_token_bytes("int4", "float16", 128) == 64 + 4 * 2 * 2       # 4 groups of 32: scale + zero
+    assert kv_head_token_bytes("int4", "float16", 128) == 64 + 8 * 2 * 2       # 8 groups of 16: scale + zero
+    assert kv_head_token_bytes("int4", "float16", 128, group=32) == 64 + 4 * 2 * 2
     assert kv_head_token_bytes("fp8", "float16", 128) == 128
     plan = plan_memory(QWEN_7B, gpu_mem_gb=24, kv_cache_dtype="int4", max_model_len=32768)
-    assert plan.kv_bytes_per_token == 2 * 28 * 4 * 80
+    assert plan.kv_bytes_per_token == 2 * 28 * 4 * 96
     fp8 = plan_memory(QWEN_7B, gpu_mem_gb=24, kv_cache_dtype="fp8", max_model_len=32768)
-    assert plan.kv_cache_tokens > 1.55 * fp8.kv_cache_tokens
+    assert plan.kv_cache_tokens > 1.3 * fp8.kv_cache_tokens
 
 
 def test_engine_cache_scales_ride_with_block_copies_and_swaps(trained_model):
@@ -87,7 +89,7 @@ def test_cli_plan_int4_and_errors(capsys):
     from quant_serve.engine.worker.model_runner import kv_cache_torch_dtype
     assert main(["plan", str(QWEN_7B), "--kv-cache-dtype", "int4", "--max-model-len", "32768", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    assert plan["kv_bytes_per_token"] == 17920 and plan["kv_cache_dtype"] == "int4"
+    assert plan["kv_bytes_per_token"] == 21504 and plan["kv_cache_dtype"] == "int4"
     with pytest.raises(SystemExit):
         main(["plan", str(QWEN_7B), "--kv-cache-dtype", "int3"])
     assert "invalid choice: 'int3'" in capsys.readouterr().err

@@ -135,7 +135,7 @@ def alloc_int_cache(fmt: IntKVFormat, num_blocks: int, block_size: int, num_kv_h
 # The grouping each --kv-cache-dtype gets (chosen by measured accuracy on the demo model, docs/performance.md):
 # (group, zero point, rotate); a head_dim the group does not divide gets one group per head, one that is not a
 # power of two no rotation.
-INT_KV_DEFAULTS = {"int8": (0, False, False), "int4": (32, True, True)}     # group 0: the whole head
+INT_KV_DEFAULTS = {"int8": (0, False, False), "int4": (16, True, True)}     # group 0: the whole head
 
 
 def int_kv_format(kv_cache_dtype: str, head_dim: int, group: int | None = None, zero_point: bool | None = None,
