@@ -15,7 +15,8 @@ from quant_serve.engine.worker.steps import Carry, ForwardStep, LaunchedStep, Pr
 from quant_serve.engine.worker.swap import CpuKVTier
 from quant_serve.engine.worker.transfer import to_device
 from quant_serve.kernels.gpu import options_for
-from quant_serve.kernels.attention.kv_int import alloc_int_cache, hadamard, int_kv_format
+from quant_serve.kernels.attention.kv_int import int_kv_format
+from quant_serve.engine.worker.kv_pool import allocate_kv_cache
 
 KV_CACHE_DTYPES = {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16,
                    "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
@@ -93,6 +94,13 @@ class ModelRunner:
         return self.kv_observer is not None or self._first_forward_observer is not None
 
     @property
+    def kv_name(self) -> str:
+        """The cache's dtype as --kv-cache-dtype names it (int4 / int8 for integer caches)."""
+        if self.kv_format is not None:
+            return f"int{self.kv_format.bits}"
+        return str(self.kv_dtype).replace("torch.", "")
+
+    @property
     def kv_is_fp8(self) -> bool:
         return self.kv_dtype in FP8_DTYPES
 
@@ -109,23 +117,10 @@ class ModelRunner:
         self._first_forward_observer = KVRangeObserver(layers, set_scales_for=fp8_max if scales is None else None)
 
     def _allocate_kv_cache(self) -> None:
-        """K and V per layer; an integer cache also gets per-block scales tensors (indexed by the same block ids),
-        which take the place of the layer's fp8 k_scale / v_scale."""
         cfg = self.model_config
         shape = (self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.k_caches, self.v_caches, self.kv_scale_blocks = [], [], []
-        for attn in self.model.attention_layers:
-            if self.kv_format is not None:
-                attn.k_cache, attn.k_scale = alloc_int_cache(self.kv_format, *shape, self.device)
-                attn.v_cache, attn.v_scale = alloc_int_cache(self.kv_format, *shape, self.device)
-                self.kv_scale_blocks += [attn.k_scale, attn.v_scale]
-                if self.kv_format.rotate:
-                    attn.kv_rotation = hadamard(cfg.head_dim, self.device)
-            else:
-                attn.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-                attn.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-            self.k_caches.append(attn.k_cache)
-            self.v_caches.append(attn.v_cache)
+        self.k_caches, self.v_caches, self.kv_scale_blocks = allocate_kv_cache(
+            self.model.attention_layers, shape, self.kv_dtype, self.kv_format, self.device)
 
     @property
     def block_tensors(self) -> list[torch.Tensor]:
