@@ -98,3 +98,25 @@ def test_cli_plan_int4_and_errors(capsys):
         capsys.readouterr().err
     with pytest.raises(ValueError, match="supported: auto, .*int8, int4"):
         kv_cache_torch_dtype("int2", torch.float16)
+
+
+def test_rotated_forward_is_exact_algebra():
+    """engine/worker/attention.py's rotation around the cache changes nothing but the stored values: with an fp32
+    cache, rotated and plain attention agree to rounding (q.k and P.V are invariant under an orthonormal H)."""
+    from quant_serve.engine.worker.attention import AttentionMetadata, paged_attention_forward
+    from quant_serve.kernels.attention.reference import build_cos_sin_cache
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(9, h, 64, generator=gen) for h in (4, 2, 2))
+    meta = AttentionMetadata(slot_mapping=torch.arange(9), block_tables=torch.tensor([[0]], dtype=torch.int32),
+                             seq_lens=torch.tensor([9], dtype=torch.int32),
+                             query_start_loc=torch.tensor([0, 9], dtype=torch.int32), max_seq_len=9, max_query_len=9)
+    cs = build_cos_sin_cache(32, 64)
+    outs, stored = [], []
+    for rotation in (None, hadamard(64)):
+        caches = [torch.zeros(1, 16, 2, 64) for _ in range(2)]
+        outs.append(paged_attention_forward(q.clone(), k.clone(), v.clone(), torch.arange(9), cs, *caches, 1.0, 1.0,
+                                            meta, 0.125, rotation=rotation))
+        stored.append(caches[0][0, :9])
+    assert torch.allclose(outs[0], outs[1], atol=1e-5)
+    assert torch.allclose(stored[1], stored[0] @ hadamard(64), atol=1e-5)        # the cache holds K H
+    assert not torch.allclose(stored[1], stored[0], atol=1e-2)

@@ -91,3 +91,33 @@ def test_dequantized_tile_matches_twin_dequantize():
                               0.1, k_s, v_s, block_n=16)
     want = dequantize_int(v_c[1, 0], v_s[1, 0])               # [1, 32]
     assert torch.allclose(out[0].float().cpu(), want.cpu(), atol=2e-3)
+
+
+def test_paged_entry_points_dispatch_integer_caches():
+    """paged.py's Triton entry points (what CUDA runs) take an integer cache to the integer kernels: the store and
+    the fused RoPE + store write the twin's codes, the prefill entry attends like the twin."""
+    from quant_serve.kernels.attention.paged import paged_prefill, rope_store_kv_triton, store_kv_triton
+    from quant_serve.kernels.attention.reference import build_cos_sin_cache, rope_store_kv_ref
+    gen = torch.Generator().manual_seed(4)
+    fmt = IntKVFormat(4, 16, True)
+    caches = [alloc_int_cache(fmt, 4, BS, 2, 32, DEV) for _ in range(4)]
+    (kc1, ks1), (vc1, vs1), (kc2, ks2), (vc2, vs2) = caches
+    q = torch.randn(5, 4, 32, generator=gen).half().to(DEV)
+    k = torch.randn(5, 2, 32, generator=gen).half().to(DEV)
+    v = torch.randn(5, 2, 32, generator=gen).half().to(DEV)
+    pos = torch.tensor([0, 1, 2, 3, 4], device=DEV)
+    slots = torch.tensor([16, 17, 18, 19, 20], device=DEV)
+    cs = build_cos_sin_cache(64, 32, device=DEV)
+    q1, k1, q2, k2 = q.clone(), k.clone(), q.clone(), k.clone()
+    rope_store_kv_ref(q1, k1, v, pos, cs, kc1, vc1, slots, ks1, vs1)
+    rope_store_kv_triton(q2, k2, v, pos, cs, kc2, vc2, slots, ks2, vs2)
+    assert torch.equal(q1, q2) and torch.equal(kc1, kc2) and torch.equal(ks1, ks2) and torch.equal(vs1, vs2)
+    store_kv_triton(k, v, kc2, vc2, slots - 16, ks2, vs2)
+    store_kv_ref(k, v, kc1, vc1, slots - 16, ks1, vs1)
+    assert torch.equal(kc1, kc2) and torch.equal(vs1, vs2)
+    tables = torch.tensor([[1]], dtype=torch.int32, device=DEV)
+    lens = torch.tensor([5], dtype=torch.int32, device=DEV)
+    qsl = torch.tensor([0, 5], dtype=torch.int32, device=DEV)
+    ref = paged_attention_ref(q1, kc1, vc1, tables, lens, qsl, 0.2, ks1, vs1)
+    out = paged_prefill(q1, kc2, vc2, tables, lens, qsl, 0.2, ks2, vs2, block_n=16)
+    assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 3e-3
