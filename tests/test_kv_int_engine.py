@@ -57,3 +57,17 @@ def test_int4_prefix_block_evicted_to_cpu_tier_is_hit_later(text_ids, trained_mo
     assert engine.stats.cpu_prefix_hits_total == 3 and out.num_cached_tokens == len(system)
     assert out.outputs[0].token_ids == expected
     assert_all_blocks_free(engine)
+
+
+def test_eval_compares_an_int4_cache_against_the_fp16_cache(trained_model, heldout_text, tmp_path):
+    """`quant-serve eval --kv-cache-dtype int4` as with fp8: one kv-only candidate, the reference's weights."""
+    from quant_serve.eval.harness import EvalConfig, run_eval
+    data = tmp_path / "heldout.txt"
+    data.write_text(heldout_text)
+    result = run_eval(EvalConfig(reference=str(trained_model), data=[str(data)], kv_cache_dtype="int4", tasks=[],
+                                 max_tokens=600, layer_windows=1, device="cpu", dtype="float16"))
+    (cand,) = result.candidates
+    assert cand.kv_cache_dtype == "int4" and cand.kv_only and cand.name.endswith("kv=int4")
+    s = cand.stats.summary()
+    assert 0 < s["kld"] < 0.05 and 0.85 < s["top1"] < 1.0            # quantized, yet close to the fp16 cache
+    assert result.reference.kv_cache_dtype == "fp16" and cand.kv_scales is None
