@@ -60,7 +60,12 @@ class ModelConfig:
 class CacheConfig:
     block_size: int = BLOCK_SIZE
     num_gpu_blocks: int | None = None      # exact block count (tests); None = from kv_cache_memory_gb or the plan
-    kv_cache_dtype: str = "auto"           # auto | fp16 | bf16 | fp8 | fp8_e4m3 | fp8_e5m2
+    kv_cache_dtype: str = "auto"           # auto | fp16 | bf16 | fp8 | fp8_e4m3 | fp8_e5m2 | int8 | int4
+    # integer caches (kernels/attention/kv_int.py): head_dim elements per scale and a zero point beside it;
+    # None = the measured defaults (INT_KV_DEFAULTS). Not CLI flags: bench/kv_quant_accuracy.py compares them.
+    kv_group_size: int | None = None
+    kv_zero_point: bool | None = None
+    kv_rotate: bool | None = None          # K and V rotated by a Hadamard matrix over head_dim before the store
     gpu_memory_utilization: float = 0.90
     gpu_memory_gb: float | None = None      # plan for a card of this size (emulate a 24 GB card); None = the real one
     kv_cache_memory_gb: float | None = None  # explicit KV pool size; None = planned on CUDA, 1 GiB on the CPU path

@@ -85,7 +85,7 @@ class EvalResult:
 
 
 KV_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8_e4m3",
-            torch.float8_e5m2: "fp8_e5m2"}
+            torch.float8_e5m2: "fp8_e5m2", torch.int8: "int8", torch.uint8: "int4"}   # integer caches: codes dtype
 
 
 def kv_label(kv_cache_dtype: str) -> str:

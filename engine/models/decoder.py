@@ -48,6 +48,8 @@ class Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
         self.register_buffer("k_scale", torch.ones((), dtype=torch.float32, device=device), persistent=False)
         self.register_buffer("v_scale", torch.ones((), dtype=torch.float32, device=device), persistent=False)
+        # an integer cache's k_scale / v_scale are its per-block scales; a rotated one sets the Hadamard matrix
+        self.kv_rotation: torch.Tensor | None = None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
                 rotary: RotaryEmbedding) -> torch.Tensor:
@@ -67,7 +69,7 @@ class Attention(nn.Module):
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.num_kv_heads, self.head_dim)
         out = paged_attention_forward(q, k, v, positions, rotary.cos_sin_cache, self.k_cache, self.v_cache,
                                       self.k_scale, self.v_scale, meta, self.softmax_scale, merge,
-                                      window=self.window, softcap=self.softcap)
+                                      window=self.window, softcap=self.softcap, rotation=self.kv_rotation)
         return out if isinstance(out, DecodePartials) else out.reshape(num_tokens, -1)     # [T, Hq D]
 
     def dense_attend(self, qkv: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:

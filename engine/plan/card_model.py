@@ -137,6 +137,10 @@ def projection_for(model_dir, caps: GPUCaps, quantization: str | None = None, kv
     from quant_serve.engine.plan.card_step import model_shape
     from quant_serve.engine.plan.memory import _load_config, kv_dtype_bytes
     cfg, _ = _load_config(model_dir)
+    if kv_cache_dtype.startswith("int"):
+        raise ValueError(f"plan --gpu: the card model has no measurements of --kv-cache-dtype {kv_cache_dtype} "
+                         "attention (GPU timings of the integer KV kernels are not taken yet); project with fp8 "
+                         "or leave out --gpu for the memory plan alone")
     kv = kv_dtype_bytes(kv_cache_dtype, cfg.get("dtype") or cfg.get("torch_dtype"))
     shape = model_shape(cfg, quantization, kv, int4_head, Path(str(model_dir)).name)
     params, how = params_for(caps)

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from quant_serve.engine.config import HEAD_GROUP_SIZE
+from quant_serve.kernels.attention.kv_int import int_kv_format
 
 MiB = 2**20
 GiB = 2**30
@@ -46,11 +47,22 @@ def dtype_bytes(dtype) -> int:
 
 
 def kv_dtype_bytes(kv_cache_dtype: str, model_dtype) -> int:
+    """Bytes per element of a float KV cache (integer caches: kv_head_token_bytes)."""
     if kv_cache_dtype == "auto":
         return dtype_bytes(model_dtype)
     if kv_cache_dtype not in _KV_BYTES:
         raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not one of: auto, {', '.join(_KV_BYTES)}")
     return _KV_BYTES[kv_cache_dtype]
+
+
+def kv_head_token_bytes(kv_cache_dtype: str, model_dtype, head_dim: int, group: int | None = None,
+                        zero_point: bool | None = None) -> int:
+    """Bytes of one token's K (or V) for one kv head: an integer cache's codes plus its fp16 group scales (and
+    zero points, kernels/attention/kv_int.py), else head_dim elements of the float dtype."""
+    fmt = int_kv_format(kv_cache_dtype, head_dim, group, zero_point)
+    if fmt is not None:
+        return fmt.bytes_per_head_token(head_dim)
+    return head_dim * kv_dtype_bytes(kv_cache_dtype, model_dtype)
 
 
 @dataclass
@@ -95,7 +107,7 @@ class MemoryPlan:
         return (f"max_model_len {self.max_model_len} needs {need / GiB:.2f} GiB of KV cache, but only "
                 f"{self.kv_cache_bytes / GiB:.2f} GiB ({self.kv_cache_tokens} tokens) fit; largest context that "
                 f"fits: {self.max_model_len_fit} tokens. Set max_model_len <= {self.max_model_len_fit}"
-                + ("" if self.kv_cache_dtype.startswith("fp8") else ", use kv_cache_dtype fp8")
+                + ("" if self.kv_cache_dtype.startswith(("fp8", "int")) else ", use kv_cache_dtype fp8 (or int4)")
                 + ", or raise gpu_memory_utilization.")
 
 
@@ -289,7 +301,7 @@ def plan_memory(model_dir_or_config: str | Path | dict, gpu_mem_gb: float = 24.0
     cfg, model_dir = _load_config(model_dir_or_config)
     a = _arch(cfg)
     float_b = dtype_bytes(a.dtype if weights_dtype == "auto" else weights_dtype)
-    kv_b = kv_dtype_bytes(kv_cache_dtype, a.dtype if weights_dtype == "auto" else weights_dtype)
+    kv_b = kv_head_token_bytes(kv_cache_dtype, a.dtype if weights_dtype == "auto" else weights_dtype, a.head_dim)
     max_model_len = a.max_position if max_model_len is None else max_model_len
     if not 0 < max_model_len <= a.max_position:
         raise ValueError(f"max_model_len {max_model_len} must be in 1..{a.max_position} (the model's limit)")
@@ -325,7 +337,7 @@ def plan_memory(model_dir_or_config: str | Path | dict, gpu_mem_gb: float = 24.0
     activations = _activation_bytes(a, float_b, max_num_batched_tokens, max_num_seqs)
     graphs = 0 if enforce_eager else CUDA_GRAPH_RESERVE + verify_rows * a.vocab * 4
     overhead = CUDA_CONTEXT_RESERVE + FRAGMENTATION_RESERVE
-    kv_per_token = 2 * a.layers * a.kv_heads * a.head_dim * kv_b
+    kv_per_token = 2 * a.layers * a.kv_heads * kv_b
     free = usable - weights - activations - graphs - overhead
     num_blocks = max(0, free // ((kv_per_token + draft_kv_per_token) * block_size))
     tokens = num_blocks * block_size

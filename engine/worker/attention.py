@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
+from quant_serve.kernels.attention.kv_int import is_int_cache
 from quant_serve.kernels.attention.reference import apply_rope_ref
 from quant_serve.kernels.attention.merge import DecodePartials
 from quant_serve.kernels.attention.paged import NewTokens, paged_attention, paged_decode, rope_store_kv, store_kv
@@ -37,16 +38,21 @@ class AttentionMetadata:
 def paged_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                             cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale,
                             v_scale, meta: AttentionMetadata, softmax_scale: float,
-                            merge: bool = True, window: int = 0, softcap: float = 0.0) -> torch.Tensor | DecodePartials:
+                            merge: bool = True, window: int = 0, softcap: float = 0.0,
+                            rotation: torch.Tensor | None = None) -> torch.Tensor | DecodePartials:
     """q: [T, Hq, D], k/v: [T, Hkv, D] before RoPE; positions [T]; cos_sin_cache [max_pos, D].
     Rotates q and k, stores k/v by slot_mapping (one fused kernel on CUDA), then attends. -> [T, Hq, D]
     A decode step on CUDA does all of it in the decode kernel (one launch instead of two); otherwise q and k are
     rotated in place. merge False: a decode step whose context is split may return the unmerged partials
     (kernels/attention/merge.py) for o_proj to merge. window, softcap: a sliding-window layer's window and the
     score soft-cap (kernels/attention/reference.paged_attention_ref; 0: off). A cos_sin_cache narrower than head_dim
-    (partial rotary) is applied in torch, then stored by the store kernel."""
+    (partial rotary) is applied in torch, then stored by the store kernel. rotation [D, D] (a rotated integer
+    cache, kernels/attention/kv_int.hadamard): q, k and v are rotated after RoPE, the output rotated back."""
+    if rotation is not None:
+        return _rotated_forward(q, k, v, positions, cos_sin_cache, k_cache, v_cache, k_scale, v_scale, meta,
+                                softmax_scale, window, softcap, rotation)
     decode = meta.max_query_len == 1 and q.shape[0] == meta.block_tables.shape[0] and not meta.multi_token \
-        and not meta.store_first
+        and not meta.store_first and not is_int_cache(k_cache)        # the fused decode kernel is float / fp8
     full_rotary = cos_sin_cache.shape[1] == q.shape[-1]
     if meta.kv_observer is None and q.is_cuda and decode and full_rotary and q.shape[-1] & (q.shape[-1] - 1) == 0:
         return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
@@ -62,6 +68,21 @@ def paged_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p
             meta.kv_observer(k, v, k_scale, v_scale)
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
     return attend(q, k_cache, v_cache, meta, softmax_scale, k_scale, v_scale, window, softcap)
+
+
+def _rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] @ rotation [D, D], math in fp32, in x's dtype."""
+    return (x.float() @ rotation).to(x.dtype)
+
+
+def _rotated_forward(q, k, v, positions, cos_sin_cache, k_cache, v_cache, k_scale, v_scale, meta, softmax_scale,
+                     window, softcap, rotation) -> torch.Tensor:
+    """The cache holds K H and V H (H orthonormal and symmetric: a Hadamard matrix spreads a channel outlier over
+    the whole head, so per-token groups quantize well): scores (q H)(k H)^T = q k^T, output (P V H) H = P V."""
+    q = _rotate(apply_rope_ref(q, positions, cos_sin_cache), rotation)
+    k = _rotate(apply_rope_ref(k, positions, cos_sin_cache), rotation)
+    store_kv(k, _rotate(v, rotation), k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+    return _rotate(attend(q, k_cache, v_cache, meta, softmax_scale, k_scale, v_scale, window, softcap), rotation)
 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

@@ -7,15 +7,17 @@ import torch
 from quant_serve.engine.config import EngineConfig, ModelConfig
 from quant_serve.engine.load.loader import resolve_model_dir
 from quant_serve.engine.lora.manager import slot_bytes
-from quant_serve.engine.plan.memory import MemoryPlan, kv_dtype_bytes, plan_memory
+from quant_serve.engine.plan.memory import MemoryPlan, kv_head_token_bytes, plan_memory
+from quant_serve.kernels.attention.kv_int import IntKVFormat, alloc_int_cache, hadamard
 
 logger = logging.getLogger("quant_serve")
 
 
 def _bytes_per_block(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> int:
     cache, cfg = config.cache, model_config
-    kv_bytes = kv_dtype_bytes(cache.kv_cache_dtype, dtype)
-    return 2 * cfg.num_layers * cache.block_size * cfg.num_kv_heads * cfg.head_dim * kv_bytes
+    kv_bytes = kv_head_token_bytes(cache.kv_cache_dtype, dtype, cfg.head_dim, cache.kv_group_size,
+                                   cache.kv_zero_point)
+    return 2 * cfg.num_layers * cache.block_size * cfg.num_kv_heads * kv_bytes
 
 
 def _draft_model(config: EngineConfig) -> str | None:
@@ -97,3 +99,24 @@ def _plan(config: EngineConfig, model_dir, device: str, dtype: torch.dtype, max_
     if not plan.fits:
         raise ValueError(plan.error_message())
     return plan
+
+
+def allocate_kv_cache(layers, shape: tuple[int, int, int, int], dtype: torch.dtype, fmt: IntKVFormat | None,
+                      device) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """Each attention layer's K and V caches [num_blocks, block_size, Hkv, D] -> (k caches, v caches, scales).
+    An integer cache (fmt) also gets per-block scales tensors, indexed by the same block ids, which take the place
+    of the layer's fp8 k_scale / v_scale, and with fmt.rotate the layer's Hadamard matrix."""
+    k_caches, v_caches, scales = [], [], []
+    for attn in layers:
+        if fmt is not None:
+            attn.k_cache, attn.k_scale = alloc_int_cache(fmt, *shape, device)
+            attn.v_cache, attn.v_scale = alloc_int_cache(fmt, *shape, device)
+            scales += [attn.k_scale, attn.v_scale]
+            if fmt.rotate:
+                attn.kv_rotation = hadamard(shape[-1], device)
+        else:
+            attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+            attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        k_caches.append(attn.k_cache)
+        v_caches.append(attn.v_cache)
+    return k_caches, v_caches, scales

@@ -15,18 +15,25 @@ from quant_serve.engine.worker.steps import Carry, ForwardStep, LaunchedStep, Pr
 from quant_serve.engine.worker.swap import CpuKVTier
 from quant_serve.engine.worker.transfer import to_device
 from quant_serve.kernels.gpu import options_for
+from quant_serve.kernels.attention.kv_int import int_kv_format
+from quant_serve.engine.worker.kv_pool import allocate_kv_cache
 
 KV_CACHE_DTYPES = {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16,
                    "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
                    "fp8_e5m2": torch.float8_e5m2, "float32": torch.float32}
 
 
+INT_KV_CODES = {"int8": torch.int8, "int4": torch.uint8}      # integer caches: their codes' dtype
+
+
 def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     if kv_cache_dtype == "auto":
         return model_dtype
+    if kv_cache_dtype in INT_KV_CODES:
+        return INT_KV_CODES[kv_cache_dtype]
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"unsupported kv cache dtype {kv_cache_dtype!r} "
-                         f"(supported: auto, {', '.join(KV_CACHE_DTYPES)})")
+                         f"(supported: auto, {', '.join([*KV_CACHE_DTYPES, *INT_KV_CODES])})")
     return KV_CACHE_DTYPES[kv_cache_dtype]
 
 
@@ -40,6 +47,9 @@ class ModelRunner:
         self.dtype = dtype
         self.num_blocks = num_blocks
         self.kv_dtype = kv_cache_torch_dtype(cache_config.kv_cache_dtype, dtype)
+        self.kv_format = int_kv_format(cache_config.kv_cache_dtype, model_config.head_dim,
+                                       cache_config.kv_group_size, cache_config.kv_zero_point,
+                                       cache_config.kv_rotate)
         self.sampler = Sampler(seed=seed)
         self.num_tokens_forwarded = 0        # tokens run through the model (prefix hits are not)
         self.kv_observer = None              # sees every layer's new K/V before the store (calibration)
@@ -47,7 +57,7 @@ class ModelRunner:
         self._allocate_kv_cache()
         self.decode_graphs: DecodeGraphs | None = None
         self.verify_graphs: VerifyGraphs | VerifyRowGraphs | None = None
-        self.cpu_tier = CpuKVTier(self.k_caches + self.v_caches, num_cpu_blocks) if num_cpu_blocks else None
+        self.cpu_tier = CpuKVTier(self.block_tensors, num_cpu_blocks) if num_cpu_blocks else None
         self.lora = None                     # engine/lora/manager.py's LoRAManager with --enable-lora
 
     def plan_decode_graphs(self, max_batch: int, max_model_len: int) -> DecodeGraphs:
@@ -85,6 +95,13 @@ class ModelRunner:
         return self.kv_observer is not None or self._first_forward_observer is not None
 
     @property
+    def kv_name(self) -> str:
+        """The cache's dtype as --kv-cache-dtype names it (int4 / int8 for integer caches)."""
+        if self.kv_format is not None:
+            return f"int{self.kv_format.bits}"
+        return str(self.kv_dtype).replace("torch.", "")
+
+    @property
     def kv_is_fp8(self) -> bool:
         return self.kv_dtype in FP8_DTYPES
 
@@ -103,16 +120,16 @@ class ModelRunner:
     def _allocate_kv_cache(self) -> None:
         cfg = self.model_config
         shape = (self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.k_caches, self.v_caches = [], []
-        for attn in self.model.attention_layers:
-            attn.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-            attn.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-            self.k_caches.append(attn.k_cache)
-            self.v_caches.append(attn.v_cache)
+        self.k_caches, self.v_caches, self.kv_scale_blocks = allocate_kv_cache(
+            self.model.attention_layers, shape, self.kv_dtype, self.kv_format, self.device)
+
+    @property
+    def block_tensors(self) -> list[torch.Tensor]:
+        """Every tensor indexed by KV block id ([num_blocks, ...]): what a block copy or swap moves."""
+        return self.k_caches + self.v_caches + self.kv_scale_blocks
 
     def kv_bytes_per_block(self) -> int:
-        cfg = self.model_config
-        return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * self.kv_dtype.itemsize
+        return sum(t[0].numel() * t.element_size() for t in self.block_tensors)
 
     def apply_transfers(self, out: SchedulerOutput) -> None:
         """Swaps and copies of a step; before the forward that reads them, and also when nothing is scheduled."""
@@ -126,7 +143,7 @@ class ModelRunner:
             return
         src = to_device([s for s, _ in pairs], torch.long, self.device)
         dst = to_device([d for _, d in pairs], torch.long, self.device)
-        for cache in (*self.k_caches, *self.v_caches):
+        for cache in self.block_tensors:
             cache[dst] = cache[src]
 
     def step_path(self, out: SchedulerOutput, carry: "Carry | None" = None, verify: bool = False,

@@ -14,7 +14,10 @@ import torch
 from quant_serve.kernels.gpu import device_sms, runtime_for
 from quant_serve.kernels.triton_compat import interpreting
 from quant_serve.kernels.attention.merge import DecodePartials, merge_partials, scale_args
-from quant_serve.kernels.attention.reference import paged_attention_ref, rope_store_kv_ref, store_kv_ref
+from quant_serve.kernels.attention.reference import apply_rope_ref, paged_attention_ref, rope_store_kv_ref, \
+    store_kv_ref
+from quant_serve.kernels.attention.kv_int import is_int_cache
+from quant_serve.kernels.attention.kv_int_paged import paged_attention_int, store_int_triton
 from quant_serve.kernels.pdl import launch_options, pdl_enabled
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -148,6 +151,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if not q.is_cuda:
         return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, softmax_scale,
                                    k_scale, v_scale, window, softcap)
+    if is_int_cache(k_cache):       # k_scale / v_scale: the caches' group scales (kernels/attention/kv_int.py)
+        return paged_attention_int(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, softmax_scale,
+                                   k_scale, v_scale, window, softcap)
     if q.shape[0] == block_tables.shape[0] and not multi_token:
         return paged_decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, softmax_scale,
                             k_scale, v_scale, window=window, softcap=softcap, wide_table=wide_table)
@@ -182,6 +188,8 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, s
     merge False: where the context is split (and head_dim is a power of two), the split partials unmerged, for
     the consumer to merge (kernels/attention/merge.py); else the output [B, Hq, D]."""
     from quant_serve.kernels.attention.triton_kernels import _decode_kernel
+    if is_int_cache(k_cache):
+        raise ValueError("paged_decode reads float / fp8 caches; an integer cache goes through paged_attention")
     is_fp8 = k_cache.dtype in FP8
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -228,6 +236,9 @@ def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, 
                   v_scale=1.0, block_m: int = 128, block_n: int = 64, num_warps: int = 8,
                   num_stages: int = 2, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     from quant_serve.kernels.attention.triton_kernels import _prefill_kernel
+    if is_int_cache(k_cache):
+        return paged_attention_int(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, softmax_scale,
+                                   k_scale, v_scale, window, softcap)
     num_tokens, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     batch = block_tables.shape[0]
@@ -263,6 +274,8 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 def store_kv_triton(key, value, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:
     from quant_serve.kernels.attention.kv_store import _store_kv_kernel
+    if is_int_cache(k_cache):
+        return store_int_triton(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     num_tokens, num_heads, head_dim = key.shape
     ks_ptr, ks_val, from_ptr = scale_args(k_scale, key)
     vs_ptr, vs_val, _ = scale_args(v_scale, key)
@@ -289,6 +302,10 @@ def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
 def rope_store_kv_triton(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale=1.0,
                          v_scale=1.0) -> None:
     from quant_serve.kernels.attention.kv_store import _rope_store_kv_kernel
+    if is_int_cache(k_cache):       # RoPE in torch, then the quantizing store (not fused yet)
+        q.copy_(apply_rope_ref(q, positions, cos_sin_cache))
+        k.copy_(apply_rope_ref(k, positions, cos_sin_cache))
+        return store_int_triton(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     if cos_sin_cache.shape[1] != head_dim or min(q.stride(2), k.stride(2), cos_sin_cache.stride(1)) != 1:

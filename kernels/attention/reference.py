@@ -2,9 +2,13 @@
 
 Cache layout per layer: [num_blocks, block_size, num_kv_heads, head_dim], dtype fp16/bf16/fp32 or fp8
 (e4m3/e5m2). An fp8 cache holds clamp(x / scale) and is read back as fp8 * scale (per-layer scalar scales).
+An integer cache (int8 codes, or int4 codes packed in uint8) takes its per-token group scales tensor where an fp8
+cache takes its scalar scale (format: kernels/attention/kv_int.py).
 `slot_mapping[t] = block_id * block_size + offset` is the one contract between the block manager and this code.
 """
 import torch
+
+from quant_serve.kernels.attention.kv_int import dequantize_int, is_int_cache, store_int_ref
 
 
 def _as_scale(scale) -> torch.Tensor | float:
@@ -31,6 +35,10 @@ def store_kv_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, 
     num_blocks, block_size = k_cache.shape[:2]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
+    if is_int_cache(k_cache):
+        store_int_ref(key[valid], k_cache, k_scale, slots)
+        store_int_ref(value[valid], v_cache, v_scale, slots)
+        return
     k_flat = k_cache.view(num_blocks * block_size, *k_cache.shape[2:])
     v_flat = v_cache.view(num_blocks * block_size, *v_cache.shape[2:])
     k_flat[slots] = quantize_to_cache(key[valid], k_cache.dtype, k_scale)
@@ -77,8 +85,8 @@ def _attend(q: torch.Tensor, k_cache, v_cache, block_tables, seq_lens, q_lens, s
     group = num_q_heads // num_kv_heads
     max_len = int(seq_lens.max())
     tables = block_tables[:, : -(-max_len // block_size)].long()
-    k = dequantize_from_cache(k_cache[tables].flatten(1, 2)[:, :max_len], torch.float32, k_scale)  # [B, L, Hkv, D]
-    v = dequantize_from_cache(v_cache[tables].flatten(1, 2)[:, :max_len], torch.float32, v_scale)
+    k = _gather(k_cache, k_scale, tables, max_len)                                       # [B, L, Hkv, D] fp32
+    v = _gather(v_cache, v_scale, tables, max_len)
     qg = q.float().view(batch, q_max, num_kv_heads, group, head_dim)
     scores = torch.einsum("bqhgd,bkhd->bhgqk", qg, k) * softmax_scale                  # [B, Hkv, G, Q, L]
     if softcap > 0:
@@ -93,6 +101,14 @@ def _attend(q: torch.Tensor, k_cache, v_cache, block_tables, seq_lens, q_lens, s
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("bhgqk,bkhd->bqhgd", probs, v)
     return out.reshape(batch, q_max, num_q_heads, head_dim).to(q.dtype)
+
+
+def _gather(cache: torch.Tensor, scale, tables: torch.Tensor, max_len: int) -> torch.Tensor:
+    """The first max_len tokens of each sequence's blocks, fp32 [B, L, Hkv, D]; an integer cache gathers its
+    scales by the same block ids and dequantizes just those tokens."""
+    if is_int_cache(cache):
+        return dequantize_int(cache[tables].flatten(1, 2)[:, :max_len], scale[tables].flatten(1, 2)[:, :max_len])
+    return dequantize_from_cache(cache[tables].flatten(1, 2)[:, :max_len], torch.float32, scale)
 
 
 # ---- RoPE (neox / rotate_half style, as in the Hugging Face Llama and Qwen2 code) ----

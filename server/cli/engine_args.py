@@ -71,7 +71,7 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--gpu-memory-utilization", type=float, default=0.90,
                    help="fraction of the card's memory the engine may plan for")
     p.add_argument("--kv-cache-dtype", default="auto",
-                   choices=["auto", "fp16", "bf16", "fp8", "fp8_e4m3", "fp8_e5m2"])
+                   choices=["auto", "fp16", "bf16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4"])
     p.add_argument("--activation-dtype", default="auto", choices=ACTIVATION_DTYPES, help=ACTIVATION_HELP)
     p.add_argument("--act-scale", default="group", choices=ACT_SCALES, help=ACT_SCALE_HELP)
     p.add_argument("--gpu-memory-gb", type=float, default=None,

@@ -24,7 +24,7 @@ def register(sub) -> None:
                    help=argparse.SUPPRESS)       # the old name, kept for scripts that use it
     p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
     p.add_argument("--kv-cache-dtype", default="auto",
-                   choices=["auto", "fp16", "bf16", "fp8", "fp8_e4m3", "fp8_e5m2"])
+                   choices=["auto", "fp16", "bf16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4"])
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=256)

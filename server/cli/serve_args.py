@@ -93,7 +93,9 @@ def resolve_api_key(args, environ=os.environ) -> tuple[str | None, str]:
 
 def startup_report(engine) -> list[str]:
     """What was loaded, the memory it takes and the KV capacity, one log line each."""
-    weights = sum(t.numel() * t.element_size() for t in (*engine.model.parameters(), *engine.model.buffers()))
+    cache = {id(t) for t in engine.runner.block_tensors}      # an integer cache's scales are layer buffers
+    weights = sum(t.numel() * t.element_size() for t in (*engine.model.parameters(), *engine.model.buffers())
+                  if id(t) not in cache)
     num_blocks = engine.block_manager.num_blocks
     kv_bytes = engine.runner.kv_bytes_per_block() * num_blocks
     tokens = num_blocks * engine.config.cache.block_size
@@ -102,7 +104,7 @@ def startup_report(engine) -> list[str]:
              f"{str(engine.dtype).replace('torch.', '')} on {engine.device}",
              f"memory: weights {weights / 2**20:.1f} MiB, KV cache {kv_bytes / 2**20:.1f} MiB "
              f"({num_blocks} blocks of {engine.config.cache.block_size} tokens, "
-             f"{engine.runner.kv_dtype})"]
+             f"{engine.runner.kv_name})"]
     if str(engine.device).startswith("cuda"):
         import torch
         lines[-1] += f", {torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated on the GPU"

@@ -1,0 +1,142 @@
+"""Triton kernels of the integer KV cache (format: kernels/attention/kv_int.py): quantize-on-write and paged
+attention that dequantizes each K/V tile in registers (codes x group scale (+ zero point)) as it loads it, never a
+dequantized copy of the cache.
+
+Both follow the torch twin exactly where it matters: the store computes the group's scale in fp32, rounds it (and
+the zero point) to fp16, and rounds codes by floor(x / scale + 0.5) with an IEEE division, so kernel and twin
+write the same codes. The attention kernel is the prefill kernel's structure (kernels/attention/triton_kernels.py:
+causal, varlen, GQA rows of one kv head); a decode batch runs it with one query token a program (BLOCK_Q = 1).
+"""
+from quant_serve.kernels.triton_compat import tl, triton
+from quant_serve.kernels.attention.triton_kernels import NEG, _attend_tile, _find_seq
+
+
+@triton.jit
+def _quantize_groups(x, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr,
+                     ZP: tl.constexpr):
+    """x [BLOCK_H, BLOCK_D] fp32 -> (codes [BLOCK_H, BLOCK_D] int32, as stored: int8 -127..127, int4 nibbles
+    0..15; scale, zero [BLOCK_H, NG] fp32, already fp16-exact)."""
+    NG: tl.constexpr = BLOCK_D // GROUP
+    QMAX: tl.constexpr = 127.0 if BITS == 8 else (15.0 if ZP else 7.0)
+    xg = tl.reshape(x, (BLOCK_H, NG, GROUP))
+    if ZP:
+        zero = tl.min(xg, axis=2).to(tl.float16).to(tl.float32)
+        scale = tl.math.div_rn(tl.max(xg, axis=2) - zero, QMAX + tl.zeros_like(zero))
+    else:
+        zero = tl.zeros([BLOCK_H, NG], tl.float32)
+        scale = tl.math.div_rn(tl.max(tl.abs(xg), axis=2), QMAX + tl.zeros_like(zero))
+    scale = scale.to(tl.float16).to(tl.float32)
+    scale = tl.where(scale > 0, scale, 1.0)
+    q = tl.floor(tl.math.div_rn(xg - zero[:, :, None], scale[:, :, None] + tl.zeros_like(xg)) + 0.5)
+    if ZP:
+        q = tl.minimum(tl.maximum(q, 0.0), QMAX)
+    else:
+        q = tl.minimum(tl.maximum(q, -QMAX - (BITS == 4)), QMAX)
+        if BITS == 4:
+            q = q + 8.0
+    return tl.reshape(q, (BLOCK_H, BLOCK_D)).to(tl.int32), scale, zero
+
+
+@triton.jit
+def _int_store_kernel(x_ptr, codes_ptr, scales_ptr, slot_ptr, H, stride_xt, stride_xh,
+                      stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_sh,
+                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                      GROUP: tl.constexpr, BITS: tl.constexpr, ZP: tl.constexpr):
+    """Grid (T,): token t's K (or V) [H, D] quantized into slot_mapping[t] (-1: skipped). head_dim = BLOCK_D."""
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        NG: tl.constexpr = BLOCK_D // GROUP
+        S: tl.constexpr = 2 if ZP else 1
+        offs_h = tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, BLOCK_D)
+        h_mask = offs_h < H
+        x = tl.load(x_ptr + t * stride_xt + offs_h[:, None] * stride_xh + offs_d[None, :], mask=h_mask[:, None],
+                    other=0.0).to(tl.float32)
+        q, scale, zero = _quantize_groups(x, BLOCK_H, BLOCK_D, GROUP, BITS, ZP)
+        blk = slot // BLOCK_SIZE
+        pos = slot % BLOCK_SIZE
+        c_rows = codes_ptr + blk * stride_cb + pos * stride_cs + offs_h[:, None] * stride_ch
+        if BITS == 8:
+            tl.store(c_rows + offs_d[None, :], q.to(tl.int8), mask=h_mask[:, None])
+        else:       # element 2i in the low nibble, 2i + 1 in the high one
+            pairs = tl.reshape(q, (BLOCK_H, BLOCK_D // 2, 2))
+            weight = (1 + 15 * tl.arange(0, 2))[None, None, :]
+            offs_b = tl.arange(0, BLOCK_D // 2)
+            tl.store(c_rows + offs_b[None, :], tl.sum(pairs * weight, axis=2).to(tl.uint8), mask=h_mask[:, None])
+        offs_g = tl.arange(0, NG)
+        s_rows = scales_ptr + blk * stride_sb + pos * stride_ss + offs_h[:, None] * stride_sh + offs_g[None, :] * S
+        tl.store(s_rows, scale.to(tl.float16), mask=h_mask[:, None])
+        if ZP:
+            tl.store(s_rows + 1, zero.to(tl.float16), mask=h_mask[:, None])
+
+
+@triton.jit
+def _int_tile(codes_ptr, scales_ptr, table_row, toks, tok_mask, h, stride_cb, stride_cs, stride_ch, stride_sb,
+              stride_ss, stride_sh, offs_d, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr,
+              ZP: tl.constexpr):
+    """Tokens `toks` of one sequence, kv head h, dequantized: [BLOCK_N, BLOCK_D] fp32 (0 where masked)."""
+    S: tl.constexpr = 2 if ZP else 1
+    blk = tl.load(table_row + toks // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
+    pos = toks % BLOCK_SIZE
+    m = tok_mask[:, None]
+    c_off = (blk * stride_cb + pos * stride_cs + h * stride_ch)[:, None]
+    if BITS == 8:
+        q = tl.load(codes_ptr + c_off + offs_d[None, :], mask=m, other=0).to(tl.float32)
+    else:
+        byte = tl.load(codes_ptr + c_off + (offs_d // 2)[None, :], mask=m, other=0).to(tl.int32)
+        q = ((byte >> ((offs_d % 2) * 4)[None, :]) & 15).to(tl.float32)
+        if not ZP:
+            q = q - 8.0
+    s_off = (blk * stride_sb + pos * stride_ss + h * stride_sh)[:, None] + ((offs_d // GROUP) * S)[None, :]
+    x = q * tl.load(scales_ptr + s_off, mask=m, other=0.0).to(tl.float32)
+    if ZP:
+        x += tl.load(scales_ptr + s_off + 1, mask=m, other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit(do_not_specialize=["num_seqs", "stride_tb", "window"],
+            do_not_specialize_on_alignment=["tables_ptr", "seq_lens_ptr", "qsl_ptr"])
+def _int_attention_kernel(q_ptr, k_codes, v_codes, k_scales, v_scales, tables_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
+                          qk_scale, num_seqs, window, stride_qt, stride_qh, stride_ot, stride_oh, stride_tb,
+                          stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_sh,
+                          G: tl.constexpr, GP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr,
+                          BITS: tl.constexpr, ZP: tl.constexpr, SOFTCAP: tl.constexpr):
+    """Grid (T // BLOCK_Q + B, Hkv): BLOCK_Q new tokens of one sequence x its G query heads against its paged,
+    quantized context, causal (as _prefill_kernel; head_dim = BLOCK_D)."""
+    BLOCK_M: tl.constexpr = BLOCK_Q * GP
+    h = tl.program_id(1)
+    b = _find_seq(qsl_ptr, tl.program_id(0), num_seqs, BLOCK_Q)
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    qb = tl.program_id(0) - (q_start // BLOCK_Q + b)
+    seq_len = tl.load(seq_lens_ptr + b)
+    ctx = seq_len - q_len
+    r = tl.arange(0, BLOCK_M)
+    qi = qb * BLOCK_Q + r // GP
+    g = r % GP
+    row_mask = (qi < q_len) & (g < G)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = tl.load(q_ptr + (q_start + qi)[:, None] * stride_qt + (h * G + g)[:, None] * stride_qh + offs_d[None, :],
+                mask=row_mask[:, None], other=0.0)                                            # [BLOCK_M, BLOCK_D]
+    q_pos = ctx + qi
+    kv_end = tl.where(qb * BLOCK_Q < q_len, tl.minimum(seq_len, ctx + (qb + 1) * BLOCK_Q), 0)
+    m_i = tl.full([BLOCK_M], NEG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    table_row = tables_ptr + b * stride_tb
+    kv_start = tl.where(window > 0, tl.maximum(ctx + qb * BLOCK_Q - window + 1, 0), 0)
+    for n0 in range(kv_start, kv_end, BLOCK_N):
+        toks = n0 + tl.arange(0, BLOCK_N)
+        tok_mask = toks < kv_end
+        k = _int_tile(k_codes, k_scales, table_row, toks, tok_mask, h, stride_cb, stride_cs, stride_ch, stride_sb,
+                      stride_ss, stride_sh, offs_d, BLOCK_SIZE, GROUP, BITS, ZP).to(q.dtype)
+        v = _int_tile(v_codes, v_scales, table_row, toks, tok_mask, h, stride_cb, stride_cs, stride_ch, stride_sb,
+                      stride_ss, stride_sh, offs_d, BLOCK_SIZE, GROUP, BITS, ZP).to(q.dtype)
+        causal = (toks[None, :] <= q_pos[:, None]) & tok_mask[None, :]
+        causal = causal & ((toks[None, :] > q_pos[:, None] - window) | (window <= 0))
+        m_i, l_i, acc = _attend_tile(q, k, v, causal, m_i, l_i, acc, qk_scale, SOFTCAP)
+    out = acc / tl.maximum(l_i, 1e-30)[:, None]
+    tl.store(out_ptr + (q_start + qi)[:, None] * stride_ot + (h * G + g)[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
