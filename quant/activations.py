@@ -108,10 +108,12 @@ def plan_activations(model: nn.Module, options: KernelOptions, device: torch.dev
         if device.type == "cuda":           # the kernel plan decides per call; the CPU twin's switch stays off
             act_scale = act_scale if gpu_int8_reads(layer) else None
             if isinstance(getattr(layer, "packed", None), FragWeights):
-                layer.packed.activation_dtype = None if act_scale else "fp16"
+                # only "auto" needs a per-layer word: fp16 where the format has not met the gate
+                ineligible = options.activation_dtype == "auto" and act_scale is None
+                layer.packed.activation_dtype = "fp16" if ineligible else None
         else:
             layer.act_scale = act_scale
         if isinstance(layer, QuantLinear) and layer.parts is not None:
             continue                    # its act-order parts are counted (and run) themselves
-        plan.layers[(" + ".join(formats), path_name(layer.act_scale))] += 1
+        plan.layers[(" + ".join(formats), path_name(act_scale))] += 1
     return plan

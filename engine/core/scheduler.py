@@ -235,11 +235,7 @@ class Scheduler:
             if isinstance(token, list):
                 applied += self._apply_verified(item, token)
                 continue
-            seq.append_token(token)
-            applied.append((seq, token))
-            reason = self._check_stop(seq, token)
-            if reason is not None:
-                self.finish(seq, *reason)
+            applied.append(self._append(seq, token))
         return applied
 
     def apply_forced(self, seq: Sequence, tokens: list[int]) -> list[tuple[Sequence, int]]:
@@ -250,12 +246,16 @@ class Scheduler:
         for token in tokens:
             if seq.is_finished:
                 break
-            seq.append_token(token)
-            applied.append((seq, token))
-            reason = self._check_stop(seq, token)
-            if reason is not None:
-                self.finish(seq, *reason)
+            applied.append(self._append(seq, token))
         return applied
+
+    def _append(self, seq: Sequence, token: int) -> tuple[Sequence, int]:
+        """One known token onto the sequence, which it may end (EOS, stop ids, max_tokens)."""
+        seq.append_token(token)
+        reason = self._check_stop(seq, token)
+        if reason is not None:
+            self.finish(seq, *reason)
+        return seq, token
 
     def _apply_verified(self, item: ScheduledSeq, tokens: list[int]) -> list[tuple[Sequence, int]]:
         """A speculating entry's emitted tokens: the accepted proposals (their K/V, computed by the step, stay valid)

@@ -14,10 +14,12 @@ Row layout (rows.py; bf16 and other layers): the Triton kernels of rows_gemv.py 
            y^T = W^T x^T (the weight tile is the MMA's M side)
   dequant  Triton dequantize to a dense W, then cuBLAS                          (large M)
 """
+import functools
 from dataclasses import replace
 
 import torch
 
+from quant_serve.kernels.gpu import KernelOptions
 from quant_serve.kernels.matmul.frag.kquant import KQ_GROUP, kquant_scales_offsets
 from quant_serve.kernels.matmul.frag.layout import FragWeights, frag_standard, prepare_frag
 from quant_serve.kernels.matmul.int8.rules import W4A8Config, int8_planned
@@ -115,14 +117,26 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor | W4A16Weights | FragWei
     return y.reshape(*lead, y.shape[-1])
 
 
+def layer_options(options: KernelOptions, w: FragWeights) -> KernelOptions:
+    """The runtime's options as one layer's plan reads them (FragWeights.activation_dtype: fp16 where the layer's
+    weight format has not met the int8 accuracy gate)."""
+    if w.activation_dtype is None or w.activation_dtype == options.activation_dtype:
+        return options
+    return _with_activation(options, w.activation_dtype)
+
+
+@functools.lru_cache(maxsize=8)
+def _with_activation(options: KernelOptions, activation_dtype: str) -> KernelOptions:
+    return replace(options, activation_dtype=activation_dtype)     # once, not on every call of every layer
+
+
 def call_plan(x: torch.Tensor, w: "W4A16Weights | FragWeights", silu_mul: bool = False) -> KernelPlan:
     """The plan a CUDA call of w4a16_forward runs for x [M, K] (after act-order's permutation)."""
     from quant_serve.kernels.matmul.frag.tma import tma_works_for
     runtime = probed_runtime(x.device)
     m, k = x.shape
     if isinstance(w, FragWeights):
-        options = runtime.options if w.activation_dtype is None else \
-            replace(runtime.options, activation_dtype=w.activation_dtype)
+        options = layer_options(runtime.options, w)
         plan = plan_w4a16(m, k, w.out_features, runtime.caps, options, "frag", x.dtype, silu_mul,
                           tma_works_for(x, w), w.zp_mode, w.group_size)
         if plan.kernel == "w4a8" and not w4a8_works(x.device):     # its probe failed: x stays fp16

@@ -166,3 +166,37 @@ def test_bad_values_exit_2_naming_the_choices(argv, message, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "choose from" in err
+
+
+def test_on_cuda_auto_keeps_fp16_on_layers_whose_format_missed_the_gate(monkeypatch):
+    """One accuracy table for both paths: on CUDA, plan_activations marks the fragment-layout weights of an
+    ineligible format fp16, and the W4A8 plan then keeps them off int8 even inside an M band where it pays."""
+    from torch import nn
+
+    from quant_serve.kernels.matmul import dispatch
+    from quant_serve.kernels.matmul.frag.layout import prepare_frag
+    from quant_serve.kernels.matmul.int8 import rules
+    from quant_serve.kernels.matmul.plan import plan_w4a16
+    from quant_serve.kernels.gpu import PROFILES
+    from quant_serve.quant.activations import plan_activations
+    layer = next(m for m in demo_engine("fp16").model.modules() if isinstance(m, QuantLinear) and m.parts is None)
+    layer.packed = prepare_frag(layer.qweight, layer.scales.half(), layer.qzeros, layer.group_size)
+    model = nn.Sequential(layer)
+    caps = PROFILES["a10"]
+    monkeypatch.setitem(rules.W4A8_AUTO_M, caps.family, (64, 1 << 30))     # as if int8 paid on this card
+    auto = KernelOptions(activation_dtype="auto", act_scale="group")
+
+    def kernel(options):
+        w = layer.packed
+        return plan_w4a16(256, w.in_features, w.out_features, caps, dispatch.layer_options(options, w), "frag",
+                          torch.float16, False, False, w.zp_mode, w.group_size).kernel
+
+    monkeypatch.setattr(eligibility, "INT8_ACTIVATIONS_FREE", {})               # awq has not met the gate
+    plan_activations(model, auto, "cuda")
+    assert layer.packed.activation_dtype == "fp16" and kernel(auto) != "w4a8"
+    monkeypatch.setattr(eligibility, "INT8_ACTIVATIONS_FREE", {"awq": ("group",)})
+    plan = plan_activations(model, auto, "cuda")
+    assert layer.packed.activation_dtype is None and kernel(auto) == "w4a8"
+    assert plan.summary() == "int8/group" and layer.act_scale is None       # the CPU twin's switch stays off
+    plan_activations(model, KernelOptions(activation_dtype="int8"), "cuda")      # asked for: no per-layer word
+    assert layer.packed.activation_dtype is None

@@ -47,9 +47,7 @@ def quality(source, tmp_path_factory, tiny_trained, val_txt):
     for name, cfg in CONFIGS.items():
         path = quantize_model(source, calib, cfg, tmp_path_factory.mktemp("q") / name, show_progress=False)
         out[name] = quant_quality.compare(source.model.config, quant_quality.dense_weights(path), windows, ref)
-    if (DEMO_MODEL_DIR / "config.json").is_file():
-        out["demo"] = quant_quality.compare(source.model.config, quant_quality.dense_weights(DEMO_MODEL_DIR), windows,
-                                            ref)
+    out["demo"] = quant_quality.compare(source.model.config, quant_quality.dense_weights(DEMO_MODEL_DIR), windows, ref)
     return out
 
 
@@ -62,8 +60,6 @@ def test_calibrated_quantizer_beats_rtn(quality, method):
 
 
 def test_demo_model_is_our_awq_and_beats_rtn(quality):
-    if "demo" not in quality:
-        pytest.skip("engine/load/demo_model is not installed")
     import json
     config = json.loads((DEMO_MODEL_DIR / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "awq"
