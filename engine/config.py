@@ -66,6 +66,9 @@ class CacheConfig:
     kv_group_size: int | None = None
     kv_zero_point: bool | None = None
     kv_rotate: bool | None = None          # K and V rotated by a Hadamard matrix over head_dim before the store
+    # integer caches: each sequence's last N tokens also kept unquantized and read exact (kernels/attention/
+    # kv_exact.py); None = the dtype's default (INT_KV_EXACT_TOKENS), 0 = off (CUDA graphs need 0 for now)
+    kv_exact_tokens: int | None = None
     gpu_memory_utilization: float = 0.90
     gpu_memory_gb: float | None = None      # plan for a card of this size (emulate a 24 GB card); None = the real one
     kv_cache_memory_gb: float | None = None  # explicit KV pool size; None = planned on CUDA, 1 GiB on the CPU path

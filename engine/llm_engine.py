@@ -26,6 +26,7 @@ from quant_serve.engine.core.sequence import Sequence
 from quant_serve.engine.spec.proposer import DraftTarget, make_proposer
 from quant_serve.engine.spec.runtime import Speculation
 from quant_serve.engine.worker.startup import device_name, start_kernels
+from quant_serve.engine.worker.kv_exact_rows import exact_window_start
 from quant_serve.engine.sample.structured import GrammarCompiler
 from quant_serve.engine.sample.structured_mask import GrammarMasks
 from quant_serve.engine.structured_outcomes import append_forced, end_failed_grammars
@@ -60,12 +61,13 @@ class LLMEngine:
         logger.info("weights loaded and prepared in %.1f s", time.perf_counter() - start)
         self.activations = plan_activations(self.model, config.kernels, self.device)
         self.lora = lora.start(self.model, config, self.dtype, self.device) if config.lora.enable_lora else None
+        exact_window_start(config, self.device)
         num_blocks, self.memory_plan, self.max_model_len = kv_pool.num_gpu_blocks(
             config, self.model_config, self.model_dir, self.device, self.dtype, self.max_model_len)
         config.scheduler.max_model_len = self.max_model_len
         num_cpu_blocks = kv_pool.num_cpu_blocks(config, self.model_config, self.dtype)
         self.runner = ModelRunner(self.model, self.model_config, config.cache, num_blocks, self.device, self.dtype,
-                                  config.seed, num_cpu_blocks)
+                                  config.seed, num_cpu_blocks, config.scheduler.max_num_seqs)
         self.runner.lora = self.lora
         self.runner.set_kv_scales(resolve_kv_scales(
             config.cache.kv_scale_source, self.runner.kv_dtype, self.model_dir,

@@ -88,6 +88,20 @@ KV_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"
             torch.float8_e5m2: "fp8_e5m2", torch.int8: "int8", torch.uint8: "int4"}   # integer caches: codes dtype
 
 
+def kv_name(runner) -> str:
+    """The cache a run used, as the report states it: an integer cache with its grouping, zero point, rotation and
+    exact window (kernels/attention/kv_int.py, kv_exact.py; chosen by measured accuracy, docs/performance.md)."""
+    name, fmt = KV_NAMES[runner.kv_dtype], runner.kv_format
+    if fmt is None:
+        return name
+    head_dim = runner.model_config.head_dim
+    parts = ["one scale per token and head" if fmt.group == head_dim else f"groups of {fmt.group}",
+             "zero point" if fmt.zero_point else "symmetric"] + (["Hadamard-rotated"] if fmt.rotate else [])
+    if runner.exact_rows is not None:
+        parts.append(f"last {runner.exact_rows.size} tokens exact")
+    return f"{name} ({', '.join(parts)})"
+
+
 def kv_label(kv_cache_dtype: str) -> str:
     return "fp8_e4m3" if kv_cache_dtype == "fp8" else kv_cache_dtype
 
@@ -203,7 +217,7 @@ def run_eval(cfg: EvalConfig) -> EvalResult:
                 cfg.context_len, cfg.stride, num_scored)
     with ReferenceStore(windows, reference.model_config.vocab_size, cfg.work_dir) as store:
         logger.info("reference log-probs: %.2f GiB on disk", store.num_bytes / 2**30)
-        ref_result = ModelResult(ref_name, cfg.reference, KV_NAMES[reference.runner.kv_dtype], False,
+        ref_result = ModelResult(ref_name, cfg.reference, kv_name(reference.runner), False,
                                  describe(reference), model_hash(reference.model_dir), dtype_name(reference),
                                  store.fill(reference, ref_name), run_tasks(reference, tasks, ref_name),
                                  activations=reference.activations.to_json())
@@ -212,7 +226,7 @@ def run_eval(cfg: EvalConfig) -> EvalResult:
             engine = make_engine(cand.model_dir, cfg, cand.kv_cache_dtype, cand.int4_head, cand.activation_dtype,
                                  cand.act_scale)
             check_same_tokenizer(reference, engine, cand.name)
-            result = ModelResult(cand.name, cand.model_dir, KV_NAMES[engine.runner.kv_dtype], cand.kv_only,
+            result = ModelResult(cand.name, cand.model_dir, kv_name(engine.runner), cand.kv_only,
                                  describe(engine), model_hash(engine.model_dir), dtype_name(engine),
                                  store.compare(engine, cand.name), activations=engine.activations.to_json(),
                                  act_only=cand.act_only)

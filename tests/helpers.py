@@ -12,12 +12,12 @@ from conftest import GPU_PROFILE, REPO, TINY_AWQ, has_weights
 
 def make_engine(model, *, num_blocks=256, chunk=2048, prefix_caching=True, max_num_seqs=64, dtype="float32",
                 kv_cache_dtype="auto", max_model_len=None, num_cpu_blocks=None, kv_scale_source="auto",
-                device="cpu", **kw) -> LLMEngine:
+                device="cpu", kv_exact_tokens=None, **kw) -> LLMEngine:
     config = EngineConfig(
         model=str(model), dtype=dtype, device=device, max_model_len=max_model_len,
         cache=CacheConfig(num_gpu_blocks=num_blocks, enable_prefix_caching=prefix_caching,
                           kv_cache_dtype=kv_cache_dtype, num_cpu_blocks=num_cpu_blocks,
-                          kv_scale_source=kv_scale_source),
+                          kv_scale_source=kv_scale_source, kv_exact_tokens=kv_exact_tokens),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=chunk),
         **{"kernels": KernelOptions(profile=GPU_PROFILE[0]), **kw})
     return LLMEngine(config, show_progress=False)

@@ -50,6 +50,7 @@ class Attention(nn.Module):
         self.register_buffer("v_scale", torch.ones((), dtype=torch.float32, device=device), persistent=False)
         # an integer cache's k_scale / v_scale are its per-block scales; a rotated one sets the Hadamard matrix
         self.kv_rotation: torch.Tensor | None = None
+        self.kv_rings: tuple[torch.Tensor, torch.Tensor] | None = None     # its exact window (K, V rings)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
                 rotary: RotaryEmbedding) -> torch.Tensor:
@@ -69,7 +70,8 @@ class Attention(nn.Module):
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.num_kv_heads, self.head_dim)
         out = paged_attention_forward(q, k, v, positions, rotary.cos_sin_cache, self.k_cache, self.v_cache,
                                       self.k_scale, self.v_scale, meta, self.softmax_scale, merge,
-                                      window=self.window, softcap=self.softcap, rotation=self.kv_rotation)
+                                      window=self.window, softcap=self.softcap, rotation=self.kv_rotation,
+                                      rings=self.kv_rings)
         return out if isinstance(out, DecodePartials) else out.reshape(num_tokens, -1)     # [T, Hq D]
 
     def dense_attend(self, qkv: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:

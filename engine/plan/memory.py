@@ -14,7 +14,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from quant_serve.engine.config import HEAD_GROUP_SIZE
-from quant_serve.kernels.attention.kv_int import int_kv_format
+from quant_serve.kernels.attention.kv_exact import ring_bytes
+from quant_serve.kernels.attention.kv_int import int_kv_exact_tokens, int_kv_format
 
 MiB = 2**20
 GiB = 2**30
@@ -91,6 +92,8 @@ class MemoryPlan:
     tied_embeddings: bool = False    # the head is the embedding table: read whole every step
     draft_weights_bytes: int = 0     # speculative decoding's draft model (included in weights_bytes)
     draft_kv_cache_bytes: int = 0    # its KV cache: num_blocks blocks beside the target's (not in kv_cache_bytes)
+    exact_window_bytes: int = 0      # an integer cache's exact window: (max_num_seqs + 1) x N tokens, model dtype
+    kv_exact_tokens: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -100,7 +103,8 @@ class MemoryPlan:
             return ""
         need = math.ceil(self.max_model_len / self.block_size) * self.block_size * self.kv_bytes_per_token
         if self.max_model_len_fit == 0:
-            reserved = self.weights_bytes + self.activation_bytes + self.cuda_graph_bytes + self.overhead_bytes
+            reserved = self.weights_bytes + self.activation_bytes + self.cuda_graph_bytes + self.overhead_bytes \
+                + self.exact_window_bytes
             return (f"no KV cache fits: weights + activations + reserves need {reserved / GiB:.2f} GiB of "
                     f"{self.usable_bytes / GiB:.2f} GiB usable; largest context that fits: 0 tokens. Use a "
                     f"larger GPU, a higher gpu_memory_utilization, or lower max_num_batched_tokens/max_num_seqs.")
@@ -292,12 +296,14 @@ def plan_memory(model_dir_or_config: str | Path | dict, gpu_mem_gb: float = 24.0
                 max_model_len: int | None = None, max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
                 block_size: int = 16, enforce_eager: bool = False, weights_dtype: str = "auto",
                 int4_head: bool = False, draft_model: str | Path | dict | None = None,
-                quantization: str | None = None, verify_rows: int = 0, lora_bytes: int = 0) -> MemoryPlan:
+                quantization: str | None = None, verify_rows: int = 0, lora_bytes: int = 0,
+                kv_exact_tokens: int | None = None) -> MemoryPlan:
     """int4_head: the engine's --quantize-lm-head (engine/load/loader.py quantize_head). draft_model: a speculative
     decoding draft: its weights, and its KV cache (as many blocks as the target's, in the weights' dtype), share
     the card with the target's. quantization: gguf:MIX plans dummy weights of that GGUF type mix (a GGUF file's
     own types are read from its tensor table). verify_rows: the token rows of the largest verification graph
-    (speculation: batch x (k + 1)), whose fp32 logits buffer the graphs keep beside their pool."""
+    (speculation: batch x (k + 1)), whose fp32 logits buffer the graphs keep beside their pool. kv_exact_tokens:
+    an integer cache's exact window (None: the dtype's default): its rings, and steps run eagerly (no graphs)."""
     cfg, model_dir = _load_config(model_dir_or_config)
     a = _arch(cfg)
     float_b = dtype_bytes(a.dtype if weights_dtype == "auto" else weights_dtype)
@@ -332,13 +338,16 @@ def plan_memory(model_dir_or_config: str | Path | dict, gpu_mem_gb: float = 24.0
         weights += draft_weights
     weights += lora_bytes            # --enable-lora: the adapters' device slots (engine/lora/manager.py:slot_bytes)
 
+    exact = int_kv_exact_tokens(kv_cache_dtype, kv_exact_tokens)
+    exact_bytes = ring_bytes(max_num_seqs + 1, exact, a.layers, a.kv_heads, a.head_dim, float_b)
+    enforce_eager = enforce_eager or exact > 0       # as the engine (engine/worker/kv_exact_rows.py) runs it
     gpu_mem = int(gpu_mem_gb * GiB)
     usable = int(gpu_mem * gpu_memory_utilization)
     activations = _activation_bytes(a, float_b, max_num_batched_tokens, max_num_seqs)
     graphs = 0 if enforce_eager else CUDA_GRAPH_RESERVE + verify_rows * a.vocab * 4
     overhead = CUDA_CONTEXT_RESERVE + FRAGMENTATION_RESERVE
     kv_per_token = 2 * a.layers * a.kv_heads * kv_b
-    free = usable - weights - activations - graphs - overhead
+    free = usable - weights - activations - graphs - overhead - exact_bytes
     num_blocks = max(0, free // ((kv_per_token + draft_kv_per_token) * block_size))
     tokens = num_blocks * block_size
     return MemoryPlan(
@@ -351,7 +360,7 @@ def plan_memory(model_dir_or_config: str | Path | dict, gpu_mem_gb: float = 24.0
         max_model_len_fit=min(tokens, a.max_position // block_size * block_size),
         fits=num_blocks >= math.ceil(max_model_len / block_size), int4_head=int4_head,
         embedding_bytes=a.vocab * a.hidden * float_b, tied_embeddings=a.tied, draft_weights_bytes=draft_weights,
-        draft_kv_cache_bytes=tokens * draft_kv_per_token)
+        draft_kv_cache_bytes=tokens * draft_kv_per_token, exact_window_bytes=exact_bytes, kv_exact_tokens=exact)
 
 
 def format_plan(plan: MemoryPlan) -> str:
@@ -366,6 +375,9 @@ def format_plan(plan: MemoryPlan) -> str:
         row("CUDA graphs", plan.cuda_graph_bytes),
         row("overhead", plan.overhead_bytes, "(CUDA context + fragmentation)"),
         row("KV cache", plan.kv_cache_bytes, f"({plan.kv_bytes_per_token:,} B/token, {plan.kv_cache_dtype})"),
+        *([row("exact window", plan.exact_window_bytes, f"(last {plan.kv_exact_tokens} tokens of each sequence "
+                                                        "unquantized; steps run eagerly)")]
+          if plan.exact_window_bytes else []),
         f"KV cache: {plan.num_blocks:,} blocks = {plan.kv_cache_tokens:,} tokens, max concurrency "
         f"{plan.max_concurrency:.2f} at max_model_len {plan.max_model_len:,}",
         f"largest context that fits: {plan.max_model_len_fit:,} tokens",

@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
+from quant_serve.kernels.attention.kv_exact import ExactRows, ExactWindow, write_ring
 from quant_serve.kernels.attention.kv_int import is_int_cache
 from quant_serve.kernels.attention.reference import apply_rope_ref
 from quant_serve.kernels.attention.merge import DecodePartials
@@ -33,13 +34,16 @@ class AttentionMetadata:
     # one decode row per token of a verification (engine/spec/graphs.py, VerifyRowGraphs): rows of one sequence in
     # one launch read each other's K/V, so the store runs before the decode kernel instead of inside it
     store_first: bool = False
+    # an integer cache's exact window: the step's ring rows (engine/worker/kv_exact_rows.py); eager steps only
+    exact_rows: ExactRows | None = None
 
 
 def paged_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                             cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale,
                             v_scale, meta: AttentionMetadata, softmax_scale: float,
                             merge: bool = True, window: int = 0, softcap: float = 0.0,
-                            rotation: torch.Tensor | None = None) -> torch.Tensor | DecodePartials:
+                            rotation: torch.Tensor | None = None,
+                            rings: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | DecodePartials:
     """q: [T, Hq, D], k/v: [T, Hkv, D] before RoPE; positions [T]; cos_sin_cache [max_pos, D].
     Rotates q and k, stores k/v by slot_mapping (one fused kernel on CUDA), then attends. -> [T, Hq, D]
     A decode step on CUDA does all of it in the decode kernel (one launch instead of two); otherwise q and k are
@@ -47,10 +51,12 @@ def paged_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p
     (kernels/attention/merge.py) for o_proj to merge. window, softcap: a sliding-window layer's window and the
     score soft-cap (kernels/attention/reference.paged_attention_ref; 0: off). A cos_sin_cache narrower than head_dim
     (partial rotary) is applied in torch, then stored by the store kernel. rotation [D, D] (a rotated integer
-    cache, kernels/attention/kv_int.hadamard): q, k and v are rotated after RoPE, the output rotated back."""
-    if rotation is not None:
-        return _rotated_forward(q, k, v, positions, cos_sin_cache, k_cache, v_cache, k_scale, v_scale, meta,
-                                softmax_scale, window, softcap, rotation)
+    cache, kernels/attention/kv_int.hadamard): q, k and v are rotated after RoPE, the output rotated back. rings:
+    an integer cache's exact window (kernels/attention/kv_exact.py), used when meta.exact_rows is set."""
+    exact = rings is not None and meta.exact_rows is not None
+    if rotation is not None or exact:
+        return _int_forward(q, k, v, positions, cos_sin_cache, k_cache, v_cache, k_scale, v_scale, meta,
+                            softmax_scale, window, softcap, rotation, rings if exact else None)
     decode = meta.max_query_len == 1 and q.shape[0] == meta.block_tables.shape[0] and not meta.multi_token \
         and not meta.store_first and not is_int_cache(k_cache)        # the fused decode kernel is float / fp8
     full_rotary = cos_sin_cache.shape[1] == q.shape[-1]
@@ -75,29 +81,41 @@ def _rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     return (x.float() @ rotation).to(x.dtype)
 
 
-def _rotated_forward(q, k, v, positions, cos_sin_cache, k_cache, v_cache, k_scale, v_scale, meta, softmax_scale,
-                     window, softcap, rotation) -> torch.Tensor:
-    """The cache holds K H and V H (H orthonormal and symmetric: a Hadamard matrix spreads a channel outlier over
-    the whole head, so per-token groups quantize well): scores (q H)(k H)^T = q k^T, output (P V H) H = P V."""
-    q = _rotate(apply_rope_ref(q, positions, cos_sin_cache), rotation)
-    k = _rotate(apply_rope_ref(k, positions, cos_sin_cache), rotation)
-    store_kv(k, _rotate(v, rotation), k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
-    return _rotate(attend(q, k_cache, v_cache, meta, softmax_scale, k_scale, v_scale, window, softcap), rotation)
+def _int_forward(q, k, v, positions, cos_sin_cache, k_cache, v_cache, k_scale, v_scale, meta, softmax_scale,
+                 window, softcap, rotation, rings) -> torch.Tensor:
+    """An integer cache with a rotation and / or an exact window. Rotated: the cache holds K H and V H (H
+    orthonormal and symmetric: a Hadamard matrix spreads a channel outlier over the whole head, so per-token groups
+    quantize well): scores (q H)(k H)^T = q k^T, output (P V H) H = P V. Exact window: attention also reads this
+    step's K/V and the rings, which take the step's K/V after it."""
+    q = apply_rope_ref(q, positions, cos_sin_cache)
+    k = apply_rope_ref(k, positions, cos_sin_cache)
+    if rotation is not None:
+        q, k, v = _rotate(q, rotation), _rotate(k, rotation), _rotate(v, rotation)
+    store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+    exact = None if rings is None else ExactWindow(k, v, rings[0], rings[1], meta.exact_rows)
+    out = attend(q, k_cache, v_cache, meta, softmax_scale, k_scale, v_scale, window, softcap, exact)
+    if exact is not None:
+        write_ring(exact)
+    return out if rotation is None else _rotate(out, rotation)
 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-           softmax_scale: float, k_scale=1.0, v_scale=1.0, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+           softmax_scale: float, k_scale=1.0, v_scale=1.0, window: int = 0, softcap: float = 0.0,
+           exact: ExactWindow | None = None) -> torch.Tensor:
     """q: [T, Hq, D] (rotated) against the paged cache, which already holds this step's K/V. -> [T, Hq, D]"""
     d = meta.num_decodes
     if 0 < d < meta.block_tables.shape[0] and meta.prefill_query_start_loc is not None:
         # One query token per sequence costs the prefill kernel a whole [BLOCK_M, ctx] tile sweep per sequence;
         # the decode kernel reads each sequence's context once.
+        head, tail = exact.split(d) if exact is not None else (None, None)
         out = torch.empty_like(q)
         out[:d] = paged_attention(q[:d], k_cache, v_cache, meta.block_tables[:d], meta.seq_lens[:d],
-                                  meta.query_start_loc[:d + 1], softmax_scale, k_scale, v_scale, window, softcap)
+                                  meta.query_start_loc[:d + 1], softmax_scale, k_scale, v_scale, window, softcap,
+                                  exact=head)
         out[d:] = paged_attention(q[d:], k_cache, v_cache, meta.block_tables[d:], meta.seq_lens[d:],
-                                  meta.prefill_query_start_loc, softmax_scale, k_scale, v_scale, window, softcap)
+                                  meta.prefill_query_start_loc, softmax_scale, k_scale, v_scale, window, softcap,
+                                  exact=tail)
         return out
     return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                            softmax_scale, k_scale, v_scale, window, softcap, multi_token=meta.multi_token,
-                           wide_table=meta.wide_table)
+                           wide_table=meta.wide_table, exact=exact)

@@ -8,6 +8,7 @@ from quant_serve.engine.config import EngineConfig, ModelConfig
 from quant_serve.engine.load.loader import resolve_model_dir
 from quant_serve.engine.lora.manager import slot_bytes
 from quant_serve.engine.plan.memory import MemoryPlan, kv_head_token_bytes, plan_memory
+from quant_serve.kernels.attention.kv_exact import alloc_rings
 from quant_serve.kernels.attention.kv_int import IntKVFormat, alloc_int_cache, hadamard
 
 logger = logging.getLogger("quant_serve")
@@ -95,17 +96,20 @@ def _plan(config: EngineConfig, model_dir, device: str, dtype: torch.dtype, max_
                        quantization=config.quantization, verify_rows=verify_rows(config),
                        draft_model=None if _draft_model(config) is None else
                        resolve_model_dir(_draft_model(config)),
-                       lora_bytes=slot_bytes(model_config, config.lora, dtype) if config.lora.enable_lora else 0)
+                       lora_bytes=slot_bytes(model_config, config.lora, dtype) if config.lora.enable_lora else 0,
+                       kv_exact_tokens=cache.kv_exact_tokens)
     if not plan.fits:
         raise ValueError(plan.error_message())
     return plan
 
 
 def allocate_kv_cache(layers, shape: tuple[int, int, int, int], dtype: torch.dtype, fmt: IntKVFormat | None,
-                      device) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+                      device, rings: tuple[int, int, torch.dtype] | None = None
+                      ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """Each attention layer's K and V caches [num_blocks, block_size, Hkv, D] -> (k caches, v caches, scales).
     An integer cache (fmt) also gets per-block scales tensors, indexed by the same block ids, which take the place
-    of the layer's fp8 k_scale / v_scale, and with fmt.rotate the layer's Hadamard matrix."""
+    of the layer's fp8 k_scale / v_scale, with fmt.rotate the layer's Hadamard matrix, and with rings = (rows,
+    tokens, dtype) its exact window's rings (kernels/attention/kv_exact.py)."""
     k_caches, v_caches, scales = [], [], []
     for attn in layers:
         if fmt is not None:
@@ -114,6 +118,8 @@ def allocate_kv_cache(layers, shape: tuple[int, int, int, int], dtype: torch.dty
             scales += [attn.k_scale, attn.v_scale]
             if fmt.rotate:
                 attn.kv_rotation = hadamard(shape[-1], device)
+            if rings is not None:
+                attn.kv_rings = alloc_rings(rings[0], rings[1], shape[2], shape[3], rings[2], device)
         else:
             attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)
             attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)

@@ -15,7 +15,8 @@ from quant_serve.engine.worker.steps import Carry, ForwardStep, LaunchedStep, Pr
 from quant_serve.engine.worker.swap import CpuKVTier
 from quant_serve.engine.worker.transfer import to_device
 from quant_serve.kernels.gpu import options_for
-from quant_serve.kernels.attention.kv_int import int_kv_format
+from quant_serve.kernels.attention.kv_int import int_kv_exact_tokens, int_kv_format
+from quant_serve.engine.worker.kv_exact_rows import ExactRowTable
 from quant_serve.engine.worker.kv_pool import allocate_kv_cache
 
 KV_CACHE_DTYPES = {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16,
@@ -39,7 +40,8 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch
 
 class ModelRunner:
     def __init__(self, model: DecoderForCausalLM, model_config: ModelConfig, cache_config: CacheConfig,
-                 num_blocks: int, device: torch.device, dtype: torch.dtype, seed: int = 0, num_cpu_blocks: int = 0):
+                 num_blocks: int, device: torch.device, dtype: torch.dtype, seed: int = 0, num_cpu_blocks: int = 0,
+                 max_num_seqs: int = 256):
         self.model = model
         self.model_config = model_config
         self.block_size = cache_config.block_size
@@ -50,6 +52,9 @@ class ModelRunner:
         self.kv_format = int_kv_format(cache_config.kv_cache_dtype, model_config.head_dim,
                                        cache_config.kv_group_size, cache_config.kv_zero_point,
                                        cache_config.kv_rotate)
+        exact = int_kv_exact_tokens(cache_config.kv_cache_dtype, cache_config.kv_exact_tokens) if self.kv_format else 0
+        # the integer cache's exact window (kernels/attention/kv_exact.py): a ring row per schedulable sequence
+        self.exact_rows = ExactRowTable(max_num_seqs, exact, self.device) if exact else None
         self.sampler = Sampler(seed=seed)
         self.num_tokens_forwarded = 0        # tokens run through the model (prefix hits are not)
         self.kv_observer = None              # sees every layer's new K/V before the store (calibration)
@@ -121,7 +126,8 @@ class ModelRunner:
         cfg = self.model_config
         shape = (self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
         self.k_caches, self.v_caches, self.kv_scale_blocks = allocate_kv_cache(
-            self.model.attention_layers, shape, self.kv_dtype, self.kv_format, self.device)
+            self.model.attention_layers, shape, self.kv_dtype, self.kv_format, self.device,
+            (self.exact_rows.spare + 1, self.exact_rows.size, self.dtype) if self.exact_rows else None)
 
     @property
     def block_tensors(self) -> list[torch.Tensor]:
@@ -151,8 +157,8 @@ class ModelRunner:
         """How a step runs, chosen here only: "verify graph" (verify: every entry's inputs on the host, each at most
         k + 1 tokens, few enough entries), "decode graph" (one token per sequence) or "eager" (anything else, and
         any forward whose K/V go to an observer: calibration runs outside graphs)."""
-        if observer is not None or self.lora is not None:     # graphs would freeze the rows' adapter slots
-            return "eager"
+        if observer is not None or self.lora is not None or self.exact_rows is not None:
+            return "eager"          # graphs would freeze the rows' adapter slots / exact-window rows
         lengths = [item.num_new_tokens for item in out.scheduled]
         if verify and carry is None and self.verify_graphs is not None and self.verify_graphs.can_run(lengths):
             return "verify graph"
@@ -191,6 +197,8 @@ class ModelRunner:
             prepared.input_ids, prepared.positions, prepared.meta, prepared.starts, prepared.fill = \
                 eager_inputs(out, carry_rows, self.block_size, self.device)
             prepared.meta.kv_observer = observer
+            if self.exact_rows is not None:
+                prepared.meta.exact_rows = self.exact_rows.step(out.scheduled)
             if self.lora is not None:
                 prepared.lora_slots = self.lora.step_slots(out.scheduled)
         return prepared

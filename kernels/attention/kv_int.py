@@ -132,10 +132,24 @@ def alloc_int_cache(fmt: IntKVFormat, num_blocks: int, block_size: int, num_kv_h
     return codes, scales
 
 
-# The grouping each --kv-cache-dtype gets (chosen by measured accuracy on the demo model, docs/performance.md):
-# (group, zero point, rotate); a head_dim the group does not divide gets one group per head, one that is not a
-# power of two no rotation.
-INT_KV_DEFAULTS = {"int8": (0, False, False), "int4": (16, True, True)}     # group 0: the whole head
+# The grouping each --kv-cache-dtype gets (chosen by measured accuracy on the demo model and by what fits, see
+# docs/performance.md): (group, zero point, rotate); a head_dim the group does not divide gets one group per head,
+# one that is not a power of two no rotation. int4: one fp16 scale per token and head (4.13 bits an element at
+# head_dim 128: Qwen2.5-7B holds over 1M tokens at 24 GiB) with a 16-token exact window (kv_exact.py), which
+# buys more accuracy than groups of 16 with zero points (6 bits an element) did.
+INT_KV_DEFAULTS = {"int8": (0, False, False), "int4": (0, False, True)}     # group 0: the whole head
+INT_KV_EXACT_TOKENS = {"int8": 0, "int4": 16}
+MAX_EXACT_TOKENS = 1024
+
+
+def int_kv_exact_tokens(kv_cache_dtype: str, exact_tokens: int | None = None) -> int:
+    """The exact window (tokens) of a --kv-cache-dtype: 0 for float caches, the default or the override."""
+    if kv_cache_dtype not in INT_KV_EXACT_TOKENS:
+        return 0
+    n = INT_KV_EXACT_TOKENS[kv_cache_dtype] if exact_tokens is None else exact_tokens
+    if not 0 <= n <= MAX_EXACT_TOKENS:
+        raise ValueError(f"kv_exact_tokens must be between 0 and {MAX_EXACT_TOKENS}, not {n}")
+    return n
 
 
 def int_kv_format(kv_cache_dtype: str, head_dim: int, group: int | None = None, zero_point: bool | None = None,

@@ -6,9 +6,12 @@ Both follow the torch twin exactly where it matters: the store computes the grou
 the zero point) to fp16, and rounds codes by floor(x / scale + 0.5) with an IEEE division, so kernel and twin
 write the same codes. The attention kernel is the prefill kernel's structure (kernels/attention/triton_kernels.py:
 causal, varlen, GQA rows of one kv head); a decode batch runs it with one query token a program (BLOCK_Q = 1).
+With an exact window (RING > 0, kernels/attention/kv_exact.py) the tiles that reach into some query's window also
+load the exact K/V (this step's new tokens, the sequence's ring) and take each score and value from the exact or
+the dequantized tile by the window rule; the tiles before every window run as without one.
 """
 from quant_serve.kernels.triton_compat import tl, triton
-from quant_serve.kernels.attention.triton_kernels import NEG, _attend_tile, _find_seq
+from quant_serve.kernels.attention.triton_kernels import NEG, _attend_tile, _find_seq, _softcap
 
 
 @triton.jit
@@ -95,16 +98,44 @@ def _int_tile(codes_ptr, scales_ptr, table_row, toks, tok_mask, h, stride_cb, st
     return x
 
 
+@triton.jit
+def _exact_tile(new_ptr, ring_ptr, toks, is_new, in_ring, new_row0, ring_row, h, stride_nt, stride_nh, stride_rs,
+                stride_rh, offs_d, RING: tl.constexpr):
+    """Exact K (or V) of tokens `toks`, kv head h: [BLOCK_N, BLOCK_D] fp32 (0 where neither new nor in the ring)."""
+    x = tl.load(new_ptr + ((new_row0 + toks) * stride_nt + h * stride_nh)[:, None] + offs_d[None, :],
+                mask=is_new[:, None], other=0.0).to(tl.float32)
+    x += tl.load(ring_ptr + ((ring_row * RING + toks % RING) * stride_rs + h * stride_rh)[:, None] + offs_d[None, :],
+                 mask=in_ring[:, None], other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _attend_tile_exact(q, k, v, ke, ve, use, s_mask, m_i, l_i, acc, qk_scale, SOFTCAP: tl.constexpr):
+    """_attend_tile where each (query, key) of `use` [R, N] takes the exact ke / ve instead of k / v."""
+    s = tl.where(use, tl.dot(q, tl.trans(ke)), tl.dot(q, tl.trans(k)))
+    s = _softcap(s * qk_scale, SOFTCAP)
+    s = tl.where(s_mask, s, NEG)
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(tl.where(use, 0.0, p).to(v.dtype), v) \
+        + tl.dot(tl.where(use, p, 0.0).to(ve.dtype), ve)
+    return m_new, l_i, acc
+
+
 @triton.jit(do_not_specialize=["num_seqs", "stride_tb", "window"],
             do_not_specialize_on_alignment=["tables_ptr", "seq_lens_ptr", "qsl_ptr"])
 def _int_attention_kernel(q_ptr, k_codes, v_codes, k_scales, v_scales, tables_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
                           qk_scale, num_seqs, window, stride_qt, stride_qh, stride_ot, stride_oh, stride_tb,
                           stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_sh,
+                          new_k, new_v, ring_k, ring_v, ring_row_ptr, ring_lo_ptr, ring_hi_ptr,
+                          stride_nt, stride_nh, stride_rs, stride_rh,
                           G: tl.constexpr, GP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr,
-                          BITS: tl.constexpr, ZP: tl.constexpr, SOFTCAP: tl.constexpr):
+                          BITS: tl.constexpr, ZP: tl.constexpr, SOFTCAP: tl.constexpr, RING: tl.constexpr):
     """Grid (T // BLOCK_Q + B, Hkv): BLOCK_Q new tokens of one sequence x its G query heads against its paged,
-    quantized context, causal (as _prefill_kernel; head_dim = BLOCK_D)."""
+    quantized context, causal (as _prefill_kernel; head_dim = BLOCK_D). RING > 0: the exact window's size."""
     BLOCK_M: tl.constexpr = BLOCK_Q * GP
     h = tl.program_id(1)
     b = _find_seq(qsl_ptr, tl.program_id(0), num_seqs, BLOCK_Q)
@@ -127,7 +158,11 @@ def _int_attention_kernel(q_ptr, k_codes, v_codes, k_scales, v_scales, tables_pt
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table_row = tables_ptr + b * stride_tb
     kv_start = tl.where(window > 0, tl.maximum(ctx + qb * BLOCK_Q - window + 1, 0), 0)
-    for n0 in range(kv_start, kv_end, BLOCK_N):
+    plain_end = kv_end
+    if RING > 0:    # tiles from here on reach into the first query's window
+        first_exact = ctx + qb * BLOCK_Q - RING + 1
+        plain_end = tl.minimum(kv_end, kv_start + tl.maximum(first_exact - kv_start, 0) // BLOCK_N * BLOCK_N)
+    for n0 in range(kv_start, plain_end, BLOCK_N):
         toks = n0 + tl.arange(0, BLOCK_N)
         tok_mask = toks < kv_end
         k = _int_tile(k_codes, k_scales, table_row, toks, tok_mask, h, stride_cb, stride_cs, stride_ch, stride_sb,
@@ -137,6 +172,27 @@ def _int_attention_kernel(q_ptr, k_codes, v_codes, k_scales, v_scales, tables_pt
         causal = (toks[None, :] <= q_pos[:, None]) & tok_mask[None, :]
         causal = causal & ((toks[None, :] > q_pos[:, None] - window) | (window <= 0))
         m_i, l_i, acc = _attend_tile(q, k, v, causal, m_i, l_i, acc, qk_scale, SOFTCAP)
+    if RING > 0:
+        ring_row = tl.load(ring_row_ptr + b).to(tl.int64)
+        ring_lo = tl.load(ring_lo_ptr + b)
+        ring_hi = tl.load(ring_hi_ptr + b)
+        for n0 in range(plain_end, kv_end, BLOCK_N):
+            toks = n0 + tl.arange(0, BLOCK_N)
+            tok_mask = toks < kv_end
+            k = _int_tile(k_codes, k_scales, table_row, toks, tok_mask, h, stride_cb, stride_cs, stride_ch,
+                          stride_sb, stride_ss, stride_sh, offs_d, BLOCK_SIZE, GROUP, BITS, ZP).to(q.dtype)
+            v = _int_tile(v_codes, v_scales, table_row, toks, tok_mask, h, stride_cb, stride_cs, stride_ch,
+                          stride_sb, stride_ss, stride_sh, offs_d, BLOCK_SIZE, GROUP, BITS, ZP).to(q.dtype)
+            is_new = tok_mask & (toks >= ctx)
+            in_ring = tok_mask & (toks >= ring_lo) & (toks < ring_hi) & (toks < ctx)
+            ke = _exact_tile(new_k, ring_k, toks, is_new, in_ring, q_start - ctx, ring_row, h, stride_nt,
+                             stride_nh, stride_rs, stride_rh, offs_d, RING).to(q.dtype)
+            ve = _exact_tile(new_v, ring_v, toks, is_new, in_ring, q_start - ctx, ring_row, h, stride_nt,
+                             stride_nh, stride_rs, stride_rh, offs_d, RING).to(q.dtype)
+            use = (is_new | in_ring)[None, :] & (toks[None, :] > q_pos[:, None] - RING)
+            causal = (toks[None, :] <= q_pos[:, None]) & tok_mask[None, :]
+            causal = causal & ((toks[None, :] > q_pos[:, None] - window) | (window <= 0))
+            m_i, l_i, acc = _attend_tile_exact(q, k, v, ke, ve, use, causal, m_i, l_i, acc, qk_scale, SOFTCAP)
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
     tl.store(out_ptr + (q_start + qi)[:, None] * stride_ot + (h * G + g)[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])

@@ -3,6 +3,7 @@ float ones in kernels/attention/paged.py, with each cache's scales tensor where 
 """
 import torch
 
+from quant_serve.kernels.attention.kv_exact import ExactWindow
 from quant_serve.kernels.attention.kv_int import format_of
 
 LOG2E = 1.4426950408889634
@@ -40,9 +41,11 @@ def store_int_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tens
 def paged_attention_int(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                         seq_lens: torch.Tensor, query_start_loc: torch.Tensor, softmax_scale: float,
                         k_scales: torch.Tensor, v_scales: torch.Tensor, window: int = 0, softcap: float = 0.0,
-                        block_m: int = 64, block_n: int = 64, num_warps: int = 4) -> torch.Tensor:
+                        exact: ExactWindow | None = None, block_m: int = 64, block_n: int = 64,
+                        num_warps: int = 4) -> torch.Tensor:
     """q [T, Hq, D] against the quantized paged context -> [T, Hq, D]. A decode batch (T == B) runs one query
-    token a program; other batches BLOCK_Q = block_m // GP tokens a program."""
+    token a program; other batches BLOCK_Q = block_m // GP tokens a program. exact: the exact window
+    (kernels/attention/kv_exact.py)."""
     from quant_serve.kernels.attention.kv_int_kernels import _int_attention_kernel
     num_tokens, num_q_heads, head_dim = q.shape
     fmt = _check(k_cache, k_scales, head_dim)
@@ -54,11 +57,24 @@ def paged_attention_int(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if q.stride(2) != 1:
         raise ValueError("paged_attention_int needs unit stride along head_dim")
     out = torch.empty_like(q)
+    if exact is not None:
+        rows = exact.rows
+        if exact.new_k.stride(2) != 1 or exact.new_k.stride() != exact.new_v.stride() or not (
+                exact.ring_k.is_contiguous() and exact.ring_v.is_contiguous()):
+            raise ValueError("paged_attention_int: the exact window's new K/V need unit stride along head_dim and "
+                             "the same strides, its rings contiguous")
+        ring_args = (exact.new_k, exact.new_v, exact.ring_k, exact.ring_v, rows.ring_row, rows.ring_lo, rows.ring_hi,
+                     exact.new_k.stride(0), exact.new_k.stride(1), exact.ring_k.stride(1), exact.ring_k.stride(2))
+        ring = exact.size
+    else:
+        ring_args = (q, q, q, q, seq_lens, seq_lens, seq_lens, 0, 0, 0, 0)      # unused (RING = 0)
+        ring = 0
     _int_attention_kernel[(num_tokens // block_q + batch, num_kv_heads)](
         q, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, query_start_loc, out,
         softmax_scale * LOG2E, batch, window, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        k_scales.stride(0), k_scales.stride(1), k_scales.stride(2),
+        k_scales.stride(0), k_scales.stride(1), k_scales.stride(2), *ring_args,
         G=group, GP=gp, BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_D=head_dim, BLOCK_SIZE=block_size,
-        GROUP=fmt.group, BITS=fmt.bits, ZP=fmt.zero_point, SOFTCAP=softcap * LOG2E, num_warps=num_warps)
+        GROUP=fmt.group, BITS=fmt.bits, ZP=fmt.zero_point, SOFTCAP=softcap * LOG2E, RING=ring,
+        num_warps=num_warps)
     return out

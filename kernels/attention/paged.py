@@ -16,6 +16,7 @@ from quant_serve.kernels.triton_compat import interpreting
 from quant_serve.kernels.attention.merge import DecodePartials, merge_partials, scale_args
 from quant_serve.kernels.attention.reference import apply_rope_ref, paged_attention_ref, rope_store_kv_ref, \
     store_kv_ref
+from quant_serve.kernels.attention.kv_exact import ExactWindow
 from quant_serve.kernels.attention.kv_int import is_int_cache
 from quant_serve.kernels.attention.kv_int_paged import paged_attention_int, store_int_triton
 from quant_serve.kernels.pdl import launch_options, pdl_enabled
@@ -143,17 +144,18 @@ def _num_sms(device: torch.device) -> int:
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, softmax_scale: float, k_scale=1.0,
                     v_scale=1.0, window: int = 0, softcap: float = 0.0, multi_token: bool = False,
-                    wide_table: bool = False) -> torch.Tensor:
+                    wide_table: bool = False, exact: ExactWindow | None = None) -> torch.Tensor:
     """q: [T, Hq, D]; caches [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks]; seq_lens [B] (context
     including the new tokens); query_start_loc [B+1]. -> [T, Hq, D] in q's dtype. window, softcap: as
     attention_ref.paged_attention_ref (0: off). multi_token: the prefill kernel even where T == B (a CUDA graph's
-    fixed rows, whose per-sequence lengths only the device knows). wide_table: as paged_decode."""
+    fixed rows, whose per-sequence lengths only the device knows). wide_table: as paged_decode. exact: an
+    integer cache's exact window (kernels/attention/kv_exact.py)."""
     if not q.is_cuda:
         return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, softmax_scale,
-                                   k_scale, v_scale, window, softcap)
+                                   k_scale, v_scale, window, softcap, exact)
     if is_int_cache(k_cache):       # k_scale / v_scale: the caches' group scales (kernels/attention/kv_int.py)
         return paged_attention_int(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, softmax_scale,
-                                   k_scale, v_scale, window, softcap)
+                                   k_scale, v_scale, window, softcap, exact)
     if q.shape[0] == block_tables.shape[0] and not multi_token:
         return paged_decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, softmax_scale,
                             k_scale, v_scale, window=window, softcap=softcap, wide_table=wide_table)

@@ -8,6 +8,7 @@ cache takes its scalar scale (format: kernels/attention/kv_int.py).
 """
 import torch
 
+from quant_serve.kernels.attention.kv_exact import ExactWindow, gather_exact
 from quant_serve.kernels.attention.kv_int import dequantize_int, is_int_cache, store_int_ref
 
 
@@ -48,7 +49,7 @@ def store_kv_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                         softmax_scale: float, k_scale=1.0, v_scale=1.0, window: int = 0,
-                        softcap: float = 0.0) -> torch.Tensor:
+                        softcap: float = 0.0, exact: ExactWindow | None = None) -> torch.Tensor:
     """Causal attention of new queries over each sequence's paged context (its prefix plus the new tokens).
 
     q: [T, Hq, D] (new tokens of all sequences, flattened); block_tables: [B, max_blocks] int;
@@ -56,30 +57,43 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     q[query_start_loc[b]:query_start_loc[b+1]], which are the last positions of its context.
     window > 0 (a sliding-window layer): the query at position p sees keys p - window + 1 .. p only, as in the
     Hugging Face masks. softcap > 0 (Gemma 2): scores become softcap * tanh(scores / softcap) before the softmax.
-    Returns [T, Hq, D] in q's dtype. Math in fp32.
+    exact (an integer cache's exact window, kernels/attention/kv_exact.py): keys and values read unquantized where
+    its rule says so. Returns [T, Hq, D] in q's dtype. Math in fp32.
     """
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
     q_lens = [b - a for a, b in zip(starts, starts[1:])]
     decodes = [b for b, n in enumerate(q_lens) if n == 1]
+    exact_all = None if exact is None else \
+        (exact.size, *gather_exact(exact, seq_lens, query_start_loc, int(seq_lens.max())))
     if decodes:  # all single-token queries at once: the common decode batch
         rows = torch.tensor([starts[b] for b in decodes], device=q.device)
         idx = torch.tensor(decodes, device=q.device)
         out[rows] = _attend(q[rows].unsqueeze(1), k_cache, v_cache, block_tables[idx], seq_lens[idx],
                             torch.ones(len(decodes), dtype=torch.long, device=q.device), softmax_scale,
-                            k_scale, v_scale, window, softcap).squeeze(1)
+                            k_scale, v_scale, window, softcap, _rows(exact_all, idx)).squeeze(1)
     for b, n in enumerate(q_lens):
         if n > 1:
             out[starts[b]:starts[b + 1]] = _attend(q[starts[b]:starts[b + 1]].unsqueeze(0), k_cache, v_cache,
                                                    block_tables[b:b + 1], seq_lens[b:b + 1],
                                                    torch.tensor([n], device=q.device), softmax_scale,
-                                                   k_scale, v_scale, window, softcap)[0]
+                                                   k_scale, v_scale, window, softcap,
+                                                   _rows(exact_all, slice(b, b + 1)))[0]
     return out
 
 
+def _rows(exact_all, idx):
+    """The exact window's gathered (size, k, v, at hand) of some sequences."""
+    if exact_all is None:
+        return None
+    size, k, v, have = exact_all
+    return size, k[idx], v[idx], have[idx]
+
+
 def _attend(q: torch.Tensor, k_cache, v_cache, block_tables, seq_lens, q_lens, softmax_scale, k_scale, v_scale,
-            window: int, softcap: float):
-    """q: [B, Q, Hq, D], right-aligned in each sequence's context -> [B, Q, Hq, D]. GQA without copying K/V."""
+            window: int, softcap: float, exact=None):
+    """q: [B, Q, Hq, D], right-aligned in each sequence's context -> [B, Q, Hq, D]. GQA without copying K/V.
+    exact: (R, k, v [B, >= L, Hkv, D] fp32, at hand [B, >= L]) of the exact window."""
     batch, q_max, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_q_heads // num_kv_heads
@@ -87,19 +101,35 @@ def _attend(q: torch.Tensor, k_cache, v_cache, block_tables, seq_lens, q_lens, s
     tables = block_tables[:, : -(-max_len // block_size)].long()
     k = _gather(k_cache, k_scale, tables, max_len)                                       # [B, L, Hkv, D] fp32
     v = _gather(v_cache, v_scale, tables, max_len)
-    qg = q.float().view(batch, q_max, num_kv_heads, group, head_dim)
-    scores = torch.einsum("bqhgd,bkhd->bhgqk", qg, k) * softmax_scale                  # [B, Hkv, G, Q, L]
-    if softcap > 0:
-        scores = torch.tanh(scores / softcap) * softcap
     # query i of sequence b sits at position seq_len - q_len + i and sees keys 0..that position
     q_pos = (seq_lens - q_lens).view(batch, 1) + torch.arange(q_max, device=q.device)   # [B, Q]
     k_pos = torch.arange(max_len, device=q.device)
+    qg = q.float().view(batch, q_max, num_kv_heads, group, head_dim)
+    use_exact = None
+    if exact is not None:
+        size, ek, ev, have = exact[0], exact[1][:, :max_len], exact[2][:, :max_len], exact[3][:, :max_len]
+        # [B, Q, L]: at hand and inside the query's window of the last `size` positions
+        use_exact = have.unsqueeze(1) & (k_pos.view(1, 1, -1) > q_pos.unsqueeze(-1) - size)
+        if q_max == 1:      # one query a sequence: which keys are exact does not depend on the query
+            k = torch.where(use_exact[:, 0, :, None, None], ek, k)
+            v = torch.where(use_exact[:, 0, :, None, None], ev, v)
+            use_exact = None
+    scores = torch.einsum("bqhgd,bkhd->bhgqk", qg, k)                                   # [B, Hkv, G, Q, L]
+    if use_exact is not None:
+        ue = use_exact.view(batch, 1, 1, q_max, max_len)
+        scores = torch.where(ue, torch.einsum("bqhgd,bkhd->bhgqk", qg, ek), scores)
+    scores = scores * softmax_scale
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
     visible = k_pos.view(1, 1, -1) <= q_pos.unsqueeze(-1)                               # [B, Q, L]
     if window > 0:
         visible &= k_pos.view(1, 1, -1) > q_pos.unsqueeze(-1) - window
     scores.masked_fill_(~visible.view(batch, 1, 1, q_max, max_len), float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bhgqk,bkhd->bqhgd", probs, v)
+    if use_exact is None:
+        out = torch.einsum("bhgqk,bkhd->bqhgd", probs, v)
+    else:
+        out = torch.einsum("bhgqk,bkhd->bqhgd", probs * ~ue, v) + torch.einsum("bhgqk,bkhd->bqhgd", probs * ue, ev)
     return out.reshape(batch, q_max, num_q_heads, head_dim).to(q.dtype)
 
 

@@ -13,6 +13,9 @@ from quant_serve.server.cli.lora_args import add_lora_args, lora_config_from_arg
 ACTIVATION_HELP = ("activations of the quantized layers: fp16 (W4A16 / W8A16), int8 (quantized on the fly: W4A8 / "
                    "W8A8; for now on the CPU path's torch twins only), auto (int8 only where the weight format met "
                    "the accuracy gate of kernels/matmul/int8/eligibility.py); the start-up log names what each layer runs")
+EXACT_HELP = ("--kv-cache-dtype int8/int4: each sequence's last N tokens of K/V are also kept unquantized and read "
+              "exact by attention (default: 16 for int4, 0 for int8; 0 = off). Costs max_num_seqs x N tokens of "
+              "model-dtype memory; on CUDA it runs steps eagerly for now (no CUDA graphs)")
 ACT_SCALE_HELP = ("int8 activations: one scale per token (token) or per token and weight group (group: finer, "
                   "GGUF's groups of 32 as llama.cpp's Q8_1)")
 
@@ -72,6 +75,7 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
                    help="fraction of the card's memory the engine may plan for")
     p.add_argument("--kv-cache-dtype", default="auto",
                    choices=["auto", "fp16", "bf16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4"])
+    p.add_argument("--kv-exact-tokens", type=int, default=None, help=EXACT_HELP)
     p.add_argument("--activation-dtype", default="auto", choices=ACTIVATION_DTYPES, help=ACTIVATION_HELP)
     p.add_argument("--act-scale", default="group", choices=ACT_SCALES, help=ACT_SCALE_HELP)
     p.add_argument("--gpu-memory-gb", type=float, default=None,
@@ -162,7 +166,8 @@ def engine_config_from_args(args) -> EngineConfig:
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           kv_cache_memory_gb=args.kv_cache_memory_gb, gpu_memory_gb=args.gpu_memory_gb,
                           enable_prefix_caching=args.enable_prefix_caching,
-                          kv_scale_source=args.kv_scale_source, cpu_kv_gb=args.cpu_kv_gb),
+                          kv_scale_source=args.kv_scale_source, cpu_kv_gb=args.cpu_kv_gb,
+                          kv_exact_tokens=args.kv_exact_tokens),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=batched_tokens(args),
                                   enable_chunked_prefill=args.enable_chunked_prefill),
         kernels=KernelOptions(activation_dtype=args.activation_dtype, act_scale=args.act_scale),

@@ -25,6 +25,8 @@ def register(sub) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
     p.add_argument("--kv-cache-dtype", default="auto",
                    choices=["auto", "fp16", "bf16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4"])
+    p.add_argument("--kv-exact-tokens", type=int, default=None,
+                   help="int8/int4 cache: plan for serve --kv-exact-tokens (default: the dtype's, 16 for int4)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -53,7 +55,7 @@ def run(args) -> int:
                        kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
                        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                        enforce_eager=args.enforce_eager, weights_dtype=args.dtype, int4_head=args.quantize_lm_head,
-                       quantization=args.quantization,
+                       quantization=args.quantization, kv_exact_tokens=args.kv_exact_tokens,
                        draft_model=resolve_model_dir(args.speculative_model, config_only=True) if args.speculative_model else None)
     projection = projection_for(model_dir, caps, args.quantization, args.kv_cache_dtype, args.quantize_lm_head,
                                 args.context, args.max_num_batched_tokens) if caps else None

@@ -170,8 +170,8 @@ def test_metrics_move_with_traffic(server, client):
 
 
 def test_sse_framing(server):
-    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}      # ignore_eos: a sampled EOS would end it early
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60,
                       headers={"Authorization": f"Bearer {KEY}"}) as response:
         assert response.headers["content-type"].startswith("text/event-stream")

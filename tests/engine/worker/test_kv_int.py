@@ -41,7 +41,7 @@ def test_int4_packing_order_and_zero_groups():
 def test_formats_and_errors():
     assert int_kv_format("fp8", 128) is None
     assert int_kv_format("int8", 128) == IntKVFormat(8, 128, False, False)
-    assert int_kv_format("int4", 128) == IntKVFormat(4, 16, True, True)
+    assert int_kv_format("int4", 128) == IntKVFormat(4, 128, False, True)     # a scale per token and head
     assert int_kv_format("int4", 72).group == 72 and not int_kv_format("int4", 72).rotate   # 16 does not divide 72
     with pytest.raises(ValueError, match="group 48 must divide head_dim 64"):
         int_kv_format("int4", 64, group=48)
@@ -55,13 +55,22 @@ def test_formats_and_errors():
 
 def test_plan_counts_codes_and_scales():
     assert kv_head_token_bytes("int8", "float16", 128) == 128 + 2
-    assert kv_head_token_bytes("int4", "float16", 128) == 64 + 8 * 2 * 2       # 8 groups of 16: scale + zero
-    assert kv_head_token_bytes("int4", "float16", 128, group=32) == 64 + 4 * 2 * 2
+    assert kv_head_token_bytes("int4", "float16", 128) == 64 + 2                # one fp16 scale a token and head
+    assert kv_head_token_bytes("int4", "float16", 128, group=32, zero_point=True) == 64 + 4 * 2 * 2
     assert kv_head_token_bytes("fp8", "float16", 128) == 128
     plan = plan_memory(QWEN_7B, gpu_mem_gb=24, kv_cache_dtype="int4", max_model_len=32768)
-    assert plan.kv_bytes_per_token == 2 * 28 * 4 * 96
+    assert plan.kv_bytes_per_token == 2 * 28 * 4 * 66
+    # the exact window: 257 rows x 16 tokens of fp16 K and V, and no CUDA graph reserve (steps run eagerly)
+    assert plan.kv_exact_tokens == 16 and plan.exact_window_bytes == 2 * 28 * 257 * 16 * 4 * 128 * 2
+    assert plan.cuda_graph_bytes == 0
     fp8 = plan_memory(QWEN_7B, gpu_mem_gb=24, kv_cache_dtype="fp8", max_model_len=32768)
-    assert plan.kv_cache_tokens > 1.3 * fp8.kv_cache_tokens
+    assert fp8.exact_window_bytes == 0 and fp8.cuda_graph_bytes > 0
+    # issue #56's goal, with the window's memory counted and also with the graph reserve kept
+    assert plan.kv_cache_tokens >= 1_000_000 and plan.kv_cache_tokens > 1.9 * fp8.kv_cache_tokens
+    graphs_kept = plan.kv_cache_tokens - fp8.cuda_graph_bytes // plan.kv_bytes_per_token
+    assert graphs_kept >= 1_000_000
+    no_window = plan_memory(QWEN_7B, gpu_mem_gb=24, kv_cache_dtype="int4", max_model_len=32768, kv_exact_tokens=0)
+    assert no_window.exact_window_bytes == 0 and no_window.cuda_graph_bytes == fp8.cuda_graph_bytes
 
 
 def test_engine_cache_scales_ride_with_block_copies_and_swaps(trained_model):
@@ -89,7 +98,9 @@ def test_cli_plan_int4_and_errors(capsys):
     from quant_serve.engine.worker.model_runner import kv_cache_torch_dtype
     assert main(["plan", str(QWEN_7B), "--kv-cache-dtype", "int4", "--max-model-len", "32768", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    assert plan["kv_bytes_per_token"] == 21504 and plan["kv_cache_dtype"] == "int4"
+    assert plan["kv_bytes_per_token"] == 14784 and plan["kv_cache_dtype"] == "int4"
+    assert main(["plan", str(QWEN_7B), "--kv-cache-dtype", "int4", "--kv-exact-tokens", "0", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["exact_window_bytes"] == 0
     with pytest.raises(SystemExit):
         main(["plan", str(QWEN_7B), "--kv-cache-dtype", "int3"])
     assert "invalid choice: 'int3'" in capsys.readouterr().err
