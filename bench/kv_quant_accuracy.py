@@ -44,6 +44,8 @@ VARIANTS = {
     "int4 g=head sym rot +8 exact": ("int4", 0, False, True, 8),
     "int4 g=head sym rot +16 exact": ("int4", 0, False, True, 16),
     "int4 g=head asym rot +16 exact": ("int4", 0, True, True, 16),
+    "int4 g=head asym rot +24 exact": ("int4", 0, True, True, 24),
+    "int4 g=head sym rot +24 exact": ("int4", 0, False, True, 24),
     "int4 g=head sym rot +32 exact": ("int4", 0, False, True, 32),
     "int4 g16 asym rot +16 exact": ("int4", 16, True, True, 16),
 }

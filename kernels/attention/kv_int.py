@@ -135,10 +135,10 @@ def alloc_int_cache(fmt: IntKVFormat, num_blocks: int, block_size: int, num_kv_h
 # The grouping each --kv-cache-dtype gets (chosen by measured accuracy on the demo model and by what fits, see
 # docs/performance.md): (group, zero point, rotate); a head_dim the group does not divide gets one group per head,
 # one that is not a power of two no rotation. int4: one fp16 scale per token and head (4.13 bits an element at
-# head_dim 128: Qwen2.5-7B holds over 1M tokens at 24 GiB) with a 16-token exact window (kv_exact.py), which
+# head_dim 128: Qwen2.5-7B holds over 1M tokens at 24 GiB) with a 24-token exact window (kv_exact.py), which
 # buys more accuracy than groups of 16 with zero points (6 bits an element) did.
 INT_KV_DEFAULTS = {"int8": (0, False, False), "int4": (0, False, True)}     # group 0: the whole head
-INT_KV_EXACT_TOKENS = {"int8": 0, "int4": 16}
+INT_KV_EXACT_TOKENS = {"int8": 0, "int4": 24}
 MAX_EXACT_TOKENS = 1024
 
 

@@ -26,7 +26,7 @@ def register(sub) -> None:
     p.add_argument("--kv-cache-dtype", default="auto",
                    choices=["auto", "fp16", "bf16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4"])
     p.add_argument("--kv-exact-tokens", type=int, default=None,
-                   help="int8/int4 cache: plan for serve --kv-exact-tokens (default: the dtype's, 16 for int4)")
+                   help="int8/int4 cache: plan for serve --kv-exact-tokens (default: the dtype's, 24 for int4)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=256)

@@ -60,8 +60,8 @@ def test_plan_counts_codes_and_scales():
     assert kv_head_token_bytes("fp8", "float16", 128) == 128
     plan = plan_memory(QWEN_7B, gpu_mem_gb=24, kv_cache_dtype="int4", max_model_len=32768)
     assert plan.kv_bytes_per_token == 2 * 28 * 4 * 66
-    # the exact window: 257 rows x 16 tokens of fp16 K and V, and no CUDA graph reserve (steps run eagerly)
-    assert plan.kv_exact_tokens == 16 and plan.exact_window_bytes == 2 * 28 * 257 * 16 * 4 * 128 * 2
+    # the exact window: 257 rows x 24 tokens of fp16 K and V, and no CUDA graph reserve (steps run eagerly)
+    assert plan.kv_exact_tokens == 24 and plan.exact_window_bytes == 2 * 28 * 257 * 24 * 4 * 128 * 2
     assert plan.cuda_graph_bytes == 0
     fp8 = plan_memory(QWEN_7B, gpu_mem_gb=24, kv_cache_dtype="fp8", max_model_len=32768)
     assert fp8.exact_window_bytes == 0 and fp8.cuda_graph_bytes > 0
