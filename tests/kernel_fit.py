@@ -5,7 +5,8 @@ by one that names the profile's target (sm80 / sm86 / sm89 / sm90), every launch
 the kernels' device queries answer from the profile's capability record (kernels/gpu.py). The W4A16 plan is walked
 over the Qwen2.5-7B and Llama-3.1-8B layer shapes for M = 1..8192 (one compile per distinct kernel and
 configuration, at the smallest M that picks it), then the attention, KV-store and the other decode-step kernels
-are launched on fp16 / fp8 e4m3 / fp8 e5m2 caches, the W8A16 kernels (GGUF int8-code layers), GGUF's
+are launched on fp16 / fp8 e4m3 / fp8 e5m2 caches and the integer caches' (int8, int4 with and without its exact
+window), the W8A16 kernels (GGUF int8-code layers), GGUF's
 fragment-layout kernels (Q4_K, Q6_K) and the W4A8 plan with int8 activations asked for (kernels/w4a8: the
 activation-quantization kernels and the int8 matmul's tiles at M = 1, 16, 64, 256, per group and per token). Each
 compiled kernel is reported with its shared memory, registers, spill stack and the Hopper / fp8 instructions its SASS holds (the wheel's cuobjdump).
@@ -196,6 +197,36 @@ def _launch_attention(model, kv_dtype, batch, context) -> None:
                          torch.zeros(chunk, dtype=torch.long), scale, scale)
 
 
+def _launch_int_kv(model) -> None:
+    """The integer KV cache's store and attention (kernels/attention/kv_int_kernels.py) in each default format
+    (int8; int4 with its exact window, and without one), decode (batch 64 x 4096) and a 512-token prefill chunk."""
+    import torch
+
+    from quant_serve.kernels.attention.kv_exact import ExactRows, ExactWindow, alloc_rings
+    from quant_serve.kernels.attention.kv_int import alloc_int_cache, int_kv_exact_tokens, int_kv_format
+    from quant_serve.kernels.attention.kv_int_paged import paged_attention_int, store_int_triton
+    hq, hkv = HEADS[model]
+    batch, context, chunk = 64, 4096, 512
+    blocks = -(-context // 16)
+    tables = torch.arange(blocks * batch, dtype=torch.int32).view(batch, blocks)
+    for dtype in ("int8", "int4"):
+        fmt = int_kv_format(dtype, 128)
+        (k_c, k_s), (v_c, v_s) = (alloc_int_cache(fmt, blocks * batch, 16, hkv, 128, "cpu") for _ in range(2))
+        for exact_tokens in sorted({0, int_kv_exact_tokens(dtype)}):
+            for rows, q_len in ((batch, 1), (1, chunk)):
+                q = torch.empty(rows * q_len, hq, 128, dtype=torch.float16)
+                k, v = (torch.empty(rows * q_len, hkv, 128, dtype=torch.float16) for _ in range(2))
+                lens = torch.full((rows,), context, dtype=torch.int32)
+                qsl = torch.arange(rows + 1, dtype=torch.int32) * q_len
+                exact = None
+                if exact_tokens:
+                    idx = torch.zeros(rows, dtype=torch.int32)
+                    exact = ExactWindow(k, v, *alloc_rings(batch + 1, exact_tokens, hkv, 128, torch.float16, "cpu"),
+                                        ExactRows(idx, idx, idx, torch.zeros(rows * q_len, dtype=torch.long)))
+                store_int_triton(k, v, k_c, v_c, torch.zeros(rows * q_len, dtype=torch.long), k_s, v_s)
+                paged_attention_int(q, k_c, v_c, tables[:rows], lens, qsl, 0.088, k_s, v_s, exact=exact)
+
+
 def _launch_w8a16() -> None:
     """The W8A16 kernels (GGUF Q8_0 / Q5_* / Q6_K layers) at one shape, groups of 32 with offsets: the FMA GEMV
     (M = 1), the tl.dot GEMV in 16-, 32- and 64-row blocks (M = 8, 32, 64) and the dequantize pass (past
@@ -294,6 +325,7 @@ def fit_report(profile: str) -> dict:
             for batch, context in ((1, 512), (1, 4096), (64, 4096)):
                 _launch_attention(model, kv, batch, context)
         _launch_step_kernels(model)
+        _launch_int_kv(model)
     _launch_w8a16()
     _launch_gguf_frag()
     _launch_w4a8(caps)

@@ -176,7 +176,7 @@ def _int_attention_kernel(q_ptr, k_codes, v_codes, k_scales, v_scales, tables_pt
         ring_row = tl.load(ring_row_ptr + b).to(tl.int64)
         ring_lo = tl.load(ring_lo_ptr + b)
         ring_hi = tl.load(ring_hi_ptr + b)
-        for n0 in range(plain_end, kv_end, BLOCK_N):
+        for n0 in tl.range(plain_end, kv_end, BLOCK_N, num_stages=1):     # a tile or two: nothing to pipeline
             toks = n0 + tl.arange(0, BLOCK_N)
             tok_mask = toks < kv_end
             k = _int_tile(k_codes, k_scales, table_row, toks, tok_mask, h, stride_cb, stride_cs, stride_ch,

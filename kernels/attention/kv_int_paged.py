@@ -41,7 +41,7 @@ def store_int_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tens
 def paged_attention_int(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                         seq_lens: torch.Tensor, query_start_loc: torch.Tensor, softmax_scale: float,
                         k_scales: torch.Tensor, v_scales: torch.Tensor, window: int = 0, softcap: float = 0.0,
-                        exact: ExactWindow | None = None, block_m: int = 64, block_n: int = 64,
+                        exact: ExactWindow | None = None, block_m: int = 64, block_n: int | None = None,
                         num_warps: int = 4) -> torch.Tensor:
     """q [T, Hq, D] against the quantized paged context -> [T, Hq, D]. A decode batch (T == B) runs one query
     token a program; other batches BLOCK_Q = block_m // GP tokens a program. exact: the exact window
@@ -54,6 +54,8 @@ def paged_attention_int(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     group = num_q_heads // num_kv_heads
     gp = max(16, _next_pow2(group))          # tl.dot needs 16 rows
     block_q = 1 if num_tokens == batch else max(1, block_m // gp)
+    if block_n is None:     # spills and registers compiled for sm86 (no GPU timing yet): docs/kernels.md
+        block_n = 32 if block_q == 1 or exact is not None else 64
     if q.stride(2) != 1:
         raise ValueError("paged_attention_int needs unit stride along head_dim")
     out = torch.empty_like(q)

@@ -109,6 +109,22 @@ def test_ngram_speculation_is_exact_under_greedy(plain_results, trained_model):
     assert_all_blocks_free(engine)
 
 
+def test_ngram_speculation_is_exact_with_an_int4_exact_window(trained_model):
+    """Rejected proposals have written the ring (engine/worker/kv_exact_rows.py): the rows' ranges leave them out,
+    so greedy output with speculation is the int4 engine's own without it (requests with logprobs do not speculate:
+    the exact ranges themselves are checked in tests/engine/worker/test_kv_exact_rows.py)."""
+    kw = dict(max_model_len=256, kv_cache_dtype="int4")
+    plain = _run(make_engine(trained_model, **kw))
+    engine = make_engine(trained_model, **kw, speculative=SpeculativeConfig(
+        num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3, disable_by_batch_size=8))
+    got = _run(engine)
+    for rid in ("copy", "count", "stop", "penalty"):
+        assert got[rid] == plain[rid], rid
+    stats = engine.spec_stats
+    assert stats.num_draft_tokens > stats.num_accepted_tokens >= 10         # accepted and rejected proposals
+    assert_all_blocks_free(engine)
+
+
 @pytest.fixture(scope="module")
 def two_layer_draft(tmp_path_factory, trained_model):
     """The trained model cut to its first 2 layers: the same tokenizer, proposals that are often wrong

@@ -44,6 +44,18 @@ def test_int4_swaps_to_cpu_tier_are_exact(prompts, trained_model):
     assert_all_blocks_free(engine)
 
 
+def test_int4_preemption_by_recompute_keeps_the_outputs(prompts, trained_model):
+    """Preempted sequences recompute their K/V and refill their exact window from the new tokens (a kept ring row
+    reads nothing it did not write since): the outputs of an engine that never preempted."""
+    kw = dict(kv_cache_dtype="int4", max_model_len=64, chunk=128)
+    reference = _generate(make_engine(trained_model, **kw), prompts)
+    engine = make_engine(trained_model, num_blocks=5, **kw)
+    assert engine.runner.exact_rows is not None
+    assert _generate(engine, prompts) == reference
+    assert engine.scheduler.num_preemptions_total >= 2 and engine.scheduler.num_swap_preemptions_total == 0
+    assert_all_blocks_free(engine)
+
+
 def test_int4_prefix_block_evicted_to_cpu_tier_is_hit_later(text_ids, trained_model):
     system = text_ids[1000:1048]                     # 3 full blocks
     first, second = system + text_ids[2000:2008], system + text_ids[3000:3011]
@@ -67,7 +79,9 @@ def test_eval_compares_an_int4_cache_against_the_fp16_cache(trained_model, heldo
     result = run_eval(EvalConfig(reference=str(trained_model), data=[str(data)], kv_cache_dtype="int4", tasks=[],
                                  max_tokens=600, layer_windows=1, device="cpu", dtype="float16"))
     (cand,) = result.candidates
-    assert cand.kv_cache_dtype == "int4" and cand.kv_only and cand.name.endswith("kv=int4")
+    # the report names the format: grouping, zero point, rotation and exact window
+    assert cand.kv_cache_dtype == "int4 (one scale per token and head, symmetric, Hadamard-rotated, last 24 tokens " \
+        "exact)" and cand.kv_only and cand.name.endswith("kv=int4")
     s = cand.stats.summary()
     assert 0 < s["kld"] < 0.05 and 0.85 < s["top1"] < 1.0            # quantized, yet close to the fp16 cache
     assert result.reference.kv_cache_dtype == "fp16" and cand.kv_scales is None
