@@ -89,17 +89,9 @@ KV_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"
 
 
 def kv_name(runner) -> str:
-    """The cache a run used, as the report states it: an integer cache with its grouping, zero point, rotation and
-    exact window (kernels/attention/kv_int.py, kv_exact.py; chosen by measured accuracy, docs/performance.md)."""
-    name, fmt = KV_NAMES[runner.kv_dtype], runner.kv_format
-    if fmt is None:
-        return name
-    head_dim = runner.model_config.head_dim
-    parts = ["one scale per token and head" if fmt.group == head_dim else f"groups of {fmt.group}",
-             "zero point" if fmt.zero_point else "symmetric"] + (["Hadamard-rotated"] if fmt.rotate else [])
-    if runner.exact_rows is not None:
-        parts.append(f"last {runner.exact_rows.size} tokens exact")
-    return f"{name} ({', '.join(parts)})"
+    """The cache a run used, as the report states it (an integer cache with its grouping, rotation and exact window:
+    chosen by measured accuracy, docs/performance.md)."""
+    return KV_NAMES[runner.kv_dtype] if runner.kv_format is None else runner.kv_description
 
 
 def kv_label(kv_cache_dtype: str) -> str:

@@ -107,6 +107,14 @@ class ModelRunner:
         return str(self.kv_dtype).replace("torch.", "")
 
     @property
+    def kv_description(self) -> str:
+        """kv_name with an integer cache's grouping, rotation and exact window (the start-up log, eval's report)."""
+        if self.kv_format is None:
+            return self.kv_name
+        exact = self.exact_rows.size if self.exact_rows is not None else 0
+        return self.kv_format.describe(self.model_config.head_dim, exact)
+
+    @property
     def kv_is_fp8(self) -> bool:
         return self.kv_dtype in FP8_DTYPES
 

@@ -77,23 +77,26 @@ def write_ring(exact: ExactWindow) -> None:
     flat_v[exact.rows.ring_slot] = exact.new_v.to(flat_v.dtype)
 
 
-def gather_exact(exact: ExactWindow, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_len: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Torch twin's view: (k, v [B, L, Hkv, D] fp32, at hand [B, L] bool) of the exact values each sequence has
-    for its positions 0..L-1 (new tokens and ring slots; zero where not at hand)."""
+def gather_exact(exact: ExactWindow, seq_lens: torch.Tensor, query_start_loc: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Torch twin's view of the exact values: each sequence's last W = max q_len + R - 1 positions (every key some
+    query's window can reach), right-aligned: (positions [B, W] (negative: before the sequence), k, v [B, W, Hkv, D]
+    fp32, at hand [B, W] bool: a new token or a ring slot; zero where not at hand)."""
     rows, size = exact.rows, exact.size
-    batch = seq_lens.shape[0]
-    device = seq_lens.device
-    pos = torch.arange(max_len, device=device).view(1, -1)                            # [1, L]
     q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long().view(-1, 1)
-    ctx = seq_lens.long().view(-1, 1) - q_lens
-    is_new = (pos >= ctx) & (pos < seq_lens.long().view(-1, 1))                        # [B, L]
-    in_ring = (pos >= rows.ring_lo.long().view(-1, 1)) & (pos < rows.ring_hi.long().view(-1, 1)) & ~is_new
+    width = int(q_lens.max()) + size - 1
+    ends = seq_lens.long().view(-1, 1)
+    pos = ends - width + torch.arange(width, device=seq_lens.device).view(1, -1)      # [B, W]
+    ctx = ends - q_lens
+    is_new = pos >= ctx
+    in_ring = (pos >= rows.ring_lo.long().view(-1, 1)) & (pos < rows.ring_hi.long().view(-1, 1)) & ~is_new \
+        & (pos >= 0)
     new_row = (query_start_loc[:-1].long().view(-1, 1) + pos - ctx).clamp(0, max(exact.new_k.shape[0] - 1, 0))
-    ring_at = rows.ring_row.long().view(-1, 1) * size + pos % size                    # [B, L]
+    ring_at = rows.ring_row.long().view(-1, 1) * size + pos % size                     # [B, W]
+    have = is_new | in_ring
     out = []
     for new, ring in ((exact.new_k, exact.ring_k), (exact.new_v, exact.ring_v)):
         flat = ring.view(-1, *ring.shape[2:])
-        x = torch.where(is_new.view(batch, max_len, 1, 1), new[new_row].float(), flat[ring_at].float())
-        out.append(x * (is_new | in_ring).view(batch, max_len, 1, 1))
-    return out[0], out[1], is_new | in_ring
+        x = torch.where(is_new[..., None, None], new[new_row].float(), flat[ring_at].float())
+        out.append(x * have[..., None, None])
+    return pos, out[0], out[1], have

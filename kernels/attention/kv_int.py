@@ -40,6 +40,15 @@ class IntKVFormat:
         if self.rotate and head_dim & (head_dim - 1):
             raise ValueError(f"integer KV cache: the Hadamard rotation needs head_dim a power of two, not {head_dim}")
 
+    def describe(self, head_dim: int, exact_tokens: int = 0) -> str:
+        """As the start-up log and the eval report name it, e.g. "int4 (one scale per token and head, symmetric,
+        Hadamard-rotated, last 24 tokens exact)"."""
+        parts = ["one scale per token and head" if self.group == head_dim else f"groups of {self.group}",
+                 "zero point" if self.zero_point else "symmetric"] + (["Hadamard-rotated"] if self.rotate else [])
+        if exact_tokens:
+            parts.append(f"last {exact_tokens} tokens exact")
+        return f"int{self.bits} ({', '.join(parts)})"
+
     def code_shape(self, head_dim: int) -> int:
         """Last dimension of the codes tensor."""
         return head_dim if self.bits == 8 else head_dim // 2

@@ -64,8 +64,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     starts = query_start_loc.tolist()
     q_lens = [b - a for a, b in zip(starts, starts[1:])]
     decodes = [b for b, n in enumerate(q_lens) if n == 1]
-    exact_all = None if exact is None else \
-        (exact.size, *gather_exact(exact, seq_lens, query_start_loc, int(seq_lens.max())))
+    exact_all = None if exact is None else (exact.size, *gather_exact(exact, seq_lens, query_start_loc))
     if decodes:  # all single-token queries at once: the common decode batch
         rows = torch.tensor([starts[b] for b in decodes], device=q.device)
         idx = torch.tensor(decodes, device=q.device)
@@ -83,11 +82,11 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 
 def _rows(exact_all, idx):
-    """The exact window's gathered (size, k, v, at hand) of some sequences."""
+    """The exact window's gathered (size, positions, k, v, at hand) of some sequences."""
     if exact_all is None:
         return None
-    size, k, v, have = exact_all
-    return size, k[idx], v[idx], have[idx]
+    size, pos, k, v, have = exact_all
+    return size, pos[idx], k[idx], v[idx], have[idx]
 
 
 def _attend(q: torch.Tensor, k_cache, v_cache, block_tables, seq_lens, q_lens, softmax_scale, k_scale, v_scale,
@@ -105,19 +104,27 @@ def _attend(q: torch.Tensor, k_cache, v_cache, block_tables, seq_lens, q_lens, s
     q_pos = (seq_lens - q_lens).view(batch, 1) + torch.arange(q_max, device=q.device)   # [B, Q]
     k_pos = torch.arange(max_len, device=q.device)
     qg = q.float().view(batch, q_max, num_kv_heads, group, head_dim)
-    use_exact = None
+    ue = None
     if exact is not None:
-        size, ek, ev, have = exact[0], exact[1][:, :max_len], exact[2][:, :max_len], exact[3][:, :max_len]
-        # [B, Q, L]: at hand and inside the query's window of the last `size` positions
-        use_exact = have.unsqueeze(1) & (k_pos.view(1, 1, -1) > q_pos.unsqueeze(-1) - size)
+        # the exact window's W positions of each sequence (kv_exact.gather_exact); those a query uses replace the
+        # dequantized key / value there: at hand, inside the query's last `size` positions, and visible
+        size, pos, ek, ev, have = exact
+        use = have.unsqueeze(1) & (pos.unsqueeze(1) > q_pos.unsqueeze(-1) - size) \
+            & (pos.unsqueeze(1) <= q_pos.unsqueeze(-1))                                # [B, Q, W]
+        at = pos.clamp(min=0)                  # (positions before the sequence are never used, only read)
         if q_max == 1:      # one query a sequence: which keys are exact does not depend on the query
-            k = torch.where(use_exact[:, 0, :, None, None], ek, k)
-            v = torch.where(use_exact[:, 0, :, None, None], ev, v)
-            use_exact = None
+            b, w = use[:, 0].nonzero(as_tuple=True)
+            k[b, pos[b, w]] = ek[b, w]
+            v[b, pos[b, w]] = ev[b, w]
+        else:
+            ue = use.view(batch, 1, 1, q_max, -1)
+            v_at = v[torch.arange(batch, device=q.device).view(-1, 1), at]             # [B, W, Hkv, D]
     scores = torch.einsum("bqhgd,bkhd->bhgqk", qg, k)                                   # [B, Hkv, G, Q, L]
-    if use_exact is not None:
-        ue = use_exact.view(batch, 1, 1, q_max, max_len)
-        scores = torch.where(ue, torch.einsum("bqhgd,bkhd->bhgqk", qg, ek), scores)
+    if ue is not None:
+        s_exact = torch.einsum("bqhgd,bkhd->bhgqk", qg, ek)                             # [B, Hkv, G, Q, W]
+        b, i, w = use.nonzero(as_tuple=True)
+        scores.permute(0, 3, 4, 1, 2)[b, i, pos[b, w]] = s_exact.permute(0, 3, 4, 1, 2)[b, i, w]
+        idx = at.view(batch, 1, 1, 1, -1).expand(*scores.shape[:-1], at.shape[1])
     scores = scores * softmax_scale
     if softcap > 0:
         scores = torch.tanh(scores / softcap) * softcap
@@ -126,10 +133,10 @@ def _attend(q: torch.Tensor, k_cache, v_cache, block_tables, seq_lens, q_lens, s
         visible &= k_pos.view(1, 1, -1) > q_pos.unsqueeze(-1) - window
     scores.masked_fill_(~visible.view(batch, 1, 1, q_max, max_len), float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    if use_exact is None:
-        out = torch.einsum("bhgqk,bkhd->bqhgd", probs, v)
-    else:
-        out = torch.einsum("bhgqk,bkhd->bqhgd", probs * ~ue, v) + torch.einsum("bhgqk,bkhd->bqhgd", probs * ue, ev)
+    out = torch.einsum("bhgqk,bkhd->bqhgd", probs, v)
+    if ue is not None:      # the used positions' weights move from the dequantized values to the exact ones
+        p_at = probs.gather(-1, idx) * ue
+        out = out + torch.einsum("bhgqk,bkhd->bqhgd", p_at, ev - v_at)
     return out.reshape(batch, q_max, num_q_heads, head_dim).to(q.dtype)
 
 

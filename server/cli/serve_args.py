@@ -104,7 +104,7 @@ def startup_report(engine) -> list[str]:
              f"{str(engine.dtype).replace('torch.', '')} on {engine.device}",
              f"memory: weights {weights / 2**20:.1f} MiB, KV cache {kv_bytes / 2**20:.1f} MiB "
              f"({num_blocks} blocks of {engine.config.cache.block_size} tokens, "
-             f"{engine.runner.kv_name})"]
+             f"{engine.runner.kv_description})"]
     if str(engine.device).startswith("cuda"):
         import torch
         lines[-1] += f", {torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated on the GPU"

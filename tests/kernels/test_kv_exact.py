@@ -76,6 +76,7 @@ CASES = {   # seq_lens, q_lens, ring ranges
     "decode": ([21, 9, 40], [1, 1, 1], [(12, 20), (0, 8), (33, 39)]),
     "prefill chunks": ([37, 30], [13, 30], [(16, 24), (0, 0)]),
     "partial ring": ([26, 50], [3, 1], [(20, 23), (45, 47)]),       # a ring shorter than R, e.g. a prefix hit
+    "shorter than R": ([5, 12], [1, 1], [(0, 4), (4, 11)]),          # windows reaching before position 0
 }
 
 
