@@ -54,12 +54,12 @@ PLAN_MODEL = "qwen2.5-7b-instruct"     # the issue's capacity goal: tokens of Qw
 
 def plan_tokens(dtype: str, group: int | None, zp: bool | None, exact: int) -> tuple[int, int]:
     """(KV bytes per token, tokens that fit) of Qwen2.5-7B at 24 GiB with this variant, by the memory plan's own
-    arithmetic (engine/plan/memory.py: the float reserves, the exact window's rings, no graphs with a window)."""
+    arithmetic (engine/plan/memory.py: the float reserves, CUDA graphs, the exact window's rings)."""
     from quant_serve.engine.load.loader import resolve_model_dir
     from quant_serve.engine.plan.memory import kv_head_token_bytes, plan_memory
     from quant_serve.kernels.attention.kv_exact import ring_bytes
     model = resolve_model_dir(PLAN_MODEL, config_only=True)
-    base = plan_memory(model, gpu_mem_gb=24, kv_cache_dtype="fp8", max_model_len=32768, enforce_eager=exact > 0)
+    base = plan_memory(model, gpu_mem_gb=24, kv_cache_dtype="fp8", max_model_len=32768)
     cfg = json.loads((Path(model) / "config.json").read_text())
     layers, heads = cfg["num_hidden_layers"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]

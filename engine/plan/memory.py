@@ -303,7 +303,7 @@ def plan_memory(model_dir_or_config: str | Path | dict, gpu_mem_gb: float = 24.0
     the card with the target's. quantization: gguf:MIX plans dummy weights of that GGUF type mix (a GGUF file's
     own types are read from its tensor table). verify_rows: the token rows of the largest verification graph
     (speculation: batch x (k + 1)), whose fp32 logits buffer the graphs keep beside their pool. kv_exact_tokens:
-    an integer cache's exact window (None: the dtype's default): its rings, and steps run eagerly (no graphs)."""
+    an integer cache's exact window (None: the dtype's default): its rings."""
     cfg, model_dir = _load_config(model_dir_or_config)
     a = _arch(cfg)
     float_b = dtype_bytes(a.dtype if weights_dtype == "auto" else weights_dtype)
@@ -340,7 +340,6 @@ def plan_memory(model_dir_or_config: str | Path | dict, gpu_mem_gb: float = 24.0
 
     exact = int_kv_exact_tokens(kv_cache_dtype, kv_exact_tokens)
     exact_bytes = ring_bytes(max_num_seqs + 1, exact, a.layers, a.kv_heads, a.head_dim, float_b)
-    enforce_eager = enforce_eager or exact > 0       # as the engine (engine/worker/kv_exact_rows.py) runs it
     gpu_mem = int(gpu_mem_gb * GiB)
     usable = int(gpu_mem * gpu_memory_utilization)
     activations = _activation_bytes(a, float_b, max_num_batched_tokens, max_num_seqs)
@@ -376,7 +375,7 @@ def format_plan(plan: MemoryPlan) -> str:
         row("overhead", plan.overhead_bytes, "(CUDA context + fragmentation)"),
         row("KV cache", plan.kv_cache_bytes, f"({plan.kv_bytes_per_token:,} B/token, {plan.kv_cache_dtype})"),
         *([row("exact window", plan.exact_window_bytes, f"(last {plan.kv_exact_tokens} tokens of each sequence "
-                                                        "unquantized; steps run eagerly)")]
+                                                        "unquantized)")]
           if plan.exact_window_bytes else []),
         f"KV cache: {plan.num_blocks:,} blocks = {plan.kv_cache_tokens:,} tokens, max concurrency "
         f"{plan.max_concurrency:.2f} at max_model_len {plan.max_model_len:,}",

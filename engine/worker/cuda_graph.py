@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from quant_serve.engine.worker.attention import AttentionMetadata
 from quant_serve.kernels.argmax import argmax_rows
+from quant_serve.kernels.attention.kv_exact import ExactRows
 from quant_serve.kernels.attention.paged import FEW_PROGRAMS, decode_graph_contexts
 from quant_serve.kernels.step_inputs import take_carried
 
@@ -35,14 +36,17 @@ GREEDY_MAX_BATCH = 8
 class DecodeInputs:
     """Byte layout of a decode step's inputs, the same on the host and in the device blob: int64 [max_batch] each
     of input ids, positions, slots, carry rows (the row of the step in flight's samples that holds the input id,
-    -1: the id is known), then int32 seq_lens [max_batch] and the block table, [bs, width] contiguous for the
-    graph of batch bucket bs and width `width` (each graph reads its own shape of the same bytes)."""
+    -1: the id is known), then int32 seq_lens [max_batch], with an exact window (kernels/attention/kv_exact.py)
+    int32 ring rows, ring lo, ring hi and int64 ring slots [max_batch], and the block table, [bs, width]
+    contiguous for the graph of batch bucket bs and width `width` (each graph reads its own shape of the same
+    bytes)."""
     max_batch: int
     max_blocks: int
+    exact: bool = False
 
     @property
     def table_offset(self) -> int:
-        return 36 * self.max_batch
+        return (56 if self.exact else 36) * self.max_batch
 
     @property
     def nbytes(self) -> int:
@@ -54,15 +58,26 @@ class DecodeInputs:
         cols = [blob[8 * mb * i: 8 * mb * (i + 1)].view(i64) for i in range(4)]
         return (*cols, blob[32 * mb: 36 * mb].view(i32), blob[self.table_offset: self.nbytes].view(i32))
 
+    def exact_views(self, blob):
+        """With exact: (ring rows, ring lo, ring hi, ring slots) [max_batch]."""
+        mb, i64, i32 = self.max_batch, _dtype(blob, 8), _dtype(blob, 4)
+        return (*(blob[4 * mb * i: 4 * mb * (i + 1)].view(i32) for i in (9, 10, 11)), blob[48 * mb: 56 * mb].view(i64))
+
     def pack(self, bs: int, width: int, ids: list[int], positions: list[int], slots: list[int],
-             seq_lens: list[int], tables: list[list[int]], carry_rows: list[int]) -> np.ndarray:
+             seq_lens: list[int], tables: list[list[int]], carry_rows: list[int],
+             exact: tuple | None = None) -> np.ndarray:
         """A host buffer (uint8, the layout's first bytes up to bs x width of table) for n <= bs sequences; rows n..bs
-        pad: slot -1 (stores nothing), length 1, table of block 0, id known (0)."""
+        pad: slot -1 (stores nothing), length 1, table of block 0, id known (0). exact: (ring rows, lo, hi, slots,
+        spare row, window size): padding rows write to the spare row and read no ring."""
         n = len(ids)
         buf = np.zeros(self.table_offset + 4 * bs * width, dtype=np.uint8)
         ids_v, pos_v, slots_v, carry_v, lens_v, table_v = self.views(buf)
         ids_v[:n], pos_v[:n], slots_v[:n], carry_v[:n], lens_v[:n] = ids, positions, slots, carry_rows, seq_lens
         slots_v[n:bs], carry_v[n:bs], lens_v[n:bs] = -1, -1, 1
+        if exact is not None:
+            row_v, lo_v, hi_v, ring_v = self.exact_views(buf)
+            row_v[:n], lo_v[:n], hi_v[:n], ring_v[:n] = exact[:4]
+            row_v[n:bs], ring_v[n:bs] = exact[4], exact[4] * exact[5]
         rows = table_v.reshape(bs, width)
         for row, table in zip(rows, tables):
             row[:len(table)] = table
@@ -71,9 +86,11 @@ class DecodeInputs:
 
 class DecodeGraphs:
     def __init__(self, model, max_batch: int, max_model_len: int, block_size: int, device: torch.device,
-                 num_kv_heads: int, kv_fp8: bool = False, store_first: bool = False, name: str = "decode"):
+                 num_kv_heads: int, kv_fp8: bool = False, store_first: bool = False, name: str = "decode",
+                 exact=None):
         """store_first: rows of one sequence side by side (verification rows, engine/spec/graphs.py): K/V stored
-        before the decode kernel, not inside it, and no greedy graphs (all logits are taken)."""
+        before the decode kernel, not inside it, and no greedy graphs (all logits are taken). exact: an integer
+        cache's exact window (engine/worker/kv_exact_rows.ExactRowTable), whose ring rows each step packs."""
         self.model = model
         self.store_first, self.name = store_first, name
         self.buckets = sorted({b for b in BUCKETS if b < max_batch} | {max_batch})
@@ -84,10 +101,15 @@ class DecodeGraphs:
             bs * num_kv_heads, max_blocks * block_size, kv_fp8, torch.device(device))}) for bs in self.buckets}
         self.wide = {bs: bs * num_kv_heads > FEW_PROGRAMS for bs in self.buckets}
         self.block_size = block_size
-        self.inputs = DecodeInputs(max_batch, max_blocks)
+        self.inputs = DecodeInputs(max_batch, max_blocks, exact is not None)
         self.blob = torch.zeros(self.inputs.nbytes, dtype=torch.uint8, device=device)
         self.input_ids, self.positions, self.slot_mapping, self.carry_rows, self.seq_lens, self.tables = \
             self.inputs.views(self.blob)
+        self.exact, self.exact_rows = exact, None
+        if exact is not None:               # the capture's forwards write the spare row and read no ring
+            self.exact_rows = ExactRows(*self.inputs.exact_views(self.blob))
+            self.exact_rows.ring_row.fill_(exact.spare)
+            self.exact_rows.ring_slot.fill_(exact.spare * exact.size)
         self.slot_mapping.fill_(-1)                      # the capture's forwards store nothing
         self.carry_rows.fill_(-1)
         self.seq_lens.fill_(1)
@@ -104,7 +126,10 @@ class DecodeGraphs:
                                  block_tables=self.tables[:bs * width].view(bs, width),
                                  seq_lens=self.seq_lens[:bs], query_start_loc=self.query_start_loc[:bs + 1],
                                  max_seq_len=width * self.block_size, max_query_len=1,
-                                 wide_table=self.wide[bs], store_first=self.store_first)
+                                 wide_table=self.wide[bs], store_first=self.store_first,
+                                 exact_rows=None if self.exact_rows is None else ExactRows(
+                                     *(t[:bs] for t in (self.exact_rows.ring_row, self.exact_rows.ring_lo,
+                                                        self.exact_rows.ring_hi, self.exact_rows.ring_slot))))
 
     @property
     def shapes(self) -> list[tuple[int, int]]:
@@ -163,7 +188,9 @@ class DecodeGraphs:
             seq_lens.append(p + 1)
             tables.append(seq.block_table)
         shape = self.shape_for(len(ids), max(len(t) for t in tables))
-        return shape, self.inputs.pack(*shape, ids, positions, slots, seq_lens, tables, rows), max(rows) >= 0
+        exact = None if self.exact is None else \
+            (*self.exact.step_lists([(seq, 1) for seq in seqs]), self.exact.spare, self.exact.size)
+        return shape, self.inputs.pack(*shape, ids, positions, slots, seq_lens, tables, rows, exact), max(rows) >= 0
 
     def shape_for(self, num_seqs: int, table_blocks: int) -> tuple[int, int]:
         """The (batch bucket, table width in blocks) of the graph that runs num_seqs sequences whose longest block

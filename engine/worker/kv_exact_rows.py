@@ -50,16 +50,16 @@ class ExactRowTable:
         st = self._rows[id(seq)] = _RowState(seq, self._free.pop())
         return st
 
-    def step(self, scheduled) -> ExactRows:
-        """Each scheduled entry's (seq, num_new_tokens) -> the step's ExactRows; advances the bookkeeping as if
-        the step ran (the ring is written inside the forward)."""
-        in_step = {id(item.seq) for item in scheduled}
+    def step_lists(self, entries) -> tuple[list[int], list[int], list[int], list[int]]:
+        """(seq, num_new_tokens) of each scheduled entry -> the step's (ring rows, lo, hi, flat slots) as lists;
+        advances the bookkeeping as if the step ran (the ring is written inside the forward)."""
+        in_step = {id(seq) for seq, _ in entries}
         size = self.size
         rows, lo, hi, slots = [], [], [], []
-        for item in scheduled:
-            st = self._state(item.seq, in_step)
-            start = item.seq.num_computed_tokens
-            end = start + item.num_new_tokens
+        for seq, n in entries:
+            st = self._state(seq, in_step)
+            start = seq.num_computed_tokens
+            end = start + n
             rows.append(st.row)
             lo.append(max(st.lo, start - size))
             hi.append(min(st.hi, start))
@@ -67,6 +67,11 @@ class ExactRowTable:
             slots += [(st.row if p >= keep else self.spare) * size + p % size for p in range(start, end)]
             st.lo = max(st.lo if st.hi >= start else start, end - size)
             st.hi = end
+        return rows, lo, hi, slots
+
+    def step(self, scheduled) -> ExactRows:
+        """An eager step's ExactRows (scheduled: the SchedulerOutput's entries)."""
+        rows, lo, hi, slots = self.step_lists([(item.seq, item.num_new_tokens) for item in scheduled])
         return ExactRows(ring_row=to_device(rows, torch.int32, self.device),
                          ring_lo=to_device(lo, torch.int32, self.device),
                          ring_hi=to_device(hi, torch.int32, self.device),
@@ -74,12 +79,12 @@ class ExactRowTable:
 
 
 def exact_window_start(config, device: str) -> int:
-    """The exact window (tokens) an engine of this config runs with; on CUDA it turns the graphs off (before the
-    memory plan, which then reserves none): the graphs' fixed inputs do not carry the ring rows yet."""
+    """The exact window (tokens) an engine of this config runs with. Decode steps keep their CUDA graphs (the ring
+    rows travel in the graphs' inputs); verification steps run eagerly: a verification graph's rows of one sequence
+    would each read the others' new K/V quantized (engine/worker/startup.py)."""
     from quant_serve.kernels.attention.kv_int import int_kv_exact_tokens
     tokens = int_kv_exact_tokens(config.cache.kv_cache_dtype, config.cache.kv_exact_tokens)
-    if tokens and device != "cpu" and not config.enforce_eager:
-        logger.info("--kv-cache-dtype %s with a %d-token exact window: CUDA graphs off (steps run eagerly; "
-                    "--kv-exact-tokens 0 keeps them)", config.cache.kv_cache_dtype, tokens)
-        config.enforce_eager = True
+    if tokens and device != "cpu" and config.speculative.enabled and not config.enforce_eager:
+        logger.info("--kv-cache-dtype %s with a %d-token exact window: verification steps run eagerly",
+                    config.cache.kv_cache_dtype, tokens)
     return tokens

@@ -15,7 +15,7 @@ ACTIVATION_HELP = ("activations of the quantized layers: fp16 (W4A16 / W8A16), i
                    "the accuracy gate of kernels/matmul/int8/eligibility.py); the start-up log names what each layer runs")
 EXACT_HELP = ("--kv-cache-dtype int8/int4: each sequence's last N tokens of K/V are also kept unquantized and read "
               "exact by attention (default: 24 for int4, 0 for int8; 0 = off). Costs max_num_seqs x N tokens of "
-              "model-dtype memory; on CUDA it runs steps eagerly for now (no CUDA graphs)")
+              "model-dtype memory; verification steps (speculative decoding) run eagerly with it")
 ACT_SCALE_HELP = ("int8 activations: one scale per token (token) or per token and weight group (group: finer, "
                   "GGUF's groups of 32 as llama.cpp's Q8_1)")
 

@@ -93,8 +93,7 @@ class EagerGraph:
 
 def _with_eager_graphs(engine, max_batch: int) -> list:
     runner, replays = engine.runner, []
-    graphs = DecodeGraphs(runner.model, max_batch, engine.max_model_len, runner.block_size, runner.device,
-                          runner.model_config.num_kv_heads)
+    graphs = runner.plan_decode_graphs(max_batch, engine.max_model_len)
     hidden = runner.model_config.hidden_size
     for bs in graphs.buckets:
         for width in graphs.widths[bs]:
@@ -137,3 +136,26 @@ def test_graph_inputs_give_the_eager_engines_tokens():
             assert {bs for bs, _, _ in replays} >= {8} and {g for _, _, g in replays} == {False, True}
             assert any(carried)
     assert results[0] == results[1]
+
+
+def test_graph_inputs_carry_the_exact_window():
+    """int4 with its exact window: the ring rows, ranges and slots travel in the packed inputs (padding rows write
+    the spare row), so graphed decode steps give the eager engine's tokens and logprobs; the window off, the
+    same steps differ (the graphs' ring inputs are what makes them equal)."""
+    prompts = ["The meaning of the word", 'What does "harbor" mean?', "water " * 30]
+    params = SamplingParams(max_tokens=24, temperature=0, logprobs=0)
+    results = {}
+    for graphed, exact in ((False, None), (True, None), (True, 0)):
+        engine = make_engine(DEMO_MODEL_DIR, max_model_len=256, max_num_seqs=4, kv_cache_dtype="int4",
+                             kv_exact_tokens=exact)
+        replays = _with_eager_graphs(engine, 4) if graphed else []
+        outs = engine.generate(prompts, params)
+        results[graphed, exact] = [(o.outputs[0].token_ids, [round(lp.logprob, 3) for lp in o.outputs[0].logprobs])
+                                   for o in outs]
+        assert_all_blocks_free(engine)
+        if graphed:
+            assert {bs for bs, _, _ in replays} >= {4}
+            layout = engine.runner.decode_graphs.inputs
+            assert layout.exact == (exact is None) and layout.table_offset == (56 if exact is None else 36) * 4
+    assert results[True, None] == results[False, None]
+    assert results[True, 0] != results[True, None]
