@@ -115,28 +115,29 @@ class LoRAManager:
                 self._place(self.adapters[name], slot)
             self._lru.move_to_end(name)
 
-    def step_slots(self, scheduled) -> torch.Tensor | None:
-        """The slot of each token row of a step (its entries in order, num_new_tokens rows each): [T] int32 on the
-        device, or None when no entry has an adapter; the adapters it needs are placed first. The runner sets it as
-        batch.slots right before the forward."""
-        if not any(item.seq.lora_id for item in scheduled):
+    def step_rows(self, entries) -> list[int] | None:
+        """(seq, num_new_tokens) of each entry of a step -> the slot of each token row (-1: the base), or None when
+        no entry has an adapter; the adapters it needs are placed in slots first."""
+        if not any(seq.lora_id for seq, _ in entries):
             return None
         by_id = {a.lora_id: a for a in self.adapters.values()}
-        self._make_resident({by_id[item.seq.lora_id].name for item in scheduled if item.seq.lora_id})
+        self._make_resident({by_id[seq.lora_id].name for seq, _ in entries if seq.lora_id})
         rows = []
-        for item in scheduled:
-            slot = by_id[item.seq.lora_id].slot if item.seq.lora_id else -1
-            rows += [slot] * item.num_new_tokens
-        return to_device(rows, torch.int32, self.device)
+        for seq, n in entries:
+            rows += [by_id[seq.lora_id].slot if seq.lora_id else -1] * n
+        return rows
+
+    def step_slots(self, scheduled) -> torch.Tensor | None:
+        """An eager step's step_rows as [T] int32 on the device (scheduled: the SchedulerOutput's entries); the
+        runner sets it as batch.slots right before the forward."""
+        rows = self.step_rows([(item.seq, item.num_new_tokens) for item in scheduled])
+        return None if rows is None else to_device(rows, torch.int32, self.device)
 
 
 def start(model, config, dtype: torch.dtype, device) -> LoRAManager:
     """An engine's LoRA (EngineConfig with lora.enable_lora): the model's layers wrapped (after load and the
-    activation plan, which see the base layers), --lora-modules loaded. CUDA graphs go off: a captured graph would
-    freeze the rows' adapter slots."""
-    if not config.enforce_eager:
-        logger.info("--enable-lora: CUDA graphs off (steps run eagerly)")
-        config.enforce_eager = True
+    activation plan, which see the base layers), --lora-modules loaded. Decode graphs take each row's adapter slot
+    as an input (engine/worker/cuda_graph.py); verification steps run eagerly (engine/worker/startup.py)."""
     manager = LoRAManager(model, config.lora.max_loras, config.lora.max_lora_rank, dtype, device,
                           config.lora.max_cpu_loras)
     config.scheduler.max_loras = config.lora.max_loras       # distinct adapters among the running sequences

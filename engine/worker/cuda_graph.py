@@ -34,19 +34,33 @@ GREEDY_MAX_BATCH = 8
 
 @dataclass
 class DecodeInputs:
-    """Byte layout of a decode step's inputs, the same on the host and in the device blob: int64 [max_batch] each
-    of input ids, positions, slots, carry rows (the row of the step in flight's samples that holds the input id,
-    -1: the id is known), then int32 seq_lens [max_batch], with an exact window (kernels/attention/kv_exact.py)
-    int32 ring rows, ring lo, ring hi and int64 ring slots [max_batch], and the block table, [bs, width]
-    contiguous for the graph of batch bucket bs and width `width` (each graph reads its own shape of the same
-    bytes)."""
+    """Byte layout of a decode step's inputs, the same on the host and in the device blob: columns of [max_batch]
+    rows, the int64 ones first (so every view is aligned): input ids, positions, slots, carry rows (the row of the
+    step in flight's samples that holds the input id, -1: the id is known), with an exact window the ring slots;
+    then int32 seq_lens, with LoRA each row's adapter slot (-1: the base), with an exact window the ring rows,
+    lo and hi (kernels/attention/kv_exact.py); then the block table, [bs, width] contiguous for the graph of batch
+    bucket bs and width `width` (each graph reads its own shape of the same bytes)."""
     max_batch: int
     max_blocks: int
     exact: bool = False
+    lora: bool = False
+
+    @property
+    def columns(self) -> list[tuple[str, int]]:
+        return [("ids", 8), ("positions", 8), ("slots", 8), ("carry_rows", 8)] \
+            + [("ring_slot", 8)] * self.exact + [("seq_lens", 4)] + [("lora_slots", 4)] * self.lora \
+            + [("ring_row", 4), ("ring_lo", 4), ("ring_hi", 4)] * self.exact
+
+    def _column_views(self, blob) -> dict:
+        views, at, mb = {}, 0, self.max_batch
+        for name, size in self.columns:
+            views[name] = blob[at: at + size * mb].view(_dtype(blob, size))
+            at += size * mb
+        return views
 
     @property
     def table_offset(self) -> int:
-        return (56 if self.exact else 36) * self.max_batch
+        return sum(size for _, size in self.columns) * self.max_batch
 
     @property
     def nbytes(self) -> int:
@@ -54,21 +68,26 @@ class DecodeInputs:
 
     def views(self, blob):
         """blob (uint8, torch or numpy) -> (ids, positions, slots, carry_rows, seq_lens, tables flat)."""
-        mb, i64, i32 = self.max_batch, _dtype(blob, 8), _dtype(blob, 4)
-        cols = [blob[8 * mb * i: 8 * mb * (i + 1)].view(i64) for i in range(4)]
-        return (*cols, blob[32 * mb: 36 * mb].view(i32), blob[self.table_offset: self.nbytes].view(i32))
+        v = self._column_views(blob)
+        return (v["ids"], v["positions"], v["slots"], v["carry_rows"], v["seq_lens"],
+                blob[self.table_offset: self.nbytes].view(_dtype(blob, 4)))
 
     def exact_views(self, blob):
         """With exact: (ring rows, ring lo, ring hi, ring slots) [max_batch]."""
-        mb, i64, i32 = self.max_batch, _dtype(blob, 8), _dtype(blob, 4)
-        return (*(blob[4 * mb * i: 4 * mb * (i + 1)].view(i32) for i in (9, 10, 11)), blob[48 * mb: 56 * mb].view(i64))
+        v = self._column_views(blob)
+        return v["ring_row"], v["ring_lo"], v["ring_hi"], v["ring_slot"]
+
+    def lora_view(self, blob):
+        """With lora: each row's adapter slot [max_batch] int32."""
+        return self._column_views(blob)["lora_slots"]
 
     def pack(self, bs: int, width: int, ids: list[int], positions: list[int], slots: list[int],
              seq_lens: list[int], tables: list[list[int]], carry_rows: list[int],
-             exact: tuple | None = None) -> np.ndarray:
+             exact: tuple | None = None, lora_slots: list[int] | None = None) -> np.ndarray:
         """A host buffer (uint8, the layout's first bytes up to bs x width of table) for n <= bs sequences; rows n..bs
-        pad: slot -1 (stores nothing), length 1, table of block 0, id known (0). exact: (ring rows, lo, hi, slots,
-        spare row, window size): padding rows write to the spare row and read no ring."""
+        pad: slot -1 (stores nothing), length 1, table of block 0, id known (0), no adapter. exact: (ring rows, lo,
+        hi, slots, spare row, window size): padding rows write to the spare row and read no ring. lora_slots: None
+        when no row has an adapter."""
         n = len(ids)
         buf = np.zeros(self.table_offset + 4 * bs * width, dtype=np.uint8)
         ids_v, pos_v, slots_v, carry_v, lens_v, table_v = self.views(buf)
@@ -78,6 +97,11 @@ class DecodeInputs:
             row_v, lo_v, hi_v, ring_v = self.exact_views(buf)
             row_v[:n], lo_v[:n], hi_v[:n], ring_v[:n] = exact[:4]
             row_v[n:bs], ring_v[n:bs] = exact[4], exact[4] * exact[5]
+        if self.lora:
+            lora_v = self.lora_view(buf)
+            lora_v[:bs] = -1
+            if lora_slots is not None:
+                lora_v[:n] = lora_slots
         rows = table_v.reshape(bs, width)
         for row, table in zip(rows, tables):
             row[:len(table)] = table
@@ -87,10 +111,12 @@ class DecodeInputs:
 class DecodeGraphs:
     def __init__(self, model, max_batch: int, max_model_len: int, block_size: int, device: torch.device,
                  num_kv_heads: int, kv_fp8: bool = False, store_first: bool = False, name: str = "decode",
-                 exact=None):
+                 exact=None, lora=None):
         """store_first: rows of one sequence side by side (verification rows, engine/spec/graphs.py): K/V stored
         before the decode kernel, not inside it, and no greedy graphs (all logits are taken). exact: an integer
-        cache's exact window (engine/worker/kv_exact_rows.ExactRowTable), whose ring rows each step packs."""
+        cache's exact window (engine/worker/kv_exact_rows.ExactRowTable), whose ring rows each step packs. lora:
+        the engine's LoRAManager: each row's adapter slot is an input, and the graphs always run the adapters'
+        kernels (rows of the base skip them)."""
         self.model = model
         self.store_first, self.name = store_first, name
         self.buckets = sorted({b for b in BUCKETS if b < max_batch} | {max_batch})
@@ -101,10 +127,14 @@ class DecodeGraphs:
             bs * num_kv_heads, max_blocks * block_size, kv_fp8, torch.device(device))}) for bs in self.buckets}
         self.wide = {bs: bs * num_kv_heads > FEW_PROGRAMS for bs in self.buckets}
         self.block_size = block_size
-        self.inputs = DecodeInputs(max_batch, max_blocks, exact is not None)
+        self.inputs = DecodeInputs(max_batch, max_blocks, exact is not None, lora is not None)
         self.blob = torch.zeros(self.inputs.nbytes, dtype=torch.uint8, device=device)
         self.input_ids, self.positions, self.slot_mapping, self.carry_rows, self.seq_lens, self.tables = \
             self.inputs.views(self.blob)
+        self.lora, self.lora_slots = lora, None
+        if lora is not None:
+            self.lora_slots = self.inputs.lora_view(self.blob)
+            self.lora_slots.fill_(-1)
         self.exact, self.exact_rows = exact, None
         if exact is not None:               # the capture's forwards write the spare row and read no ring
             self.exact_rows = ExactRows(*self.inputs.exact_views(self.blob))
@@ -131,6 +161,12 @@ class DecodeGraphs:
                                      *(t[:bs] for t in (self.exact_rows.ring_row, self.exact_rows.ring_lo,
                                                         self.exact_rows.ring_hi, self.exact_rows.ring_slot))))
 
+    def step_args(self, bs: int, width: int) -> tuple:
+        """The model's arguments for the graph (bs, width): static views (and, with LoRA, the adapters' rows)."""
+        if self.lora is not None:       # what the LoRA layers read while the graph is captured (or run eagerly)
+            self.lora.batch.slots = self.lora_slots[:bs]
+        return self.input_ids[:bs], self.positions[:bs], self._meta(bs, width)
+
     @property
     def shapes(self) -> list[tuple[int, int]]:
         """(batch bucket, table width) of every graph, largest first: smaller graphs reuse its memory pool."""
@@ -140,7 +176,7 @@ class DecodeGraphs:
     def run_eagerly(self) -> None:
         """Every graph's step once, outside any capture (parallel_compile compiles their kernels this way)."""
         for bs, width in self.shapes:
-            args = (self.input_ids[:bs], self.positions[:bs], self._meta(bs, width))
+            args = self.step_args(bs, width)
             self.model(*args)
             if bs <= GREEDY_MAX_BATCH and not self.store_first:
                 self._greedy_step(args)
@@ -152,7 +188,7 @@ class DecodeGraphs:
         """pool: another set of graphs' memory pool to share (they never run at the same time)."""
         for bs, width in tqdm(self.shapes, desc=f"Capturing {self.name} graphs", unit="graph",
                               disable=not show_progress):
-            args = (self.input_ids[:bs], self.positions[:bs], self._meta(bs, width))
+            args = self.step_args(bs, width)
             self.graphs[bs, width], self.outputs[bs, width], pool = _capture(lambda: self.model(*args), pool)
             if bs <= GREEDY_MAX_BATCH and not self.store_first:
                 self.greedy[bs, width], self.greedy_outputs[bs, width], pool = _capture(
@@ -188,9 +224,11 @@ class DecodeGraphs:
             seq_lens.append(p + 1)
             tables.append(seq.block_table)
         shape = self.shape_for(len(ids), max(len(t) for t in tables))
-        exact = None if self.exact is None else \
-            (*self.exact.step_lists([(seq, 1) for seq in seqs]), self.exact.spare, self.exact.size)
-        return shape, self.inputs.pack(*shape, ids, positions, slots, seq_lens, tables, rows, exact), max(rows) >= 0
+        entries = [(seq, 1) for seq in seqs]
+        exact = None if self.exact is None else (*self.exact.step_lists(entries), self.exact.spare, self.exact.size)
+        adapters = None if self.lora is None else self.lora.step_rows(entries)
+        return shape, self.inputs.pack(*shape, ids, positions, slots, seq_lens, tables, rows, exact, adapters), \
+            max(rows) >= 0
 
     def shape_for(self, num_seqs: int, table_blocks: int) -> tuple[int, int]:
         """The (batch bucket, table width in blocks) of the graph that runs num_seqs sequences whose longest block

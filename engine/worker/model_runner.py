@@ -69,7 +69,7 @@ class ModelRunner:
         """The decode graphs this engine will capture (CUDA only); capture_decode_graphs captures them."""
         self.decode_graphs = DecodeGraphs(self.model, max_batch, max_model_len, self.block_size, self.device,
                                           self.model_config.num_kv_heads, self.kv_dtype in FP8_DTYPES,
-                                          exact=self.exact_rows)
+                                          exact=self.exact_rows, lora=self.lora)
         return self.decode_graphs
 
     def capture_decode_graphs(self, show_progress: bool = False) -> None:
@@ -166,7 +166,7 @@ class ModelRunner:
         """How a step runs, chosen here only: "verify graph" (verify: every entry's inputs on the host, each at most
         k + 1 tokens, few enough entries), "decode graph" (one token per sequence) or "eager" (anything else, and
         any forward whose K/V go to an observer: calibration runs outside graphs)."""
-        if observer is not None or self.lora is not None:     # graphs would freeze the rows' adapter slots
+        if observer is not None:
             return "eager"
         lengths = [item.num_new_tokens for item in out.scheduled]
         if verify and carry is None and self.verify_graphs is not None and self.verify_graphs.can_run(lengths):

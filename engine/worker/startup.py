@@ -17,7 +17,9 @@ def start_kernels(runner, model, config: EngineConfig, max_model_len: int, show_
     graphs = None if config.enforce_eager else \
         runner.plan_decode_graphs(min(sched.max_num_seqs, 512), max_model_len)
     verify = None
-    if spec.enabled and not config.enforce_eager and runner.exact_rows is None:
+    # a verification graph's rows of one sequence would read each other's new K/V quantized (an exact window), and
+    # its inputs carry no adapter slots (LoRA): those verifications run eagerly
+    if spec.enabled and not config.enforce_eager and runner.exact_rows is None and runner.lora is None:
         verify = runner.plan_verify_graphs(min(spec.disable_by_batch_size, sched.max_num_seqs),
                                            spec.num_speculative_tokens + 1, max_model_len)
     elif spec.enabled and config.enforce_eager:

@@ -83,7 +83,7 @@ class EagerGraph:
     def replay(self):
         g, key = self.graphs, (self.bs, self.width)
         self.replays.append((*key, self.greedy))
-        args = (g.input_ids[:self.bs], g.positions[:self.bs], g._meta(*key))
+        args = g.step_args(*key)
         if self.greedy:
             for out, got in zip(g.greedy_outputs[key], g._greedy_step(args)):
                 out.copy_(got)
@@ -159,3 +159,32 @@ def test_graph_inputs_carry_the_exact_window():
             assert layout.exact == (exact is None) and layout.table_offset == (56 if exact is None else 36) * 4
     assert results[True, None] == results[False, None]
     assert results[True, 0] != results[True, None]
+
+
+def test_graph_inputs_carry_the_lora_slots():
+    """--enable-lora: each row's adapter slot travels in the packed inputs, so graphed decode steps of the base and
+    two adapters in one batch give the eager engine's tokens; with the slots left at -1 (the base) they differ."""
+    from quant_serve.engine.config import LoRAConfig
+    from conftest import TESTS
+    lora_dir = TESTS / "data" / "lora"
+    config = LoRAConfig(enable_lora=True, max_loras=2, max_lora_rank=8,
+                        lora_modules={name: str(lora_dir / name) for name in ("upper", "unsure")})
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(str(DEMO_MODEL_DIR))
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": f'What does "{w}" mean?'}],
+                                             add_generation_prompt=True, tokenize=True, return_dict=False)
+               for w in ("lantern", "harbor", "pebble")]
+    params = [SamplingParams(max_tokens=16, temperature=0, lora_name=name) for name in (None, "upper", "unsure")]
+    results = {}
+    for graphed, slots_packed in ((False, True), (True, True), (True, False)):
+        engine = make_engine(DEMO_MODEL_DIR, max_model_len=256, max_num_seqs=4, lora=config)
+        replays = _with_eager_graphs(engine, 4) if graphed else []
+        if not slots_packed:
+            engine.runner.lora.step_rows = lambda entries: None
+        outs = engine.generate(prompts, params)
+        results[graphed, slots_packed] = [o.outputs[0].token_ids for o in outs]
+        assert_all_blocks_free(engine)
+        if graphed:
+            assert {bs for bs, _, _ in replays} >= {4} and engine.runner.decode_graphs.inputs.lora
+    assert results[True, True] == results[False, True]
+    assert results[True, False] != results[True, True]
