@@ -1,7 +1,7 @@
 """Every kernel the plan picks fits the cards our users own, checked offline (no GPU): the W4A16 plan over the
 Qwen2.5-7B and Llama-3.1-8B shapes for M = 1..8192, paged attention and the KV store on fp16 / fp8 e4m3 / e5m2
-caches and on the integer caches (int8, int4 with its exact window), the other decode-step kernels, compiled for sm80 (A100), sm86 (A10 / RTX 3090), sm89 (RTX 4090 / L4)
-and sm90 (H100 / H200) by tests/kernel_fit.py: each within its target's shared memory a block and registers, with
+caches and on the integer caches (int8, int4 with its exact window), the other decode-step kernels, compiled for
+sm80 (A100), sm86 (A10 / RTX 3090), sm89 (RTX 4090 / L4) and sm90 (H100 / H200) by tests/kernel_fit.py: each within its target's shared memory a block and registers, with
 no instruction the target lacks (Hopper's TMA / wgmma / setmaxnreg / PDL wait before sm90, the fp8 conversions
 before sm89)."""
 import concurrent.futures

@@ -70,3 +70,14 @@ def test_window_over_the_whole_context_is_the_unquantized_cache(trained_model, c
         close = torch.allclose(scores, want_scores, atol=1e-3)
         lp_close = all(abs(x.logprob - y.logprob) < 1e-3 for x, y in zip(got.logprobs, want.logprobs))
         assert close == same and (got.token_ids == want.token_ids and lp_close) == same, (exact, close)
+
+
+def test_rings_take_what_the_plan_counts(trained_model):
+    """The engine's rings (max_num_seqs + 1 rows of the window, K and V, every layer) are the plan's
+    exact_window_bytes for the same model and max_num_seqs."""
+    from quant_serve.engine.plan.memory import plan_memory
+    engine = make_engine(trained_model, max_model_len=128, kv_cache_dtype="int4", max_num_seqs=6, dtype="float16")
+    rings = [t for layer in engine.model.attention_layers for t in layer.kv_rings]
+    plan = plan_memory(trained_model, gpu_mem_gb=24, kv_cache_dtype="int4", max_model_len=128, max_num_seqs=6)
+    assert sum(t.numel() * t.element_size() for t in rings) == plan.exact_window_bytes > 0
+    assert rings[0].shape[:2] == (7, 24) and engine.runner.exact_rows.spare == 6
