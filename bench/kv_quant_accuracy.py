@@ -8,6 +8,7 @@ tokens that fit of Qwen2.5-7B at a 24 GiB cap (the memory plan's arithmetic).
 
     python bench/kv_quant_accuracy.py [--data tests/data/heldout.txt] [--max-tokens 32768] [--context-len 512]
                                       [--dtype float16] [--out bench/results/kv-quant-accuracy-demo-cpu.json]
+                                      [--model DIR]   (another architecture: bench/train_tiny_arch.py)
 
 Goals of the issue: int4 within +1.0% perplexity and top-1 >= 97% against the FP16 cache, and at least 1,000,000
 tokens of Qwen2.5-7B at 24 GiB.
@@ -69,14 +70,14 @@ def plan_tokens(dtype: str, group: int | None, zp: bool | None, exact: int) -> t
     return per_token, free // (16 * per_token) * 16
 
 
-def make_engine(kv_cache_dtype: str, group: int | None, zero_point: bool | None, rotate: bool | None,
+def make_engine(model: str, kv_cache_dtype: str, group: int | None, zero_point: bool | None, rotate: bool | None,
                 exact: int | None, context_len: int, dtype: str) -> LLMEngine:
     cache = CacheConfig(num_gpu_blocks=4 * math.ceil(max(context_len, 1024) / 16), kv_cache_dtype=kv_cache_dtype,
                         kv_group_size=group, kv_zero_point=zero_point, kv_rotate=rotate, kv_exact_tokens=exact,
                         enable_prefix_caching=False)
     if kv_cache_dtype.startswith("fp8"):
         cache.kv_scale_source = "first-prompt"
-    config = EngineConfig(model=str(DEMO_MODEL_DIR), device="cpu", dtype=dtype, cache=cache,
+    config = EngineConfig(model=model, device="cpu", dtype=dtype, cache=cache,
                           scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=max(context_len, 1024),
                                                     max_num_batched_tokens=max(2048, context_len)))
     return LLMEngine(config, show_progress=False)
@@ -95,13 +96,15 @@ def main(argv=None) -> int:
     p.add_argument("--context-len", type=int, default=512)
     p.add_argument("--dtype", default="float16", help="model dtype (the reference cache's dtype)")
     p.add_argument("--only", nargs="*", default=None, help="variant names to run (default: all)")
+    p.add_argument("--model", default=str(DEMO_MODEL_DIR), help="default: the bundled demo model")
     p.add_argument("--out", default=str(REPO / "bench/results/kv-quant-accuracy-demo-cpu.json"))
     args = p.parse_args(argv)
     data = args.data or [str(REPO / "tests/data/heldout.txt")]
     torch.set_num_threads(2)
     t0 = time.time()
-    ref = make_engine("auto", None, None, None, None, args.context_len, args.dtype)
+    ref = make_engine(args.model, "auto", None, None, None, None, args.context_len, args.dtype)
     ref_kv = str(ref.runner.kv_dtype).replace("torch.", "")
+    ref_arch = ref.model_config.architecture
     ids = load_tokens(data, ref.tokenizer, args.max_tokens)
     windows = make_windows(ids, args.context_len, args.context_len)
     rows = []
@@ -113,7 +116,7 @@ def main(argv=None) -> int:
         for name, (dtype, group, zp, rot, exact) in VARIANTS.items():
             if args.only and name not in args.only:
                 continue
-            engine = make_engine(dtype, group, zp, rot, exact, args.context_len, args.dtype)
+            engine = make_engine(args.model, dtype, group, zp, rot, exact, args.context_len, args.dtype)
             s = store.compare(engine, name).summary()
             bytes_tok = engine.runner.kv_bytes_per_block() // engine.runner.block_size
             qwen_bytes, qwen_tokens = plan_tokens(dtype, group, zp, exact)
@@ -132,7 +135,8 @@ def main(argv=None) -> int:
     result = {"command": "python bench/kv_quant_accuracy.py " + " ".join(argv or sys.argv[1:]),
               "commit": git_commit(), "hardware": f"{platform.processor() or platform.machine()} CPU, "
               f"{torch.get_num_threads()} threads, torch {torch.__version__}",
-              "model": "engine/load/demo_model (INT4 AWQ Qwen2, 27M, head_dim 64)", "data": data,
+              "model": "engine/load/demo_model (INT4 AWQ Qwen2, 27M, head_dim 64)" if args.model == str(DEMO_MODEL_DIR)
+              else args.model, "architecture": ref_arch, "data": data,
               "context_len": args.context_len, "model_dtype": args.dtype,
               "reference": {"kv_cache_dtype": ref_kv, **ref_stats},
               "goal": {"ppl_delta_pct_max": GOAL_PPL_PCT, "top1_min": GOAL_TOP1,
