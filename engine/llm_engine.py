@@ -380,9 +380,9 @@ class LLMEngine:
         """Blocking batch generation; results in prompt order."""
         return offline.generate(self, prompts, params, use_tqdm)
 
-    def score(self, token_ids: list[int]) -> torch.Tensor:
+    def score(self, token_ids: list[int], lora_name: str | None = None) -> torch.Tensor:
         """Logits at every position of `token_ids` through the paged path (engine/offline.py): [len, vocab] fp32."""
-        return offline.score(self, token_ids)
+        return offline.score(self, token_ids, lora_name)
 
     @property
     def spec_stats(self):

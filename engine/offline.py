@@ -6,6 +6,7 @@ from quant_serve.engine.outputs import RequestOutput
 from quant_serve.engine.sampling_params import SamplingParams
 from quant_serve.engine.core.scheduler import ScheduledSeq, SchedulerOutput
 from quant_serve.engine.core.sequence import Sequence
+from quant_serve.engine.lora import manager as lora
 
 
 def generate(engine, prompts: list[str | list[int]] | str, params: SamplingParams | list[SamplingParams] | None
@@ -30,15 +31,17 @@ def generate(engine, prompts: list[str | list[int]] | str, params: SamplingParam
     return [final[i] for i in ids]
 
 
-def score(engine, token_ids: list[int]) -> torch.Tensor:
+def score(engine, token_ids: list[int], lora_name: str | None = None) -> torch.Tensor:
     """Logits at every position of `token_ids` through the paged path, in chunks of the token budget:
-    [len, vocab] fp32 on the CPU. Used by eval; call it while no requests are running."""
+    [len, vocab] fp32 on the CPU, under the LoRA adapter lora_name if given. Used by eval; call it while no requests
+    are running."""
     if len(token_ids) > engine.max_model_len:
         raise ValueError(f"{len(token_ids)} tokens exceed max_model_len {engine.max_model_len}")
     if engine.requests:
         raise RuntimeError(f"score() needs an idle engine; {len(engine.requests)} requests are unfinished")
     engine.drain()                        # a step that ran ahead for requests that have since finished
-    seq = Sequence("score", list(token_ids), SamplingParams(max_tokens=None))
+    seq = Sequence("score", list(token_ids), SamplingParams(max_tokens=None),
+                   lora_id=lora.lora_id(engine.lora, lora_name))
     chunk = engine.config.scheduler.max_num_batched_tokens
     pieces = []
     try:

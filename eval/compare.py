@@ -53,9 +53,10 @@ class TokenStats:
         return out
 
 
-def _scored_logprobs(engine, window: Window) -> torch.Tensor:
-    """log_softmax of the rows that predict window.targets: [num_scored, vocab] fp32 on the CPU."""
-    logits = engine.score(window.tokens)
+def _scored_logprobs(engine, window: Window, lora_name: str | None = None) -> torch.Tensor:
+    """log_softmax of the rows that predict window.targets: [num_scored, vocab] fp32 on the CPU (under the LoRA
+    adapter lora_name if given)."""
+    logits = engine.score(window.tokens, lora_name)
     return torch.log_softmax(logits[window.first_scored - 1: len(window.tokens) - 1].float(), dim=-1)
 
 
@@ -89,10 +90,10 @@ class ReferenceStore:
     def rows(self, i: int) -> slice:
         return slice(int(self.offsets[i]), int(self.offsets[i + 1]))
 
-    def fill(self, engine, desc: str = "reference") -> TokenStats:
+    def fill(self, engine, desc: str = "reference", lora_name: str | None = None) -> TokenStats:
         check_vocab(engine, self.vocab_size, desc)
         for i, window in enumerate(tqdm(self.windows, desc=f"perplexity {desc}", unit="win")):
-            lp = _scored_logprobs(engine, window)
+            lp = _scored_logprobs(engine, window, lora_name)
             targets = torch.tensor(window.targets)
             self.logprobs[self.rows(i)] = lp.numpy()
             self.nll[self.rows(i)] = -lp.gather(1, targets[:, None])[:, 0].double().numpy()
@@ -100,13 +101,13 @@ class ReferenceStore:
         self.logprobs.flush()
         return TokenStats(nll=self.nll.copy())
 
-    def compare(self, engine, desc: str) -> TokenStats:
+    def compare(self, engine, desc: str, lora_name: str | None = None) -> TokenStats:
         """Run the candidate on the same windows; per-token statistics against the stored reference."""
         check_vocab(engine, self.vocab_size, desc)
         n = int(self.offsets[-1])
         stats = TokenStats(nll=np.zeros(n), kld=np.zeros(n), top1=np.zeros(n, dtype=bool), delta_p=np.zeros(n))
         for i, window in enumerate(tqdm(self.windows, desc=f"perplexity {desc}", unit="win")):
-            lc = _scored_logprobs(engine, window)
+            lc = _scored_logprobs(engine, window, lora_name)
             rows = self.rows(i)
             lr = torch.from_numpy(np.asarray(self.logprobs[rows]))
             targets = torch.tensor(window.targets)[:, None]

@@ -1,5 +1,6 @@
 """`quant-serve eval` without the CLI: the reference and each candidate through LLMEngine on the same windows."""
 import gc
+import json
 import logging
 import math
 from dataclasses import dataclass, field
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from quant_serve.engine.config import HEAD_GROUP_SIZE, CacheConfig, EngineConfig, SchedulerConfig
+from quant_serve.engine.config import HEAD_GROUP_SIZE, CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
 from quant_serve.engine.llm_engine import LLMEngine
 from quant_serve.kernels.gpu import KernelOptions
 from quant_serve.eval.compare import ReferenceStore, TokenStats
@@ -43,6 +44,8 @@ class EvalConfig:
     # act_scales; without --model, the non-fp16 paths run on the reference's own weights (against its fp16 path)
     activation_dtypes: list[str] = field(default_factory=lambda: ["auto"])
     act_scales: list[str] = field(default_factory=lambda: ["group"])
+    # a PEFT LoRA adapter every model runs under (the reference too): base + adapter against FP16 base + adapter
+    lora: str | None = None
 
 
 @dataclass
@@ -150,11 +153,28 @@ def make_engine(model: str, cfg: EvalConfig, kv_cache_dtype: str = "auto", int4_
                           kernels=KernelOptions(activation_dtype=activation_dtype, act_scale=act_scale),
                           scheduler=SchedulerConfig(max_num_seqs=TASK_BATCH, max_model_len=max_len,
                                                     max_num_batched_tokens=max(2048, cfg.context_len)))
+    if cfg.lora:
+        config.lora = LoRAConfig(enable_lora=True, max_loras=1, max_lora_rank=adapter_rank(cfg.lora),
+                                 lora_modules={lora_name(cfg): cfg.lora})
     engine = LLMEngine(config, show_progress=True)
     if engine.max_model_len < cfg.context_len:
         raise ValueError(f"{model}: context length {cfg.context_len} exceeds the model's maximum of "
                          f"{engine.max_model_len} tokens")
     return engine
+
+
+def lora_name(cfg: EvalConfig) -> str | None:
+    """The name the eval's engines serve --lora under (its folder's name), None without one."""
+    return Path(cfg.lora).name if cfg.lora else None
+
+
+def adapter_rank(path: str) -> int:
+    """The largest rank of a PEFT adapter (r, and rank_pattern's), the slots' --max-lora-rank."""
+    config_file = Path(path) / "adapter_config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"--lora {path}: no adapter_config.json (a PEFT LoRA adapter directory)")
+    config = json.loads(config_file.read_text())
+    return max([int(config.get("r", 8)), *map(int, (config.get("rank_pattern") or {}).values())])
 
 
 def describe(engine: LLMEngine) -> str:
@@ -181,8 +201,8 @@ def check_same_tokenizer(reference: LLMEngine, candidate: LLMEngine, name: str) 
                          "need the same token stream")
 
 
-def run_tasks(engine: LLMEngine, tasks, desc: str) -> dict[str, TaskResult]:
-    return {task.name: run_task(engine, task, desc) for task in tasks}
+def run_tasks(engine: LLMEngine, tasks, desc: str, lora: str | None = None) -> dict[str, TaskResult]:
+    return {task.name: run_task(engine, task, desc, lora) for task in tasks}
 
 
 def _free_memory() -> None:
@@ -202,6 +222,9 @@ def run_eval(cfg: EvalConfig) -> EvalResult:
     ref_name = Path(cfg.reference).name
     logger.info("eval: reference %s, candidates %s", ref_name, ", ".join(c.name for c in candidates))
     reference = make_engine(cfg.reference, cfg)
+    adapter = lora_name(cfg)
+    if adapter:
+        logger.info("eval: every model runs under the LoRA adapter %s (%s); no per-layer errors", adapter, cfg.lora)
     ids = load_tokens(cfg.data, reference.tokenizer, cfg.max_tokens)
     windows = make_windows(ids, cfg.context_len, cfg.stride)
     num_scored = sum(w.num_scored for w in windows)
@@ -209,9 +232,10 @@ def run_eval(cfg: EvalConfig) -> EvalResult:
                 cfg.context_len, cfg.stride, num_scored)
     with ReferenceStore(windows, reference.model_config.vocab_size, cfg.work_dir) as store:
         logger.info("reference log-probs: %.2f GiB on disk", store.num_bytes / 2**30)
+        ref_stats = store.fill(reference, ref_name, adapter)
         ref_result = ModelResult(ref_name, cfg.reference, kv_name(reference.runner), False,
                                  describe(reference), model_hash(reference.model_dir), dtype_name(reference),
-                                 store.fill(reference, ref_name), run_tasks(reference, tasks, ref_name),
+                                 ref_stats, run_tasks(reference, tasks, ref_name, adapter),
                                  activations=reference.activations.to_json())
         results = []
         for cand in candidates:
@@ -220,11 +244,12 @@ def run_eval(cfg: EvalConfig) -> EvalResult:
             check_same_tokenizer(reference, engine, cand.name)
             result = ModelResult(cand.name, cand.model_dir, kv_name(engine.runner), cand.kv_only,
                                  describe(engine), model_hash(engine.model_dir), dtype_name(engine),
-                                 store.compare(engine, cand.name), activations=engine.activations.to_json(),
+                                 store.compare(engine, cand.name, adapter), activations=engine.activations.to_json(),
                                  act_only=cand.act_only)
             result.kv_scales = kv_scales(engine)     # after the first forward: first-prompt scales are set by then
-            result.tasks = run_tasks(engine, tasks, cand.name)
-            result.layers = layer_errors(reference, engine, windows[:cfg.layer_windows], cand.name)
+            result.tasks = run_tasks(engine, tasks, cand.name, adapter)
+            # the per-layer error is the base layers' (hooks on the unwrapped layers): not with an adapter
+            result.layers = [] if adapter else layer_errors(reference, engine, windows[:cfg.layer_windows], cand.name)
             results.append(result)
             del engine          # one candidate in memory at a time, beside the reference
             _free_memory()

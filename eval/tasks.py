@@ -107,13 +107,14 @@ def _validate(item: dict, kind: str, where: str) -> None:
                          "(or 'context', 'choices', 'answer' for multiple choice)")
 
 
-def run_task(engine, task: Task, desc: str) -> TaskResult:
+def run_task(engine, task: Task, desc: str, lora_name: str | None = None) -> TaskResult:
+    """lora_name: every prompt under that LoRA adapter (eval --lora)."""
     if task.kind == MULTIPLE_CHOICE:
-        return run_multiple_choice(engine, task, desc)
-    return run_generation(engine, task, desc)
+        return run_multiple_choice(engine, task, desc, lora_name)
+    return run_generation(engine, task, desc, lora_name)
 
 
-def choice_scores(engine, items: list[dict]) -> list[list[float]]:
+def choice_scores(engine, items: list[dict], lora_name: str | None = None) -> list[list[float]]:
     """Per item, per choice: sum of log p(choice tokens | context, earlier choice tokens)."""
     tok = engine.tokenizer
     prompts, spans = [], []
@@ -126,7 +127,7 @@ def choice_scores(engine, items: list[dict]) -> list[list[float]]:
             prompts.append(ids)
             spans.append((context_len, len(ids)))
     # prompt_logprobs gives log p(token | prefix) for every prompt token, batched by the scheduler.
-    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, lora_name=lora_name)
     outputs = engine.generate(prompts, params, use_tqdm=True)
     flat = []
     for out, (begin, end) in zip(outputs, spans):
@@ -141,17 +142,17 @@ def choice_scores(engine, items: list[dict]) -> list[list[float]]:
     return scores
 
 
-def run_multiple_choice(engine, task: Task, desc: str) -> TaskResult:
+def run_multiple_choice(engine, task: Task, desc: str, lora_name: str | None = None) -> TaskResult:
     logger.info("task %s [%s]: %d items", task.name, desc, len(task.items))
     correct_norm, correct_sum = [], []
-    for item, s in zip(task.items, choice_scores(engine, task.items)):
+    for item, s in zip(task.items, choice_scores(engine, task.items, lora_name)):
         norm = [v / len(c) for v, c in zip(s, item["choices"])]
         correct_sum.append(max(range(len(s)), key=s.__getitem__) == item["answer"])
         correct_norm.append(max(range(len(s)), key=norm.__getitem__) == item["answer"])
     return TaskResult(task.name, MULTIPLE_CHOICE, correct_norm, correct_sum)
 
 
-def run_generation(engine, task: Task, desc: str) -> TaskResult:
+def run_generation(engine, task: Task, desc: str, lora_name: str | None = None) -> TaskResult:
     tok = engine.tokenizer
     prompts, params = [], []
     for item in task.items:
@@ -161,7 +162,7 @@ def run_generation(engine, task: Task, desc: str) -> TaskResult:
                                              add_generation_prompt=True)
         prompts.append(prompt)
         params.append(SamplingParams(max_tokens=item.get("max_tokens", 32), temperature=0.0,
-                                     stop=item.get("stop", ["\n"])))
+                                     stop=item.get("stop", ["\n"]), lora_name=lora_name))
     logger.info("task %s [%s]: %d prompts", task.name, desc, len(prompts))
     outputs = engine.generate(prompts, params, use_tqdm=True)
     correct = [out.outputs[0].text.strip() == item["answer"].strip() for out, item in zip(outputs, task.items)]

@@ -57,6 +57,9 @@ def register(subparsers) -> None:
                         "(default: auto)")
     p.add_argument("--act-scale", nargs="+", default=["group"], choices=ACT_SCALES, metavar="SCALE",
                    help="int8 activation scales: token, group, or both for one candidate each (default: group)")
+    p.add_argument("--lora", default=None, metavar="PATH",
+                   help="a PEFT LoRA adapter every model runs under, the reference too: base + adapter against FP16 "
+                        "base + adapter")
     p.add_argument("--quantize-lm-head", action="store_true",
                    help="also evaluate each --model with serve's --quantize-lm-head (an INT4 g128 head at load)")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
@@ -77,7 +80,8 @@ def config_from_args(args):
                       task_limit=args.task_limit, max_tokens=args.max_tokens, context_len=args.context_len,
                       stride=args.stride or args.context_len, layer_windows=args.layer_windows, device=args.device,
                       dtype=args.dtype, work_dir=args.work_dir, quantize_lm_head=args.quantize_lm_head,
-                      activation_dtypes=list(args.activation_dtype), act_scales=list(args.act_scale))
+                      activation_dtypes=list(args.activation_dtype), act_scales=list(args.act_scale),
+                      lora=args.lora)
 
 
 def command_args(cfg, args) -> list[str]:
@@ -93,6 +97,8 @@ def command_args(cfg, args) -> list[str]:
         out += ["--task-limit", str(cfg.task_limit)]
     if cfg.quantize_lm_head:
         out += ["--quantize-lm-head"]
+    if cfg.lora:
+        out += ["--lora", cfg.lora]
     if cfg.activation_dtypes != ["auto"] or cfg.act_scales != ["group"]:
         out += ["--activation-dtype", *cfg.activation_dtypes, "--act-scale", *cfg.act_scales]
     out += ["--max-tokens", str(cfg.max_tokens), "--context-len", str(cfg.context_len), "--stride", str(cfg.stride),
