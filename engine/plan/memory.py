@@ -91,6 +91,7 @@ class MemoryPlan:
     embedding_bytes: int = 0         # the input embedding table (a decode step reads a row of it, unless tied)
     tied_embeddings: bool = False    # the head is the embedding table: read whole every step
     draft_weights_bytes: int = 0     # speculative decoding's draft model (included in weights_bytes)
+    lora_bytes: int = 0              # --enable-lora: the adapters' device slots (included in weights_bytes)
     draft_kv_cache_bytes: int = 0    # its KV cache: num_blocks blocks beside the target's (not in kv_cache_bytes)
     exact_window_bytes: int = 0      # an integer cache's exact window: (max_num_seqs + 1) x N tokens, model dtype
     kv_exact_tokens: int = 0
@@ -359,7 +360,8 @@ def plan_memory(model_dir_or_config: str | Path | dict, gpu_mem_gb: float = 24.0
         max_model_len_fit=min(tokens, a.max_position // block_size * block_size),
         fits=num_blocks >= math.ceil(max_model_len / block_size), int4_head=int4_head,
         embedding_bytes=a.vocab * a.hidden * float_b, tied_embeddings=a.tied, draft_weights_bytes=draft_weights,
-        draft_kv_cache_bytes=tokens * draft_kv_per_token, exact_window_bytes=exact_bytes, kv_exact_tokens=exact)
+        draft_kv_cache_bytes=tokens * draft_kv_per_token, exact_window_bytes=exact_bytes, kv_exact_tokens=exact,
+        lora_bytes=lora_bytes)
 
 
 def format_plan(plan: MemoryPlan) -> str:
@@ -381,6 +383,8 @@ def format_plan(plan: MemoryPlan) -> str:
         f"{plan.max_concurrency:.2f} at max_model_len {plan.max_model_len:,}",
         f"largest context that fits: {plan.max_model_len_fit:,} tokens",
     ]
+    if plan.lora_bytes:
+        lines[3:3] = [row("  of which LoRA", plan.lora_bytes, "(the --max-loras adapter slots)")]
     if plan.draft_weights_bytes:
         lines[3:3] = [row("  of which draft", plan.draft_weights_bytes, "(speculative decoding)")]
         lines.insert(-2, row("draft KV cache", plan.draft_kv_cache_bytes, "(as many blocks as the target's)"))

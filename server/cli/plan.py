@@ -39,6 +39,11 @@ def register(sub) -> None:
     p.add_argument("--quantization", default=None,
                    help="gguf:Q4_K_M: plan random weights of that GGUF type mix (serve --load-format dummy); a GGUF "
                         "file's own types are read from its tensor table")
+    p.add_argument("--enable-lora", action="store_true", help="plan for serve --enable-lora: the adapters' slots")
+    p.add_argument("--max-loras", type=int, default=1, help="--enable-lora: adapters on the device at once")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="--enable-lora: the largest rank the slots take")
+    p.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="--enable-lora: adapters kept in host memory (default: --max-loras); printed, not planned")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)
 
@@ -56,6 +61,7 @@ def run(args) -> int:
                        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                        enforce_eager=args.enforce_eager, weights_dtype=args.dtype, int4_head=args.quantize_lm_head,
                        quantization=args.quantization, kv_exact_tokens=args.kv_exact_tokens,
+                       lora_bytes=_lora_slot_bytes(args, model_dir),
                        draft_model=resolve_model_dir(args.speculative_model, config_only=True) if args.speculative_model else None)
     projection = projection_for(model_dir, caps, args.quantization, args.kv_cache_dtype, args.quantize_lm_head,
                                 args.context, args.max_num_batched_tokens) if caps else None
@@ -64,12 +70,32 @@ def run(args) -> int:
         sys.stdout.write("\n")
     else:
         print(format_plan(plan))
+        if args.enable_lora:
+            cpu = args.max_cpu_loras or args.max_loras
+            print(f"LoRA host memory: up to {cpu} adapters x {_lora_slot_bytes(args, model_dir, 1) / 2**20:.1f} "
+                  f"MiB (rank {args.max_lora_rank} on every projection)")
         if projection:
             print(format_projection(projection))
     if not plan.fits:
         print(f"error: {plan.error_message()}", file=sys.stderr)
         return 1
     return 0
+
+
+def _lora_slot_bytes(args, model_dir, max_loras: int | None = None) -> int:
+    """The device bytes of --max-loras slots (engine/lora/manager.py:slot_bytes, as the engine plans them), or of
+    max_loras adapters; 0 without --enable-lora."""
+    if not args.enable_lora:
+        return 0
+    import torch
+
+    from quant_serve.engine.config import LoRAConfig
+    from quant_serve.engine.load.loader import load_model_config
+    from quant_serve.engine.lora.manager import slot_bytes
+    cfg, _ = load_model_config(model_dir)
+    lora = LoRAConfig(enable_lora=True, max_loras=max_loras or args.max_loras, max_lora_rank=args.max_lora_rank)
+    dtype = torch.float16 if args.dtype == "auto" else getattr(torch, args.dtype)
+    return slot_bytes(cfg, lora, dtype)
 
 
 def format_projection(pr: dict) -> str:

@@ -182,3 +182,26 @@ def test_format_and_dict():
     d = json.loads(json.dumps(plan.to_dict()))
     for key in ("weights_bytes", "kv_bytes_per_token", "kv_cache_tokens", "max_concurrency", "max_model_len_fit"):
         assert d[key] == getattr(plan, key)
+
+
+def test_cli_plan_counts_the_lora_slots(capsys):
+    """plan --enable-lora counts the --max-loras slots as the engine does (engine/lora/manager.py:slot_bytes) and
+    prints the host memory --max-cpu-loras adapters take."""
+    import torch
+
+    from quant_serve.engine.config import LoRAConfig
+    from quant_serve.engine.load.loader import load_model_config
+    from quant_serve.engine.lora.manager import slot_bytes
+    from quant_serve.server.cli.main import main
+    args = ["plan", str(QWEN), "--kv-cache-dtype", "fp8", "--max-model-len", "8192"]
+    assert main([*args, "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*args, "--json", "--enable-lora", "--max-loras", "8", "--max-lora-rank", "16"]) == 0
+    lora = json.loads(capsys.readouterr().out)
+    cfg, _ = load_model_config(QWEN)
+    want = slot_bytes(cfg, LoRAConfig(enable_lora=True, max_loras=8, max_lora_rank=16), torch.float16)
+    assert lora["lora_bytes"] == want > 0 and plain["lora_bytes"] == 0
+    assert lora["weights_bytes"] == plain["weights_bytes"] + want and lora["kv_cache_tokens"] < plain["kv_cache_tokens"]
+    assert main([*args, "--enable-lora", "--max-loras", "8", "--max-cpu-loras", "32"]) == 0
+    text = capsys.readouterr().out
+    assert "of which LoRA" in text and "LoRA host memory: up to 32 adapters x" in text
