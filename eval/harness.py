@@ -28,7 +28,7 @@ class EvalConfig:
     reference: str
     models: list[str] = field(default_factory=list)
     data: list[str] = field(default_factory=list)
-    kv_cache_dtype: str | None = None        # also evaluate the reference's weights with this KV cache dtype
+    kv_cache_dtype: str | list[str] | None = None   # also evaluate the reference's weights with these KV caches
     kv_scale_source: str | None = None       # engine default when None
     tasks: list[str] = field(default_factory=lambda: list(DEFAULT_TASKS))
     task_limit: int | None = None            # first N items of each task
@@ -97,6 +97,13 @@ def kv_name(runner) -> str:
     return KV_NAMES[runner.kv_dtype] if runner.kv_format is None else runner.kv_description
 
 
+def kv_cache_dtypes(cfg: EvalConfig) -> list[str]:
+    """The KV cache candidates asked for (one name or several), in order, without repeats or "auto"."""
+    kv = cfg.kv_cache_dtype
+    names = [kv] if isinstance(kv, str) else list(kv or [])
+    return [name for name in dict.fromkeys(names) if name != "auto"]
+
+
 def kv_label(kv_cache_dtype: str) -> str:
     return "fp8_e4m3" if kv_cache_dtype == "fp8" else kv_cache_dtype
 
@@ -132,9 +139,9 @@ def plan_candidates(cfg: EvalConfig) -> list[Candidate]:
             if dtype != "fp16" and cfg.activation_dtypes != ["auto"]:
                 out.append(Candidate(f"{Path(cfg.reference).name} a={path_label(dtype, scale)}", cfg.reference,
                                      activation_dtype=dtype, act_scale=scale, act_only=True))
-    if cfg.kv_cache_dtype and cfg.kv_cache_dtype != "auto":
-        out.append(Candidate(f"{Path(cfg.reference).name} kv={kv_label(cfg.kv_cache_dtype)}", cfg.reference,
-                             cfg.kv_cache_dtype, kv_only=True, activation_dtype="fp16"))
+    for kv in kv_cache_dtypes(cfg):
+        out.append(Candidate(f"{Path(cfg.reference).name} kv={kv_label(kv)}", cfg.reference, kv, kv_only=True,
+                             activation_dtype="fp16"))
     if not out:
         raise ValueError("nothing to compare: give at least one --model, --kv-cache-dtype fp8 or "
                          "--activation-dtype int8")

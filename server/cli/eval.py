@@ -36,9 +36,10 @@ def register(subparsers) -> None:
     p.add_argument("--reference", required=True, metavar="DIR", help="reference (FP16/BF16) model directory")
     p.add_argument("--data", action="append", required=True, metavar="FILE",
                    help="held-out plain text for perplexity and KLD; repeat to concatenate files")
-    p.add_argument("--kv-cache-dtype", default=None,
+    p.add_argument("--kv-cache-dtype", default=None, nargs="+",
                    choices=["fp8", "fp8_e4m3", "fp8_e5m2", "fp16", "bf16", "int8", "int4"],
-                   help="also evaluate the reference's weights with this KV cache dtype (FP8 / INT4 KV vs fp16 KV)")
+                   help="also evaluate the reference's weights with these KV cache dtypes, each a candidate against "
+                        "the fp16 cache (e.g. fp8 int4: side by side in one report)")
     p.add_argument("--kv-scale-source", default=None,
                    choices=["auto", "checkpoint", "file", "first-prompt", "unit"],
                    help="where fp8 K/V scales come from (default: the engine's)")
@@ -86,12 +87,13 @@ def config_from_args(args):
 
 def command_args(cfg, args) -> list[str]:
     """The run as an equivalent command line (also when called as a function, e.g. from tests)."""
+    from quant_serve.eval.harness import kv_cache_dtypes
     out = ["--reference", cfg.reference]
     for flag, values in (("--model", cfg.models), ("--data", cfg.data)):
         for v in values:
             out += [flag, v]
     if cfg.kv_cache_dtype:
-        out += ["--kv-cache-dtype", cfg.kv_cache_dtype]
+        out += ["--kv-cache-dtype", *kv_cache_dtypes(cfg)]
     out += ["--tasks", *(cfg.tasks or ["none"])]
     if cfg.task_limit:
         out += ["--task-limit", str(cfg.task_limit)]

@@ -85,3 +85,24 @@ def test_eval_compares_an_int4_cache_against_the_fp16_cache(trained_model, heldo
     s = cand.stats.summary()
     assert 0 < s["kld"] < 0.05 and 0.85 < s["top1"] < 1.0            # quantized, yet close to the fp16 cache
     assert result.reference.kv_cache_dtype == "fp16" and cand.kv_scales is None
+
+
+def test_eval_puts_int4_beside_fp8_in_one_report(trained_model, heldout_text, tmp_path):
+    """`quant-serve eval --kv-cache-dtype fp8 int4`: one kv-only candidate each, against the same fp16 cache; the
+    command line the report keeps names both."""
+    from quant_serve.eval.harness import EvalConfig, run_eval
+    from quant_serve.server.cli.main import build_parser
+    from quant_serve.server.cli.eval import command_args, config_from_args
+    data = tmp_path / "heldout.txt"
+    data.write_text(heldout_text)
+    args = build_parser().parse_args(["eval", "--reference", str(trained_model), "--data", str(data),
+                                      "--kv-cache-dtype", "fp8", "int4", "--tasks", "none", "--max-tokens", "600",
+                                      "--layer-windows", "1", "--device", "cpu", "--dtype", "float16"])
+    cfg = config_from_args(args)
+    assert cfg.kv_cache_dtype == ["fp8", "int4"]
+    assert command_args(cfg, args)[command_args(cfg, args).index("--kv-cache-dtype") + 1:][:2] == ["fp8", "int4"]
+    result = run_eval(cfg)
+    fp8, int4 = result.candidates
+    assert fp8.name.endswith("kv=fp8_e4m3") and int4.name.endswith("kv=int4") and fp8.kv_only and int4.kv_only
+    assert fp8.kv_cache_dtype == "fp8_e4m3" and int4.kv_cache_dtype.startswith("int4 (")
+    assert 0 < fp8.stats.summary()["kld"] < 0.05 and 0 < int4.stats.summary()["kld"] < 0.05
