@@ -36,10 +36,10 @@ def register(subparsers) -> None:
     p.add_argument("--reference", required=True, metavar="DIR", help="reference (FP16/BF16) model directory")
     p.add_argument("--data", action="append", required=True, metavar="FILE",
                    help="held-out plain text for perplexity and KLD; repeat to concatenate files")
-    p.add_argument("--kv-cache-dtype", default=None, nargs="+",
+    p.add_argument("--kv-cache-dtype", default=None, nargs="+", metavar="DTYPE",
                    choices=["fp8", "fp8_e4m3", "fp8_e5m2", "fp16", "bf16", "int8", "int4"],
-                   help="also evaluate the reference's weights with these KV cache dtypes, each a candidate against "
-                        "the fp16 cache (e.g. fp8 int4: side by side in one report)")
+                   help="also evaluate the reference's weights with these KV cache dtypes (fp8 fp8_e4m3 fp8_e5m2 "
+                        "fp16 bf16 int8 int4), each a candidate against the fp16 cache (fp8 int4: side by side)")
     p.add_argument("--kv-scale-source", default=None,
                    choices=["auto", "checkpoint", "file", "first-prompt", "unit"],
                    help="where fp8 K/V scales come from (default: the engine's)")
