@@ -199,7 +199,8 @@ def _launch_attention(model, kv_dtype, batch, context) -> None:
 
 def _launch_int_kv(model) -> None:
     """The integer KV cache's store and attention (kernels/attention/kv_int_kernels.py) in each default format
-    (int8; int4 with its exact window, and without one), decode (batch 64 x 4096) and a 512-token prefill chunk."""
+    (int8; int4 with its exact window, and without one), decode (batch 64 x 4096, and batch 1, whose context the
+    kernel splits) and a 512-token prefill chunk."""
     import torch
 
     from quant_serve.kernels.attention.kv_exact import ExactRows, ExactWindow, alloc_rings
@@ -213,7 +214,7 @@ def _launch_int_kv(model) -> None:
         fmt = int_kv_format(dtype, 128)
         (k_c, k_s), (v_c, v_s) = (alloc_int_cache(fmt, blocks * batch, 16, hkv, 128, "cpu") for _ in range(2))
         for exact_tokens in sorted({0, int_kv_exact_tokens(dtype)}):
-            for rows, q_len in ((batch, 1), (1, chunk)):
+            for rows, q_len in ((batch, 1), (1, 1), (1, chunk)):      # batch 1 splits its context
                 q = torch.empty(rows * q_len, hq, 128, dtype=torch.float16)
                 k, v = (torch.empty(rows * q_len, hkv, 128, dtype=torch.float16) for _ in range(2))
                 lens = torch.full((rows,), context, dtype=torch.int32)

@@ -130,12 +130,16 @@ def _int_attention_kernel(q_ptr, k_codes, v_codes, k_scales, v_scales, tables_pt
                           qk_scale, num_seqs, window, stride_qt, stride_qh, stride_ot, stride_oh, stride_tb,
                           stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_sh,
                           new_k, new_v, ring_k, ring_v, ring_row_ptr, ring_lo_ptr, ring_hi_ptr,
-                          stride_nt, stride_nh, stride_rs, stride_rh,
+                          stride_nt, stride_nh, stride_rs, stride_rh, part_o, part_ml, Hq,
                           G: tl.constexpr, GP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr,
-                          BITS: tl.constexpr, ZP: tl.constexpr, SOFTCAP: tl.constexpr, RING: tl.constexpr):
-    """Grid (T // BLOCK_Q + B, Hkv): BLOCK_Q new tokens of one sequence x its G query heads against its paged,
-    quantized context, causal (as _prefill_kernel; head_dim = BLOCK_D). RING > 0: the exact window's size."""
+                          BITS: tl.constexpr, ZP: tl.constexpr, SOFTCAP: tl.constexpr, RING: tl.constexpr,
+                          SPLITS: tl.constexpr):
+    """Grid (T // BLOCK_Q + B, Hkv, SPLITS): BLOCK_Q new tokens of one sequence x its G query heads against its
+    paged, quantized context, causal (as _prefill_kernel; head_dim = BLOCK_D). RING > 0: the exact window's size.
+    SPLITS > 1 (decode only): program axis 2 takes one of SPLITS whole-tile parts of the context and stores its
+    unnormalized partial softmax (part_o [B, Hq, SPLITS, D], part_ml: max and sum, exp2 domain) for
+    kernels/attention/merge.py's merge, as the fp16 / fp8 decode kernel does."""
     BLOCK_M: tl.constexpr = BLOCK_Q * GP
     h = tl.program_id(1)
     b = _find_seq(qsl_ptr, tl.program_id(0), num_seqs, BLOCK_Q)
@@ -162,7 +166,13 @@ def _int_attention_kernel(q_ptr, k_codes, v_codes, k_scales, v_scales, tables_pt
     if RING > 0:    # tiles from here on reach into the first query's window
         first_exact = ctx + qb * BLOCK_Q - RING + 1
         plain_end = tl.minimum(kv_end, kv_start + tl.maximum(first_exact - kv_start, 0) // BLOCK_N * BLOCK_N)
-    for n0 in range(kv_start, plain_end, BLOCK_N):
+    split_lo = kv_start
+    split_hi = kv_end
+    if SPLITS > 1:  # this program's whole tiles of [kv_start, kv_end)
+        per_split = tl.cdiv(tl.cdiv(tl.maximum(kv_end - kv_start, 0), BLOCK_N), SPLITS) * BLOCK_N
+        split_lo = kv_start + tl.program_id(2) * per_split
+        split_hi = tl.minimum(kv_end, split_lo + per_split)
+    for n0 in range(split_lo, tl.minimum(plain_end, split_hi), BLOCK_N):
         toks = n0 + tl.arange(0, BLOCK_N)
         tok_mask = toks < kv_end
         k = _int_tile(k_codes, k_scales, table_row, toks, tok_mask, h, stride_cb, stride_cs, stride_ch, stride_sb,
@@ -176,7 +186,7 @@ def _int_attention_kernel(q_ptr, k_codes, v_codes, k_scales, v_scales, tables_pt
         ring_row = tl.load(ring_row_ptr + b).to(tl.int64)
         ring_lo = tl.load(ring_lo_ptr + b)
         ring_hi = tl.load(ring_hi_ptr + b)
-        for n0 in tl.range(plain_end, kv_end, BLOCK_N, num_stages=1):     # a tile or two: nothing to pipeline
+        for n0 in tl.range(tl.maximum(plain_end, split_lo), split_hi, BLOCK_N, num_stages=1):   # a tile or two
             toks = n0 + tl.arange(0, BLOCK_N)
             tok_mask = toks < kv_end
             k = _int_tile(k_codes, k_scales, table_row, toks, tok_mask, h, stride_cb, stride_cs, stride_ch,
@@ -193,6 +203,12 @@ def _int_attention_kernel(q_ptr, k_codes, v_codes, k_scales, v_scales, tables_pt
             causal = (toks[None, :] <= q_pos[:, None]) & tok_mask[None, :]
             causal = causal & ((toks[None, :] > q_pos[:, None] - window) | (window <= 0))
             m_i, l_i, acc = _attend_tile_exact(q, k, v, ke, ve, use, causal, m_i, l_i, acc, qk_scale, SOFTCAP)
-    out = acc / tl.maximum(l_i, 1e-30)[:, None]
-    tl.store(out_ptr + (q_start + qi)[:, None] * stride_ot + (h * G + g)[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+    if SPLITS > 1:
+        part = (b * Hq + h * G + g) * SPLITS + tl.program_id(2)                                     # [BLOCK_M]
+        tl.store(part_o + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=row_mask[:, None])
+        tl.store(part_ml + part * 2, m_i, mask=row_mask)
+        tl.store(part_ml + part * 2 + 1, l_i, mask=row_mask)
+    else:
+        out = acc / tl.maximum(l_i, 1e-30)[:, None]
+        tl.store(out_ptr + (q_start + qi)[:, None] * stride_ot + (h * G + g)[:, None] * stride_oh
+                 + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])

@@ -22,6 +22,18 @@ def _check(codes: torch.Tensor, scales: torch.Tensor, head_dim: int):
     return fmt
 
 
+NUM_STAGES = 3        # the main loop's pipelined loads (an exact window's tail loop runs in one stage)
+
+
+def int_attention_tiles(decode: bool, exact: bool, block_m: int, group: int) -> tuple[int, int]:
+    """(BLOCK_Q, BLOCK_N) of the integer-cache attention kernel: a decode batch one query token a program, other
+    batches block_m // GP tokens. 32-token key tiles for decode and windowed steps, else 64: spills and registers read
+    off the sm86 compile (no GPU timing yet: docs/kernels.md, "Decode attention")."""
+    gp = max(16, _next_pow2(group))          # tl.dot needs 16 rows
+    block_q = 1 if decode else max(1, block_m // gp)
+    return block_q, 32 if decode or exact else 64
+
+
 def store_int_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slot_mapping: torch.Tensor, k_scales: torch.Tensor, v_scales: torch.Tensor) -> None:
     """key, value [T, Hkv, D] quantized into the slots of the codes / scales (slot -1: skipped)."""
@@ -42,10 +54,12 @@ def paged_attention_int(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         seq_lens: torch.Tensor, query_start_loc: torch.Tensor, softmax_scale: float,
                         k_scales: torch.Tensor, v_scales: torch.Tensor, window: int = 0, softcap: float = 0.0,
                         exact: ExactWindow | None = None, block_m: int = 64, block_n: int | None = None,
-                        num_warps: int = 4) -> torch.Tensor:
+                        num_warps: int = 4, num_splits: int | None = None) -> torch.Tensor:
     """q [T, Hq, D] against the quantized paged context -> [T, Hq, D]. A decode batch (T == B) runs one query
     token a program; other batches BLOCK_Q = block_m // GP tokens a program. exact: the exact window
-    (kernels/attention/kv_exact.py)."""
+    (kernels/attention/kv_exact.py). A decode batch whose B x Hkv programs cannot fill the GPU splits each context
+    across programs (paged.decode_splits' rule: it depends only on shapes, so a CUDA graph captures one launch) and
+    merges the partials (kernels/attention/merge.py); num_splits forces a count (tests)."""
     from quant_serve.kernels.attention.kv_int_kernels import _int_attention_kernel
     num_tokens, num_q_heads, head_dim = q.shape
     fmt = _check(k_cache, k_scales, head_dim)
@@ -53,12 +67,20 @@ def paged_attention_int(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     batch = block_tables.shape[0]
     group = num_q_heads // num_kv_heads
     gp = max(16, _next_pow2(group))          # tl.dot needs 16 rows
-    block_q = 1 if num_tokens == batch else max(1, block_m // gp)
-    if block_n is None:     # spills and registers compiled for sm86 (no GPU timing yet): docs/kernels.md
-        block_n = 32 if block_q == 1 or exact is not None else 64
+    block_q, tiles_n = int_attention_tiles(num_tokens == batch, exact is not None, block_m, group)
+    block_n = block_n or tiles_n
+    splits = 1
+    if block_q == 1:
+        from quant_serve.kernels.attention.paged import DecodeConfig, decode_splits
+        splits = num_splits or decode_splits(batch * num_kv_heads, block_tables.shape[1] * block_size, q.device,
+                                             DecodeConfig())
+    out = torch.empty_like(q)
+    part_o = part_ml = out
+    if splits > 1:
+        part_o = torch.empty((batch, num_q_heads, splits, head_dim), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((batch, num_q_heads, splits, 2), dtype=torch.float32, device=q.device)
     if q.stride(2) != 1:
         raise ValueError("paged_attention_int needs unit stride along head_dim")
-    out = torch.empty_like(q)
     if exact is not None:
         rows = exact.rows
         if exact.new_k.stride(2) != 1 or exact.new_k.stride() != exact.new_v.stride() or not (
@@ -71,12 +93,15 @@ def paged_attention_int(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     else:
         ring_args = (q, q, q, q, seq_lens, seq_lens, seq_lens, 0, 0, 0, 0)      # unused (RING = 0)
         ring = 0
-    _int_attention_kernel[(num_tokens // block_q + batch, num_kv_heads)](
+    _int_attention_kernel[(num_tokens // block_q + batch, num_kv_heads, splits)](
         q, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, query_start_loc, out,
         softmax_scale * LOG2E, batch, window, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        k_scales.stride(0), k_scales.stride(1), k_scales.stride(2), *ring_args,
+        k_scales.stride(0), k_scales.stride(1), k_scales.stride(2), *ring_args, part_o, part_ml, num_q_heads,
         G=group, GP=gp, BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_D=head_dim, BLOCK_SIZE=block_size,
         GROUP=fmt.group, BITS=fmt.bits, ZP=fmt.zero_point, SOFTCAP=softcap * LOG2E, RING=ring,
-        num_warps=num_warps)
+        SPLITS=splits, num_warps=num_warps, num_stages=NUM_STAGES)
+    if splits > 1:
+        from quant_serve.kernels.attention.merge import DecodePartials, merge_partials
+        merge_partials(DecodePartials(part_o, part_ml, seq_lens, query_start_loc, out, block_n, None))
     return out

@@ -69,7 +69,9 @@ def explain(caps, options, cfg, ms: list[int], group_size: int, dtype, context: 
     decode attention."""
     import torch
 
-    from quant_serve.kernels.attention.paged import decode_config, split_count
+    from quant_serve.kernels.attention.kv_int import int_kv_exact_tokens, int_kv_format
+    from quant_serve.kernels.attention.kv_int_paged import NUM_STAGES as INT_NUM_STAGES, int_attention_tiles
+    from quant_serve.kernels.attention.paged import DecodeConfig, decode_config, split_count
     from quant_serve.kernels.matmul.frag.layout import ZP_INT4, ZP_KQUANT, ZP_OFFSETS, ZP_Q5, ZP_Q6
     from quant_serve.kernels.matmul.plan import layout_for, plan_w4a16
     from quant_serve.kernels.matmul.rules import measured_on
@@ -125,6 +127,19 @@ def explain(caps, options, cfg, ms: list[int], group_size: int, dtype, context: 
             out["attention"].append({"kv": kv, "batch": batch, "context": context, "programs": programs,
                                      "splits": split_count(programs, context, caps.sms, dc),
                                      "config": dataclasses.asdict(dc), "note": fp8_note.strip()})
+    group = cfg.num_heads // cfg.num_kv_heads
+    for kv in ("int8", "int4"):
+        fmt = int_kv_format(kv, cfg.head_dim)
+        exact = int_kv_exact_tokens(kv)
+        _, block_n = int_attention_tiles(True, exact > 0, 64, group)
+        why = f"{fmt.describe(cfg.head_dim, exact)}: tiles dequantized in registers" + \
+            ("; the window's tiles in one stage" if exact else "")
+        for batch in (1, 8, 64, 256):
+            programs = batch * cfg.num_kv_heads
+            out["attention"].append({"kv": kv, "batch": batch, "context": context, "programs": programs,
+                                     "splits": split_count(programs, context, caps.sms, DecodeConfig()),
+                                     "config": {"block_n": block_n, "num_stages": INT_NUM_STAGES, "fp8_asm": False},
+                                     "note": why})
     return out
 
 

@@ -92,13 +92,19 @@ def test_twin_follows_the_window_rule(case):
     assert (plain.float().cpu() - want).abs().max() > 1e-2           # the window changes the result
 
 
+@pytest.mark.parametrize("splits", [None, 3], ids=["whole", "3 splits"])
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_kernel_matches_twin(case):
+def test_kernel_matches_twin(case, splits):
+    """Decode batches also split each context across programs and merge the partials (the window's tiles land in
+    the last split)."""
     seq_lens, q_lens, ranges = CASES[case]
+    if splits and len(q_lens) != sum(q_lens):
+        pytest.skip("splits are for decode batches")
     gen = torch.Generator().manual_seed(1)
     q, k_c, v_c, k_s, v_s, tables, lens, qsl, exact, _, _ = _case(gen, seq_lens, q_lens, ranges)
     ref = paged_attention_ref(q, k_c, v_c, tables, lens, qsl, D ** -0.5, k_s, v_s, exact=exact)
-    out = paged_attention_int(q, k_c, v_c, tables, lens, qsl, D ** -0.5, k_s, v_s, exact=exact, block_n=16)
+    out = paged_attention_int(q, k_c, v_c, tables, lens, qsl, D ** -0.5, k_s, v_s, exact=exact, block_n=8,
+                              num_splits=splits)
     err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
     assert err < 3e-3, err
 

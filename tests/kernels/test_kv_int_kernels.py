@@ -50,8 +50,9 @@ def test_store_kernel_writes_the_twins_codes(fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
-@pytest.mark.parametrize("q_lens", [[1, 1, 1], [5, 1, 19]], ids=["decode", "mixed"])
-def test_attention_kernel_matches_twin(fmt, q_lens):
+@pytest.mark.parametrize("q_lens, splits", [([1, 1, 1], None), ([1, 1, 1], 4), ([5, 1, 19], None)],
+                         ids=["decode", "decode 4 splits", "mixed"])
+def test_attention_kernel_matches_twin(fmt, q_lens, splits):
     gen = torch.Generator().manual_seed(1)
     num_kv_heads, group, head_dim, num_blocks = 2, 4, 64, 12
     k_c, v_c, k_s, v_s = _filled(fmt, num_blocks, num_kv_heads, head_dim, gen)
@@ -61,7 +62,8 @@ def test_attention_kernel_matches_twin(fmt, q_lens):
     q = torch.randn(sum(q_lens), num_kv_heads * group, head_dim, generator=gen).half().to(DEV)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
     ref = paged_attention_ref(q, k_c, v_c, pool, lens, qsl, head_dim ** -0.5, k_s, v_s)
-    out = paged_attention_int(q, k_c, v_c, pool, lens, qsl, head_dim ** -0.5, k_s, v_s, block_n=16)
+    out = paged_attention_int(q, k_c, v_c, pool, lens, qsl, head_dim ** -0.5, k_s, v_s, block_n=16,
+                              num_splits=splits)
     err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
     assert err < 3e-3, err
 
