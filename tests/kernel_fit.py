@@ -206,6 +206,7 @@ def _launch_int_kv(model) -> None:
     from quant_serve.kernels.attention.kv_exact import ExactRows, ExactWindow, alloc_rings
     from quant_serve.kernels.attention.kv_int import alloc_int_cache, int_kv_exact_tokens, int_kv_format
     from quant_serve.kernels.attention.kv_int_paged import paged_attention_int, store_int_triton
+    from quant_serve.kernels.attention.paged import DecodeConfig, decode_splits
     hq, hkv = HEADS[model]
     batch, context, chunk = 64, 4096, 512
     blocks = -(-context // 16)
@@ -225,7 +226,9 @@ def _launch_int_kv(model) -> None:
                     exact = ExactWindow(k, v, *alloc_rings(batch + 1, exact_tokens, hkv, 128, torch.float16, "cpu"),
                                         ExactRows(idx, idx, idx, torch.zeros(rows * q_len, dtype=torch.long)))
                 store_int_triton(k, v, k_c, v_c, torch.zeros(rows * q_len, dtype=torch.long), k_s, v_s)
-                paged_attention_int(q, k_c, v_c, tables[:rows], lens, qsl, 0.088, k_s, v_s, exact=exact)
+                splits = decode_splits(rows * hkv, context, torch.device("cuda"), DecodeConfig()) if q_len == 1 else 1
+                paged_attention_int(q, k_c, v_c, tables[:rows], lens, qsl, 0.088, k_s, v_s, exact=exact,
+                                    num_splits=splits)
 
 
 def _launch_w8a16() -> None:

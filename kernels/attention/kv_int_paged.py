@@ -57,9 +57,9 @@ def paged_attention_int(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         num_warps: int = 4, num_splits: int | None = None) -> torch.Tensor:
     """q [T, Hq, D] against the quantized paged context -> [T, Hq, D]. A decode batch (T == B) runs one query
     token a program; other batches BLOCK_Q = block_m // GP tokens a program. exact: the exact window
-    (kernels/attention/kv_exact.py). A decode batch whose B x Hkv programs cannot fill the GPU splits each context
-    across programs (paged.decode_splits' rule: it depends only on shapes, so a CUDA graph captures one launch) and
-    merges the partials (kernels/attention/merge.py); num_splits forces a count (tests)."""
+    (kernels/attention/kv_exact.py). num_splits (decode batches): each context split across that many programs, the
+    partials merged (kernels/attention/merge.py); paged.paged_attention passes the fp16 decode's count
+    (paged.decode_splits: it depends only on shapes, so a CUDA graph captures one launch)."""
     from quant_serve.kernels.attention.kv_int_kernels import _int_attention_kernel
     num_tokens, num_q_heads, head_dim = q.shape
     fmt = _check(k_cache, k_scales, head_dim)
@@ -69,11 +69,7 @@ def paged_attention_int(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     gp = max(16, _next_pow2(group))          # tl.dot needs 16 rows
     block_q, tiles_n = int_attention_tiles(num_tokens == batch, exact is not None, block_m, group)
     block_n = block_n or tiles_n
-    splits = 1
-    if block_q == 1:
-        from quant_serve.kernels.attention.paged import DecodeConfig, decode_splits
-        splits = num_splits or decode_splits(batch * num_kv_heads, block_tables.shape[1] * block_size, q.device,
-                                             DecodeConfig())
+    splits = (num_splits or 1) if block_q == 1 else 1
     out = torch.empty_like(q)
     part_o = part_ml = out
     if splits > 1:

@@ -154,8 +154,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, softmax_scale,
                                    k_scale, v_scale, window, softcap, exact)
     if is_int_cache(k_cache):       # k_scale / v_scale: the caches' group scales (kernels/attention/kv_int.py)
+        decode = q.shape[0] == block_tables.shape[0] and not multi_token
+        splits = decode_splits(block_tables.shape[0] * k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1],
+                               q.device, DecodeConfig()) if decode else 1
         return paged_attention_int(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, softmax_scale,
-                                   k_scale, v_scale, window, softcap, exact)
+                                   k_scale, v_scale, window, softcap, exact, num_splits=splits)
     if q.shape[0] == block_tables.shape[0] and not multi_token:
         return paged_decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, softmax_scale,
                             k_scale, v_scale, window=window, softcap=softcap, wide_table=wide_table)
