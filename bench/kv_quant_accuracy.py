@@ -54,20 +54,12 @@ PLAN_MODEL = "qwen2.5-7b-instruct"     # the issue's capacity goal: tokens of Qw
 
 
 def plan_tokens(dtype: str, group: int | None, zp: bool | None, exact: int) -> tuple[int, int]:
-    """(KV bytes per token, tokens that fit) of Qwen2.5-7B at 24 GiB with this variant, by the memory plan's own
-    arithmetic (engine/plan/memory.py: the float reserves, CUDA graphs, the exact window's rings)."""
+    """(KV bytes per token, tokens that fit) of Qwen2.5-7B at 24 GiB with this variant: the memory plan itself."""
     from quant_serve.engine.load.loader import resolve_model_dir
-    from quant_serve.engine.plan.memory import kv_head_token_bytes, plan_memory
-    from quant_serve.kernels.attention.kv_exact import ring_bytes
-    model = resolve_model_dir(PLAN_MODEL, config_only=True)
-    base = plan_memory(model, gpu_mem_gb=24, kv_cache_dtype="fp8", max_model_len=32768)
-    cfg = json.loads((Path(model) / "config.json").read_text())
-    layers, heads = cfg["num_hidden_layers"], cfg["num_key_value_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    per_token = 2 * layers * heads * kv_head_token_bytes(dtype, "float16", head_dim, group, zp)
-    free = base.usable_bytes - base.weights_bytes - base.activation_bytes - base.cuda_graph_bytes \
-        - base.overhead_bytes - ring_bytes(257, exact, layers, heads, head_dim, 2)
-    return per_token, free // (16 * per_token) * 16
+    from quant_serve.engine.plan.memory import plan_memory
+    plan = plan_memory(resolve_model_dir(PLAN_MODEL, config_only=True), gpu_mem_gb=24, kv_cache_dtype=dtype,
+                       max_model_len=32768, kv_exact_tokens=exact, kv_group_size=group, kv_zero_point=zp)
+    return plan.kv_bytes_per_token, plan.kv_cache_tokens
 
 
 def make_engine(model: str, kv_cache_dtype: str, group: int | None, zero_point: bool | None, rotate: bool | None,

@@ -181,6 +181,13 @@ def heldout_text() -> str:
 
 
 @pytest.fixture(scope="session")
+def text_ids(trained_model, heldout_text) -> list[int]:
+    """heldout_text in the trained model's tokens (prompts cut from it share no prefix unless a test makes one)."""
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(trained_model)).encode(heldout_text)
+
+
+@pytest.fixture(scope="session")
 def arch_models(tmp_path_factory):
     """name -> random_archs.CONFIGS[name] saved as a random-weight checkpoint (fp32; norms and biases random too,
     so that a missed (1 + w) or a dropped norm shows), made on first use."""

@@ -62,8 +62,3 @@ def test_train_tiny_arch_writes_a_model_the_engine_serves(tmp_path):
     got = engine.generate(["def main"], SamplingParams(max_tokens=3, min_tokens=3, temperature=0))[0]
     assert len(got.outputs[0].token_ids) == 3
 
-
-def test_kv_int_attention_speed_smoke():
-    """bench/kv_int_attention_speed.py builds each cache's layer and decode step (the timing itself needs a GPU):
-    fp8, int8, int4 without and with its exact window through the engine's attention forward."""
-    assert _bench_script("kv_int_attention_speed").main(["--smoke"]) == 0

@@ -298,17 +298,20 @@ def plan_memory(model_dir_or_config: str | Path | dict, gpu_mem_gb: float = 24.0
                 block_size: int = 16, enforce_eager: bool = False, weights_dtype: str = "auto",
                 int4_head: bool = False, draft_model: str | Path | dict | None = None,
                 quantization: str | None = None, verify_rows: int = 0, lora_bytes: int = 0,
-                kv_exact_tokens: int | None = None) -> MemoryPlan:
+                kv_exact_tokens: int | None = None, kv_group_size: int | None = None,
+                kv_zero_point: bool | None = None) -> MemoryPlan:
     """int4_head: the engine's --quantize-lm-head (engine/load/loader.py quantize_head). draft_model: a speculative
     decoding draft: its weights, and its KV cache (as many blocks as the target's, in the weights' dtype), share
     the card with the target's. quantization: gguf:MIX plans dummy weights of that GGUF type mix (a GGUF file's
     own types are read from its tensor table). verify_rows: the token rows of the largest verification graph
     (speculation: batch x (k + 1)), whose fp32 logits buffer the graphs keep beside their pool. kv_exact_tokens:
-    an integer cache's exact window (None: the dtype's default): its rings."""
+    an integer cache's exact window (None: the dtype's default): its rings. kv_group_size, kv_zero_point: an integer
+    cache's grouping when not the default (CacheConfig's fields)."""
     cfg, model_dir = _load_config(model_dir_or_config)
     a = _arch(cfg)
     float_b = dtype_bytes(a.dtype if weights_dtype == "auto" else weights_dtype)
-    kv_b = kv_head_token_bytes(kv_cache_dtype, a.dtype if weights_dtype == "auto" else weights_dtype, a.head_dim)
+    kv_b = kv_head_token_bytes(kv_cache_dtype, a.dtype if weights_dtype == "auto" else weights_dtype, a.head_dim,
+                               kv_group_size, kv_zero_point)
     max_model_len = a.max_position if max_model_len is None else max_model_len
     if not 0 < max_model_len <= a.max_position:
         raise ValueError(f"max_model_len {max_model_len} must be in 1..{a.max_position} (the model's limit)")

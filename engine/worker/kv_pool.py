@@ -97,7 +97,8 @@ def _plan(config: EngineConfig, model_dir, device: str, dtype: torch.dtype, max_
                        draft_model=None if _draft_model(config) is None else
                        resolve_model_dir(_draft_model(config)),
                        lora_bytes=slot_bytes(model_config, config.lora, dtype) if config.lora.enable_lora else 0,
-                       kv_exact_tokens=cache.kv_exact_tokens)
+                       kv_exact_tokens=cache.kv_exact_tokens, kv_group_size=cache.kv_group_size,
+                       kv_zero_point=cache.kv_zero_point)
     if not plan.fits:
         raise ValueError(plan.error_message())
     return plan

@@ -11,7 +11,7 @@ load the exact K/V (this step's new tokens, the sequence's ring) and take each s
 the dequantized tile by the window rule; the tiles before every window run as without one.
 """
 from quant_serve.kernels.triton_compat import tl, triton
-from quant_serve.kernels.attention.triton_kernels import NEG, _attend_tile, _find_seq, _softcap
+from quant_serve.kernels.attention.triton_kernels import NEG, _attend_tile, _query_rows, _softcap
 
 
 @triton.jit
@@ -142,16 +142,8 @@ def _int_attention_kernel(q_ptr, k_codes, v_codes, k_scales, v_scales, tables_pt
     kernels/attention/merge.py's merge, as the fp16 / fp8 decode kernel does."""
     BLOCK_M: tl.constexpr = BLOCK_Q * GP
     h = tl.program_id(1)
-    b = _find_seq(qsl_ptr, tl.program_id(0), num_seqs, BLOCK_Q)
-    q_start = tl.load(qsl_ptr + b)
-    q_len = tl.load(qsl_ptr + b + 1) - q_start
-    qb = tl.program_id(0) - (q_start // BLOCK_Q + b)
-    seq_len = tl.load(seq_lens_ptr + b)
-    ctx = seq_len - q_len
-    r = tl.arange(0, BLOCK_M)
-    qi = qb * BLOCK_Q + r // GP
-    g = r % GP
-    row_mask = (qi < q_len) & (g < G)
+    b, q_start, q_len, qb, seq_len, ctx, qi, g, row_mask = _query_rows(qsl_ptr, seq_lens_ptr, num_seqs, G, GP,
+                                                                       BLOCK_Q)
     offs_d = tl.arange(0, BLOCK_D)
     q = tl.load(q_ptr + (q_start + qi)[:, None] * stride_qt + (h * G + g)[:, None] * stride_qh + offs_d[None, :],
                 mask=row_mask[:, None], other=0.0)                                            # [BLOCK_M, BLOCK_D]

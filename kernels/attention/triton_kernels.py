@@ -274,6 +274,22 @@ def _decode_reduce_kernel(part_o, part_ml, qsl_ptr, out_ptr, v_scale_ptr, v_scal
 
 
 @triton.jit
+def _query_rows(qsl_ptr, seq_lens_ptr, num_seqs, G: tl.constexpr, GP: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """The program's BLOCK_Q new tokens of one sequence x its query heads (row r: token r // GP, head r % GP) ->
+    (sequence b, its first query row, query count, query block, seq_len, ctx = position of its first new token,
+    qi [BLOCK_Q * GP] token of each row, g head of each row, row_mask)."""
+    b = _find_seq(qsl_ptr, tl.program_id(0), num_seqs, BLOCK_Q)
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    qb = tl.program_id(0) - (q_start // BLOCK_Q + b)
+    seq_len = tl.load(seq_lens_ptr + b)
+    r = tl.arange(0, BLOCK_Q * GP)
+    qi = qb * BLOCK_Q + r // GP
+    g = r % GP
+    return b, q_start, q_len, qb, seq_len, seq_len - q_len, qi, g, (qi < q_len) & (g < G)
+
+
+@triton.jit
 def _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
     """Largest b with qsl[b] // BLOCK_Q + b <= pid: sequence b's query blocks start at that program id."""
     lo = num_seqs * 0
@@ -303,16 +319,8 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, tables_ptr, seq_lens_ptr, qsl_ptr, 
     softmax state holds masked scores, which that key's rescale by exp2(NEG - m) clears)."""
     BLOCK_M: tl.constexpr = BLOCK_Q * GP
     h = tl.program_id(1)
-    b = _find_seq(qsl_ptr, tl.program_id(0), num_seqs, BLOCK_Q)
-    q_start = tl.load(qsl_ptr + b)
-    q_len = tl.load(qsl_ptr + b + 1) - q_start
-    qb = tl.program_id(0) - (q_start // BLOCK_Q + b)
-    seq_len = tl.load(seq_lens_ptr + b)
-    ctx = seq_len - q_len                                   # position of the first new token
-    r = tl.arange(0, BLOCK_M)
-    qi = qb * BLOCK_Q + r // GP
-    g = r % GP
-    row_mask = (qi < q_len) & (g < G)
+    b, q_start, q_len, qb, seq_len, ctx, qi, g, row_mask = _query_rows(qsl_ptr, seq_lens_ptr, num_seqs, G, GP,
+                                                                       BLOCK_Q)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < D
     q = tl.load(q_ptr + (q_start + qi)[:, None] * stride_qt + (h * G + g)[:, None] * stride_qh + offs_d[None, :],

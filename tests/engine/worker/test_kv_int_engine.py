@@ -10,12 +10,6 @@ PARAMS = SamplingParams(max_tokens=16, min_tokens=16, temperature=0.0)
 
 
 @pytest.fixture(scope="module")
-def text_ids(trained_model, heldout_text):
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(trained_model)).encode(heldout_text)
-
-
-@pytest.fixture(scope="module")
 def prompts(text_ids):
     return [text_ids[i * 300: i * 300 + 20 + 6 * i] for i in range(4)]
 

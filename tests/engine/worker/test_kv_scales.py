@@ -25,12 +25,6 @@ def linked_copy(model, path):
 
 
 @pytest.fixture(scope="module")
-def text_ids(trained_model, heldout_text):
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(trained_model)).encode(heldout_text)
-
-
-@pytest.fixture(scope="module")
 def calibrated(tmp_path_factory, text_ids, trained_model):
     """(model dir with kv_scales.json calibrated on other text than the eval windows, fp16-KV logits per window)"""
     model_dir = linked_copy(trained_model, tmp_path_factory.mktemp("calibrated") / "model")

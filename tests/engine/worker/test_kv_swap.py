@@ -11,12 +11,6 @@ PARAMS = SamplingParams(max_tokens=16, min_tokens=16, temperature=0.0)
 
 
 @pytest.fixture(scope="module")
-def text_ids(trained_model, heldout_text):
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(trained_model)).encode(heldout_text)
-
-
-@pytest.fixture(scope="module")
 def prompts(text_ids):
     """6 prompts of 14..44 tokens, no shared prefix: together they need far more than 5 blocks."""
     return [text_ids[i * 150: i * 150 + 14 + 6 * i] for i in range(6)]
