@@ -97,7 +97,7 @@ def measure(name: str, config_dir: Path, kv: str, n_conc: int, bandwidth: float,
         run["batch32_tok_s"] = 32 / b32["tpot_p50_s"]
         print(f"{name} kv={kv}: batch-1 {b1['decode_tok_s']:.1f} tok/s ({run['roofline_fraction']:.0%} of "
               f"roofline), batch-32 {run['batch32_tok_s']:.0f} tok/s, KV {run['kv_cache_tokens']} tokens", flush=True)
-    if kv == "fp8":
+    if kv != "auto":        # the 24 GiB throughput run: fp8 (the serving default), int4 / int8 beside it
         thr = run_offline(engine, n_conc, 512, 256)
         run["throughput"] = thr
         print(f"{name} kv={kv} budget={batched_tokens}: {n_conc} x 512/256 -> {thr['output_tok_s']:.0f} out tok/s, "
@@ -120,6 +120,9 @@ def main() -> int:
                         help="batch 1: RMSNorms folded into the matmuls (KernelOptions.fold_norms)")
     parser.add_argument("--only", default="", help="run only the runs whose key contains one of these (comma-separated)")
     parser.add_argument("--skip", default="", help="skip the runs whose key contains one of these (comma-separated)")
+    parser.add_argument("--kv", default="auto,fp8",
+                        help="KV cache dtypes of each model's runs (comma-separated; e.g. auto,fp8,int4: int4 / int8 "
+                             "get the throughput run as fp8 does, in the same process)")
     args = parser.parse_args()
     KERNELS[0] = KernelOptions(profile=args.profile, fold_norms=args.fold_norms)
     n_conc = 32 if args.quick else 256
@@ -130,7 +133,7 @@ def main() -> int:
     # (run key, model, kv, token budget, batch-1 too): throughput at the offline budget (vLLM's LLM class default on
     # cards under 70 GiB) and, for comparison, at the serving budget
     plan = [(f"{name}/{kv}", name, kv, OFFLINE_BATCHED_TOKENS, True, False) for name in CONFIGS
-            for kv in ("auto", "fp8")]
+            for kv in args.kv.split(",")]
     plan += [(f"{name}/fp8/serve-budget", name, "fp8", SERVE_BATCHED_TOKENS, False, False) for name in CONFIGS]
     # batch-1 with --quantize-lm-head: the FP16 head (1.09 GB a step) as an INT4 g128 copy
     plan.append(("qwen2.5-7b-awq/auto/int4-head", "qwen2.5-7b-awq", "auto", OFFLINE_BATCHED_TOKENS, True, True))
@@ -183,6 +186,15 @@ def main() -> int:
         "gguf_q5_k_m_batch1_tok_s": runs.get("qwen2.5-7b-gguf-q5_k_m/auto", {}).get("batch1_tok_s"),
         "gguf_q4_0_batch1_tok_s": runs.get("qwen2.5-7b-gguf-q4_0/auto", {}).get("batch1_tok_s"),
         "gguf_q8_0_batch1_tok_s": runs.get("qwen2.5-7b-gguf-q8_0/auto", {}).get("batch1_tok_s")}
+    for kv in ("int8", "int4"):     # issue 56: the int cache beside fp8, same model, same run
+        qi = runs.get(f"qwen2.5-7b-awq/{kv}", {})
+        i_thr = qi.get("throughput", {}).get("output_tok_s")
+        if qi:
+            result["summary"] |= {
+                f"kv_{kv}_batch1_tok_s": qi.get("batch1_tok_s"), f"kv_{kv}_throughput_tok_s": i_thr,
+                f"kv_cache_tokens_{kv}_24gib": qi.get("kv_cache_tokens"),
+                f"kv_{kv}_over_fp8_throughput": (i_thr / thr["output_tok_s"]
+                                                 if i_thr and thr.get("output_tok_s") else None)}
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(json.dumps(result["summary"], indent=2))
     return 0

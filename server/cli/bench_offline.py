@@ -106,8 +106,9 @@ def compare_structured(engine, schemas: list[str], num_prompts: int, input_len: 
 
 
 def run_offline(engine, num_prompts: int, input_len: int, output_len: int, range_ratio: float = 0.0,
-                seed: int = 0, warmup: int = 1, structured_outputs=None) -> dict:
-    """structured_outputs: a StructuredOutputsParams every request carries (compiled before the timed region)."""
+                seed: int = 0, warmup: int = 1, structured_outputs=None, lora_names: list | None = None) -> dict:
+    """structured_outputs: a StructuredOutputsParams every request carries (compiled before the timed region).
+    lora_names: request i runs under lora_names[i % len] (a loaded adapter's name, or None for the base)."""
     from quant_serve.engine.sampling_params import SamplingParams
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
@@ -129,7 +130,8 @@ def run_offline(engine, num_prompts: int, input_len: int, output_len: int, range
         rid = f"bench-{i}"
         engine.add_request(rid, random_prompt(n_in, vocab, special, rng),
                            SamplingParams(max_tokens=n_out, ignore_eos=True, temperature=0.0,
-                                          structured_outputs=structured_outputs))
+                                          structured_outputs=structured_outputs,
+                                          lora_name=lora_names[i % len(lora_names)] if lora_names else None))
         timings[rid] = RequestTiming(prompt_len=n_in, arrival=start)
     steps = 0
     while engine.has_unfinished_requests():
