@@ -86,6 +86,8 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="stop early (and still save) after this long: a device call has a hard time limit")
     p.add_argument("--max-docs", type=int, default=None, help="fewer documents (a CPU smoke run)")
     args = p.parse_args(argv)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -116,7 +118,7 @@ def main(argv=None) -> int:
     windows = (len(train_ids) - 1) // args.seq
     if windows < 1:
         raise SystemExit(f"corpus of {len(train_ids)} tokens is shorter than one --seq {args.seq} window")
-    start, seen, loss = time.time(), 0, float("nan")
+    start, seen, loss, done = time.time(), 0, float("nan"), 0
     for step in range(args.steps):
         rows = torch.randint(0, windows, (args.batch,))
         x = torch.stack([train_ids[r * args.seq:(r + 1) * args.seq + 1] for r in rows.tolist()]).to(device)
@@ -128,7 +130,10 @@ def main(argv=None) -> int:
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        seen += args.batch * args.seq
+        seen, done = seen + args.batch * args.seq, step + 1
+        if args.max_seconds and time.time() - start > args.max_seconds:
+            print(f"step {step}: --max-seconds {args.max_seconds:.0f} reached, stopping early", flush=True)
+            break
         if step % 100 == 0 or step == args.steps - 1:
             print(f"step {step}: loss {loss.item():.3f}, {seen:,} tokens ({seen / len(train_ids):.1f} epochs), "
                   f"{seen / (time.time() - start):,.0f} tok/s", flush=True)
@@ -136,7 +141,7 @@ def main(argv=None) -> int:
     model.to(torch.float16).save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     shutil.copy(DEMO_MODEL_DIR / "chat_template.jinja", out / "chat_template.jinja")
-    stats = {"arch": args.arch, "steps": args.steps, "tokens_seen": seen, "train_loss": loss.item(),
+    stats = {"arch": args.arch, "steps": done, "planned_steps": args.steps, "tokens_seen": seen, "train_loss": loss.item(),
              "val_loss": val, "val_perplexity": math.exp(val), "corpus": "python stdlib docstrings",
              "python": sys.version.split()[0], "seconds": round(time.time() - start, 1)}
     (out / "train_stats.json").write_text(json.dumps(stats, indent=2) + "\n")
