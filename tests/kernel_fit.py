@@ -229,6 +229,38 @@ def _launch_int_kv(model) -> None:
                 splits = decode_splits(rows * hkv, context, torch.device("cuda"), DecodeConfig()) if q_len == 1 else 1
                 paged_attention_int(q, k_c, v_c, tables[:rows], lens, qsl, 0.088, k_s, v_s, exact=exact,
                                     num_splits=splits)
+        _launch_int_prologue(hq, hkv, fmt, k_c, v_c, k_s, v_s, rotate=dtype == "int4")
+
+
+def _launch_int_prologue(hq, hkv, fmt, k_c, v_c, k_s, v_s, rotate: bool) -> None:
+    """The integer cache's fused RoPE / rotation / store and the rotation back (kernels/attention/kv_int_prologue.py)."""
+    import torch
+
+    from quant_serve.kernels.attention.kv_int import hadamard
+    from quant_serve.kernels.attention.kv_int_prologue import int_prologue_triton, rotate_triton
+    tokens = 4
+    q = torch.empty(tokens, hq, 128, dtype=torch.float16)
+    k, v = (torch.empty(tokens, hkv, 128, dtype=torch.float16) for _ in range(2))
+    rotation = hadamard(128) if rotate else None
+    int_prologue_triton(q, k, v, torch.zeros(tokens, dtype=torch.long), torch.empty(64, 128), rotation, k_c, v_c,
+                        torch.zeros(tokens, dtype=torch.long), k_s, v_s)
+    if rotate:
+        rotate_triton(q, rotation)
+
+
+def _launch_lora(model) -> None:
+    """Batched LoRA shrink / expand (kernels/lora/) at rank 16 over 8 slots, decode rows 1 and 32."""
+    import torch
+
+    from quant_serve.kernels.lora.triton_kernels import lora_expand_triton, lora_shrink_triton
+    hidden, inter = SHAPES[model]["o"][1], SHAPES[model]["down"][0]
+    for rows in (1, 32):
+        slots = torch.zeros(rows, dtype=torch.int32)
+        for k, parts in ((hidden, [SHAPES[model]["qkv"][1]]), (inter, [hidden])):
+            h = lora_shrink_triton(torch.empty(rows, k, dtype=torch.float16),
+                                   torch.empty(8, 16 * len(parts), k, dtype=torch.float16), slots)
+            lora_expand_triton(h, torch.empty(8, sum(parts), 16, dtype=torch.float16), slots,
+                               torch.empty(rows, sum(parts), dtype=torch.float16), parts)
 
 
 def _launch_w8a16() -> None:
@@ -330,6 +362,7 @@ def fit_report(profile: str) -> dict:
                 _launch_attention(model, kv, batch, context)
         _launch_step_kernels(model)
         _launch_int_kv(model)
+        _launch_lora(model)
     _launch_w8a16()
     _launch_gguf_frag()
     _launch_w4a8(caps)

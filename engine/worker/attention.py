@@ -6,6 +6,7 @@ import torch
 
 from quant_serve.kernels.attention.kv_exact import ExactRows, ExactWindow, write_ring
 from quant_serve.kernels.attention.kv_int import is_int_cache
+from quant_serve.kernels.attention.kv_int_prologue import fits, int_prologue_triton, rotate_triton
 from quant_serve.kernels.attention.reference import apply_rope_ref
 from quant_serve.kernels.attention.merge import DecodePartials
 from quant_serve.kernels.attention.paged import NewTokens, paged_attention, paged_decode, rope_store_kv, store_kv
@@ -86,17 +87,24 @@ def _int_forward(q, k, v, positions, cos_sin_cache, k_cache, v_cache, k_scale, v
     """An integer cache with a rotation and / or an exact window. Rotated: the cache holds K H and V H (H
     orthonormal and symmetric: a Hadamard matrix spreads a channel outlier over the whole head, so per-token groups
     quantize well): scores (q H)(k H)^T = q k^T, output (P V H) H = P V. Exact window: attention also reads this
-    step's K/V and the rings, which take the step's K/V after it."""
-    q = apply_rope_ref(q, positions, cos_sin_cache)
-    k = apply_rope_ref(k, positions, cos_sin_cache)
-    if rotation is not None:
-        q, k, v = _rotate(q, rotation), _rotate(k, rotation), _rotate(v, rotation)
-    store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+    step's K/V and the rings, which take the step's K/V after it. On CUDA the RoPE, rotations and store are one
+    kernel and the rotation back another (kernels/attention/kv_int_prologue.py); this torch sequence is their twin."""
+    if fits(q, cos_sin_cache):
+        q, k, v = int_prologue_triton(q, k, v, positions, cos_sin_cache, rotation, k_cache, v_cache,
+                                      meta.slot_mapping, k_scale, v_scale)
+    else:
+        q = apply_rope_ref(q, positions, cos_sin_cache)
+        k = apply_rope_ref(k, positions, cos_sin_cache)
+        if rotation is not None:
+            q, k, v = _rotate(q, rotation), _rotate(k, rotation), _rotate(v, rotation)
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
     exact = None if rings is None else ExactWindow(k, v, rings[0], rings[1], meta.exact_rows)
     out = attend(q, k_cache, v_cache, meta, softmax_scale, k_scale, v_scale, window, softcap, exact)
     if exact is not None:
         write_ring(exact)
-    return out if rotation is None else _rotate(out, rotation)
+    if rotation is None:
+        return out
+    return rotate_triton(out, rotation) if out.is_cuda and out.stride(-1) == 1 else _rotate(out, rotation)
 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

@@ -41,6 +41,32 @@ def _quantize_groups(x, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.
 
 
 @triton.jit
+def _int_store_rows(x, codes_ptr, scales_ptr, slot, offs_h, h_mask, stride_cb, stride_cs, stride_ch, stride_sb,
+                    stride_ss, stride_sh, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                    GROUP: tl.constexpr, BITS: tl.constexpr, ZP: tl.constexpr):
+    """One token's K (or V) x [BLOCK_H, BLOCK_D] fp32 quantized into cache slot `slot` (codes and scales)."""
+    NG: tl.constexpr = BLOCK_D // GROUP
+    S: tl.constexpr = 2 if ZP else 1
+    offs_d = tl.arange(0, BLOCK_D)
+    q, scale, zero = _quantize_groups(x, BLOCK_H, BLOCK_D, GROUP, BITS, ZP)
+    blk = slot // BLOCK_SIZE
+    pos = slot % BLOCK_SIZE
+    c_rows = codes_ptr + blk * stride_cb + pos * stride_cs + offs_h[:, None] * stride_ch
+    if BITS == 8:
+        tl.store(c_rows + offs_d[None, :], q.to(tl.int8), mask=h_mask[:, None])
+    else:       # element 2i in the low nibble, 2i + 1 in the high one
+        pairs = tl.reshape(q, (BLOCK_H, BLOCK_D // 2, 2))
+        weight = (1 + 15 * tl.arange(0, 2))[None, None, :]
+        offs_b = tl.arange(0, BLOCK_D // 2)
+        tl.store(c_rows + offs_b[None, :], tl.sum(pairs * weight, axis=2).to(tl.uint8), mask=h_mask[:, None])
+    offs_g = tl.arange(0, NG)
+    s_rows = scales_ptr + blk * stride_sb + pos * stride_ss + offs_h[:, None] * stride_sh + offs_g[None, :] * S
+    tl.store(s_rows, scale.to(tl.float16), mask=h_mask[:, None])
+    if ZP:
+        tl.store(s_rows + 1, zero.to(tl.float16), mask=h_mask[:, None])
+
+
+@triton.jit
 def _int_store_kernel(x_ptr, codes_ptr, scales_ptr, slot_ptr, H, stride_xt, stride_xh,
                       stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_sh,
                       BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -49,29 +75,13 @@ def _int_store_kernel(x_ptr, codes_ptr, scales_ptr, slot_ptr, H, stride_xt, stri
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
-        NG: tl.constexpr = BLOCK_D // GROUP
-        S: tl.constexpr = 2 if ZP else 1
         offs_h = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, BLOCK_D)
         h_mask = offs_h < H
         x = tl.load(x_ptr + t * stride_xt + offs_h[:, None] * stride_xh + offs_d[None, :], mask=h_mask[:, None],
                     other=0.0).to(tl.float32)
-        q, scale, zero = _quantize_groups(x, BLOCK_H, BLOCK_D, GROUP, BITS, ZP)
-        blk = slot // BLOCK_SIZE
-        pos = slot % BLOCK_SIZE
-        c_rows = codes_ptr + blk * stride_cb + pos * stride_cs + offs_h[:, None] * stride_ch
-        if BITS == 8:
-            tl.store(c_rows + offs_d[None, :], q.to(tl.int8), mask=h_mask[:, None])
-        else:       # element 2i in the low nibble, 2i + 1 in the high one
-            pairs = tl.reshape(q, (BLOCK_H, BLOCK_D // 2, 2))
-            weight = (1 + 15 * tl.arange(0, 2))[None, None, :]
-            offs_b = tl.arange(0, BLOCK_D // 2)
-            tl.store(c_rows + offs_b[None, :], tl.sum(pairs * weight, axis=2).to(tl.uint8), mask=h_mask[:, None])
-        offs_g = tl.arange(0, NG)
-        s_rows = scales_ptr + blk * stride_sb + pos * stride_ss + offs_h[:, None] * stride_sh + offs_g[None, :] * S
-        tl.store(s_rows, scale.to(tl.float16), mask=h_mask[:, None])
-        if ZP:
-            tl.store(s_rows + 1, zero.to(tl.float16), mask=h_mask[:, None])
+        _int_store_rows(x, codes_ptr, scales_ptr, slot, offs_h, h_mask, stride_cb, stride_cs, stride_ch, stride_sb,
+                        stride_ss, stride_sh, BLOCK_H, BLOCK_D, BLOCK_SIZE, GROUP, BITS, ZP)
 
 
 @triton.jit
