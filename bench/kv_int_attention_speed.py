@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(Path(__file__).parent))
     from kernel_speed import alternating_us, copies          # bench/kernel_speed.py's CUDA-graph timing
     from quant_serve.kernels.gpu import KernelOptions, configure
-    configure(torch.device("cuda"), KernelOptions(profile=args.gpu_profile))
+    configure(torch.device("cuda"), KernelOptions(profile=args.gpu_profile or "this"))
     rows = []
     for batch in args.batches:
         for ctx in args.ctxs:

@@ -11,6 +11,7 @@ load the exact K/V (this step's new tokens, the sequence's ring) and take each s
 the dequantized tile by the window rule; the tiles before every window run as without one.
 """
 from quant_serve.kernels.triton_compat import tl, triton
+from quant_serve.kernels.attention.kv_int_tiles import _attend_codes, _codes_tile
 from quant_serve.kernels.attention.triton_kernels import NEG, _attend_tile, _query_rows, _softcap
 
 
@@ -174,16 +175,27 @@ def _int_attention_kernel(q_ptr, k_codes, v_codes, k_scales, v_scales, tables_pt
         per_split = tl.cdiv(tl.cdiv(tl.maximum(kv_end - kv_start, 0), BLOCK_N), SPLITS) * BLOCK_N
         split_lo = kv_start + tl.program_id(2) * per_split
         split_hi = tl.minimum(kv_end, split_lo + per_split)
+    q_sum = tl.sum(q.to(tl.float32), axis=1)          # for the zero points of the codes path
     for n0 in range(split_lo, tl.minimum(plain_end, split_hi), BLOCK_N):
         toks = n0 + tl.arange(0, BLOCK_N)
         tok_mask = toks < kv_end
-        k = _int_tile(k_codes, k_scales, table_row, toks, tok_mask, h, stride_cb, stride_cs, stride_ch, stride_sb,
-                      stride_ss, stride_sh, offs_d, BLOCK_SIZE, GROUP, BITS, ZP).to(q.dtype)
-        v = _int_tile(v_codes, v_scales, table_row, toks, tok_mask, h, stride_cb, stride_cs, stride_ch, stride_sb,
-                      stride_ss, stride_sh, offs_d, BLOCK_SIZE, GROUP, BITS, ZP).to(q.dtype)
         causal = (toks[None, :] <= q_pos[:, None]) & tok_mask[None, :]
         causal = causal & ((toks[None, :] > q_pos[:, None] - window) | (window <= 0))
-        m_i, l_i, acc = _attend_tile(q, k, v, causal, m_i, l_i, acc, qk_scale, SOFTCAP)
+        if GROUP == BLOCK_D:        # one scale per token and head: attend on the codes (kv_int_tiles.py)
+            ck, k_s, k_z = _codes_tile(k_codes, k_scales, table_row, toks, tok_mask, h, stride_cb, stride_cs,
+                                       stride_ch, stride_sb, stride_ss, stride_sh, q.dtype, BLOCK_N, BLOCK_D,
+                                       BLOCK_SIZE, BITS, ZP)
+            cv, v_s, v_z = _codes_tile(v_codes, v_scales, table_row, toks, tok_mask, h, stride_cb, stride_cs,
+                                       stride_ch, stride_sb, stride_ss, stride_sh, q.dtype, BLOCK_N, BLOCK_D,
+                                       BLOCK_SIZE, BITS, ZP)
+            m_i, l_i, acc = _attend_codes(q, q_sum, ck, k_s, k_z, cv, v_s, v_z, causal, m_i, l_i, acc, qk_scale,
+                                          SOFTCAP, ZP)
+        else:
+            k = _int_tile(k_codes, k_scales, table_row, toks, tok_mask, h, stride_cb, stride_cs, stride_ch,
+                          stride_sb, stride_ss, stride_sh, offs_d, BLOCK_SIZE, GROUP, BITS, ZP).to(q.dtype)
+            v = _int_tile(v_codes, v_scales, table_row, toks, tok_mask, h, stride_cb, stride_cs, stride_ch,
+                          stride_sb, stride_ss, stride_sh, offs_d, BLOCK_SIZE, GROUP, BITS, ZP).to(q.dtype)
+            m_i, l_i, acc = _attend_tile(q, k, v, causal, m_i, l_i, acc, qk_scale, SOFTCAP)
     if RING > 0:
         ring_row = tl.load(ring_row_ptr + b).to(tl.int64)
         ring_lo = tl.load(ring_lo_ptr + b)

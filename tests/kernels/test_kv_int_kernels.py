@@ -16,7 +16,8 @@ from quant_serve.kernels.interpret import patch_triton_interpreter  # noqa: E402
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 patch_triton_interpreter()
 BS = 16
-FORMATS = [IntKVFormat(8, 32, False), IntKVFormat(4, 16, True), IntKVFormat(4, 32, False)]
+FORMATS = [IntKVFormat(8, 32, False), IntKVFormat(4, 16, True), IntKVFormat(4, 32, False),
+           IntKVFormat(8, 64, False), IntKVFormat(4, 64, False), IntKVFormat(4, 64, True)]   # last three: codes path
 
 
 def _filled(fmt, num_blocks, heads, head_dim, gen):
