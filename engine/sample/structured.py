@@ -164,7 +164,10 @@ class GrammarCompiler:
         self.hf_tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.limits = limits
-        self.eos_token_ids = [t for t in eos_token_ids if 0 <= t < vocab_size] or \
+        # an EOS the tokenizer itself does not know (a dummy-weight model on another tokenizer, as the benches run)
+        # is no EOS the grammar library can take: the tokenizer's own then
+        known = min(vocab_size, len(tokenizer))
+        self.eos_token_ids = [t for t in eos_token_ids if 0 <= t < known] or \
             ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
         self._tokenizer_lock = threading.Lock()
         self._tokenizer = None
@@ -185,8 +188,9 @@ class GrammarCompiler:
                 try:        # one EOS: llguidance < 1.7 (the last with wheels for glibc < 2.31) takes no list
                     self._tokenizer = llg.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size,
                                                             eos_token=self.eos_token_ids[0])
-                except ValueError as e:      # a slow (Python) tokenizer
-                    raise StructuredOutputsUnavailable(f"structured outputs need a fast tokenizer: {e}") from e
+                except ValueError as e:      # a slow (Python) tokenizer, say
+                    raise StructuredOutputsUnavailable(f"structured outputs cannot use this tokenizer (a fast "
+                                                       f"tokenizer is needed): {e}") from e
             return self._tokenizer
 
     def compile(self, params: StructuredOutputsParams) -> str:

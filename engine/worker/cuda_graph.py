@@ -182,6 +182,13 @@ class DecodeGraphs:
                 self._greedy_step(args)
         for bs in self.buckets:
             take_carried(self.input_ids[:bs], self.carry_rows[:bs], self.input_ids)
+        self._release_lora_rows()
+
+    def _release_lora_rows(self) -> None:
+        """The LoRA layers stop reading the graphs' rows: an eager forward after capture (warm-up, a prefill) sets
+        its own or runs the base."""
+        if self.lora is not None:
+            self.lora.batch.slots = None
 
     @torch.inference_mode()
     def capture(self, show_progress: bool = False, pool=None) -> None:
@@ -196,6 +203,7 @@ class DecodeGraphs:
         for bs in self.buckets:                 # the carried-token gather, every BLOCK it takes (rows: all -1)
             take_carried(self.input_ids[:bs], self.carry_rows[:bs], self.input_ids)
         self.pool = pool
+        self._release_lora_rows()
         torch.cuda.synchronize()
         logger.info("captured %d CUDA graphs for %s batch sizes %s (%d greedy)", len(self.graphs), self.name,
                     self.buckets, len(self.greedy))

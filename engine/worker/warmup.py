@@ -80,6 +80,11 @@ def _warm_up_forward(runner, contexts: list[int], chunks: list[int]) -> None:
         max_seq_len=max(seq_lens), max_query_len=max(q_lens), num_decodes=d,
         prefill_query_start_loc=torch.tensor([x - d for x in starts[d:]], dtype=torch.int32, device=dev)
         if d else None)
+    lora = getattr(runner, "lora", None)
+    if lora is not None:        # every row on slot 0: the adapters' kernels compile here, not at a first request
+        lora.batch.slots = torch.zeros(num_tokens, dtype=torch.int32, device=dev)
     hidden = runner.model(torch.zeros(num_tokens, dtype=torch.long, device=dev),
                         torch.tensor(positions, dtype=torch.long, device=dev), meta)
+    if lora is not None:
+        lora.batch.slots = None
     argmax_rows(runner.model.compute_logits(hidden[[s - 1 for s in starts[1:]]], float32=False))   # greedy rows

@@ -216,3 +216,12 @@ def test_bench_offline_constrains_every_request(trained_model):
         tokens = out.outputs[0].token_ids
         assert len(tokens) == 24 and out.outputs[0].text.startswith('{"items": [')
         assert llguidance.LLMatcher(engine.grammar_compiler.tokenizer, grammar).consume_tokens(tokens)
+
+
+def test_an_eos_the_tokenizer_does_not_know_falls_back_to_its_own():
+    """A dummy-weight 7B config on the demo tokenizer (the structured-outputs bench): the config's EOS 151645 is past
+    the tokenizer's 8,192 tokens, which llguidance refuses; the tokenizer's own EOS serves instead."""
+    tok = AutoTokenizer.from_pretrained(str(DEMO_MODEL_DIR))
+    compiler = GrammarCompiler(tok, 152064, (151645,))
+    assert compiler.eos_token_ids == [tok.eos_token_id]
+    assert compiler.compile(StructuredOutputsParams(choice=["yes", "no"]))

@@ -188,3 +188,19 @@ def test_graph_inputs_carry_the_lora_slots():
             assert {bs for bs, _, _ in replays} >= {4} and engine.runner.decode_graphs.inputs.lora
     assert results[True, True] == results[False, True]
     assert results[True, False] != results[True, True]
+
+
+def test_forwards_after_the_graphs_run_their_own_lora_rows():
+    """Capturing (or running) the decode graphs points the LoRA layers at the graphs' rows; a forward of another
+    size after them (the start-up warm-up, here) must not read those (the H100 start of a LoRA engine failed so)."""
+    from quant_serve.engine.config import LoRAConfig
+    from quant_serve.engine.worker.warmup import _warm_up_forward
+    from conftest import TESTS
+    config = LoRAConfig(enable_lora=True, max_loras=2, max_lora_rank=8,
+                        lora_modules={"upper": str(TESTS / "data" / "lora" / "upper")})
+    engine = make_engine(DEMO_MODEL_DIR, max_model_len=256, max_num_seqs=4, lora=config)
+    graphs = engine.runner.plan_decode_graphs(4, engine.max_model_len)
+    graphs.run_eagerly()
+    assert engine.runner.lora.batch.slots is None
+    _warm_up_forward(engine.runner, [], [40])                # 40 prefill rows, every one on slot 0
+    assert engine.runner.lora.batch.slots is None
