@@ -132,8 +132,10 @@ def explain(caps, options, cfg, ms: list[int], group_size: int, dtype, context: 
         fmt = int_kv_format(kv, cfg.head_dim)
         exact = int_kv_exact_tokens(kv)
         _, block_n = int_attention_tiles(True, exact > 0, 64, group)
-        why = f"{fmt.describe(cfg.head_dim, exact)}: tiles dequantized in registers" + \
-            ("; the window's tiles in one stage" if exact else "")
+        tiles = "scores and values on the codes (kv_int_tiles.py)" if fmt.group == cfg.head_dim else \
+            "tiles dequantized in registers"
+        why = f"{fmt.describe(cfg.head_dim, exact)}: {tiles}; RoPE, rotation and store in one prologue kernel" + \
+            ("; the window's tiles dequantized, in one stage" if exact else "")
         for batch in (1, 8, 64, 256):
             programs = batch * cfg.num_kv_heads
             out["attention"].append({"kv": kv, "batch": batch, "context": context, "programs": programs,
