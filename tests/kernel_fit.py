@@ -236,16 +236,14 @@ def _launch_int_prologue(hq, hkv, fmt, k_c, v_c, k_s, v_s, rotate: bool) -> None
     """The integer cache's fused RoPE / rotation / store and the rotation back (kernels/attention/kv_int_prologue.py)."""
     import torch
 
-    from quant_serve.kernels.attention.kv_int import hadamard
     from quant_serve.kernels.attention.kv_int_prologue import int_prologue_triton, rotate_triton
     tokens = 4
     q = torch.empty(tokens, hq, 128, dtype=torch.float16)
     k, v = (torch.empty(tokens, hkv, 128, dtype=torch.float16) for _ in range(2))
-    rotation = hadamard(128) if rotate else None
-    int_prologue_triton(q, k, v, torch.zeros(tokens, dtype=torch.long), torch.empty(64, 128), rotation, k_c, v_c,
+    int_prologue_triton(q, k, v, torch.zeros(tokens, dtype=torch.long), torch.empty(64, 128), rotate, k_c, v_c,
                         torch.zeros(tokens, dtype=torch.long), k_s, v_s)
     if rotate:
-        rotate_triton(q, rotation)
+        rotate_triton(q)
 
 
 def _launch_lora(model) -> None:

@@ -90,7 +90,7 @@ def _int_forward(q, k, v, positions, cos_sin_cache, k_cache, v_cache, k_scale, v
     step's K/V and the rings, which take the step's K/V after it. On CUDA the RoPE, rotations and store are one
     kernel and the rotation back another (kernels/attention/kv_int_prologue.py); this torch sequence is their twin."""
     if fits(q, cos_sin_cache):
-        q, k, v = int_prologue_triton(q, k, v, positions, cos_sin_cache, rotation, k_cache, v_cache,
+        q, k, v = int_prologue_triton(q, k, v, positions, cos_sin_cache, rotation is not None, k_cache, v_cache,
                                       meta.slot_mapping, k_scale, v_scale)
     else:
         q = apply_rope_ref(q, positions, cos_sin_cache)
@@ -104,7 +104,7 @@ def _int_forward(q, k, v, positions, cos_sin_cache, k_cache, v_cache, k_scale, v
         write_ring(exact)
     if rotation is None:
         return out
-    return rotate_triton(out, rotation) if out.is_cuda and out.stride(-1) == 1 else _rotate(out, rotation)
+    return rotate_triton(out) if out.is_cuda and out.stride(-1) == 1 else _rotate(out, rotation)   # hadamard(D)
 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

@@ -12,7 +12,7 @@ the dequantized tile by the window rule; the tiles before every window run as wi
 """
 from quant_serve.kernels.triton_compat import tl, triton
 from quant_serve.kernels.attention.kv_int_tiles import _attend_codes, _codes_tile
-from quant_serve.kernels.attention.triton_kernels import NEG, _attend_tile, _query_rows, _softcap
+from quant_serve.kernels.attention.triton_kernels import NEG, _attend_tile, _online_softmax, _query_rows
 
 
 @triton.jit
@@ -124,12 +124,7 @@ def _exact_tile(new_ptr, ring_ptr, toks, is_new, in_ring, new_row0, ring_row, h,
 def _attend_tile_exact(q, k, v, ke, ve, use, s_mask, m_i, l_i, acc, qk_scale, SOFTCAP: tl.constexpr):
     """_attend_tile where each (query, key) of `use` [R, N] takes the exact ke / ve instead of k / v."""
     s = tl.where(use, tl.dot(q, tl.trans(ke)), tl.dot(q, tl.trans(k)))
-    s = _softcap(s * qk_scale, SOFTCAP)
-    s = tl.where(s_mask, s, NEG)
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    p, alpha, m_new, l_i = _online_softmax(s, s_mask, m_i, l_i, qk_scale, SOFTCAP)
     acc = acc * alpha[:, None] + tl.dot(tl.where(use, 0.0, p).to(v.dtype), v) \
         + tl.dot(tl.where(use, p, 0.0).to(ve.dtype), ve)
     return m_new, l_i, acc

@@ -41,14 +41,16 @@ def _rotated(x, offs_d, dtype, D: tl.constexpr, LOG2_D: tl.constexpr, ROTATE: tl
 @triton.jit
 def _int_prologue_kernel(q_ptr, k_ptr, v_ptr, q_out, k_out, v_out, pos_ptr, cos_sin_ptr, slot_ptr,
                          k_codes, v_codes, k_scales, v_scales, HQ, HKV,
-                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_pos,
+                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_oqt, stride_oqh,
+                         stride_okt, stride_okh, stride_pos,
                          stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_sh,
                          BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, D: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr, ZP: tl.constexpr,
                          LOG2_D: tl.constexpr, ROTATE: tl.constexpr):
     """Grid (T, 2): program (t, 0) ropes and rotates token t's q heads into q_out; (t, 1) its k (roped) and v
-    heads into k_out / v_out and, where slot_mapping[t] >= 0, quantizes both into the cache. Outputs are
-    [T, H, D] with unit stride along D (q_out's token stride stride_ot; k_out / v_out contiguous)."""
+    (ROTATE: rotated; else v is left where it is) heads into k_out / v_out and, where slot_mapping[t] >= 0, quantizes
+    both into the cache. Outputs have unit stride along D; k_out and v_out share strides. An output may be its input:
+    each program writes only the rows it has read."""
     HALF: tl.constexpr = D // 2
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -63,7 +65,8 @@ def _int_prologue_kernel(q_ptr, k_ptr, v_ptr, q_out, k_out, v_out, pos_ptr, cos_
         q = _rope_rows(q_ptr + t * stride_qt + offs_hq[:, None] * stride_qh, offs_i, hq_mask[:, None], cos, sin,
                        HALF, BLOCK_HQ)
         q = _rotated(q, offs_d, dtype, D, LOG2_D, ROTATE)
-        tl.store(q_out + t * stride_ot + offs_hq[:, None] * D + offs_d[None, :], q.to(dtype), mask=hq_mask[:, None])
+        tl.store(q_out + t * stride_oqt + offs_hq[:, None] * stride_oqh + offs_d[None, :], q.to(dtype),
+                 mask=hq_mask[:, None])
     else:
         offs_hk = tl.arange(0, BLOCK_HKV)
         hk_mask = offs_hk < HKV
@@ -73,9 +76,10 @@ def _int_prologue_kernel(q_ptr, k_ptr, v_ptr, q_out, k_out, v_out, pos_ptr, cos_
         v = tl.load(v_ptr + t * stride_vt + offs_hk[:, None] * stride_vh + offs_d[None, :], mask=hk_mask[:, None],
                     other=0.0).to(tl.float32)
         v = _rotated(v, offs_d, dtype, D, LOG2_D, ROTATE)
-        out_rows = t * HKV * D + offs_hk[:, None] * D + offs_d[None, :]
+        out_rows = t * stride_okt + offs_hk[:, None] * stride_okh + offs_d[None, :]
         tl.store(k_out + out_rows, k.to(dtype), mask=hk_mask[:, None])
-        tl.store(v_out + out_rows, v.to(dtype), mask=hk_mask[:, None])
+        if ROTATE:
+            tl.store(v_out + out_rows, v.to(dtype), mask=hk_mask[:, None])
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot >= 0:
             _int_store_rows(k, k_codes, k_scales, slot, offs_hk, hk_mask, stride_cb, stride_cs, stride_ch, stride_sb,
@@ -109,44 +113,41 @@ def fits(q: torch.Tensor, cos_sin_cache: torch.Tensor) -> bool:
         and q.stride(-1) == 1 and cos_sin_cache.stride(1) == 1
 
 
-def int_prologue_triton(q, k, v, positions, cos_sin_cache, rotation, k_cache, v_cache, slot_mapping, k_scales,
-                        v_scales) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q [T, Hq, D], k / v [T, Hkv, D] before RoPE -> (q, k, v) roped (q, k) and rotated (all three) by rotation,
-    kv_int.hadamard(D) (None: not rotated), new contiguous tensors; k and v quantized into the cache at
-    slot_mapping (-1: skipped)."""
+def int_prologue_triton(q, k, v, positions, cos_sin_cache, rotate: bool, k_cache, v_cache, slot_mapping, k_scales,
+                        v_scales, out: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [T, Hq, D], k / v [T, Hkv, D] before RoPE -> (q, k, v): q and k roped, all three rotated by
+    kv_int.hadamard(D) where `rotate`, whose signs the kernel makes itself (not rotated: v is returned as it came);
+    k and v quantized into the cache at slot_mapping (-1: skipped). out: the (q, k, v) to write, which may be the
+    inputs (in place); default new contiguous tensors."""
     num_tokens, num_q_heads, d = q.shape
     num_kv_heads = k.shape[1]
     fmt = format_of(k_cache, k_scales)
-    q_out, k_out, v_out = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if out is None:
+        out = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v) if rotate else v)
+    q_out, k_out, v_out = out
+    if not rotate:
+        v_out = v
     if num_tokens == 0:
         return q_out, k_out, v_out
-    if min(k.stride(2), v.stride(2)) != 1:
-        raise ValueError("int_prologue_triton needs unit stride along head_dim")
-    _check_rotation(rotation, d)
+    if min(k.stride(2), v.stride(2), q_out.stride(2), k_out.stride(2)) != 1 or (rotate and k_out.stride() !=
+                                                                                v_out.stride()):
+        raise ValueError("int_prologue_triton needs unit stride along head_dim, and k / v outputs of one layout")
     _int_prologue_kernel[(num_tokens, 2)](
         q, k, v, q_out, k_out, v_out, positions, cos_sin_cache, slot_mapping, k_cache, v_cache, k_scales,
         v_scales, num_q_heads, num_kv_heads, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
-        v.stride(1), q_out.stride(0), cos_sin_cache.stride(0), k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), k_scales.stride(0), k_scales.stride(1), k_scales.stride(2),
+        v.stride(1), q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos_sin_cache.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_scales.stride(0), k_scales.stride(1),
+        k_scales.stride(2),
         BLOCK_HQ=_heads_block(num_q_heads), BLOCK_HKV=_heads_block(num_kv_heads), D=d, BLOCK_SIZE=k_cache.shape[1],
-        GROUP=fmt.group, BITS=fmt.bits, ZP=fmt.zero_point, LOG2_D=d.bit_length() - 1,
-        ROTATE=rotation is not None, num_warps=4)
+        GROUP=fmt.group, BITS=fmt.bits, ZP=fmt.zero_point, LOG2_D=d.bit_length() - 1, ROTATE=rotate, num_warps=4)
     return q_out, k_out, v_out
 
 
-def rotate_triton(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] (unit stride along D) -> x @ rotation (kv_int.hadamard(D)), a new contiguous tensor in x's
-    dtype."""
+def rotate_triton(x: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] (unit stride along D) -> x @ kv_int.hadamard(D), a new contiguous tensor in x's dtype."""
     num_tokens, heads, d = x.shape
-    _check_rotation(rotation, d)
     out = torch.empty(num_tokens, heads, d, dtype=x.dtype, device=x.device)
     if num_tokens:
         _rotate_kernel[(num_tokens,)](x, out, heads, x.stride(0), x.stride(1), BLOCK_H=_heads_block(heads), D=d,
                                       LOG2_D=d.bit_length() - 1, num_warps=4)
     return out
-
-
-def _check_rotation(rotation: torch.Tensor | None, d: int) -> None:
-    """The kernels make kv_int.hadamard(d)'s entries themselves (no load, no sync): a rotation is that one."""
-    if rotation is not None and tuple(rotation.shape) != (d, d):
-        raise ValueError(f"rotation of shape {tuple(rotation.shape)} for head_dim {d}: expected hadamard({d})")

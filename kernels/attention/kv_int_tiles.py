@@ -8,7 +8,7 @@ the second: the tensor cores multiply exact small integers (int8 / int4 codes ar
 tile costs an unpack and a convert a code instead of a gather, a multiply and an add an element. int4 codes are read
 as 32-bit words (eight codes a word: element 2i in byte i's low nibble, so code j of a word sits at bits 4j).
 """
-from quant_serve.kernels.attention.triton_kernels import NEG, _softcap
+from quant_serve.kernels.attention.triton_kernels import _online_softmax
 from quant_serve.kernels.triton_compat import tl, triton
 
 
@@ -49,12 +49,7 @@ def _attend_codes(q, q_sum, ck, k_scale, k_zero, cv, v_scale, v_zero, s_mask, m_
     s = tl.dot(q, tl.trans(ck)) * k_scale[None, :]
     if ZP:
         s += q_sum[:, None] * k_zero[None, :]
-    s = _softcap(s * qk_scale, SOFTCAP)
-    s = tl.where(s_mask, s, NEG)
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    p, alpha, m_new, l_i = _online_softmax(s, s_mask, m_i, l_i, qk_scale, SOFTCAP)
     acc = acc * alpha[:, None] + tl.dot((p * v_scale[None, :]).to(cv.dtype), cv)
     if ZP:
         acc += tl.sum(p * v_zero[None, :], axis=1)[:, None]

@@ -307,17 +307,15 @@ def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
 def rope_store_kv_triton(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale=1.0,
                          v_scale=1.0) -> None:
     from quant_serve.kernels.attention.kv_store import _rope_store_kv_kernel
-    if is_int_cache(k_cache):       # RoPE and the quantizing store in one kernel, then q and k back in place
+    if is_int_cache(k_cache):       # RoPE on q and k in place and the quantizing store: one kernel
         from quant_serve.kernels.attention.kv_int_prologue import fits, int_prologue_triton
-        if not fits(q, cos_sin_cache):
-            q.copy_(apply_rope_ref(q, positions, cos_sin_cache))
-            k.copy_(apply_rope_ref(k, positions, cos_sin_cache))
-            return store_int_triton(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-        q_roped, k_roped, _ = int_prologue_triton(q, k, v, positions, cos_sin_cache, None, k_cache, v_cache,
-                                                  slot_mapping, k_scale, v_scale)
-        q.copy_(q_roped)
-        k.copy_(k_roped)
-        return
+        if fits(q, cos_sin_cache):
+            int_prologue_triton(q, k, v, positions, cos_sin_cache, False, k_cache, v_cache, slot_mapping, k_scale,
+                                v_scale, out=(q, k, v))
+            return
+        q.copy_(apply_rope_ref(q, positions, cos_sin_cache))
+        k.copy_(apply_rope_ref(k, positions, cos_sin_cache))
+        return store_int_triton(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     if cos_sin_cache.shape[1] != head_dim or min(q.stride(2), k.stride(2), cos_sin_cache.stride(1)) != 1:

@@ -95,14 +95,20 @@ def _softcap(s, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(q, k, v, s_mask, m_i, l_i, acc, qk_scale, SOFTCAP: tl.constexpr):
-    """One online-softmax step. q [R, D], k/v [N, D] in q's dtype, s_mask [R, N]."""
-    s = _softcap(tl.dot(q, tl.trans(k)) * qk_scale, SOFTCAP)
-    s = tl.where(s_mask, s, NEG)
+def _online_softmax(s, s_mask, m_i, l_i, qk_scale, SOFTCAP: tl.constexpr):
+    """The softmax half of one online-softmax step: raw scores s [R, N] -> (p [R, N], alpha [R] to rescale the
+    accumulator by, the new max, the new sum), exp2 domain (qk_scale holds log2(e))."""
+    s = tl.where(s_mask, _softcap(s * qk_scale, SOFTCAP), NEG)
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.math.exp2(m_i - m_new)
     p = tl.math.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def _attend_tile(q, k, v, s_mask, m_i, l_i, acc, qk_scale, SOFTCAP: tl.constexpr):
+    """One online-softmax step. q [R, D], k/v [N, D] in q's dtype, s_mask [R, N]."""
+    p, alpha, m_new, l_i = _online_softmax(tl.dot(q, tl.trans(k)), s_mask, m_i, l_i, qk_scale, SOFTCAP)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc
 

@@ -106,7 +106,7 @@ def lora_expand_triton(h: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, y:
     if num_rows == 0:
         return y
     block_n = expand_block_n(part_sizes)
-    if block_n < 16 or len(part_sizes) > 3:        # parts of odd sizes: one launch a part
+    if block_n < 16 or len(part_sizes) > 3:        # odd part sizes, or more parts than n1 / n2 bound: a launch a part
         col = 0
         for i, n in enumerate(part_sizes):
             lora_expand_triton(h[:, :, i * r:(i + 1) * r], b[:, col:col + n], slots, y[:, col:col + n])

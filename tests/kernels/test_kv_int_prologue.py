@@ -44,7 +44,7 @@ def test_prologue_matches_the_torch_sequence(fmt, rotate):
                                                       for _ in range(4)]
     want = _twin(q, k, v, positions, cos_sin, rotation)
     store_kv_ref(want[1], want[2], kc1, vc1, slots, ks1, vs1)
-    got = int_prologue_triton(q, k, v, positions, cos_sin, rotation, kc2, vc2, slots, ks2, vs2)
+    got = int_prologue_triton(q, k, v, positions, cos_sin, rotate, kc2, vc2, slots, ks2, vs2)
     for g, w in zip(got, want):
         assert g.shape == w.shape and g.is_contiguous()
         torch.testing.assert_close(g.float().cpu(), w.float().cpu(), rtol=2e-3, atol=2e-3)
@@ -56,10 +56,33 @@ def test_prologue_matches_the_torch_sequence(fmt, rotate):
     assert written[slots[slots >= 0]].any() and not written[1].any()       # slot -1 skipped, slot 1 untouched
 
 
+def test_prologue_in_place_on_views_of_one_qkv_row():
+    """The unrotated store path (int8) writes q and k back into the qkv projection's output, whose heads are views
+    with the whole row as token stride; v, not rotated, is left as it is."""
+    gen = torch.Generator().manual_seed(5)
+    tokens, hq, hkv, d = 5, 4, 2, 32
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d, generator=gen).half().to(DEV)
+    q, k, v = (t.view(tokens, -1, d) for t in qkv.split([hq * d, hkv * d, hkv * d], dim=1))
+    positions = torch.tensor([3, 0, 9, 1, 30], device=DEV)
+    slots = torch.tensor([0, 1, 2, -1, 17], device=DEV)
+    cos_sin = build_cos_sin_cache(32, d, device=DEV)
+    fmt = IntKVFormat(8, d, False)
+    (kc1, ks1), (vc1, vs1), (kc2, ks2), (vc2, vs2) = [alloc_int_cache(fmt, 2, BS, hkv, d, DEV) for _ in range(4)]
+    want = _twin(q.clone(), k.clone(), v.clone(), positions, cos_sin, None)
+    store_kv_ref(want[1], want[2], kc1, vc1, slots, ks1, vs1)
+    v_before = v.clone()
+    int_prologue_triton(q, k, v, positions, cos_sin, False, kc2, vc2, slots, ks2, vs2, out=(q, k, v))
+    torch.testing.assert_close(q.float().cpu(), want[0].float().cpu(), rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(k.float().cpu(), want[1].float().cpu(), rtol=2e-3, atol=2e-3)
+    assert torch.equal(v, v_before)
+    for a, b in ((kc1, kc2), (vc1, vc2), (ks1, ks2), (vs1, vs2)):
+        assert torch.equal(a.cpu(), b.cpu())        # unrotated: the same values, so the same codes and scales
+
+
 def test_rotate_back_matches_torch():
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(5, 3, 32, generator=gen).half().to(DEV)
     rotation = hadamard(32, DEV)
-    got = rotate_triton(x, rotation)
+    got = rotate_triton(x)
     torch.testing.assert_close(got.float().cpu(), (x.float() @ rotation).half().float().cpu(), rtol=2e-3, atol=2e-3)
-    torch.testing.assert_close(rotate_triton(got, rotation).float().cpu(), x.float().cpu(), rtol=5e-3, atol=5e-3)
+    torch.testing.assert_close(rotate_triton(got).float().cpu(), x.float().cpu(), rtol=5e-3, atol=5e-3)
